@@ -1,0 +1,144 @@
+"""The course's manual attention (scores = Q K^T * scale, softmax, times V), generalised.
+
+Runs in the inputs' dtype: in float64 it is the project's oracle; in fp16/bf16 it is the
+"plain same-dtype implementation" whose error sets the conformance tolerance.
+Layout [B, H, L, D]. Semantics: /work/shared/DESIGN.md (semantics table).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _checks
+
+
+def allowed_mask(
+    batch: int,
+    num_q_heads: int,
+    q_len: int,
+    kv_len: int,
+    *,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    local_window_size=None,
+    query_seq_lengths: torch.Tensor | None = None,
+    key_value_seq_lengths: torch.Tensor | None = None,
+    q_segment_ids: torch.Tensor | None = None,
+    kv_segment_ids: torch.Tensor | None = None,
+    device=None,
+) -> torch.Tensor:
+    """Bool [B, Hq|1, Lq, Lk]: True where query i of head h may attend key j.
+
+    A pair is allowed when every rule holds: i < qlen[b] and j < klen[b]; with
+    offset[b] = 0 (top_left) or klen[b] - qlen[b] (bottom_right), causal j <= i + offset[b];
+    window i + offset[b] - left <= j <= i + offset[b] + right; equal segment ids; mask True.
+    The head dim is Hq only when `mask` carries one.
+    """
+    target = (batch, num_q_heads, q_len, kv_len)
+    _checks.check_alignment(causal_alignment)
+    window = _checks.normalize_window(local_window_size)
+    _checks.check_mask(mask, target)
+    _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
+    _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len)
+    _checks.check_segments(q_segment_ids, kv_segment_ids, batch, q_len, kv_len)
+    if device is None:
+        device = mask.device if mask is not None else "cpu"
+
+    i = torch.arange(q_len, device=device).view(1, q_len, 1)  # [1, Lq, 1]
+    j = torch.arange(kv_len, device=device).view(1, 1, kv_len)  # [1, 1, Lk]
+    if query_seq_lengths is None:
+        qlen = torch.full((batch, 1, 1), q_len, device=device, dtype=torch.int64)
+    else:
+        qlen = query_seq_lengths.to(device=device, dtype=torch.int64).view(batch, 1, 1)
+    if key_value_seq_lengths is None:
+        klen = torch.full((batch, 1, 1), kv_len, device=device, dtype=torch.int64)
+    else:
+        klen = key_value_seq_lengths.to(device=device, dtype=torch.int64).view(batch, 1, 1)
+
+    ok = (i < qlen) & (j < klen)  # [B, Lq, Lk]
+    offset = klen - qlen if causal_alignment == "bottom_right" else torch.zeros_like(qlen)
+    diag = i + offset  # [B, Lq, 1]: key index on the query's diagonal
+    if is_causal:
+        ok = ok & (j <= diag)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            ok = ok & (j >= diag - left)
+        if right is not None:
+            ok = ok & (j <= diag + right)
+    if q_segment_ids is not None:
+        qs = q_segment_ids.to(device).unsqueeze(2)  # [B, Lq, 1]
+        ks = kv_segment_ids.to(device).unsqueeze(1)  # [B, 1, Lk]
+        ok = ok & (qs == ks)
+    ok = ok.unsqueeze(1)  # [B, 1, Lq, Lk]
+    if mask is not None:
+        ok = ok & mask.to(device)
+    return ok
+
+
+def _resolve_scale(scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def manual_attention(
+    Q: torch.Tensor,  # [B, Hq, Lq, D]
+    K: torch.Tensor,  # [B, Hkv, Lk, D]
+    V: torch.Tensor,  # [B, Hkv, Lk, Dv]
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    local_window_size=None,
+    query_seq_lengths: torch.Tensor | None = None,
+    key_value_seq_lengths: torch.Tensor | None = None,
+    q_segment_ids: torch.Tensor | None = None,
+    kv_segment_ids: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
+    return_lse: bool = False,
+):
+    """Dense softmax attention in the inputs' dtype; returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq]).
+
+    A query row with no allowed key gives output 0, lse -inf and zero gradients (no NaN).
+    The lse is in the inputs' dtype.
+    """
+    batch, num_q_heads, num_kv_heads, q_len, kv_len = _checks.check_qkv(Q, K, V)
+    target = (batch, num_q_heads, q_len, kv_len)
+    _checks.check_bias(bias, target)
+    _checks.check_soft_cap(logits_soft_cap)
+    allowed = allowed_mask(
+        batch, num_q_heads, q_len, kv_len,
+        mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
+        local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, device=Q.device,
+    )  # [B, Hq|1, Lq, Lk]
+
+    group = num_q_heads // num_kv_heads
+    if group > 1:  # query head h reads kv head h // group
+        K = K.repeat_interleave(group, dim=1)
+        V = V.repeat_interleave(group, dim=1)
+    s = (Q @ K.transpose(-2, -1)) * _resolve_scale(scale, Q.shape[-1])  # [B, Hq, Lq, Lk]
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+
+    row_ok = allowed.any(dim=-1, keepdim=True)  # [B, Hq|1, Lq, 1]
+    # Disallowed keys get -inf in rows that have an allowed key, and a finite 0 in empty
+    # rows, so softmax and logsumexp stay finite there (forward and backward); the empty
+    # rows are then set to exactly 0 / -inf by a where, which passes zero gradient.
+    fill = torch.where(row_ok, float("-inf"), 0.0).to(s.dtype)
+    s_safe = torch.where(allowed, s, fill)
+    p = torch.softmax(s_safe, dim=-1)
+    p = torch.where(row_ok, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    out = p @ V  # [B, Hq, Lq, Dv]
+    if not return_lse:
+        return out
+    lse = torch.logsumexp(s_safe, dim=-1)  # [B, Hq, Lq]
+    lse = torch.where(row_ok.squeeze(-1), lse, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device))
+    return out, lse
