@@ -1,0 +1,8 @@
+"""FlashAttention for JAX: exact attention, tile by tile, with a recomputing custom VJP.
+
+The function is ``jax_impl.flash_attention.flash_attention``.
+"""
+from jax_impl.config import BlockSizes
+from jax_impl.flash_attention import IMPLEMENTATIONS, ImplementationChoice, explain_implementation
+
+__all__ = ["BlockSizes", "IMPLEMENTATIONS", "ImplementationChoice", "explain_implementation"]

@@ -1,0 +1,365 @@
+"""Public API: ``flash_attention``, a superset of ``jax.nn.dot_product_attention``.
+
+This file validates arguments, normalises masks to the canonical shapes of
+``masking.MaskInputs`` and dispatches; the algorithm lives in ``xla.py`` and
+``pallas_triton/``, the mask rules in ``masking.py``.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_impl import fused, masking, reference
+from jax_impl.config import AttentionConfig, BlockSizes
+from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
+
+IMPLEMENTATIONS = ("pallas_triton", "xla", "reference")
+SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
+def flash_attention(
+    query, key, value, bias=None, mask=None, *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+    causal_alignment: str = "top_left",
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    logits_soft_cap: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    precision=None,
+    interpret: bool = False,
+    # Keywords that Flax's attention modules pass to an `attention_fn`:
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = True,
+    deterministic: bool | None = None,
+    dtype=None,
+    module=None,
+    force_fp32_for_softmax: bool = False,
+    qk_attn_weights_einsum=None,
+    attn_weights_value_einsum=None,
+):
+    """Exact softmax attention, computed tile by tile (FlashAttention), forward and backward.
+
+    Shapes (``...`` = any number of batch dims, possibly none):
+      query ``[..., Lq, Hq, D]``, key and value ``[..., Lk, Hkv, D]`` with ``Hq % Hkv == 0``
+      (GQA/MQA: query head h reads kv head ``h // (Hq // Hkv)``); returns ``[..., Lq, Hq, D]``
+      in the input dtype, and with ``return_residual=True`` also the logsumexp ``[..., Lq, Hq]``
+      (float32, natural log, ``-inf`` for a row with no allowed key), as jax.nn does.
+
+    Arguments shared with ``jax.nn.dot_product_attention`` mean the same:
+      bias: float, broadcastable to ``[..., Hq, Lq, Lk]``, added to the logits; differentiable.
+      mask: bool, broadcastable to ``[..., Hq, Lq, Lk]``; True = may attend.
+      scale: multiplies q.k; default ``1/sqrt(D)``.
+      is_causal: key j allowed for query i when ``j <= i`` (top-left, as jax.nn and torch SDPA).
+      query_seq_lengths / key_value_seq_lengths: int ``[...]``; queries/keys at or past the length
+        take no part (their output rows are 0).
+      local_window_size: ``w`` or ``(left, right)`` (None = unbounded side): key j allowed when
+        ``i - left <= j <= i + right``, measured from the same diagonal as causal.
+      implementation: "pallas_triton" (the GPU kernel), "xla" (the same blocked algorithm in plain
+        JAX, linear memory, any device), "reference" (dense; for checking), or None: pallas_triton
+        on a CUDA GPU where eligible, xla elsewhere; ``explain_implementation`` says why.
+
+    Additions:
+      causal_alignment: "top_left" or "bottom_right" (the last valid query aligns with the last
+        valid key, as FlashAttention-2 and KV-cache decoding; with lengths, per batch row).
+      q_segment_ids / kv_segment_ids: int ``[..., Lq]`` / ``[..., Lk]``; only equal ids attend
+        (packed sequences).
+      logits_soft_cap: c > 0: logits become ``c * tanh(logits / c)`` before the bias is added.
+      block_sizes: tile sizes (``BlockSizes``); None: per-device heuristics.
+      precision: of float32 matmuls; default HIGHEST (full fp32, never silent TF32).
+      interpret: run the Pallas kernel in the Pallas interpreter (any device; slow; for tests).
+
+    A query row with no allowed key gives output 0, logsumexp -inf and zero gradients.
+    Flax keywords (``dropout_*``, ``deterministic``, ``dtype``, ``module``, ...) are honoured or
+    refused with an error, so the function is usable as ``attention_fn`` directly.
+    """
+    call = _validate(**locals())
+    out, lse = _dispatch(call)
+    out = out.reshape(call.batch_shape + out.shape[1:])
+    if not return_residual:
+        return out
+    return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
+
+
+class _Call(NamedTuple):
+    """A validated call in canonical shapes (one flat batch axis)."""
+
+    implementation: str | None
+    cfg: AttentionConfig
+    q: Any       # [B, Lq, Hq, D]
+    k: Any       # [B, Lk, Hkv, D]
+    v: Any       # [B, Lk, Hkv, D]
+    bias: Any    # [Bb, Hb, Lq, Lk] or None
+    masks: masking.MaskInputs
+    batch_shape: tuple
+
+
+def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+              key_value_seq_lengths, local_window_size, implementation, return_residual,
+              causal_alignment, q_segment_ids, kv_segment_ids, logits_soft_cap, block_sizes,
+              precision, interpret, dropout_rng, dropout_rate, broadcast_dropout, deterministic,
+              dtype, module, force_fp32_for_softmax, qk_attn_weights_einsum,
+              attn_weights_value_einsum) -> _Call:
+    _validate_flax_keywords(dropout_rate, deterministic, module, qk_attn_weights_einsum,
+                            attn_weights_value_einsum)
+    del dropout_rng, broadcast_dropout, force_fp32_for_softmax  # no dropout; softmax is fp32
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    if dtype is not None:
+        query, key, value = (x.astype(dtype) for x in (query, key, value))
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim < 3:
+            raise ValueError(f"{name} must have shape [batch..., seq_len, heads, head_dim]; got {x.shape=}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}.dtype={x.dtype} must be float32, float16 or bfloat16")
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"query, key and value must share a dtype; got {query.dtype=}, "
+                        f"{key.dtype=}, {value.dtype=}")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape; got {key.shape=} {value.shape=}")
+    batch_shape = query.shape[:-3]
+    if key.shape[:-3] != batch_shape:
+        raise ValueError(f"query and key must share batch dims; got {query.shape=} {key.shape=}")
+    lq, hq, head_dim = query.shape[-3:]
+    lk, hkv, key_head_dim = key.shape[-3:]
+    if head_dim != key_head_dim:
+        raise ValueError(f"query head_dim={head_dim} must equal key/value head_dim={key_head_dim}")
+    if min(lq, lk, hq, hkv, head_dim) < 1:
+        raise ValueError(f"sequence lengths, heads and head_dim must be >= 1; got "
+                         f"{query.shape=} {key.shape=}")
+    if hq % hkv:
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    b = math.prod(batch_shape)
+    full_shape = batch_shape + (hq, lq, lk)
+
+    if causal_alignment not in masking.CAUSAL_ALIGNMENTS:
+        raise ValueError(f"{causal_alignment=} must be one of {masking.CAUSAL_ALIGNMENTS}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"{is_causal=} must be a Python bool (it is static)")
+    window_left, window_right = _window(local_window_size)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    spec = masking.MaskSpec(is_causal=bool(is_causal), bottom_right=causal_alignment == "bottom_right",
+                            window_left=window_left, window_right=window_right,
+                            has_segment_ids=q_segment_ids is not None, has_dense_mask=mask is not None)
+    masks = masking.MaskInputs(
+        q_len=_lengths("query_seq_lengths", query_seq_lengths, batch_shape, lq),
+        kv_len=_lengths("key_value_seq_lengths", key_value_seq_lengths, batch_shape, lk),
+        q_segment_ids=_segment_ids("q_segment_ids", q_segment_ids, batch_shape, lq),
+        kv_segment_ids=_segment_ids("kv_segment_ids", kv_segment_ids, batch_shape, lk),
+        mask=_pairwise("mask", mask, full_shape, is_mask=True),
+    )
+    bias = _pairwise("bias", bias, full_shape, is_mask=False)
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, jax.core.Tracer) or not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{scale=} must be a positive finite Python float (it is static)")
+    if logits_soft_cap is not None and not (np.isfinite(logits_soft_cap) and logits_soft_cap > 0):
+        raise ValueError(f"{logits_soft_cap=} must be a positive finite float or None")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a jax_impl.BlockSizes; got {type(block_sizes).__name__}")
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        hint = " (that is jax.nn.dot_product_attention's cuDNN path)" if implementation == "cudnn" else ""
+        raise ValueError(f"{implementation=}{hint} must be one of {IMPLEMENTATIONS} or None")
+    if interpret and implementation not in (None, "pallas_triton"):
+        raise ValueError(f"interpret=True runs the Pallas kernel; it does not apply to {implementation=}")
+    if implementation == "pallas_triton" or interpret:
+        reason = _pallas_ineligible(head_dim)
+        if reason:
+            raise ValueError(f"implementation='pallas_triton' cannot run this call: {reason}")
+        implementation = "pallas_triton"
+    cfg = AttentionConfig(scale=float(scale), mask=spec,
+                          logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                          block_sizes=block_sizes, interpret=bool(interpret),
+                          precision=_precision(precision))
+    flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])
+    return _Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape)
+
+
+def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, value_einsum):
+    if dropout_rate and not deterministic:
+        raise NotImplementedError(
+            f"attention dropout ({dropout_rate=}, {deterministic=}) is not implemented by "
+            "flash_attention; use dropout_rate=0 or deterministic=True")
+    if not 0.0 <= float(dropout_rate) < 1.0:
+        raise ValueError(f"{dropout_rate=} must be in [0, 1)")
+    if module is not None:
+        raise NotImplementedError(
+            "flash_attention never materialises the attention weights, so it cannot sow them "
+            "(module was given: sow_weights=True); call the module with sow_weights=False")
+    if qk_einsum is not None or value_einsum is not None:
+        raise NotImplementedError("custom einsums (qk_attn_weights_einsum, "
+                                  "attn_weights_value_einsum) cannot run inside the fused kernel")
+
+
+def _window(local_window_size):
+    if local_window_size is None:
+        return None, None
+    sides = (local_window_size, local_window_size) if isinstance(local_window_size, (int, np.integer)) \
+        else tuple(local_window_size)
+    if len(sides) != 2 or any(s is not None and (not isinstance(s, (int, np.integer)) or s < 0)
+                              for s in sides):
+        raise ValueError(f"{local_window_size=} must be an int >= 0 or a pair (left, right) of "
+                         "ints >= 0 or None")
+    return tuple(None if s is None else int(s) for s in sides)
+
+
+def _lengths(name, lengths, batch_shape, seq_len):
+    b = math.prod(batch_shape)
+    if lengths is None:
+        return jnp.full((b,), seq_len, jnp.int32)
+    lengths = jnp.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers; got {lengths.dtype}")
+    if lengths.shape != batch_shape:
+        raise ValueError(f"{name}.shape={lengths.shape} must equal the batch shape {batch_shape}")
+    if not isinstance(lengths, jax.core.Tracer):
+        values = np.asarray(lengths)
+        if values.size and (values.min() < 0 or values.max() > seq_len):
+            raise ValueError(f"{name} must lie in [0, {seq_len}]; got values in "
+                             f"[{values.min()}, {values.max()}]")
+    return lengths.reshape(b).astype(jnp.int32)
+
+
+def _segment_ids(name, ids, batch_shape, seq_len):
+    if ids is None:
+        return None
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers; got {ids.dtype}")
+    if ids.shape != batch_shape + (seq_len,):
+        raise ValueError(f"{name}.shape={ids.shape} must be {batch_shape + (seq_len,)} "
+                         "(batch dims, then sequence)")
+    return ids.reshape(-1, seq_len).astype(jnp.int32)
+
+
+def _pairwise(name, x, full_shape, *, is_mask):
+    """A mask/bias broadcastable to [..., Hq, Lq, Lk] -> [Bx, Hx, Lq, Lk], Bx in {1, B}, Hx in {1, Hq}.
+
+    The sequence axes are materialised (the kernels read [Lq, Lk] tiles); batch and head axes
+    stay broadcast when they were.
+    """
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if is_mask and x.dtype != jnp.bool_:
+        raise TypeError(f"mask.dtype={x.dtype} must be bool (True = may attend); pass an additive "
+                        "float mask as bias")
+    if not is_mask and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"bias.dtype={x.dtype} must be floating (it is added to the logits)")
+    try:
+        np.broadcast_shapes(x.shape, full_shape)
+        if x.ndim > len(full_shape) or np.broadcast_shapes(x.shape, full_shape) != full_shape:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{name}.shape={x.shape} must broadcast to [batch..., Hq, Lq, Lk] = "
+                         f"{full_shape}") from None
+    x = x.reshape((1,) * (len(full_shape) - x.ndim) + x.shape)
+    batch_ndim = len(full_shape) - 3
+    batch_is_broadcast = all(n == 1 for n in x.shape[:batch_ndim])
+    hx = x.shape[batch_ndim]
+    target = ((1,) * batch_ndim if batch_is_broadcast else full_shape[:batch_ndim]) + (hx,) + full_shape[-2:]
+    x = jnp.broadcast_to(x, target)
+    return x.reshape((-1,) + x.shape[batch_ndim:])
+
+
+def _precision(precision):
+    if precision is None:
+        return lax.Precision.HIGHEST
+    if isinstance(precision, (tuple, list)):
+        if len(set(precision)) != 1:
+            raise ValueError(f"{precision=}: a pair of different precisions is not supported")
+        precision = precision[0]
+    if isinstance(precision, str):
+        try:
+            return lax.Precision(precision.upper() if precision.upper() in ("DEFAULT", "HIGH", "HIGHEST")
+                                 else precision)
+        except Exception:
+            raise ValueError(f"{precision=} must be a jax.lax.Precision or one of "
+                             "'default', 'high', 'highest'") from None
+    if not isinstance(precision, lax.Precision):
+        raise TypeError(f"{precision=} must be None, a jax.lax.Precision or its name")
+    return precision
+
+
+# --- Dispatch ------------------------------------------------------------------------------
+
+def _pallas_ineligible(head_dim: int) -> str | None:
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim={head_dim} exceeds the kernel's maximum of {MAX_HEAD_DIM}"
+    return None
+
+
+def _dispatch(call: _Call):
+    run = lambda impl: lambda q, k, v, bias, masks: _run(impl, call.cfg, q, k, v, bias, masks)
+    args = (call.q, call.k, call.v, call.bias, call.masks)
+    if call.implementation is not None:
+        return run(call.implementation)(*args)
+    if _pallas_ineligible(call.q.shape[-1]):
+        return run("xla")(*args)
+    # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
+    return lax.platform_dependent(*args, cuda=run("pallas_triton"), default=run("xla"))
+
+
+def _run(implementation, cfg, q, k, v, bias, masks):
+    if implementation == "reference":
+        return reference.attention(q, k, v, bias, masks, cfg)
+    return fused.attention(implementation, cfg, q, k, v, bias, masks)
+
+
+class ImplementationChoice(NamedTuple):
+    chosen: str
+    reasons: dict  # implementation -> None if eligible, else why not
+
+
+def explain_implementation(query, key, value, bias=None, mask=None, *, platform: str | None = None,
+                           implementation: str | None = None, interpret: bool = False,
+                           **kwargs) -> ImplementationChoice:
+    """Which implementation ``flash_attention`` would use for these arguments, and why not the others.
+
+    ``platform`` defaults to ``jax.default_backend()``; pass "cuda" or "cpu" to ask about
+    another. Arguments are validated exactly as ``flash_attention`` validates them.
+    """
+    call = _validate(query, key, value, bias, mask, implementation=implementation,
+                     interpret=interpret, **_defaults(kwargs))
+    platform = platform or jax.default_backend()
+    pallas_reason = _pallas_ineligible(call.q.shape[-1])
+    if pallas_reason is None and platform not in ("cuda", "gpu") and not call.cfg.interpret:
+        pallas_reason = f"the Triton kernel needs a CUDA GPU; platform is {platform!r} (interpret=True runs it anywhere)"
+    reasons = {"pallas_triton": pallas_reason, "xla": None, "reference": None}
+    if call.implementation is not None:
+        chosen = call.implementation
+        for name in reasons:
+            if name != chosen and reasons[name] is None:
+                reasons[name] = f"implementation={chosen!r} was requested"
+    else:
+        chosen = "pallas_triton" if pallas_reason is None else "xla"
+        reasons["reference"] = "never chosen automatically: it materialises the [Lq, Lk] logits"
+        if chosen == "pallas_triton":
+            reasons["xla"] = "pallas_triton is eligible and preferred on a CUDA GPU"
+    if reasons[chosen] is not None and chosen == "pallas_triton" and call.cfg.interpret:
+        reasons[chosen] = None
+    return ImplementationChoice(chosen, reasons)
+
+
+def _defaults(kwargs):
+    """flash_attention's keyword defaults, overridden by kwargs."""
+    params = inspect.signature(flash_attention).parameters
+    defaults = {name: p.default for name, p in params.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    unknown = set(kwargs) - set(defaults)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
+    return {**defaults, **kwargs}

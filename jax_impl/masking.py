@@ -1,0 +1,132 @@
+"""Which (query i, key j) pairs may interact: the one description every implementation uses.
+
+A pair is allowed when all of these hold (DESIGN.md, "Semantics"):
+
+1. ``i < q_len[b]`` and ``j < kv_len[b]`` (sequence lengths; the full length when not given);
+2. causal: ``j <= i + offset[b]``;
+3. window ``(left, right)``: ``i + offset[b] - left <= j <= i + offset[b] + right``;
+4. segment ids: ``q_segment_ids[b, i] == kv_segment_ids[b, j]``;
+5. the dense boolean mask, True = may attend;
+
+where ``offset[b]`` is 0 for the top-left causal alignment and ``kv_len[b] - q_len[b]`` for
+bottom-right. Rules 1-3 are a band ``d_lo <= j - i <= d_hi`` inside the valid rectangle, so
+they also give, for any tile of queries, the range of key tiles that can hold an allowed pair
+(and the converse): the kernels skip every tile outside it instead of computing and masking.
+Rules 4 and 5 depend on data and are applied per element only.
+
+The functions below use only jnp/lax ops that lower inside Pallas Triton kernels as well as
+in XLA, and broadcast: a kernel passes scalars for one batch row, XLA passes ``[B, 1, ...]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """The static part of the mask: structure known at trace time."""
+
+    is_causal: bool = False
+    bottom_right: bool = False
+    window_left: int | None = None   # None: unbounded to the left
+    window_right: int | None = None  # None: unbounded to the right
+    has_segment_ids: bool = False
+    has_dense_mask: bool = False
+
+    @property
+    def has_upper_bound(self) -> bool:
+        return self.is_causal or self.window_right is not None
+
+    @property
+    def has_lower_bound(self) -> bool:
+        return self.window_left is not None
+
+
+def diagonal_band(spec: MaskSpec, q_len, kv_len):
+    """(d_lo, d_hi) with ``d_lo <= j - i <= d_hi``; an unbounded side is None."""
+    offset = kv_len - q_len if spec.bottom_right else 0
+    d_hi = None
+    if spec.is_causal:
+        d_hi = offset
+    if spec.window_right is not None:
+        right = offset + spec.window_right
+        d_hi = right if d_hi is None else jnp.minimum(d_hi, right)
+    d_lo = offset - spec.window_left if spec.window_left is not None else None
+    return d_lo, d_hi
+
+
+def structural_allowed(spec: MaskSpec, rows, cols, q_len, kv_len):
+    """Rules 1-3 element-wise. rows ``[..., Tq, 1]``, cols ``[..., 1, Tk]`` absolute positions."""
+    allowed = (rows < q_len) & (cols < kv_len)
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    if d_lo is not None:
+        allowed &= cols - rows >= d_lo
+    if d_hi is not None:
+        allowed &= cols - rows <= d_hi
+    return allowed
+
+
+def _cdiv(x, block: int):
+    return lax.div(x + (block - 1), block)
+
+
+def kv_block_range(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv_len):
+    """Key tiles ``[lo, hi)`` that can hold an allowed pair for queries ``[q_start, q_start + q_size)``.
+
+    ``hi <= lo`` means the query tile has no allowed key at all.
+    """
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    q_last = jnp.minimum(q_start + q_size, q_len) - 1
+    j_begin = jnp.zeros_like(q_len) if d_lo is None else jnp.maximum(q_start + d_lo, 0)
+    j_end = kv_len if d_hi is None else jnp.minimum(kv_len, q_last + d_hi + 1)
+    j_end = jnp.where(q_last >= q_start, j_end, 0)  # tile lies past the valid queries
+    lo = lax.div(jnp.minimum(j_begin, kv_len), block_k)
+    hi = jnp.maximum(_cdiv(jnp.maximum(j_end, 0), block_k), lo)
+    return lo, hi
+
+
+def q_block_range(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_len):
+    """Query tiles ``[lo, hi)`` that can hold an allowed pair for keys ``[k_start, k_start + k_size)``."""
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    k_last = jnp.minimum(k_start + k_size, kv_len) - 1
+    i_begin = jnp.zeros_like(q_len) if d_hi is None else jnp.maximum(k_start - d_hi, 0)
+    i_end = q_len if d_lo is None else jnp.minimum(q_len, k_last - d_lo + 1)
+    i_end = jnp.where(k_last >= k_start, i_end, 0)
+    lo = lax.div(jnp.minimum(i_begin, q_len), block_q)
+    hi = jnp.maximum(_cdiv(jnp.maximum(i_end, 0), block_q), lo)
+    return lo, hi
+
+
+def dense_allowed(spec: MaskSpec, lq: int, lk: int, q_len, kv_len,
+                  q_segment_ids=None, kv_segment_ids=None, mask=None):
+    """The whole ``[B, Hm, Lq, Lk]`` boolean pattern (Hm = 1 unless a per-head mask is given).
+
+    Used by the dense reference only: the blocked paths evaluate the same rules tile by tile.
+    q_len, kv_len: ``[B]`` int32.
+    """
+    rows = jnp.arange(lq, dtype=jnp.int32)[None, None, :, None]
+    cols = jnp.arange(lk, dtype=jnp.int32)[None, None, None, :]
+    allowed = structural_allowed(spec, rows, cols, q_len[:, None, None, None],
+                                 kv_len[:, None, None, None])
+    if q_segment_ids is not None:
+        allowed &= q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
+    if mask is not None:
+        allowed &= mask
+    return allowed
+
+
+class MaskInputs(NamedTuple):
+    """The data part of the mask, canonical shapes (see flash_attention.normalize)."""
+
+    q_len: jax.Array                  # [B] int32, in [0, Lq]
+    kv_len: jax.Array                 # [B] int32, in [0, Lk]
+    q_segment_ids: jax.Array | None   # [B, Lq] int32
+    kv_segment_ids: jax.Array | None  # [B, Lk] int32
+    mask: jax.Array | None            # [Bm, Hm, Lq, Lk] bool, Bm in {1, B}, Hm in {1, Hq}

@@ -1,0 +1,53 @@
+"""Pallas GPU (Triton) FlashAttention: forward and backward kernels behind one pair of calls."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_impl import masking
+from jax_impl.config import AttentionConfig
+from jax_impl.pallas_triton import common
+from jax_impl.pallas_triton.backward import backward_call
+from jax_impl.pallas_triton.forward import forward_call
+from jax_impl.pallas_triton.layout import Layout
+
+
+def _padded_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInputs):
+    lq_pad, lk_pad = layout.lq_pad, layout.lk_pad
+    q = layout.pad(q, 1, lq_pad, 3)
+    if not cfg.interpret:
+        q = common.requires_cuda(q)
+    k, v = layout.pad(k, 1, lk_pad, 3), layout.pad(v, 1, lk_pad, 3)
+    padded_masks = masks._replace(
+        q_segment_ids=layout.pad(masks.q_segment_ids, 1, lq_pad),
+        kv_segment_ids=layout.pad(masks.kv_segment_ids, 1, lk_pad),
+        mask=None)
+    pair = lambda x: None if x is None else layout.pad(layout.pad(x, 2, lq_pad), 3, lk_pad)
+    mask = None if masks.mask is None else pair(masks.mask.astype(jnp.int8))
+    return q, k, v, padded_masks, mask, pair(bias)
+
+
+def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], lse [B, Hq, Lq] f32)."""
+    b, lq, hq, d = q.shape
+    layout = Layout.create(lq, k.shape[1], d, q.dtype, cfg.block_sizes)
+    qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
+    out, lse = forward_call(cfg, layout, qp, kp, vp, padded_masks, mask, bias)
+    return out[:, :lq, :, :d], lse[:, :, :lq]
+
+
+def backward(cfg: AttentionConfig, q, k, v, bias, masks, out, lse, d_out, d_lse):
+    """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] f32 or None)."""
+    b, lq, hq, d = q.shape
+    lk = k.shape[1]
+    layout = Layout.create(lq, lk, d, q.dtype, cfg.block_sizes)
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - d_lse
+    qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
+    stats = lambda x: layout.pad(x, 2, layout.lq_pad)
+    d_out = layout.pad(d_out, 1, layout.lq_pad, 3)
+    dq, dk, dv, dbias = backward_call(cfg, layout, qp, kp, vp, d_out, stats(lse), stats(delta),
+                                      padded_masks, mask, bias)
+    if dbias is not None:
+        dbias = dbias[:, :, :lq, :lk]
+    return dq[:, :lq, :, :d], dk[:, :lk, :, :d], dv[:, :lk, :, :d], dbias

@@ -1,0 +1,170 @@
+"""Backward kernels: FlashAttention-2 Algorithm 2, split in two so that no atomics are needed.
+
+* dK/dV: one program per (key tile, batch, kv head). It keeps K_j, V_j and the dK_j, dV_j
+  accumulators in registers and walks every query tile that can see key tile j
+  (masking.q_block_range), for each of the G query heads that share this kv head (GQA:
+  the group's contributions are summed here, K/V are never repeated).
+* dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
+  It also writes dS, the gradient of the bias, when there is a bias.
+
+Both recompute P = exp(S - lse) from q, k and the saved logsumexp; delta = rowsum(dO * O)
+(minus the cotangent of the logsumexp, if any) comes from XLA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_impl import masking, online_softmax
+from jax_impl.config import AttentionConfig
+from jax_impl.pallas_triton import common
+from jax_impl.pallas_triton.layout import Layout
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
+                 q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dk_ref, dv_ref, *,
+                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int):
+    j, b = pl.program_id(0), pl.program_id(1)
+    q_len, kv_len = q_len_ref[b], kv_len_ref[b]
+    k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
+    cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+    kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+    lo, hi = masking.q_block_range(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len)
+    per_head = lambda ref, g: 0 if ref.shape[0] == 1 else g  # broadcast head axis of mask/bias
+
+    def query_head(g, carry):
+        def query_tile(i, carry):
+            dk, dv = carry
+            queries = pl.ds(i * block_q, block_q)
+            q, do = q_ref[queries, g, :], do_ref[queries, g, :]       # [bq, Dp]
+            qk = common.dot(q, k, cfg.precision, trans_b=True)        # [bq, bk]
+            bias = None if bias_ref is None else bias_ref[per_head(bias_ref, g), queries, :]
+            s, capped = online_softmax.logits(qk, cfg, bias)
+            rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
+            allowed = common.tile_allowed(
+                cfg.mask, rows, cols, q_len, kv_len,
+                None if q_seg_ref is None else q_seg_ref[queries], kv_seg,
+                None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :])
+            p = online_softmax.recomputed_probs(s, lse_ref[g, queries], allowed)
+            dp = common.dot(do, v, cfg.precision, trans_b=True)
+            _, dqk = online_softmax.logits_gradient(p, dp, delta_ref[g, queries], capped, cfg)
+            dv += common.dot(p.astype(do.dtype), do, cfg.precision, trans_a=True)
+            dk += common.dot(dqk.astype(q.dtype), q, cfg.precision, trans_a=True)
+            return dk, dv
+
+        return lax.fori_loop(lo, hi, query_tile, carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, groups, query_head, (zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
+               q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dq_ref, dbias_ref, *,
+               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int):
+    i, b = pl.program_id(0), pl.program_id(1)
+    q_len, kv_len = q_len_ref[b], kv_len_ref[b]
+    q, do = q_ref[...], do_ref[...]                                   # [bq, Dp]
+    lse, delta = lse_ref[...], delta_ref[...]                         # [bq]
+    rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+
+    def key_tile(j, dq):
+        keys = pl.ds(j * block_k, block_k)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        qk = common.dot(q, k, cfg.precision, trans_b=True)
+        s, capped = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+        allowed = common.tile_allowed(
+            cfg.mask, rows, cols, q_len, kv_len, q_seg,
+            None if kv_seg_ref is None else kv_seg_ref[keys],
+            None if mask_ref is None else mask_ref[:, keys])
+        p = online_softmax.recomputed_probs(s, lse, allowed)
+        dp = common.dot(do, v, cfg.precision, trans_b=True)
+        ds, dqk = online_softmax.logits_gradient(p, dp, delta, capped, cfg)
+        if dbias_ref is not None:
+            dbias_ref[:, keys] = ds
+        return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)
+
+    if dbias_ref is None:
+        lo, hi = masking.kv_block_range(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len)
+    else:  # every tile of dbias must be written, zeros included
+        lo, hi = 0, num_key_tiles
+    dq = lax.fori_loop(lo, hi, key_tile, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _broadcast_index(x, axis: int, index):
+    return index if x.shape[axis] > 1 else 0
+
+
+def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, delta,
+                  masks: masking.MaskInputs, mask, bias):
+    """Padded operands -> (dq, dk, dv, dbias [B, Hq, Lq_pad, Lk_pad] or None)."""
+    b, lq_pad, hq, d_pad = q.shape
+    lk_pad, hkv = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    blocks = layout.blocks
+    lengths = [pl.BlockSpec((b,), lambda *_: (0,))] * 2
+    inputs = (q, k, v, d_out, lse, delta, masks.q_len, masks.kv_len, masks.q_segment_ids,
+              masks.kv_segment_ids, mask, bias)
+
+    # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.
+    bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
+    pair = lambda x: None if x is None else pl.BlockSpec(
+        (None, groups if x.shape[1] > 1 else 1, lq_pad, bk),
+        lambda j, b, h: (_broadcast_index(x, 0, b), _broadcast_index(x, 1, h), 0, j))
+    kv_tile = pl.BlockSpec((None, bk, None, d_pad), lambda j, b, h: (b, j, h, 0))
+    q_group = pl.BlockSpec((None, lq_pad, groups, d_pad), lambda j, b, h: (b, 0, h, 0))
+    stats_group = pl.BlockSpec((None, groups, lq_pad), lambda j, b, h: (b, h, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups),
+        grid=(lk_pad // bk, b, hkv),
+        in_specs=[q_group, kv_tile, kv_tile, q_group, stats_group, stats_group, *lengths,
+                  None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
+                  None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+                  pair(mask), pair(bias)],
+        out_specs=[kv_tile, kv_tile],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        interpret=cfg.interpret, name="flash_attention_backward_dkdv",
+        compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
+    )(*inputs)
+
+    # dQ (and dbias): grid (query tile, batch, q head).
+    bq, bk = blocks.block_q_dq, blocks.block_k_dq
+    pair = lambda x: None if x is None else pl.BlockSpec(
+        (None, None, bq, lk_pad),
+        lambda i, b, h: (_broadcast_index(x, 0, b), _broadcast_index(x, 1, h), i, 0))
+    q_tile = pl.BlockSpec((None, bq, None, d_pad), lambda i, b, h: (b, i, h, 0))
+    kv_all = pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0))
+    stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    out_specs = [q_tile]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if bias is not None:
+        out_specs.append(pl.BlockSpec((None, None, bq, lk_pad), lambda i, b, h: (b, h, i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, hq, lq_pad, lk_pad), jnp.float32))
+    results = pl.pallas_call(
+        functools.partial(_dq_kernel if bias is not None else _dq_kernel_no_bias, cfg=cfg,
+                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk),
+        grid=(lq_pad // bq, b, hq),
+        in_specs=[q_tile, kv_all, kv_all, q_tile, stats_tile, stats_tile, *lengths,
+                  None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                  None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
+                  pair(mask), pair(bias)],
+        out_specs=out_specs, out_shape=out_shape,
+        interpret=cfg.interpret, name="flash_attention_backward_dq",
+        compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
+    )(*inputs)
+    dq = results[0]
+    dbias = results[1] if bias is not None else None
+    return dq, dk, dv, dbias
+
+
+def _dq_kernel_no_bias(*refs, **kwargs):
+    *inputs, dq_ref = refs
+    return _dq_kernel(*inputs, dq_ref, None, **kwargs)

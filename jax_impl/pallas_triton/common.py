@@ -1,0 +1,67 @@
+"""Pieces every kernel uses: the dot, the element mask of one tile, the platform guard."""
+from __future__ import annotations
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+from jax.interpreters import mlir
+
+from jax_impl import masking
+
+
+def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
+    """a @ b (optionally transposed) with float32 accumulation.
+
+    ``precision`` applies to float32 operands only (HIGHEST: full fp32, never silent TF32);
+    16-bit operands always use the tensor cores' native mode.
+    """
+    contract = (0 if trans_a else 1, 1 if trans_b else 0)
+    precision = precision if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
+                           precision=precision, preferred_element_type=jnp.float32)
+
+
+def tile_allowed(spec: masking.MaskSpec, rows, cols, q_len, kv_len,
+                 q_seg=None, kv_seg=None, mask_tile=None):
+    """The allowed pattern of one [block_q, block_k] tile: rows [bq, 1], cols [1, bk]."""
+    allowed = masking.structural_allowed(spec, rows, cols, q_len, kv_len)
+    if q_seg is not None:
+        allowed &= q_seg[:, None] == kv_seg[None, :]
+    if mask_tile is not None:
+        allowed &= mask_tile != 0
+    return allowed
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# --- Platform guard -----------------------------------------------------------------------
+# The Triton kernels exist only for CUDA. The check happens where the call is lowered, so
+# that `jax.export(..., platforms=["cuda"])` works on a CPU-only host and a CPU lowering
+# fails with a message that says what to use instead.
+_requires_cuda_p = jax.extend.core.Primitive("flash_attention_requires_cuda")
+_requires_cuda_p.def_impl(lambda x: x)
+_requires_cuda_p.def_abstract_eval(lambda x: x)
+
+PLATFORM_ERROR = (
+    "implementation='pallas_triton' runs only on a CUDA GPU (the call is being lowered for "
+    "{platform!r}). Use implementation='xla' (linear memory on any device), "
+    "implementation=None to choose automatically, or interpret=True to run the kernel in "
+    "the Pallas interpreter.")
+
+
+def _refuse_lowering(ctx, x):
+    platform = getattr(ctx.module_context, "platforms", ["this platform"])
+    raise NotImplementedError(PLATFORM_ERROR.format(platform=tuple(platform)[0]))
+
+
+mlir.register_lowering(_requires_cuda_p, _refuse_lowering)
+mlir.register_lowering(_requires_cuda_p, lambda ctx, x: [x], platform="cuda")
+
+
+def requires_cuda(x):
+    """Identity on CUDA; lowering it for any other platform raises PLATFORM_ERROR."""
+    return _requires_cuda_p.bind(x)

@@ -1,0 +1,95 @@
+"""Forward kernel: FlashAttention-2 Algorithm 1, one program per (query tile, batch, head).
+
+Each program keeps its query tile in registers and walks the key tiles that the mask
+structure allows (masking.kv_block_range), with a running row max m, a running sum l in m's
+scale and an fp32 output accumulator, rescaled whenever m grows; O and the logsumexp are
+written once at the end.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_impl import masking, online_softmax
+from jax_impl.config import AttentionConfig
+from jax_impl.pallas_triton import common
+from jax_impl.pallas_triton.layout import Layout
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref,
+                    mask_ref, bias_ref, o_ref, lse_ref, *, cfg: AttentionConfig,
+                    block_q: int, block_k: int):
+    i, b = pl.program_id(0), pl.program_id(1)
+    q_len, kv_len = q_len_ref[b], kv_len_ref[b]
+    q = q_ref[...]                                                    # [bq, Dp]
+    rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+
+    def key_tile(j, carry):
+        acc, row_max, row_sum = carry
+        keys = pl.ds(j * block_k, block_k)
+        qk = common.dot(q, k_ref[keys, :], cfg.precision, trans_b=True)  # [bq, bk]
+        s, _ = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+        allowed = common.tile_allowed(
+            cfg.mask, rows, cols, q_len, kv_len, q_seg,
+            None if kv_seg_ref is None else kv_seg_ref[keys],
+            None if mask_ref is None else mask_ref[:, keys])
+        rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
+        v = v_ref[keys, :]
+        acc = rescale[:, None] * acc + common.dot(p.astype(v.dtype), v, cfg.precision)
+        return acc, row_max, row_sum
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    lo, hi = masking.kv_block_range(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len)
+    acc, row_max, row_sum = lax.fori_loop(lo, hi, key_tile, init)
+    out, lse = online_softmax.finalize(acc, row_max, row_sum)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def pair_spec(x, block_shape, index):
+    """BlockSpec for a [X, H, Lq, Lk] mask/bias whose batch or head axis may be broadcast (1)."""
+    if x is None:
+        return None
+    return pl.BlockSpec(block_shape, index)
+
+
+def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.MaskInputs,
+                 mask, bias):
+    """Padded operands -> (out [B, Lq_pad, Hq, Dp], lse [B, Hq, Lq_pad])."""
+    b, lq_pad, hq, d_pad = q.shape
+    lk_pad, hkv = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    block_q, block_k = layout.blocks.block_q, layout.blocks.block_k
+    pick = lambda x, axis, idx: idx if x is not None and x.shape[axis] > 1 else 0
+    in_specs = [
+        pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0)),
+        pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0)),
+        pl.BlockSpec((b,), lambda i, b, h: (0,)),
+        pl.BlockSpec((b,), lambda i, b, h: (0,)),
+        None if masks.q_segment_ids is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
+        None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
+        pair_spec(mask, (None, None, block_q, lk_pad),
+                  lambda i, b, h: (pick(mask, 0, b), pick(mask, 1, h), i, 0)),
+        pair_spec(bias, (None, None, block_q, lk_pad),
+                  lambda i, b, h: (pick(bias, 0, b), pick(bias, 1, h), i, 0)),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
+    ]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, hq, lq_pad), jnp.float32)]
+    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k)
+    return pl.pallas_call(
+        kernel, grid=(lq_pad // block_q, b, hq), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=cfg.interpret, name="flash_attention_forward",
+        compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
+    )(q, k, v, masks.q_len, masks.kv_len, masks.q_segment_ids, masks.kv_segment_ids, mask, bias)

@@ -1,0 +1,48 @@
+"""Dense attention: the oracle of the tests and ``implementation="reference"``.
+
+It materialises the ``[B, Hq, Lq, Lk]`` logits, so it is for checking and for small shapes.
+Plain autodiff gives its gradients; the masking is arranged so that a row with no allowed
+key has output 0, logsumexp -inf and zero gradients, with no NaN anywhere.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_impl import masking
+from jax_impl.config import AttentionConfig
+
+
+def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
+              logits_dtype=jnp.float32):
+    """q ``[B, Lq, Hq, D]``, k/v ``[B, Lk, Hkv, D]`` -> (out ``[B, Lq, Hq, D]``, lse ``[B, Hq, Lq]``).
+
+    ``logits_dtype`` is the dtype of the logits and softmax: float32 (or float64 for the oracle)
+    for an accurate result; the input dtype for "a plain implementation in that dtype", whose
+    error sets the tolerance of the fused ones.
+    """
+    b, lq, hq, d = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    q_grouped = q.reshape(b, lq, hkv, groups, d)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_grouped, k, precision=cfg.precision,
+                        preferred_element_type=logits_dtype)
+    logits = logits.reshape(b, hq, lq, lk) * jnp.asarray(cfg.scale, logits_dtype)
+    if cfg.logits_soft_cap is not None:
+        cap = jnp.asarray(cfg.logits_soft_cap, logits_dtype)
+        logits = cap * jnp.tanh(logits / cap)
+    if bias is not None:
+        logits = logits + bias.astype(logits_dtype)
+    allowed = masking.dense_allowed(cfg.mask, lq, lk, masks.q_len, masks.kv_len,
+                                    masks.q_segment_ids, masks.kv_segment_ids, masks.mask)
+    row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0))
+    unnormalised = jnp.exp(jnp.where(allowed, logits - row_max, -jnp.inf))  # [B, Hq, Lq, Lk]
+    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    nonempty = row_sum > 0
+    safe_sum = jnp.where(nonempty, row_sum, 1)
+    probs = (unnormalised / safe_sum).astype(v.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.reshape(b, hkv, groups, lq, lk), v,
+                     precision=cfg.precision, preferred_element_type=logits_dtype)
+    lse = jnp.where(nonempty, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]
+    return out.reshape(b, lq, hq, v.shape[-1]).astype(q.dtype), lse.astype(jnp.promote_types(logits_dtype, jnp.float32))

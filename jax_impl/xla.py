@@ -1,0 +1,192 @@
+"""Blocked attention in plain JAX: the same online-softmax algorithm as the Pallas kernels.
+
+Memory is linear in the sequence length: the largest temporary is one
+``[B, Hq, block_q, block_k]`` logits tile. Loops are ``fori_loop``s with bounds from
+``masking.kv_block_range``/``q_block_range``, so tiles the causal/window/length structure rules
+out are skipped. The forward saves only (out, lse); the backward recomputes P tile by tile.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_impl import masking, online_softmax
+from jax_impl.config import AttentionConfig
+
+# Chunk sizes for the XLA path: large tiles keep the CPU's matmuls efficient while the
+# temporaries stay linear in L (B * Hq * 512 * 512 * 4 bytes per tile).
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def chunk_sizes(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
+    block_q = cfg.block_sizes.block_q if cfg.block_sizes else DEFAULT_BLOCK_Q
+    block_k = cfg.block_sizes.block_k if cfg.block_sizes else DEFAULT_BLOCK_K
+    return min(block_q, lq), min(block_k, lk)
+
+
+def _pad_axis(x, axis: int, size: int):
+    if x is None or x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+class _Tiles:
+    """Padded operands and per-tile accessors shared by the forward and backward loops."""
+
+    def __init__(self, cfg, q, k, v, bias, masks, block_q, block_k):
+        self.cfg, self.block_q, self.block_k = cfg, block_q, block_k
+        b, lq, hq, d = q.shape
+        lk, hkv = k.shape[1], k.shape[2]
+        self.b, self.hq, self.hkv, self.groups = b, hq, hkv, hq // hkv
+        self.lq_pad, self.lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
+        self.q = _pad_axis(q, 1, self.lq_pad).reshape(b, self.lq_pad, hkv, self.groups, d)
+        self.k = _pad_axis(k, 1, self.lk_pad)
+        self.v = _pad_axis(v, 1, self.lk_pad)
+        self.bias = None if bias is None else _pad_axis(_pad_axis(bias, 2, self.lq_pad), 3, self.lk_pad)
+        self.q_len = masks.q_len[:, None, None, None, None]     # [B, 1, 1, 1, 1]
+        self.kv_len = masks.kv_len[:, None, None, None, None]
+        self.q_seg = _pad_axis(masks.q_segment_ids, 1, self.lq_pad)
+        self.kv_seg = _pad_axis(masks.kv_segment_ids, 1, self.lk_pad)
+        self.mask = None if masks.mask is None else _pad_axis(
+            _pad_axis(masks.mask, 2, self.lq_pad), 3, self.lk_pad)
+        self.masks = masks
+
+    def q_tile(self, x, i):  # x [B, Lq_pad, Hkv, G, D] -> [B, block_q, Hkv, G, D]
+        return lax.dynamic_slice_in_dim(x, i * self.block_q, self.block_q, axis=1)
+
+    def kv_tile(self, x, j):  # [B, Lk_pad, Hkv, D] -> [B, block_k, Hkv, D]
+        return lax.dynamic_slice_in_dim(x, j * self.block_k, self.block_k, axis=1)
+
+    def _pair_tile(self, x, i, j):  # [X, H, Lq_pad, Lk_pad] -> [X, Hkv|1, G|1, bq, bk]
+        tile = lax.dynamic_slice(x, (0, 0, i * self.block_q, j * self.block_k),
+                                 (x.shape[0], x.shape[1], self.block_q, self.block_k))
+        heads = (self.hkv, self.groups) if x.shape[1] > 1 else (1, 1)
+        return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
+
+    def logits(self, q_tile, k_tile, i, j):
+        """(S, soft-cap term, allowed) for query tile i and key tile j: [B, Hkv, G, bq, bk]."""
+        qk = jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
+                        preferred_element_type=jnp.float32)
+        bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
+        s, capped = online_softmax.logits(qk, self.cfg, bias)
+        rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
+        cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
+        allowed = masking.structural_allowed(self.cfg.mask, rows, cols, self.q_len, self.kv_len)
+        if self.q_seg is not None:
+            q_seg = lax.dynamic_slice_in_dim(self.q_seg, i * self.block_q, self.block_q, 1)
+            kv_seg = lax.dynamic_slice_in_dim(self.kv_seg, j * self.block_k, self.block_k, 1)
+            allowed &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None, None]
+        if self.mask is not None:
+            allowed &= self._pair_tile(self.mask, i, j)
+        return s, capped, allowed
+
+    def kv_range(self, i):
+        """Key tiles for query tile i: the union over the batch of each row's range."""
+        lo, hi = masking.kv_block_range(self.cfg.mask, i * self.block_q, self.block_q,
+                                        self.block_k, self.masks.q_len, self.masks.kv_len)
+        return jnp.min(lo), jnp.max(hi)
+
+    def q_range(self, j):
+        lo, hi = masking.q_block_range(self.cfg.mask, j * self.block_k, self.block_k,
+                                       self.block_q, self.masks.q_len, self.masks.kv_len)
+        return jnp.min(lo), jnp.max(hi)
+
+
+def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
+    """-> (out ``[B, Lq, Hq, D]`` in q's dtype, lse ``[B, Hq, Lq]`` float32)."""
+    b, lq, hq, d = q.shape
+    block_q, block_k = chunk_sizes(cfg, lq, k.shape[1])
+    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k)
+    stats_shape = (b, t.hkv, t.groups, block_q)
+
+    def query_tile(i, outputs):
+        out, lse = outputs
+        q_tile = t.q_tile(t.q, i)
+
+        def key_tile(j, carry):
+            acc, row_max, row_sum = carry
+            s, _, allowed = t.logits(q_tile, t.kv_tile(t.k, j), i, j)
+            rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
+            pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), t.kv_tile(t.v, j),
+                            precision=cfg.precision, preferred_element_type=jnp.float32)
+            return rescale[..., None] * acc + pv, row_max, row_sum
+
+        init = (jnp.zeros(stats_shape + (d,), jnp.float32),
+                jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32))
+        lo, hi = t.kv_range(i)
+        acc, row_max, row_sum = lax.fori_loop(lo, hi, key_tile, init)
+        o_tile, lse_tile = online_softmax.finalize(acc, row_max, row_sum)
+        o_tile = jnp.einsum("bhgqd->bqhgd", o_tile).astype(q.dtype)
+        out = lax.dynamic_update_slice_in_dim(out, o_tile, i * block_q, axis=1)
+        lse = lax.dynamic_update_slice_in_dim(lse, lse_tile.reshape(b, hq, block_q), i * block_q, axis=2)
+        return out, lse
+
+    outputs = (jnp.zeros((b, t.lq_pad, t.hkv, t.groups, d), q.dtype),
+               jnp.zeros((b, hq, t.lq_pad), jnp.float32))
+    out, lse = lax.fori_loop(0, t.lq_pad // block_q, query_tile, outputs)
+    return out.reshape(b, t.lq_pad, hq, d)[:, :lq], lse[:, :, :lq]
+
+
+def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, out, lse, d_out, d_lse):
+    """Algorithm 2 of FlashAttention-2: outer loop over key tiles (dK, dV in registers),
+    inner loop over query tiles, dQ accumulated in place. -> (dq, dk, dv, dbias | None)."""
+    b, lq, hq, d = q.shape
+    lk = k.shape[1]
+    block_q, block_k = chunk_sizes(cfg, lq, lk)
+    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k)
+    # delta_i = rowsum(dO_i * O_i); a cotangent of lse enters as dS += P * dlse.
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - d_lse
+    grouped = lambda x: _pad_axis(x, -1, t.lq_pad).reshape(b, t.hkv, t.groups, t.lq_pad)
+    delta, lse = grouped(delta), grouped(lse)
+    d_out = _pad_axis(d_out, 1, t.lq_pad).reshape(b, t.lq_pad, t.hkv, t.groups, d)
+    stats_tile = lambda x, i: lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=3)
+
+    def key_tile(j, grads):
+        dq, dk, dv, dbias = grads
+        k_tile, v_tile = t.kv_tile(t.k, j), t.kv_tile(t.v, j)
+
+        def query_tile(i, carry):
+            dq, dk_acc, dv_acc, dbias = carry
+            q_tile, do_tile = t.q_tile(t.q, i), t.q_tile(d_out, i)
+            s, capped, allowed = t.logits(q_tile, k_tile, i, j)
+            p = online_softmax.recomputed_probs(s, stats_tile(lse, i), allowed)
+            dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_tile, v_tile, precision=cfg.precision,
+                            preferred_element_type=jnp.float32)
+            ds, dqk = online_softmax.logits_gradient(p, dp, stats_tile(delta, i), capped, cfg)
+            dv_acc += jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(v.dtype), do_tile,
+                                 precision=cfg.precision, preferred_element_type=jnp.float32)
+            dk_acc += jnp.einsum("bhgqk,bqhgd->bkhd", dqk.astype(q.dtype), q_tile,
+                                 precision=cfg.precision, preferred_element_type=jnp.float32)
+            dq_tile = jnp.einsum("bhgqk,bkhd->bqhgd", dqk.astype(k.dtype), k_tile,
+                                 precision=cfg.precision, preferred_element_type=jnp.float32)
+            dq = lax.dynamic_update_slice_in_dim(dq, t.q_tile(dq, i) + dq_tile, i * block_q, axis=1)
+            if dbias is not None:
+                ds = ds.reshape(b, hq, block_q, block_k)
+                dbias = lax.dynamic_update_slice(dbias, ds, (0, 0, i * block_q, j * block_k))
+            return dq, dk_acc, dv_acc, dbias
+
+        zeros = jnp.zeros((b, block_k, t.hkv, d), jnp.float32)
+        lo, hi = t.q_range(j)
+        dq, dk_tile, dv_tile, dbias = lax.fori_loop(lo, hi, query_tile, (dq, zeros, zeros, dbias))
+        dk = lax.dynamic_update_slice_in_dim(dk, dk_tile.astype(k.dtype), j * block_k, axis=1)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_tile.astype(v.dtype), j * block_k, axis=1)
+        return dq, dk, dv, dbias
+
+    grads = (jnp.zeros(t.q.shape, jnp.float32), jnp.zeros(t.k.shape, k.dtype),
+             jnp.zeros(t.v.shape, v.dtype),
+             None if bias is None else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32))
+    dq, dk, dv, dbias = lax.fori_loop(0, t.lk_pad // block_k, key_tile, grads)
+    dq = dq.reshape(b, t.lq_pad, hq, d)[:, :lq].astype(q.dtype)
+    if dbias is not None:
+        dbias = dbias[:, :, :lq, :lk]
+    return dq, dk[:, :lk], dv[:, :lk], dbias
