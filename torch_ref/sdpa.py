@@ -26,11 +26,40 @@ BACKEND_ENUM = {
 }
 
 
+def _causal_bias_runs(Q, K, V, backend: str, gqa: bool) -> bool:
+    """Whether causal_lower_right may stand for bottom-right causal (Lq != Lk) under `backend`.
+
+    CausalBias picks its own kernel (CUDA flash, then CUDA efficient, else a materialised
+    mask through SDPA) without looking at sdpa_kernel, and its fused paths ignore
+    enable_gqa. So it is used for "auto" without GQA, and for a forced CUDA backend only
+    when it would run exactly that backend; otherwise the dense mask goes through
+    sdpa_kernel and the forced backend runs or refuses for real.
+    """
+    if gqa:
+        return False
+    if backend == "auto":
+        return True
+    if Q.device.type != "cuda" or backend not in ("flash", "efficient"):
+        return False
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+        params = SDPAParams(Q, K, V, None, 0.0, False, False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flash_ok = bool(can_use_flash_attention(params))
+            eff_ok = bool(can_use_efficient_attention(params))
+    except Exception:  # API differs in this torch: stay on the dense mask
+        return False
+    return flash_ok if backend == "flash" else (eff_ok and not flash_ok)
+
+
 def sdpa_arguments(
     Q: torch.Tensor,
     K: torch.Tensor,
     V: torch.Tensor,
     *,
+    backend: str = "auto",
     scale=None,
     mask=None,
     bias=None,
@@ -44,7 +73,7 @@ def sdpa_arguments(
     logits_soft_cap=None,
 ) -> dict:
     """Validates and converts the project's arguments into SDPA keyword arguments
-    (attn_mask, is_causal, scale, enable_gqa, dropout_p=0.0)."""
+    (attn_mask, is_causal, scale, enable_gqa, dropout_p=0.0) for `backend`."""
     batch, num_q_heads, num_kv_heads, q_len, kv_len = _checks.check_qkv(Q, K, V)
     target = (batch, num_q_heads, q_len, kv_len)
     _checks.check_alignment(causal_alignment)
@@ -60,18 +89,18 @@ def sdpa_arguments(
     if num_q_heads != num_kv_heads:
         kw["enable_gqa"] = True
     if not restricted and bias is None:
-        if is_causal and causal_alignment == "top_left":
-            kw["is_causal"] = True
+        if is_causal and (causal_alignment == "top_left" or q_len == kv_len):
+            kw["is_causal"] = True  # bottom_right equals top_left when Lq == Lk and no lengths
             return kw
-        if is_causal:
+        if is_causal and _causal_bias_runs(Q, K, V, backend, num_q_heads != num_kv_heads):
             from torch.nn.attention.bias import causal_lower_right
 
             with warnings.catch_warnings():  # "will produce NaNs when seq_len_q > seq_len_kv": known, reported by the harness
                 warnings.simplefilter("ignore")
                 kw["attn_mask"] = causal_lower_right(q_len, kv_len)
             return kw
-        _checks.normalize_window(local_window_size)
-        return kw
+        if not is_causal:
+            return kw
     allowed = allowed_mask(
         batch, num_q_heads, q_len, kv_len,
         mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
@@ -125,13 +154,15 @@ def sdpa_attention(
     """SDPA on the project's semantics. `backend` in SDPA_BACKENDS; a forced backend runs
     under sdpa_kernel and, when it cannot run, raises RuntimeError keeping PyTorch's reason.
 
-    Plain top-left causal -> is_causal=True; plain bottom-right causal -> causal_lower_right;
-    anything else -> one dense mask from allowed_mask (bool, or bias/-inf float with a bias).
+    Plain top-left causal (or bottom-right with Lq == Lk) -> is_causal=True; plain
+    bottom-right causal -> causal_lower_right where that object runs the requested backend
+    (see _causal_bias_runs); anything else -> one dense mask from allowed_mask (bool, or a
+    float mask = bias where allowed and -inf elsewhere when a bias is given).
     """
     if backend not in SDPA_BACKENDS:
         raise ValueError(f"backend must be one of {SDPA_BACKENDS}, got {backend!r}")
     kw = sdpa_arguments(
-        Q, K, V, scale=scale, mask=mask, bias=bias, is_causal=is_causal,
+        Q, K, V, backend=backend, scale=scale, mask=mask, bias=bias, is_causal=is_causal,
         causal_alignment=causal_alignment, local_window_size=local_window_size,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,

@@ -148,3 +148,36 @@ def test_cuda_only_backends_refuse_on_cpu(backend):
     with pytest.raises(RuntimeError, match=backend) as info:
         sdpa_attention(Q, Q, Q, backend=backend)
     assert "No viable backend" in str(info.value) or "No available kernel" in str(info.value)
+
+
+def test_sdpa_argument_conversion():
+    from torch.nn.attention.bias import CausalBias
+
+    from torch_ref.sdpa import sdpa_arguments
+
+    g = torch.Generator().manual_seed(10)
+    Q = torch.randn(1, 4, 3, 8, generator=g)
+    K = torch.randn(1, 4, 5, 8, generator=g)
+    K2 = torch.randn(1, 2, 5, 8, generator=g)
+    kw = sdpa_arguments(Q, K, K, is_causal=True)
+    assert kw["is_causal"] and "attn_mask" not in kw and kw["dropout_p"] == 0.0
+    kw = sdpa_arguments(Q, Q, Q, is_causal=True, causal_alignment="bottom_right")  # Lq == Lk
+    assert kw["is_causal"] and "attn_mask" not in kw
+    kw = sdpa_arguments(Q, K, K, is_causal=True, causal_alignment="bottom_right")
+    assert isinstance(kw["attn_mask"], CausalBias)
+    # a forced backend on CPU, or GQA: the dense mask, so sdpa_kernel governs what runs
+    for args, extra in (((Q, K, K), {"backend": "math"}), ((Q, K2, K2), {})):
+        kw = sdpa_arguments(*args, is_causal=True, causal_alignment="bottom_right", **extra)
+        assert kw["attn_mask"].dtype == torch.bool and kw["attn_mask"].shape == (1, 1, 3, 5)
+        assert kw["attn_mask"][0, 0].tolist() == allowed_rows_br(3, 5)
+    assert sdpa_arguments(Q, K2, K2)["enable_gqa"] is True
+    bias = torch.randn(1, 4, 3, 5, generator=g)
+    kw = sdpa_arguments(Q, K, K, bias=bias, is_causal=True)
+    m = kw["attn_mask"]
+    assert m.dtype == torch.float32 and not kw.get("is_causal", False)
+    assert torch.equal(m[0, :, 0, 1:], torch.full((4, 4), float("-inf")))
+    assert torch.equal(m[0, :, 2, :3], bias[0, :, 2, :3])
+
+
+def allowed_rows_br(Lq, Lk):
+    return [[j <= i + Lk - Lq for j in range(Lk)] for i in range(Lq)]
