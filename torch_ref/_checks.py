@@ -5,6 +5,8 @@ Every error names the argument and the rule it breaks.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
@@ -80,7 +82,7 @@ def normalize_window(local_window_size) -> tuple[int | None, int | None] | None:
         return None
     if isinstance(local_window_size, bool):
         raise TypeError(f"local_window_size must be an int or a (left, right) tuple, got {local_window_size!r}")
-    if isinstance(local_window_size, int):
+    if isinstance(local_window_size, numbers.Integral):
         left = right = local_window_size
     elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
         left, right = local_window_size
@@ -89,11 +91,11 @@ def normalize_window(local_window_size) -> tuple[int | None, int | None] | None:
     for side, w in (("left", left), ("right", right)):
         if w is None:
             continue
-        if isinstance(w, bool) or not isinstance(w, int):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
             raise TypeError(f"local_window_size {side} entry must be an int or None, got {w!r}")
         if w < 0:
             raise ValueError(f"local_window_size {side} entry must be >= 0, got {w}")
-    return left, right
+    return (None if left is None else int(left)), (None if right is None else int(right))
 
 
 def check_lengths(name: str, lengths, batch: int, max_len: int) -> None:
@@ -126,5 +128,5 @@ def check_segments(q_segment_ids, kv_segment_ids, batch: int, q_len: int, kv_len
 def check_soft_cap(logits_soft_cap) -> None:
     if logits_soft_cap is None:
         return
-    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0:
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real) or not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be a positive number or None, got {logits_soft_cap!r}")

@@ -36,8 +36,16 @@ def _is_array(x) -> bool:
     )
 
 
+def _convert(v, device):
+    if isinstance(v, np.generic):  # numpy scalar (scale, soft cap) -> Python number
+        return v.item()
+    if isinstance(v, tuple):  # (left, right) window entries
+        return tuple(x.item() if isinstance(x, np.generic) else x for x in v)
+    return to_torch(v, device) if _is_array(v) else v
+
+
 def _convert_kwargs(kw: dict, device) -> dict:
-    return {k: (to_torch(v, device) if _is_array(v) else v) for k, v in kw.items()}
+    return {k: _convert(v, device) for k, v in kw.items()}
 
 
 def _bhld(x: np.ndarray, device) -> torch.Tensor:  # [B, L, H, D] -> [B, H, L, D]

@@ -124,7 +124,8 @@ def manual_attention(
         V = V.repeat_interleave(group, dim=1)
     s = (Q @ K.transpose(-2, -1)) * _resolve_scale(scale, Q.shape[-1])  # [B, Hq, Lq, Lk]
     if logits_soft_cap is not None:
-        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        cap = float(logits_soft_cap)
+        s = cap * torch.tanh(s / cap)
     if bias is not None:
         s = s + bias.to(s.dtype)
 

@@ -145,3 +145,12 @@ def test_bridge_errors_name_arguments():
     y = np.ones((1, 2, 1, 4), np.float32)
     with pytest.raises(TypeError, match="cotangent dtype"):
         attention_with_grads(manual_attention, y, y, y, y.astype(np.float64))
+
+
+def test_numpy_scalar_kwargs_become_python_numbers():
+    q, k, v, _ = make_case("none", Lq=6, Lk=6, seed=7)
+    kw = dict(scale=np.float32(0.3), local_window_size=(np.int64(1), None))
+    ref, _ = np_attention(q, k, v, scale=0.3, local_window_size=(1, None))
+    for fn in (manual_attention, sdpa_attention):
+        out = attention_forward(fn, _blhd(q), _blhd(k), _blhd(v), **kw)
+        np.testing.assert_allclose(out, _blhd(ref), rtol=0, atol=1e-6)
