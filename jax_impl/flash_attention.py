@@ -112,8 +112,8 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
               precision, interpret, dropout_rng, dropout_rate, broadcast_dropout, deterministic,
               dtype, module, force_fp32_for_softmax, qk_attn_weights_einsum,
               attn_weights_value_einsum) -> _Call:
-    _validate_flax_keywords(dropout_rate, deterministic, module, qk_attn_weights_einsum,
-                            attn_weights_value_einsum)
+    mask = _validate_flax_keywords(dropout_rate, deterministic, module, qk_attn_weights_einsum,
+                                   attn_weights_value_einsum, mask)
     del dropout_rng, broadcast_dropout, force_fp32_for_softmax  # no dropout; softmax is fp32
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     if dtype is not None:
@@ -188,7 +188,16 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
     return _Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape)
 
 
-def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, value_einsum):
+def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, value_einsum, mask):
+    """Refuses what cannot run fused; returns ``mask`` read as a Flax module means it.
+
+    Flax's masks are float 0/1, not bool: ``make_attention_mask``, ``make_causal_mask`` and
+    ``combine_masks`` (which both modules apply to the KV-cache mask in ``decode``) return
+    float32, and Flax's own attention reads any nonzero entry as "may attend". Both Flax
+    modules always pass ``deterministic`` (a bool); a direct call leaves it None. So a non-bool
+    mask is read Flax's way (``mask != 0``) only when ``deterministic`` is given; in a direct
+    call it is still refused (``_pairwise``), so an additive float mask is never misread.
+    """
     if dropout_rate and not deterministic:
         raise NotImplementedError(
             f"attention dropout ({dropout_rate=}, {deterministic=}) is not implemented by "
@@ -202,6 +211,11 @@ def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, valu
     if qk_einsum is not None or value_einsum is not None:
         raise NotImplementedError("custom einsums (qk_attn_weights_einsum, "
                                   "attn_weights_value_einsum) cannot run inside the fused kernel")
+    if mask is not None and deterministic is not None:
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            mask = mask != 0
+    return mask
 
 
 def _window(local_window_size):
