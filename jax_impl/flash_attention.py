@@ -121,8 +121,10 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim < 3:
             raise ValueError(f"{name} must have shape [batch..., seq_len, heads, head_dim]; got {x.shape=}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}.dtype={x.dtype} must be float32, float16 or bfloat16")
+        oracle = x.dtype == jnp.float64 and implementation == "reference"
+        if x.dtype not in SUPPORTED_DTYPES and not oracle:
+            raise TypeError(f"{name}.dtype={x.dtype} must be float32, float16 or bfloat16 "
+                            "(float64 only with implementation='reference', the test oracle)")
     if not query.dtype == key.dtype == value.dtype:
         raise TypeError(f"query, key and value must share a dtype; got {query.dtype=}, "
                         f"{key.dtype=}, {value.dtype=}")

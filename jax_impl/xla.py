@@ -47,9 +47,10 @@ class _Tiles:
         lk, hkv = k.shape[1], k.shape[2]
         self.b, self.hq, self.hkv, self.groups = b, hq, hkv, hq // hkv
         self.lq_pad, self.lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
-        self.q = _pad_axis(q, 1, self.lq_pad).reshape(b, self.lq_pad, hkv, self.groups, d)
-        self.k = _pad_axis(k, 1, self.lk_pad)
-        self.v = _pad_axis(v, 1, self.lk_pad)
+        # Head-major layout, transposed once: each tile's einsum is then a plain batched matmul.
+        self.q = self.to_heads(_pad_axis(q, 1, self.lq_pad))            # [B, Hkv, G, Lq_pad, D]
+        self.k = jnp.swapaxes(_pad_axis(k, 1, self.lk_pad), 1, 2)        # [B, Hkv, Lk_pad, D]
+        self.v = jnp.swapaxes(_pad_axis(v, 1, self.lk_pad), 1, 2)
         self.bias = None if bias is None else _pad_axis(_pad_axis(bias, 2, self.lq_pad), 3, self.lk_pad)
         self.q_len = masks.q_len[:, None, None, None, None]     # [B, 1, 1, 1, 1]
         self.kv_len = masks.kv_len[:, None, None, None, None]
@@ -59,11 +60,19 @@ class _Tiles:
             _pad_axis(masks.mask, 2, self.lq_pad), 3, self.lk_pad)
         self.masks = masks
 
-    def q_tile(self, x, i):  # x [B, Lq_pad, Hkv, G, D] -> [B, block_q, Hkv, G, D]
-        return lax.dynamic_slice_in_dim(x, i * self.block_q, self.block_q, axis=1)
+    def to_heads(self, x):  # [B, L, Hq, D] -> [B, Hkv, G, L, D]
+        b, length, _, d = x.shape
+        return jnp.moveaxis(x.reshape(b, length, self.hkv, self.groups, d), 1, 3)
 
-    def kv_tile(self, x, j):  # [B, Lk_pad, Hkv, D] -> [B, block_k, Hkv, D]
-        return lax.dynamic_slice_in_dim(x, j * self.block_k, self.block_k, axis=1)
+    def from_heads(self, x):  # [B, Hkv, G, L, D] -> [B, L, Hq, D]
+        b, _, _, length, d = x.shape
+        return jnp.moveaxis(x, 3, 1).reshape(b, length, self.hq, d)
+
+    def q_tile(self, x, i):  # [B, Hkv, G, Lq_pad, D] -> [B, Hkv, G, block_q, D]
+        return lax.dynamic_slice_in_dim(x, i * self.block_q, self.block_q, axis=3)
+
+    def kv_tile(self, x, j):  # [B, Hkv, Lk_pad, D] -> [B, Hkv, block_k, D]
+        return lax.dynamic_slice_in_dim(x, j * self.block_k, self.block_k, axis=2)
 
     def _pair_tile(self, x, i, j):  # [X, H, Lq_pad, Lk_pad] -> [X, Hkv|1, G|1, bq, bk]
         tile = lax.dynamic_slice(x, (0, 0, i * self.block_q, j * self.block_k),
@@ -73,7 +82,7 @@ class _Tiles:
 
     def logits(self, q_tile, k_tile, i, j):
         """(S, soft-cap term, allowed) for query tile i and key tile j: [B, Hkv, G, bq, bk]."""
-        qk = jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
+        qk = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
                         preferred_element_type=jnp.float32)
         bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
         s, capped = online_softmax.logits(qk, self.cfg, bias)
@@ -115,7 +124,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
             acc, row_max, row_sum = carry
             s, _, allowed = t.logits(q_tile, t.kv_tile(t.k, j), i, j)
             rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
-            pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), t.kv_tile(t.v, j),
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), t.kv_tile(t.v, j),
                             precision=cfg.precision, preferred_element_type=jnp.float32)
             return rescale[..., None] * acc + pv, row_max, row_sum
 
@@ -124,15 +133,13 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
         lo, hi = t.kv_range(i)
         acc, row_max, row_sum = lax.fori_loop(lo, hi, key_tile, init)
         o_tile, lse_tile = online_softmax.finalize(acc, row_max, row_sum)
-        o_tile = jnp.einsum("bhgqd->bqhgd", o_tile).astype(q.dtype)
-        out = lax.dynamic_update_slice_in_dim(out, o_tile, i * block_q, axis=1)
+        out = lax.dynamic_update_slice_in_dim(out, o_tile.astype(q.dtype), i * block_q, axis=3)
         lse = lax.dynamic_update_slice_in_dim(lse, lse_tile.reshape(b, hq, block_q), i * block_q, axis=2)
         return out, lse
 
-    outputs = (jnp.zeros((b, t.lq_pad, t.hkv, t.groups, d), q.dtype),
-               jnp.zeros((b, hq, t.lq_pad), jnp.float32))
+    outputs = (jnp.zeros(t.q.shape, q.dtype), jnp.zeros((b, hq, t.lq_pad), jnp.float32))
     out, lse = lax.fori_loop(0, t.lq_pad // block_q, query_tile, outputs)
-    return out.reshape(b, t.lq_pad, hq, d)[:, :lq], lse[:, :, :lq]
+    return t.from_heads(out)[:, :lq], lse[:, :, :lq]
 
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, out, lse, d_out, d_lse):
@@ -148,7 +155,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, out
         delta = delta - d_lse
     grouped = lambda x: _pad_axis(x, -1, t.lq_pad).reshape(b, t.hkv, t.groups, t.lq_pad)
     delta, lse = grouped(delta), grouped(lse)
-    d_out = _pad_axis(d_out, 1, t.lq_pad).reshape(b, t.lq_pad, t.hkv, t.groups, d)
+    d_out = t.to_heads(_pad_axis(d_out, 1, t.lq_pad))
     stats_tile = lambda x, i: lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=3)
 
     def key_tile(j, grads):
@@ -160,33 +167,33 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, out
             q_tile, do_tile = t.q_tile(t.q, i), t.q_tile(d_out, i)
             s, capped, allowed = t.logits(q_tile, k_tile, i, j)
             p = online_softmax.recomputed_probs(s, stats_tile(lse, i), allowed)
-            dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_tile, v_tile, precision=cfg.precision,
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
             ds, dqk = online_softmax.logits_gradient(p, dp, stats_tile(delta, i), capped, cfg)
-            dv_acc += jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(v.dtype), do_tile,
+            dv_acc += jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(v.dtype), do_tile,
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
-            dk_acc += jnp.einsum("bhgqk,bqhgd->bkhd", dqk.astype(q.dtype), q_tile,
+            dk_acc += jnp.einsum("bhgqk,bhgqd->bhkd", dqk.astype(q.dtype), q_tile,
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
-            dq_tile = jnp.einsum("bhgqk,bkhd->bqhgd", dqk.astype(k.dtype), k_tile,
+            dq_tile = jnp.einsum("bhgqk,bhkd->bhgqd", dqk.astype(k.dtype), k_tile,
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
-            dq = lax.dynamic_update_slice_in_dim(dq, t.q_tile(dq, i) + dq_tile, i * block_q, axis=1)
+            dq = lax.dynamic_update_slice_in_dim(dq, t.q_tile(dq, i) + dq_tile, i * block_q, axis=3)
             if dbias is not None:
                 ds = ds.reshape(b, hq, block_q, block_k)
                 dbias = lax.dynamic_update_slice(dbias, ds, (0, 0, i * block_q, j * block_k))
             return dq, dk_acc, dv_acc, dbias
 
-        zeros = jnp.zeros((b, block_k, t.hkv, d), jnp.float32)
+        zeros = jnp.zeros((b, t.hkv, block_k, d), jnp.float32)
         lo, hi = t.q_range(j)
         dq, dk_tile, dv_tile, dbias = lax.fori_loop(lo, hi, query_tile, (dq, zeros, zeros, dbias))
-        dk = lax.dynamic_update_slice_in_dim(dk, dk_tile.astype(k.dtype), j * block_k, axis=1)
-        dv = lax.dynamic_update_slice_in_dim(dv, dv_tile.astype(v.dtype), j * block_k, axis=1)
+        dk = lax.dynamic_update_slice_in_dim(dk, dk_tile.astype(k.dtype), j * block_k, axis=2)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_tile.astype(v.dtype), j * block_k, axis=2)
         return dq, dk, dv, dbias
 
     grads = (jnp.zeros(t.q.shape, jnp.float32), jnp.zeros(t.k.shape, k.dtype),
              jnp.zeros(t.v.shape, v.dtype),
              None if bias is None else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32))
     dq, dk, dv, dbias = lax.fori_loop(0, t.lk_pad // block_k, key_tile, grads)
-    dq = dq.reshape(b, t.lq_pad, hq, d)[:, :lq].astype(q.dtype)
+    dq = t.from_heads(dq)[:, :lq].astype(q.dtype)
     if dbias is not None:
         dbias = dbias[:, :, :lq, :lk]
-    return dq, dk[:, :lk], dv[:, :lk], dbias
+    return dq, jnp.swapaxes(dk, 1, 2)[:, :lk], jnp.swapaxes(dv, 1, 2)[:, :lk], dbias
