@@ -4,7 +4,7 @@ An implementation run in dtype X passes when its max abs error against the oracl
 ``factor`` times the error of a plain, non-fused implementation run in the same dtype X, plus
 a per-dtype floor: the rounding error of the oracle's own values when they pass through dtype X
 (as FlashAttention's tests do: ``(ref + 0.3 - 0.3)`` in X, minus ref), and for float32 at least
-2e-6 of the oracle's largest magnitude. factor is 2 for outputs and
+2e-6 x max(1, the oracle's largest magnitude). factor is 2 for outputs and
 3 for gradients. The relative norm ``||x - ref|| / ||ref||`` is reported beside it.
 """
 from __future__ import annotations
@@ -25,7 +25,9 @@ def factor_for(name: str) -> float:
     return OUTPUT_FACTOR if name in ("out", "lse") else GRADIENT_FACTOR
 
 
-# Part of the floor relative to the oracle's largest magnitude. float32 needs it: a dense
+# Part of the floor relative to max(1, the oracle's largest magnitude): inputs are of unit
+# scale, so 1 is the scale of the intermediate terms even where a gradient is ~0 (a single
+# key: dq = 0 up to rounding of P * (dP - delta)). float32 needs it: a dense
 # fp32 implementation can be unusually exact on small problems, and a tiled one accumulates
 # in a different order (a few ulp). 2e-6 is about 16 fp32 ulp; 16-bit dtypes' rounding
 # floor is already far above their accumulation noise.
@@ -40,7 +42,7 @@ def rounding_floor(oracle: np.ndarray, dtype: str) -> float:
     x = np.where(finite, x, 0.0)
     shifted = (x + 0.3).astype(_DTYPES[dtype]).astype(np.float64) - 0.3
     representation = float(np.max(np.abs(shifted - x), initial=0.0))
-    return max(representation, RELATIVE_FLOOR[dtype] * float(np.max(np.abs(x), initial=0.0)))
+    return max(representation, RELATIVE_FLOOR[dtype] * max(1.0, float(np.max(np.abs(x), initial=0.0))))
 
 
 @dataclasses.dataclass(frozen=True)
