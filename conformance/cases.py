@@ -56,6 +56,7 @@ class Case:
     empty_rows: bool = False        # the bool mask leaves some query rows with no allowed key
     logit_scale: float = 1.0        # multiplies q and k: large logits (fp16 overflow probes)
     interpret_ok: bool = True       # small enough for the Pallas interpreter on CPU
+    native_causal: bool = False     # probe: pass the framework's own causal flag, whatever its alignment
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -334,8 +335,8 @@ def _probes() -> list[Case]:
     C = Case
     return [
         C("probe_empty_rows", 1, 2, 2, 16, 16, 32, "float32", mask="bool", empty_rows=True, seed=901),
-        C("probe_causal_q<k", 1, 2, 2, 8, 24, 32, "float32", causal="top_left", seed=902),
-        C("probe_causal_q>k", 1, 2, 2, 24, 8, 32, "float32", causal="top_left", seed=903),
+        C("probe_causal_q<k", 1, 2, 2, 32, 64, 32, "float32", causal="top_left", native_causal=True, seed=902),
+        C("probe_causal_q>k", 1, 2, 2, 64, 32, 32, "float32", causal="top_left", native_causal=True, seed=903),
         C("probe_mask_convention", 1, 2, 2, 16, 16, 32, "float32", mask="bool", seed=904),
         C("probe_fp16_large_logits", 1, 2, 2, 32, 32, 64, "float16", logit_scale=12.0, seed=905),
         C("probe_default_scale", 1, 2, 2, 16, 16, 64, "float32", seed=906),

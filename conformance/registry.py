@@ -202,6 +202,7 @@ class Adapter:
     requires: tuple = ()         # importable modules it needs
     devices: tuple = ("cpu", "cuda")  # where it can run at all
     description: str = ""
+    explicit_scale = None  # str when the adapter itself supplies the scale (no default to probe)
 
     def on(self, device: str) -> "Adapter":
         return dataclasses.replace(self, device=device)
@@ -319,6 +320,8 @@ class JaxDenseAdapter(Adapter):
     """Plain dense JAX attention as anyone would write it: logits in fp32 (preferred element
     type), softmax over the allowed pattern, probabilities cast to the input dtype."""
 
+    explicit_scale = "written here with 1/sqrt(D)"
+
     def _prepare(self, inputs, *, backward):
         import jax
         import jax.numpy as jnp
@@ -387,6 +390,7 @@ class JaxNNAdapter(JaxFunctionAdapter):
 
 @dataclasses.dataclass(frozen=True)
 class PallasMhaAdapter(Adapter):
+    explicit_scale = "mha's own default sm_scale is 1.0; the adapter passes 1/sqrt(D)"
     """jax.experimental.pallas.ops.gpu.attention.mha: GPU only, [B, L, H, D], no GQA, no mask."""
 
     def _reason(self, case):
@@ -498,12 +502,14 @@ def _dispatched(prepared: _TorchPrepared) -> str | None:
 class FlashAttnAdapter(Adapter):
     """Dao-AILab flash_attn.flash_attn_func: CUDA, fp16/bf16, [B, L, H, D], causal bottom-right."""
 
+    explicit_scale = "the adapter passes softmax_scale explicitly (flash_attn's default: 1/sqrt(D))"
+
     def _reason(self, case):
         if case.dtype == "float32":
             return "flash_attn takes fp16/bf16 only"
         if case.mask != "none" or case.bias or case.lengths or case.segments:
             return "flash_attn_func has no mask, bias, lengths or segment ids (varlen API not mapped)"
-        if case.causal == "top_left" and case.q_len != case.kv_len:
+        if case.causal == "top_left" and case.q_len != case.kv_len and not case.native_causal:
             return "flash_attn's causal is bottom-right only"
         return None
 

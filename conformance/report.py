@@ -1,0 +1,165 @@
+"""Terminal table, JSON of every number, Markdown report."""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+from conformance import tolerance
+from conformance.cases import Case
+from conformance.harness import ERROR, FAIL, NOT_SUPPORTED, PASS, Result
+from conformance.probes import EXPECTED, QUESTIONS, ProbeRow
+
+
+def environment(device: str) -> dict:
+    env = {"python": platform.python_version(), "platform": platform.platform(), "device": device,
+           "argv": " ".join(sys.argv)}
+    try:
+        import jax
+        import jaxlib
+        env.update(jax=jax.__version__, jaxlib=jaxlib.__version__,
+                   jax_devices=", ".join(str(d.device_kind) for d in jax.devices()))
+    except Exception as e:  # report what is missing instead of failing
+        env["jax"] = f"unavailable ({type(e).__name__})"
+    try:
+        import torch
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            env["torch_cuda_device"] = torch.cuda.get_device_name()
+    except Exception as e:
+        env["torch"] = f"unavailable ({type(e).__name__})"
+    return env
+
+
+def cell(r: Result) -> str:
+    if r.status == PASS:
+        return f"pass {r.worst_ratio:.2f}"
+    if r.status == FAIL:
+        ratio = r.worst_ratio
+        return f"FAIL {ratio:.3g}" + ("*" if r.note else "")
+    return r.status
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths))
+    return "\n".join([fmt(rows[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows[1:]])
+
+
+def _grid(results: list[Result], cases: list[Case], impls: list[str]):
+    by = {(r.case, r.impl): r for r in results}
+    return [["case"] + impls] + [[c.name] + [cell(by[(c.name, i)]) if (c.name, i) in by else "" for i in impls]
+                                 for c in cases]
+
+
+def terminal_table(results, cases, impls) -> str:
+    return _table(_grid(results, cases, impls))
+
+
+def summary(results: list[Result], impls: list[str]) -> dict:
+    out = {}
+    for impl in impls:
+        mine = [r for r in results if r.impl == impl]
+        judged = [r for r in mine if r.verdicts]
+        worst = max(judged, key=lambda r: r.worst_ratio, default=None)
+        out[impl] = {
+            "pass": sum(r.status == PASS for r in mine), "FAIL": sum(r.status == FAIL for r in mine),
+            "n.s.": sum(r.status == NOT_SUPPORTED for r in mine), "error": sum(r.status == ERROR for r in mine),
+            "worst_ratio": None if worst is None else worst.worst_ratio,
+            "worst_case": None if worst is None else f"{worst.case} ({worst.worst.name})",
+            "worst_relative_norm": max((v.relative_norm for r in judged for v in r.verdicts), default=None),
+        }
+    return out
+
+
+def _fmt(x):
+    return "-" if x is None else f"{x:.3g}"
+
+
+def markdown(results, probes: list[ProbeRow], cases, impls, env: dict, suite: str, seconds: float,
+             skipped: dict[str, str]) -> str:
+    lines = [f"# Conformance report: suite `{suite}` on {env['device']}", ""]
+    policy = " ".join((tolerance.__doc__ or "").split())
+    lines += ["## Tolerance policy", "",
+              f"From `conformance/tolerance.py`: {policy} (factors: out {tolerance.OUTPUT_FACTOR:g}, "
+              f"gradients {tolerance.GRADIENT_FACTOR:g}.)", "",
+              "The oracle is `torch_ref.manual_attention` in float64 on the CPU, on the same input bytes; the "
+              "plain same-dtype implementation is the same function run in the case dtype on the CPU. "
+              "Gradients are a vjp with one random cotangent per case, never `.sum()`. A cell shows the worst "
+              "error / tolerance ratio over out and all gradients (below 1 passes); `*` marks a failure "
+              "confined to query rows with no allowed key. `n.s.` = not supported (reasons below).", ""]
+    lines += ["## Environment", ""] + [f"- {k}: `{v}`" for k, v in env.items()] + \
+        [f"- wall time: {seconds:.0f} s", ""]
+    if skipped:
+        lines += ["Implementations not run on this machine: " +
+                  "; ".join(f"`{k}` ({v})" for k, v in skipped.items()), ""]
+    lines += ["## Summary", "", "| implementation | pass | FAIL | n.s. | error | worst ratio (case) | worst relative norm |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for impl, s in summary(results, impls).items():
+        lines.append(f"| `{impl}` | {s['pass']} | {s['FAIL']} | {s['n.s.']} | {s['error']} | "
+                     f"{_fmt(s['worst_ratio'])} ({s['worst_case'] or '-'}) | {_fmt(s['worst_relative_norm'])} |")
+    grid = _grid(results, cases, impls)
+    lines += ["", "## Results (worst error / tolerance)", "",
+              "| " + " | ".join(grid[0]) + " |", "|" + " --- |" * len(grid[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in grid[1:]]
+    lines += ["", "## Cases", "", "| case | shape and features | SDPA auto ran |", "| --- | --- | --- |"]
+    by = {(r.case, r.impl): r for r in results}
+    for c in cases:
+        auto = by.get((c.name, "torch.sdpa.auto"))
+        ran = (auto.info.get("sdpa_backend") if auto and auto.info else None) or "-"
+        lines.append(f"| {c.name} | {c.describe()} | {ran} |")
+    bad = [r for r in results if r.status in (FAIL, ERROR)]
+    if bad:
+        lines += ["", "## Failures and errors", ""]
+        for r in bad:
+            if r.status == FAIL:
+                parts = ", ".join(f"{v.name}: err {v.error:.3g} / tol {v.tolerance:.3g} (baseline {v.baseline_error:.3g}, "
+                                  f"rel {v.relative_norm:.2g})" for v in r.verdicts if not v.passed)
+                lines.append(f"- `{r.impl}` on `{r.case}`: {parts}" + (f". {r.note}" if r.note else ""))
+            else:
+                lines.append(f"- `{r.impl}` on `{r.case}`: {r.reason.splitlines()[0]}")
+    ns = [r for r in results if r.status == NOT_SUPPORTED]
+    if ns:
+        lines += ["", "## Not supported (reasons)", ""]
+        reasons: dict = {}
+        for r in ns:
+            reasons.setdefault((r.impl, r.reason.splitlines()[0][:200]), []).append(r.case)
+        for (impl, reason), which in reasons.items():
+            lines.append(f"- `{impl}`: {reason} ({len(which)} cases)")
+    if probes:
+        lines += ["", "## Semantic probes", "",
+                  "Observations of what each framework does. jax_impl.* must follow DESIGN.md "
+                  "(expected column); the others are not judged.", ""]
+        probe_names = list(dict.fromkeys(p.probe for p in probes))
+        probe_impls = list(dict.fromkeys(p.impl for p in probes))
+        by_p = {(p.probe, p.impl): p for p in probes}
+        lines += ["| probe | question | DESIGN.md | " + " | ".join(probe_impls) + " |",
+                  "|" + " --- |" * (3 + len(probe_impls))]
+        for name in probe_names:
+            cells = []
+            for impl in probe_impls:
+                p = by_p.get((name, impl))
+                text = "" if p is None else p.observation.replace("|", "/")
+                if p is not None and p.conforms is False:
+                    text = f"**{text} (violates DESIGN.md)**"
+                cells.append(text)
+            lines.append(f"| {name} | {QUESTIONS.get(name, '')} | {EXPECTED.get(name, '')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(out_dir: Path, results, probes, cases, impls, env, suite, seconds, skipped, exit_code) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"suite": suite, "environment": env, "seconds": seconds, "exit_code": exit_code,
+            "tolerance": {"output_factor": tolerance.OUTPUT_FACTOR, "gradient_factor": tolerance.GRADIENT_FACTOR,
+                          "relative_floor": getattr(tolerance, "RELATIVE_FLOOR", None)},
+            "skipped_implementations": skipped,
+            "cases": [dict(c.__dict__, description=c.describe()) for c in cases],
+            "summary": summary(results, impls),
+            "results": [r.to_json() for r in results],
+            "probes": [p.to_json() for p in probes]}
+    json_path = out_dir / f"conformance_{suite}.json"
+    md_path = out_dir / f"conformance_{suite}.md"
+    json_path.write_text(json.dumps(data, indent=1, default=str))
+    md_path.write_text(markdown(results, probes, cases, impls, env, suite, seconds, skipped))
+    return md_path, json_path
