@@ -264,9 +264,15 @@ def plot(flash: list[float], default: list[float], path: Path, title: str) -> No
     top.set_title(title)
     top.legend()
     top.grid(alpha=0.3)
-    diff = np.maximum(np.abs(np.asarray(flash) - np.asarray(default)), 1e-12)
-    bottom.semilogy(steps, diff, color="k", lw=0.8)
-    bottom.set_ylabel("|flash - default|")
+    diff = np.abs(np.asarray(flash) - np.asarray(default))
+    floor = 1e-9
+    bottom.semilogy(steps, np.maximum(diff, floor), ".", color="k", ms=3,
+                    label=f"|flash - default| (identical: plotted at {floor:g})")
+    bottom.semilogy(steps, np.finfo(np.float32).eps * np.abs(default), color="C3", lw=0.8,
+                    label="float32 eps x loss")
+    bottom.set_ylim(floor / 3, max(1e-5, diff.max() * 3))
+    bottom.set_ylabel("|difference|")
+    bottom.legend(fontsize=8, loc="upper left")
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
