@@ -57,3 +57,4 @@ class AttentionConfig:
     block_sizes: BlockSizes | None = None  # None: the implementation's heuristic
     interpret: bool = False
     precision: lax.Precision = lax.Precision.HIGHEST  # of fp32 matmuls: no silent TF32
+    debug: bool = False  # Pallas prints each kernel's jaxpr and Triton IR when lowering

@@ -331,7 +331,8 @@ def _dispatch(call: _Call):
 
 def _run(implementation, cfg, q, k, v, bias, masks):
     if implementation == "reference":
-        return reference.attention(q, k, v, bias, masks, cfg)
+        return reference.attention(q, k, v, bias, masks, cfg,
+                                   logits_dtype=jnp.promote_types(q.dtype, jnp.float32))
     return fused.attention(implementation, cfg, q, k, v, bias, masks)
 
 
@@ -348,8 +349,8 @@ def explain_implementation(query, key, value, bias=None, mask=None, *, platform:
     ``platform`` defaults to ``jax.default_backend()``; pass "cuda" or "cpu" to ask about
     another. Arguments are validated exactly as ``flash_attention`` validates them.
     """
-    call = _validate(query, key, value, bias, mask, implementation=implementation,
-                     interpret=interpret, **_defaults(kwargs))
+    call = _validate(query, key, value, bias, mask,
+                     **_defaults({**kwargs, "implementation": implementation, "interpret": interpret}))
     platform = platform or jax.default_backend()
     pallas_reason = _pallas_ineligible(call.q.shape[-1])
     if pallas_reason is None and platform not in ("cuda", "gpu") and not call.cfg.interpret:

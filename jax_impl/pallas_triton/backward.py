@@ -131,7 +131,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
                   pair(mask), pair(bias)],
         out_specs=[kv_tile, kv_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        interpret=cfg.interpret, name="flash_attention_backward_dkdv",
+        interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dkdv",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
     )(*inputs)
 
@@ -157,7 +157,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
                   None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
                   pair(mask), pair(bias)],
         out_specs=out_specs, out_shape=out_shape,
-        interpret=cfg.interpret, name="flash_attention_backward_dq",
+        interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dq",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
     )(*inputs)
     dq = results[0]

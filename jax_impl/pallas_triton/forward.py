@@ -90,6 +90,6 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
     kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k)
     return pl.pallas_call(
         kernel, grid=(lq_pad // block_q, b, hq), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, interpret=cfg.interpret, name="flash_attention_forward",
+        out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
     )(q, k, v, masks.q_len, masks.kv_len, masks.q_segment_ids, masks.kv_segment_ids, mask, bias)

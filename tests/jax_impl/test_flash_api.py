@@ -1,0 +1,178 @@
+"""The public API: argument errors, transformations, empty rows, residuals, batch dims."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_impl import BlockSizes
+from jax_impl.flash_attention import flash_attention
+
+
+def _qkv(b=2, lq=24, lk=24, hq=4, hkv=2, d=16, seed=0, dtype=jnp.float32, batch=None):
+    rng = np.random.default_rng(seed)
+    lead = batch if batch is not None else (b,)
+    draw = lambda *s: jnp.asarray(rng.standard_normal(lead + s), dtype)
+    return draw(lq, hq, d), draw(lk, hkv, d), draw(lk, hkv, d)
+
+
+# --- Bad input: a clear error that names the argument and the rule ---------------------------
+
+BAD_CALLS = {
+    "rank": (lambda q, k, v: flash_attention(q[0, 0], k[0, 0], v[0, 0]), ValueError, "query must have shape"),
+    "head_dim": (lambda q, k, v: flash_attention(q, k[..., :8], v[..., :8]), ValueError, "head_dim"),
+    "dtype": (lambda q, k, v: flash_attention(q, k.astype(jnp.bfloat16), v), TypeError, "share a dtype"),
+    "int_dtype": (lambda q, k, v: flash_attention(q.astype(jnp.int32), k, v), TypeError, "query.dtype"),
+    "gqa": (lambda q, k, v: flash_attention(q[:, :, :3], k, v), ValueError, "num_q_heads=3 must be a multiple of num_kv_heads=2"),
+    "mask_shape": (lambda q, k, v: flash_attention(q, k, v, mask=jnp.ones((5, 24), bool)), ValueError, "mask.shape"),
+    "mask_dtype": (lambda q, k, v: flash_attention(q, k, v, mask=jnp.ones((24, 24))), TypeError, "mask.dtype"),
+    "bias_shape": (lambda q, k, v: flash_attention(q, k, v, bias=jnp.ones((3, 1, 24, 24))), ValueError, "bias.shape"),
+    "lengths_range": (lambda q, k, v: flash_attention(q, k, v, key_value_seq_lengths=jnp.array([3, 25])), ValueError, r"key_value_seq_lengths must lie in \[0, 24\]"),
+    "lengths_shape": (lambda q, k, v: flash_attention(q, k, v, query_seq_lengths=jnp.array([3])), ValueError, "query_seq_lengths.shape"),
+    "segments_alone": (lambda q, k, v: flash_attention(q, k, v, q_segment_ids=jnp.zeros((2, 24), jnp.int32)), ValueError, "together"),
+    "alignment": (lambda q, k, v: flash_attention(q, k, v, causal_alignment="bottom"), ValueError, "causal_alignment"),
+    "window": (lambda q, k, v: flash_attention(q, k, v, local_window_size=(-1, 2)), ValueError, "local_window_size"),
+    "scale": (lambda q, k, v: flash_attention(q, k, v, scale=-1.0), ValueError, "scale"),
+    "soft_cap": (lambda q, k, v: flash_attention(q, k, v, logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
+    "implementation": (lambda q, k, v: flash_attention(q, k, v, implementation="cudnn"), ValueError, "jax.nn"),
+    "interpret_xla": (lambda q, k, v: flash_attention(q, k, v, implementation="xla", interpret=True), ValueError, "interpret=True"),
+    "block_sizes_type": (lambda q, k, v: flash_attention(q, k, v, block_sizes=(64, 64)), TypeError, "block_sizes"),
+    "head_dim_pallas": (lambda q, k, v: flash_attention(*(jnp.ones((1, 4, 1, 512)),) * 3, implementation="pallas_triton"), ValueError, "head_dim=512"),
+    "dropout": (lambda q, k, v: flash_attention(q, k, v, dropout_rate=0.1, deterministic=False), NotImplementedError, "dropout"),
+    "precision": (lambda q, k, v: flash_attention(q, k, v, precision="turbo"), ValueError, "precision"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_bad_input_raises_a_clear_error(name):
+    call, error, message = BAD_CALLS[name]
+    with pytest.raises(error, match=message):
+        call(*_qkv())
+
+
+@pytest.mark.parametrize("field, value", [("block_q", 48), ("block_k", 8), ("num_warps", 3)])
+def test_invalid_block_sizes_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
+        BlockSizes(**{field: value})
+
+
+# --- Empty rows, residuals -----------------------------------------------------------------
+
+@pytest.mark.parametrize("options", [dict(implementation="xla"), dict(implementation="reference"),
+                                     dict(implementation="pallas_triton", interpret=True)],
+                         ids=["xla", "reference", "pallas_triton"])
+def test_rows_with_no_allowed_key_give_zero_output_and_gradients(options):
+    q, k, v = _qkv(lq=20, lk=12)
+    mask = jnp.asarray(np.random.default_rng(1).random((2, 4, 20, 12)) < 0.6).at[:, :, :5].set(False)
+    lengths = jnp.array([12, 0], jnp.int32)  # batch row 1 has no keys at all
+    cotangent = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32)
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, mask=mask, key_value_seq_lengths=lengths,
+                               return_residual=True, **options)
+
+    (out, lse), vjp = jax.vjp(attend, q, k, v)
+    dq, dk, dv = vjp((cotangent, jnp.zeros_like(lse)))
+    for x in (out, dq, dk, dv):
+        assert np.all(np.isfinite(np.asarray(x)))
+    assert np.all(np.asarray(out[:, :5]) == 0) and np.all(np.asarray(out[1]) == 0)
+    assert np.all(np.asarray(dq[:, :5]) == 0) and np.all(np.asarray(dk[1]) == 0)
+    assert np.all(np.isneginf(np.asarray(lse[:, :5]))) and np.all(np.isneginf(np.asarray(lse[1])))
+    assert np.all(np.isfinite(np.asarray(lse[0, 5:])))
+    assert np.any(np.asarray(out[0, 5:]) != 0)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+def test_logsumexp_residual_matches_dense_and_is_differentiable(implementation):
+    q, k, v = _qkv(lq=20, lk=28, seed=3)
+    options = dict(interpret=True) if implementation == "pallas_triton" else {}
+    rng = np.random.default_rng(4)
+    out_ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    lse_ct = jnp.asarray(rng.standard_normal(q.shape[:-1]), jnp.float32)
+
+    def grads(impl, **kw):
+        fn = lambda q, k, v: flash_attention(q, k, v, is_causal=True, return_residual=True,
+                                             implementation=impl, **kw)
+        (out, lse), vjp = jax.vjp(fn, q, k, v)
+        return (out, lse) + vjp((out_ct, lse_ct))
+
+    ours, dense = grads(implementation, **options), grads("reference")
+    assert ours[1].shape == q.shape[:-1]  # [B, Lq, Hq], as jax.nn's residual
+    dense_lse = jax.nn.dot_product_attention(q, jnp.repeat(k, 2, 2), jnp.repeat(v, 2, 2),
+                                             is_causal=True, return_residual=True)[1]
+    np.testing.assert_allclose(ours[1], dense_lse, atol=2e-5)
+    for a, b in zip(ours, dense):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
+# --- Transformations and shapes ---------------------------------------------------------------
+
+def _dense(q, k, v, **kw):
+    return flash_attention(q, k, v, implementation="reference", **kw)
+
+
+def test_jit_grad_vmap_checkpoint_agree_with_dense():
+    q, k, v = _qkv(seed=5)
+    ct = jnp.asarray(np.random.default_rng(6).standard_normal(q.shape), jnp.float32)
+    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, is_causal=True) * ct)
+    flash = lambda q, k, v, **kw: flash_attention(q, k, v, implementation="xla", **kw)
+    expected = jax.grad(loss(_dense), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(jax.checkpoint(loss(flash)), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+    vmapped = jax.vmap(lambda q, k, v: flash(q[None], k[None], v[None], is_causal=True)[0])(q, k, v)
+    np.testing.assert_allclose(vmapped, _dense(q, k, v, is_causal=True), atol=2e-5)
+
+
+def test_vmapped_gradient_with_per_example_lengths():
+    q, k, v = _qkv(seed=7)
+    lengths = jnp.array([24, 9], jnp.int32)
+    ct = jnp.asarray(np.random.default_rng(8).standard_normal(q.shape), jnp.float32)
+
+    def per_example(fn):
+        def loss(q, k, v, n, c):
+            return jnp.sum(fn(q[None], k[None], v[None], key_value_seq_lengths=n[None])[0] * c)
+        return jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, lengths, ct)
+
+    flash = lambda *a, **kw: flash_attention(*a, implementation="xla", **kw)
+    for a, b in zip(per_example(flash), per_example(_dense)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_extra_batch_dims_and_no_batch_dims():
+    q, k, v = _qkv(batch=(2, 3), seed=9)
+    mask = jnp.asarray(np.random.default_rng(10).random((2, 1, 1, 24, 24)) < 0.8)
+    lengths = jnp.array([[24, 10, 5], [1, 24, 17]], jnp.int32)
+    got = flash_attention(q, k, v, mask=mask, key_value_seq_lengths=lengths)
+    assert got.shape == q.shape
+    for i in range(2):
+        for j in range(3):
+            expected = _dense(q[i, j][None], k[i, j][None], v[i, j][None], mask=mask[i],
+                              key_value_seq_lengths=lengths[i, j][None])
+            np.testing.assert_allclose(got[i, j], expected[0], atol=2e-5)
+    unbatched = flash_attention(q[0, 0], k[0, 0], v[0, 0], is_causal=True)
+    np.testing.assert_allclose(unbatched, _dense(q[0, 0], k[0, 0], v[0, 0], is_causal=True), atol=2e-5)
+
+
+def test_matches_jax_nn_on_its_own_arguments():
+    q, k, v = _qkv(lq=20, lk=33, hq=2, hkv=2, seed=11)
+    bias = jnp.asarray(np.random.default_rng(12).standard_normal((1, 2, 20, 33)), jnp.float32)
+    mask = jnp.asarray(np.random.default_rng(13).random((2, 1, 20, 33)) < 0.9)
+    kw = dict(scale=0.3, key_value_seq_lengths=jnp.array([33, 20]), local_window_size=(5, 3))
+    np.testing.assert_allclose(flash_attention(q, k, v, bias, mask, **kw),
+                               jax.nn.dot_product_attention(q, k, v, bias, mask, **kw), atol=2e-5)
+    np.testing.assert_allclose(flash_attention(q, k, v, is_causal=True),
+                               jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=2e-5)
+
+
+def test_causal_alignments_differ_as_defined():
+    """Lq=2, Lk=4: top-left lets query 0 see key 0 only; bottom-right lets it see keys 0..2."""
+    q, _, _ = _qkv(b=1, lq=2, lk=4, hq=1, hkv=1, d=16, seed=14)
+    k = jnp.asarray(np.random.default_rng(15).standard_normal((1, 4, 1, 16)), jnp.float32)
+    v = jnp.eye(4, 16, dtype=jnp.float32)[None, :, None, :]  # output = probability per key
+    for alignment, visible in (("top_left", 1), ("bottom_right", 3)):
+        out = flash_attention(q, k, v, is_causal=True, causal_alignment=alignment)
+        probs = np.asarray(out[0, 0, 0, :4])
+        assert np.all(probs[:visible] > 0) and np.all(probs[visible:] == 0), (alignment, probs)
+        np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-6)

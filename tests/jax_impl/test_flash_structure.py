@@ -1,0 +1,183 @@
+"""Structural facts: what the VJP keeps, how memory grows, what the GPU kernels lower to."""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from jax_impl import BlockSizes, explain_implementation, masking, pallas_triton
+from jax_impl.config import AttentionConfig
+from jax_impl.flash_attention import flash_attention
+from jax_impl.pallas_triton import heuristics
+
+CUDA_EXPORT = dict(platforms=["cuda"],
+                   disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+
+
+def _random(shape, seed, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+@pytest.mark.parametrize("options", [dict(implementation="xla"),
+                                     dict(implementation="pallas_triton", interpret=True),
+                                     dict()], ids=["xla", "pallas_triton", "default"])
+def test_vjp_residuals_hold_no_score_sized_array(options):
+    lq, lk = 160, 192
+    q, k, v = _random((1, lq, 2, 16), 0), _random((1, lk, 1, 16), 1), _random((1, lk, 1, 16), 2)
+    fn = lambda q, k, v: flash_attention(q, k, v, is_causal=True, **options)
+    _, vjp_fn = jax.vjp(fn, q, k, v)
+    residuals = jax.tree_util.tree_leaves(vjp_fn)
+    sizes = [np.size(r) for r in residuals]
+    assert residuals, "vjp kept nothing: the test inspects the wrong object"
+    assert max(sizes) < lq * lk, f"a residual has {max(sizes)} >= Lq*Lk={lq * lk} elements"
+    # The dense reference, by contrast, keeps the probabilities: the check can fail.
+    _, dense_vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, is_causal=True,
+                                                           implementation="reference"), q, k, v)
+    assert max(np.size(r) for r in jax.tree_util.tree_leaves(dense_vjp)) >= lq * lk
+
+
+def _temp_bytes(fn, *shapes):
+    compiled = jax.jit(fn).lower(*shapes).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
+def test_xla_memory_grows_linearly_dense_quadratically(backward):
+    def measure(implementation, length):
+        shape = jax.ShapeDtypeStruct((1, length, 4, 64), jnp.float32)
+        attend = lambda q, k, v: flash_attention(q, k, v, implementation=implementation)
+        if backward:
+            fn = lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * q),
+                                          argnums=(0, 1, 2))(q, k, v)
+        else:
+            fn = attend
+        return _temp_bytes(fn, shape, shape, shape)
+
+    lengths = (2048, 4096, 8192)
+    blocked = [measure("xla", n) for n in lengths]
+    dense = [measure("reference", n) for n in lengths]
+    for small, large in zip(blocked, blocked[1:]):
+        assert large / small < 2.6, f"xla temporaries {blocked} grow faster than linearly"
+    for small, large in zip(dense, dense[1:]):
+        assert large / small > 3.5, f"dense temporaries {dense} should grow quadratically"
+    assert blocked[-1] * 8 < dense[-1]
+
+
+FEATURES = {
+    "plain": dict(),
+    "everything": dict(mask=True, bias=True, segments=True, lengths=True, is_causal=True,
+                       causal_alignment="bottom_right", local_window_size=(64, 8),
+                       logits_soft_cap=20.0, gqa=True),
+}
+
+
+def _export_gradients(head_dim, dtype, lq, lk, features, block_sizes=None):
+    dtype = jnp.dtype(dtype)
+    hq, hkv, b = 4, (2 if features.get("gqa") else 4), 2
+    sd = jax.ShapeDtypeStruct
+    shapes = [sd((b, lq, hq, head_dim), dtype), sd((b, lk, hkv, head_dim), dtype),
+              sd((b, lk, hkv, head_dim), dtype), sd((1, hq, lq, lk), jnp.float32)]
+    extra = {}
+    if features.get("mask"):
+        extra["mask"] = jnp.asarray(np.random.default_rng(0).random((b, 1, lq, lk)) < 0.8)
+    if features.get("segments"):
+        extra["q_segment_ids"] = jnp.zeros((b, lq), jnp.int32).at[:, lq // 2:].set(1)
+        extra["kv_segment_ids"] = jnp.zeros((b, lk), jnp.int32).at[:, lk // 2:].set(1)
+    if features.get("lengths"):
+        extra["key_value_seq_lengths"] = jnp.array([lk, lk // 2], jnp.int32)
+    static = {n: features[n] for n in ("is_causal", "causal_alignment", "local_window_size",
+                                       "logits_soft_cap") if n in features}
+
+    def loss(q, k, v, bias):
+        out = flash_attention(q, k, v, bias if features.get("bias") else None,
+                              implementation="pallas_triton", block_sizes=block_sizes,
+                              **static, **extra)
+        return jnp.sum(out.astype(jnp.float32))
+
+    exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), **CUDA_EXPORT)(*shapes)
+    return exported.mlir_module()
+
+
+HEURISTIC_CONFIGS = list(heuristics.all_default_configs().items())
+
+
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("config, selector", HEURISTIC_CONFIGS,
+                         ids=[f"d{d}-{t}" for _, (d, t) in HEURISTIC_CONFIGS])
+def test_every_heuristic_config_lowers_to_triton_for_cuda(config, selector, features):
+    head_dim, dtype = selector
+    length = 2 * max(config.block_q, config.block_k)  # long enough that no tile is clipped
+    module = _export_gradients(head_dim, dtype, length, length + 3, FEATURES[features])
+    kernels = re.findall(r'name = "(flash_attention_\w+)"', module)
+    assert sorted(set(kernels)) == ["flash_attention_backward_dkdv", "flash_attention_backward_dq",
+                                    "flash_attention_forward"]
+
+
+@pytest.mark.parametrize("lq, lk, head_dim", [(1, 1, 8), (37, 129, 40), (129, 17, 256)])
+def test_clipped_tiles_and_odd_shapes_lower_for_cuda(lq, lk, head_dim):
+    module = _export_gradients(head_dim, "bfloat16", lq, lk, FEATURES["everything"])
+    assert "flash_attention_forward" in module
+
+
+def test_user_block_sizes_lower_for_cuda():
+    blocks = BlockSizes(32, 16, 16, 32, 32, 16, num_warps=8, num_warps_bwd=2, num_stages=3)
+    assert "flash_attention_backward_dq" in _export_gradients(64, "float16", 100, 70, {}, blocks)
+
+
+def _triton_ir(precision):
+    cfg = AttentionConfig(scale=0.125, mask=masking.MaskSpec(is_causal=True), debug=True,
+                          precision=precision)
+    masks = masking.MaskInputs(jnp.array([64], jnp.int32), jnp.array([64], jnp.int32),
+                               None, None, None)
+
+    def fwd_bwd(q):
+        out, lse = pallas_triton.forward(cfg, q, q, q, None, masks)
+        return pallas_triton.backward(cfg, q, q, q, None, masks, out, lse, out, None)
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        export.export(jax.jit(fwd_bwd), **CUDA_EXPORT)(jax.ShapeDtypeStruct((1, 64, 1, 64), jnp.float32))
+    return printed.getvalue()
+
+
+def test_fp32_dots_are_full_precision_not_tf32():
+    ir = _triton_ir(jax.lax.Precision.HIGHEST)
+    assert ir.count("tt.dot") >= 2 + 4 + 3  # forward, dK/dV and dQ kernels
+    assert "inputPrecision = tf32" not in ir
+    # The check can fail: asking for DEFAULT precision does produce TF32 dots.
+    assert "inputPrecision = tf32" in _triton_ir(jax.lax.Precision.DEFAULT)
+
+
+def test_pallas_triton_refuses_to_lower_for_cpu_and_says_what_to_use():
+    q = _random((1, 16, 1, 16), 0)
+    with pytest.raises(NotImplementedError, match="implementation='xla'.*interpret=True"):
+        jax.jit(lambda q: flash_attention(q, q, q, implementation="pallas_triton"))(q)
+
+
+def test_explain_implementation_names_the_choice_and_every_reason():
+    q = _random((1, 16, 2, 64), 0)
+    on_cpu = explain_implementation(q, q, q, platform="cpu")
+    assert on_cpu.chosen == "xla"
+    assert "CUDA" in on_cpu.reasons["pallas_triton"]
+    on_gpu = explain_implementation(q, q, q, platform="cuda")
+    assert on_gpu.chosen == "pallas_triton" and on_gpu.reasons["pallas_triton"] is None
+    assert on_gpu.reasons["xla"] and on_gpu.reasons["reference"]
+    wide = _random((1, 16, 1, 512), 1)
+    too_wide = explain_implementation(wide, wide, wide, platform="cuda")
+    assert too_wide.chosen == "xla" and "head_dim=512" in too_wide.reasons["pallas_triton"]
+    requested = explain_implementation(q, q, q, platform="cuda", implementation="reference")
+    assert requested.chosen == "reference" and "requested" in requested.reasons["pallas_triton"]
+
+
+def test_default_path_on_cuda_lowers_the_pallas_kernels():
+    sd = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    exported = export.export(jax.jit(lambda q, k, v: flash_attention(q, k, v)), **CUDA_EXPORT)(sd, sd, sd)
+    assert "flash_attention_forward" in exported.mlir_module()
+    cpu = jax.jit(lambda q, k, v: flash_attention(q, k, v)).lower(sd, sd, sd).as_text()
+    assert "flash_attention_forward" not in cpu
