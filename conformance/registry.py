@@ -73,6 +73,11 @@ class Prepared:
     def results(self) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def memory_analysis(self) -> dict | None:
+        """Sizes in bytes of the compiled program (JAX: XLA's ``memory_analysis()``: temp,
+        argument, output, ...); None where nothing is compiled ahead (torch)."""
+        return None
+
 
 def _f64(x) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
@@ -108,6 +113,17 @@ class _JaxPrepared(Prepared):
         except NotImplementedError as e:
             raise NotSupported(f"NotImplementedError: {e}") from e
         self._result = None
+
+    def memory_analysis(self) -> dict | None:
+        try:
+            m = self._compiled.memory_analysis()
+        except Exception:  # a backend that does not report it
+            return None
+        if m is None:
+            return None
+        names = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+                 "alias_size_in_bytes", "generated_code_size_in_bytes")
+        return {n: int(getattr(m, n)) for n in names if hasattr(m, n)}
 
     def run(self) -> None:
         import jax
