@@ -33,6 +33,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def must_pass_failures(results, probe_rows) -> list[tuple[str, str]]:
+    """(impl, case) pairs that decide the exit code: a jax_impl.* or plug-in FAIL or error on a
+    case it did not declare unsupported, and a jax_impl.* probe that contradicts DESIGN.md."""
+    failed = sorted({(r.impl, r.case) for r in results if harness.must_pass(r.impl) and harness.claims_failure(r)})
+    return failed + sorted({(p.impl, p.probe) for p in probe_rows if p.conforms is False})
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device or registry.default_device()
@@ -60,8 +67,7 @@ def main(argv=None) -> int:
     bar.close()
     seconds = time.perf_counter() - start
 
-    failed = sorted({(r.impl, r.case) for r in results if harness.must_pass(r.impl) and harness.claims_failure(r)})
-    failed += sorted({(p.impl, p.probe) for p in probe_rows if p.conforms is False})
+    failed = must_pass_failures(results, probe_rows)
     exit_code = 1 if failed else 0
     if cases:
         print(report.terminal_table(results, cases, impls))

@@ -136,9 +136,12 @@ def naive_fp16_softmax_overflows(inputs: Inputs) -> bool:
         return bool(np.isinf(np.exp(logits.astype(np.float16))).any())
 
 
-def run_probes(adapters: list[Adapter], progress=None) -> list[ProbeRow]:
+def run_probes(adapters: list[Adapter], progress=None, names=None) -> list[ProbeRow]:
+    """Every probe (or those in ``names``) through every adapter."""
     rows = []
     for case in get_suite("probes"):
+        if names is not None and case.name not in names:
+            continue
         inputs = make_inputs(case)
         for adapter in adapters:
             reason = adapter.unsupported(case)
