@@ -1,0 +1,187 @@
+"""python -m benchmarks [--suite quick|course|sweep|gpu] [--impl NAME|module:function ...]
+[--out DIR] [--device cpu|cuda]
+
+Times every implementation of the registry (conformance.registry) on the suite's
+configurations, after checking each result against the float64 oracle; writes a terminal
+table, CSV, JSON, Markdown and PNG plots to --out (default benchmarks/results/<device>/, the
+device being "cpu" or the GPU's name slugified, e.g. nvidia-h200).
+"""
+from __future__ import annotations
+
+import os
+
+# before JAX starts: share one GPU with torch (no 75% preallocation; JAX's pool capped), and
+# allow each side's out-of-memory to be a recorded result. Override by setting them yourself.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tqdm import tqdm  # noqa: E402
+
+from benchmarks import measure as measure_mod, report, suites  # noqa: E402
+from benchmarks.measure import OOM, SKIPPED, INTERPRET_REASON, Options, ReferenceCache  # noqa: E402
+from conformance import registry  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
+    p.add_argument("--suite", default="quick", choices=sorted(suites.SUITES))
+    p.add_argument("--impl", action="append", default=None,
+                   help="registry name or module:function (repeatable); default: the suite's list, else every "
+                        "available one (on CPU without jax_impl.pallas_triton: interpret mode is not a benchmark)")
+    p.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>/)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if JAX sees a GPU")
+    p.add_argument("--seq-lens", default=None, help="comma-separated lengths replacing the suite's (e.g. 128,256)")
+    p.add_argument("--heads", type=int, default=None, help="replace the suite's head count")
+    p.add_argument("--repeats", type=int, default=None, help="at most this many timed repeats (default: the suite's)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds; measurements after it are recorded as skipped (default: the suite's)")
+    p.add_argument("--no-check", action="store_true", help="skip the float64-oracle check (rows say 'not checked')")
+    p.add_argument("--baseline", default="torch.manual", help="speedups are over this implementation")
+    return p.parse_args(argv)
+
+
+def _enable_compile_cache():
+    """Each input set gets its own Prepared (its own jit): a per-process compilation cache turns
+    the 2nd..nth compile of the same program into a load. Fresh per run, so first-call and
+    prepare times stay honest."""
+    try:
+        import jax
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="bench_jax_cache_"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    except Exception:
+        pass
+
+
+def select(suite, args, device):
+    notes = []
+    if args.impl:
+        adapters = [registry.get_adapter(n, device) for n in args.impl]
+        opts_interpret = any(a.name == "jax_impl.pallas_triton" for a in adapters)
+    else:
+        opts_interpret = False
+        names = suite.impls.get(device)
+        if names:
+            adapters = [registry.get_adapter(n, device) for n in names]
+        else:
+            adapters = [a for a in registry.available_adapters(device)
+                        if not (device == "cpu" and a.name == "jax_impl.pallas_triton")]
+            missing = {a.name: a.on(device).available() for a in registry.REGISTRY.values()
+                       if a.on(device).available() is not None}
+            notes += [f"{n}: {why}" for n, why in missing.items()]
+        if device == "cpu":
+            notes.append(f"jax_impl.pallas_triton not timed: {INTERPRET_REASON}")
+    return adapters, opts_interpret, notes
+
+
+def with_overrides(suite, args):
+    import dataclasses
+    configs = list(suite.configs)
+    if args.seq_lens or args.heads:
+        lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else None
+        new = []
+        for c in configs:
+            shape = c.shape
+            if args.heads:
+                shape = dataclasses.replace(shape, heads=args.heads)
+            if lens is not None:
+                if shape.seq_len not in lens and shape.seq_len != suite.configs[0].shape.seq_len:
+                    pass
+            new.append(dataclasses.replace(c, shape=shape))
+        if lens is not None:  # rebuild each group over the given lengths
+            seen, rebuilt = set(), []
+            for c in new:
+                g = c.group
+                if g in seen:
+                    continue
+                seen.add(g)
+                rebuilt += [dataclasses.replace(c, shape=dataclasses.replace(c.shape, seq_len=n)) for n in lens]
+            new = rebuilt
+        configs = new
+    kw = {"configs": tuple(configs)}
+    if args.repeats:
+        kw.update(max_repeats=args.repeats, min_repeats=min(suite.min_repeats, args.repeats))
+    if args.time_budget is not None:
+        kw["time_budget_s"] = args.time_budget
+    return dataclasses.replace(suite, **kw)
+
+
+def run(suite, adapters, device, *, check=True, allow_interpret=False, baseline="torch.manual",
+        progress=True) -> tuple[list, float, list[str]]:
+    """Every configuration through every adapter; rows with statuses, speedups added."""
+    opts = Options(max_repeats=suite.max_repeats, min_repeats=suite.min_repeats,
+                   measure_budget_s=suite.measure_budget_s, input_sets=suite.input_sets, check=check,
+                   allow_interpret=allow_interpret)
+    refs = ReferenceCache() if check else None
+    rows, oom_at, notes = [], {}, []
+    start = time.perf_counter()
+    bar = tqdm(total=len(suite.configs) * len(adapters), unit="run", dynamic_ncols=True,
+               disable=not progress or os.environ.get("BENCH_NO_PROGRESS") == "1")
+    skipped_budget = 0
+    for config in suite.configs:
+        for adapter in adapters:
+            bar.set_postfix_str(f"L={config.shape.seq_len} {config.mode} {adapter.name}", refresh=False)
+            frontier = oom_at.get((adapter.name, config.group))
+            if suite.time_budget_s is not None and time.perf_counter() - start > suite.time_budget_s:
+                row = measure_mod.new_row(adapter, config)
+                row.status, row.reason = SKIPPED, f"time budget of {suite.time_budget_s:.0f} s spent"
+                skipped_budget += 1
+            elif frontier is not None and config.shape.seq_len > frontier:
+                row = measure_mod.new_row(adapter, config)
+                row.status, row.reason = OOM, f"not run: out of memory already at L={frontier}"
+            else:
+                row = measure_mod.measure(adapter, config, refs, opts)
+                if row.status == OOM:
+                    oom_at[(adapter.name, config.group)] = min(config.shape.seq_len, frontier or 1 << 62)
+            rows.append(row)
+            bar.update()
+    bar.close()
+    measure_mod.add_speedups(rows, baseline)
+    seconds = time.perf_counter() - start
+    if refs is not None:
+        notes.append(f"float64 oracle + same-dtype baseline (one slice per configuration): {refs.seconds:.0f} s of the run")
+    if skipped_budget:
+        notes.append(f"{skipped_budget} measurements skipped: the time budget of {suite.time_budget_s:.0f} s was spent")
+    return rows, seconds, notes
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device or registry.default_device()
+    suite = with_overrides(suites.get_suite(args.suite), args)
+    _enable_compile_cache()
+    adapters, allow_interpret, notes = select(suite, args, device)
+    env = report.environment(device)
+    rows, seconds, run_notes = run(suite, adapters, device, check=not args.no_check,
+                                   allow_interpret=allow_interpret, baseline=args.baseline)
+    notes += run_notes
+    if suite.max_repeats > suite.min_repeats:
+        notes.append(f"repeats: about {suite.measure_budget_s:g} s of timed calls per measurement, "
+                     f"between {suite.min_repeats} and {suite.max_repeats} (fewer at large L)")
+    if device == "cpu":
+        notes.append("CPU memory: JAX's compiled temp bytes (XLA memory_analysis) and, for every framework, the "
+                     "process's peak RSS growth during the first call (/proc clear_refs + VmHWM; memory reused "
+                     "from an allocator's free lists does not show). Device peaks are CUDA-only.")
+        notes.append("CPU timings are shared-machine numbers: see load_average_start; spreads are in the tables")
+    try:
+        env["load_average_end"] = os.getloadavg()
+    except OSError:
+        pass
+    print(report.terminal(rows, device))
+    out_dir = Path(args.out) if args.out else Path(__file__).parent / "results" / report.slug(report.device_name(device))
+    paths = report.write(out_dir, rows, env, suite, device, seconds, notes)
+    for n in notes:
+        print("note:", n)
+    print(f"\n{len(suite.configs)} configurations x {len(adapters)} implementations in {seconds:.0f} s; "
+          + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Benchmark suites: which configurations, which implementations, how many repeats.
+
+A configuration is a ``conformance.cases.Shape`` (the named benchmark points of the shared
+case list) plus causal masking and a mode ("fwd" or "fwd+bwd"); ``Config.case(seed)`` turns it
+into a ``conformance.cases.Case`` so that inputs come from ``conformance.cases.make_inputs``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from conformance.cases import Case, Shape
+
+MODES = ("fwd", "fwd+bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    shape: Shape
+    causal: str | None = None       # None | "top_left" | "bottom_right"
+    mode: str = "fwd"               # "fwd" | "fwd+bwd"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"{self.mode=} must be one of {MODES}")
+
+    def case(self, seed: int = 0) -> Case:
+        features = {"causal": self.causal} if self.causal else {}
+        return self.shape.case(seed=seed, **features)
+
+    @property
+    def group(self) -> tuple:
+        """Everything but the sequence length: one line in a plot, one OOM frontier."""
+        s = self.shape
+        return (self.mode, s.dtype, s.head_dim, self.causal or "none", s.batch, s.heads)
+
+    @property
+    def key(self) -> tuple:
+        return self.group + (self.shape.seq_len, self.shape.kv_len or self.shape.seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    configs: tuple
+    impls: dict = dataclasses.field(default_factory=dict)  # device -> tuple of names; absent: all available
+    max_repeats: int = 7
+    min_repeats: int = 3
+    measure_budget_s: float = 2.0   # timed repeats per measurement: about this long, within [min, max]
+    input_sets: int = 3             # input draws per configuration, cycled between repeats
+    time_budget_s: float | None = None  # after this, remaining measurements are recorded as skipped
+
+
+def grid(seq_lens, *, batch=1, heads=8, head_dims=(64,), dtypes=("float32",), causal=(None,),
+         modes=MODES) -> list[Config]:
+    """Groups in order (mode, dtype, D, causal), sequence lengths ascending inside each group
+    (so an out-of-memory at one length stands for the longer ones)."""
+    return [Config(Shape(batch, heads, n, d, dt), c, m)
+            for m in modes for dt in dtypes for d in head_dims for c in causal for n in seq_lens]
+
+
+QUICK_CPU_IMPLS = ("jax_impl.xla", "jax.dense", "jax.nn.xla", "torch.manual", "torch.sdpa.auto")
+
+
+def _quick() -> Suite:
+    return Suite(
+        "quick",
+        "jax_impl's default CPU path against dense JAX, jax.nn, torch manual and torch SDPA: "
+        "fp32, B=1, H=2, D=64, L=512..8192, forward and forward+backward (H=2 keeps it under "
+        "10 minutes on 2 CPU cores; on a GPU every available implementation runs)",
+        tuple(grid((512, 1024, 2048, 4096, 8192), heads=2)),
+        impls={"cpu": QUICK_CPU_IMPLS},
+        max_repeats=7, min_repeats=3, measure_budget_s=2.0, input_sets=3, time_budget_s=None)
+
+
+def _course() -> Suite:
+    return Suite(
+        "course",
+        "the course's measurement: fp16, B=1, H=8, D=64, L=128..32768 (until memory ends), "
+        "manual attention against fused kernels, forward and forward+backward",
+        tuple(grid((128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768), heads=8,
+                   dtypes=("float16",))),
+        max_repeats=20, min_repeats=3, measure_budget_s=1.0)
+
+
+def _sweep() -> Suite:
+    return Suite(
+        "sweep",
+        "everything: fp32/fp16/bf16, causal and not, D=64/128, L=128..32768 (until memory ends), "
+        "forward and forward+backward (a GPU, or a patient CPU)",
+        tuple(grid((128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768), heads=8, head_dims=(64, 128),
+                   dtypes=("float32", "float16", "bfloat16"), causal=(None, "top_left"))),
+        max_repeats=20, min_repeats=3, measure_budget_s=1.0)
+
+
+GPU_HEADLINE = tuple(Config(Shape(1, 8, 4096, d, "bfloat16"), None, m) for d in (64, 128) for m in MODES)
+
+
+def _gpu() -> Suite:
+    rest = grid((512, 1024, 2048, 4096, 8192, 16384), heads=8, head_dims=(64, 128), dtypes=("bfloat16",),
+                causal=(None, "top_left")) + \
+        grid((512, 1024, 2048, 4096, 8192, 16384), heads=8, head_dims=(64,), dtypes=("float16",))
+    return Suite(
+        "gpu",
+        "one GPU: bf16 (and fp16 at D=64), B=1, H=8, L=512..16384, D=64/128, causal and not, forward "
+        "and forward+backward, every GPU implementation; L=4096 bf16 first (the headline TFLOP/s); "
+        "a time budget keeps it under 8 minutes (what it cuts is recorded as skipped)",
+        GPU_HEADLINE + tuple(c for c in rest if c not in GPU_HEADLINE),
+        max_repeats=30, min_repeats=5, measure_budget_s=0.25, input_sets=3, time_budget_s=400.0)
+
+
+SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu())}
+
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        raise ValueError(f"suite {name!r} must be one of {tuple(SUITES)}")
+    return SUITES[name]
