@@ -39,6 +39,8 @@ class MaskSpec:
     window_right: int | None = None  # None: unbounded to the right
     has_segment_ids: bool = False
     has_dense_mask: bool = False
+    has_q_lengths: bool = False   # query_seq_lengths given (else every query is valid)
+    has_kv_lengths: bool = False  # key_value_seq_lengths given
 
     @property
     def has_upper_bound(self) -> bool:
@@ -62,14 +64,33 @@ def diagonal_band(spec: MaskSpec, q_len, kv_len):
     return d_lo, d_hi
 
 
-def structural_allowed(spec: MaskSpec, rows, cols, q_len, kv_len):
-    """Rules 1-3 element-wise. rows ``[..., Tq, 1]``, cols ``[..., 1, Tk]`` absolute positions."""
-    allowed = (rows < q_len) & (cols < kv_len)
+def structural_allowed(spec: MaskSpec, rows, cols, q_len, kv_len, *, keys_padded: bool = True):
+    """Rules 1-3 element-wise. rows ``[..., Tq, 1]``, cols ``[..., 1, Tk]`` absolute positions.
+
+    Returns None when every pair passes, so that the unmasked case costs no select. The row
+    rule is only evaluated when query lengths were given: a blocked implementation's padded
+    query rows are sliced off and, with zero-padded dO, add nothing to the gradients. Padded
+    keys must always be excluded (``keys_padded``).
+    """
+    conditions = []
+    if spec.has_q_lengths:
+        conditions.append(rows < q_len)
+    if spec.has_kv_lengths or keys_padded:
+        conditions.append(cols < kv_len)
     d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
     if d_lo is not None:
-        allowed &= cols - rows >= d_lo
+        conditions.append(cols - rows >= d_lo)
     if d_hi is not None:
-        allowed &= cols - rows <= d_hi
+        conditions.append(cols - rows <= d_hi)
+    return all_of(conditions)
+
+
+def all_of(conditions):
+    """The conjunction of the conditions that are not None; None if there are none."""
+    allowed = None
+    for condition in conditions:
+        if condition is not None:
+            allowed = condition if allowed is None else allowed & condition
     return allowed
 
 
@@ -113,7 +134,8 @@ def dense_allowed(spec: MaskSpec, lq: int, lk: int, q_len, kv_len,
     """
     rows = jnp.arange(lq, dtype=jnp.int32)[None, None, :, None]
     cols = jnp.arange(lk, dtype=jnp.int32)[None, None, None, :]
-    allowed = structural_allowed(spec, rows, cols, q_len[:, None, None, None],
+    full = dataclasses.replace(spec, has_q_lengths=True, has_kv_lengths=True)
+    allowed = structural_allowed(full, rows, cols, q_len[:, None, None, None],
                                  kv_len[:, None, None, None])
     if q_segment_ids is not None:
         allowed &= q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]

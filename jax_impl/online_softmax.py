@@ -31,7 +31,8 @@ def online_step(row_max, row_sum, s, allowed):
     that no inf - inf appears, and their P is exactly 0.
     Returns (rescale factor for the old accumulator, P, new m, new l).
     """
-    s = jnp.where(allowed, s, -jnp.inf)
+    if allowed is not None:  # None: every pair of the tile is allowed
+        s = jnp.where(allowed, s, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
     rescale = jnp.exp(row_max - safe_max)        # 0 while row_max is -inf
@@ -50,6 +51,8 @@ def finalize(acc, row_max, row_sum):
 
 def recomputed_probs(s, lse, allowed):
     """Backward: P = exp(S - lse) from the saved logsumexp, exactly 0 where not allowed."""
+    if allowed is None:
+        return jnp.exp(s - lse[..., None])
     return jnp.exp(jnp.where(allowed, s - lse[..., None], -jnp.inf))
 
 

@@ -47,6 +47,7 @@ class _Tiles:
         lk, hkv = k.shape[1], k.shape[2]
         self.b, self.hq, self.hkv, self.groups = b, hq, hkv, hq // hkv
         self.lq_pad, self.lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
+        self.keys_padded = self.lk_pad != lk
         # Head-major layout, transposed once: each tile's einsum is then a plain batched matmul.
         self.q = self.to_heads(_pad_axis(q, 1, self.lq_pad))            # [B, Hkv, G, Lq_pad, D]
         self.k = jnp.swapaxes(_pad_axis(k, 1, self.lk_pad), 1, 2)        # [B, Hkv, Lk_pad, D]
@@ -81,21 +82,22 @@ class _Tiles:
         return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
 
     def logits(self, q_tile, k_tile, i, j):
-        """(S, soft-cap term, allowed) for query tile i and key tile j: [B, Hkv, G, bq, bk]."""
+        """(S, soft-cap term, allowed or None) for query tile i and key tile j: [B, Hkv, G, bq, bk]."""
         qk = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
                         preferred_element_type=jnp.float32)
         bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
         s, capped = online_softmax.logits(qk, self.cfg, bias)
         rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
         cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
-        allowed = masking.structural_allowed(self.cfg.mask, rows, cols, self.q_len, self.kv_len)
+        conditions = [masking.structural_allowed(self.cfg.mask, rows, cols, self.q_len, self.kv_len,
+                                                 keys_padded=self.keys_padded)]
         if self.q_seg is not None:
             q_seg = lax.dynamic_slice_in_dim(self.q_seg, i * self.block_q, self.block_q, 1)
             kv_seg = lax.dynamic_slice_in_dim(self.kv_seg, j * self.block_k, self.block_k, 1)
-            allowed &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None, None]
+            conditions.append((q_seg[:, :, None] == kv_seg[:, None, :])[:, None, None])
         if self.mask is not None:
-            allowed &= self._pair_tile(self.mask, i, j)
-        return s, capped, allowed
+            conditions.append(self._pair_tile(self.mask, i, j))
+        return s, capped, masking.all_of(conditions)
 
     def kv_range(self, i):
         """Key tiles for query tile i: the union over the batch of each row's range."""

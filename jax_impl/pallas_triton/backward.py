@@ -27,7 +27,8 @@ from jax_impl.pallas_triton.layout import Layout
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
                  q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dk_ref, dv_ref, *,
-                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int):
+                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int,
+                 keys_padded: bool):
     j, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
@@ -48,7 +49,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_
             allowed = common.tile_allowed(
                 cfg.mask, rows, cols, q_len, kv_len,
                 None if q_seg_ref is None else q_seg_ref[queries], kv_seg,
-                None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :])
+                None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :],
+                keys_padded=keys_padded)
             p = online_softmax.recomputed_probs(s, lse_ref[g, queries], allowed)
             dp = common.dot(do, v, cfg.precision, trans_b=True)
             _, dqk = online_softmax.logits_gradient(p, dp, delta_ref[g, queries], capped, cfg)
@@ -66,7 +68,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
                q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dq_ref, dbias_ref, *,
-               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int):
+               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int,
+               keys_padded: bool):
     i, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     q, do = q_ref[...], do_ref[...]                                   # [bq, Dp]
@@ -83,7 +86,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_le
         allowed = common.tile_allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
-            None if mask_ref is None else mask_ref[:, keys])
+            None if mask_ref is None else mask_ref[:, keys], keys_padded=keys_padded)
         p = online_softmax.recomputed_probs(s, lse, allowed)
         dp = common.dot(do, v, cfg.precision, trans_b=True)
         ds, dqk = online_softmax.logits_gradient(p, dp, delta, capped, cfg)
@@ -123,7 +126,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
     q_group = pl.BlockSpec((None, lq_pad, groups, d_pad), lambda j, b, h: (b, 0, h, 0))
     stats_group = pl.BlockSpec((None, groups, lq_pad), lambda j, b, h: (b, h, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups),
+        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups,
+                          keys_padded=layout.lk_pad != layout.lk),
         grid=(lk_pad // bk, b, hkv),
         in_specs=[q_group, kv_tile, kv_tile, q_group, stats_group, stats_group, *lengths,
                   None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
@@ -150,7 +154,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
         out_shape.append(jax.ShapeDtypeStruct((b, hq, lq_pad, lk_pad), jnp.float32))
     results = pl.pallas_call(
         functools.partial(_dq_kernel if bias is not None else _dq_kernel_no_bias, cfg=cfg,
-                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk),
+                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk,
+                          keys_padded=layout.lk_pad != layout.lk),
         grid=(lq_pad // bq, b, hq),
         in_specs=[q_tile, kv_all, kv_all, q_tile, stats_tile, stats_tile, *lengths,
                   None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),

@@ -23,15 +23,15 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
                            precision=precision, preferred_element_type=jnp.float32)
 
 
-def tile_allowed(spec: masking.MaskSpec, rows, cols, q_len, kv_len,
-                 q_seg=None, kv_seg=None, mask_tile=None):
-    """The allowed pattern of one [block_q, block_k] tile: rows [bq, 1], cols [1, bk]."""
-    allowed = masking.structural_allowed(spec, rows, cols, q_len, kv_len)
+def tile_allowed(spec: masking.MaskSpec, rows, cols, q_len, kv_len, q_seg=None, kv_seg=None,
+                 mask_tile=None, *, keys_padded: bool):
+    """The allowed pattern of one [block_q, block_k] tile (rows [bq, 1], cols [1, bk]), or None."""
+    conditions = [masking.structural_allowed(spec, rows, cols, q_len, kv_len, keys_padded=keys_padded)]
     if q_seg is not None:
-        allowed &= q_seg[:, None] == kv_seg[None, :]
+        conditions.append(q_seg[:, None] == kv_seg[None, :])
     if mask_tile is not None:
-        allowed &= mask_tile != 0
-    return allowed
+        conditions.append(mask_tile != 0)
+    return masking.all_of(conditions)
 
 
 def compiler_params(num_warps: int, num_stages: int):

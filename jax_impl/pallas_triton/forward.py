@@ -22,7 +22,7 @@ from jax_impl.pallas_triton.layout import Layout
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref,
                     mask_ref, bias_ref, o_ref, lse_ref, *, cfg: AttentionConfig,
-                    block_q: int, block_k: int):
+                    block_q: int, block_k: int, keys_padded: bool):
     i, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     q = q_ref[...]                                                    # [bq, Dp]
@@ -38,7 +38,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_se
         allowed = common.tile_allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
-            None if mask_ref is None else mask_ref[:, keys])
+            None if mask_ref is None else mask_ref[:, keys], keys_padded=keys_padded)
         rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
         v = v_ref[keys, :]
         acc = rescale[:, None] * acc + common.dot(p.astype(v.dtype), v, cfg.precision)
@@ -87,7 +87,8 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
     ]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, hq, lq_pad), jnp.float32)]
-    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k)
+    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
+                               keys_padded=layout.lk_pad != layout.lk)
     return pl.pallas_call(
         kernel, grid=(lq_pad // block_q, b, hq), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",

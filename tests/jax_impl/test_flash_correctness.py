@@ -12,28 +12,31 @@ import numpy as np
 import pytest
 
 from conformance import tolerance
+from conformance.cases import Case
 from jax_impl import BlockSizes
-from _flash_helpers import DTYPES, Problem, oracle, run
+from _flash_helpers import DTYPES, oracle, run
 
 PROBLEMS = [
-    Problem("plain-fp32"),
-    Problem("plain-bf16", dtype="bfloat16", seed=1),
-    Problem("plain-fp16-mqa", dtype="float16", hkv=1, seed=2),
-    Problem("causal-topleft-lq<lk-d40", lq=37, lk=129, head_dim=40, is_causal=True, seed=3),
-    Problem("causal-bottomright-lq>lk", lq=129, lk=37, is_causal=True,
-            causal_alignment="bottom_right", seed=4),
-    Problem("bottomright-lengths-bf16", lq=37, lk=129, dtype="bfloat16", is_causal=True,
-            causal_alignment="bottom_right", q_lengths=(30, 37), kv_lengths=(129, 50), seed=5),
-    Problem("window-d128-fp16", lq=129, lk=129, hq=2, hkv=2, head_dim=128, dtype="float16",
-            window=(8, 4), seed=6),
-    Problem("causal-window-left", lq=129, lk=129, is_causal=True, window=(16, None), seed=7),
-    Problem("dense-mask-empty-row", dense_mask=True, seed=8),
-    Problem("bias-heads-causal", bias_shape="heads", is_causal=True, seed=9),
-    Problem("bias-keys-softcap", bias_shape="keys", soft_cap=2.0, seed=10),
-    Problem("segments-gqa4", hq=4, hkv=1, segments=True, seed=11),
-    Problem("decode-lq1", lq=1, lk=129, hq=4, hkv=1, is_causal=True,
-            causal_alignment="bottom_right", kv_lengths=(100, 129), seed=12),
-    Problem("single-key-d16", lq=1, lk=1, head_dim=16, batch=1, seed=13),
+    Case("plain-fp32", q_len=37, kv_len=37, kv_heads=2),
+    Case("plain-bf16", q_len=37, kv_len=37, kv_heads=2, dtype="bfloat16", seed=1),
+    Case("plain-fp16-mqa", q_len=37, kv_len=37, kv_heads=1, dtype="float16", seed=2),
+    Case("causal-topleft-lq<lk-d40", q_len=37, kv_len=129, kv_heads=2, head_dim=40,
+         causal="top_left", seed=3),
+    Case("causal-bottomright-lq>lk", q_len=129, kv_len=37, kv_heads=2, causal="bottom_right", seed=4),
+    Case("bottomright-lengths-bf16", q_len=37, kv_len=129, kv_heads=2, dtype="bfloat16",
+         causal="bottom_right", lengths=True, seed=5),
+    Case("window-d128-fp16", q_len=129, kv_len=129, q_heads=2, kv_heads=2, head_dim=128,
+         dtype="float16", window=(8, 4), seed=6),
+    Case("causal-window-left", q_len=129, kv_len=129, kv_heads=2, causal="top_left",
+         window=(16, None), seed=7),
+    Case("dense-mask-empty-rows", q_len=37, kv_len=37, mask="bool_heads", empty_rows=True, seed=8),
+    Case("bias-shared-batch-causal", q_len=37, kv_len=37, kv_heads=2, bias=True,
+         bias_shape="shared_batch", causal="top_left", seed=9),
+    Case("bias-softcap-key-padding", q_len=37, kv_len=37, bias=True, soft_cap=2.0,
+         mask="key_padding", seed=10),
+    Case("segments-gqa4", q_len=37, kv_len=37, kv_heads=1, segments=True, seed=11),
+    Case("decode-lq1", q_len=1, kv_len=129, kv_heads=1, causal="bottom_right", lengths=True, seed=12),
+    Case("single-key-d16", q_len=1, kv_len=1, head_dim=16, batch=1, seed=13),
 ]
 
 IMPLEMENTATIONS = {
@@ -43,13 +46,13 @@ IMPLEMENTATIONS = {
     "xla-16x32-tiles": dict(implementation="xla", block_sizes=BlockSizes(16, 32)),
 }
 SMALL_TILE_PROBLEMS = ("causal-bottomright-lq>lk", "bottomright-lengths-bf16",
-                       "causal-window-left", "bias-heads-causal", "segments-gqa4")
-GRID = [pytest.param(p, impl, id=f"{p}-{impl}") for p in PROBLEMS for impl in IMPLEMENTATIONS
+                       "causal-window-left", "bias-shared-batch-causal", "segments-gqa4")
+GRID = [pytest.param(p, impl, id=f"{p.name}-{impl}") for p in PROBLEMS for impl in IMPLEMENTATIONS
         if impl != "xla-16x32-tiles" or p.name in SMALL_TILE_PROBLEMS]
 
 
 @functools.lru_cache(maxsize=None)
-def _oracle_and_baseline(problem: Problem):
+def _oracle_and_baseline(problem: Case):
     dtype = DTYPES[problem.dtype]
     return oracle(problem), run(problem, dtype, None, baseline=True)
 
