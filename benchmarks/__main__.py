@@ -90,9 +90,6 @@ def with_overrides(suite, args):
             shape = c.shape
             if args.heads:
                 shape = dataclasses.replace(shape, heads=args.heads)
-            if lens is not None:
-                if shape.seq_len not in lens and shape.seq_len != suite.configs[0].shape.seq_len:
-                    pass
             new.append(dataclasses.replace(c, shape=shape))
         if lens is not None:  # rebuild each group over the given lengths
             seen, rebuilt = set(), []

@@ -69,7 +69,9 @@ def binary_size(n: float | None) -> str:
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if n == int(n) or unit == "B" else f"{n:.3g} {unit}"
+            if n == int(n) or unit == "B" or abs(n) >= 100:
+                return f"{n:.0f} {unit}"
+            return f"{n:.3g} {unit}"
         n /= 1024
     return f"{n:.3g} TiB"
 

@@ -175,6 +175,21 @@ def pivot(rows: list[Row], device: str) -> list[list[str]]:
     return out
 
 
+def per_framework(rows: list[Row]) -> list[list[str]]:
+    """One line per L: each framework's fastest correct implementation and its speedup."""
+    frameworks = list(dict.fromkeys(r.framework for r in rows))
+    out = [["L"] + [f"best {fw} (x manual)" for fw in frameworks]]
+    for n in sorted({r.q_len for r in rows}):
+        line = [str(n)]
+        for fw in frameworks:
+            ok = [r for r in rows if r.q_len == n and r.framework == fw and r.status == OK and r.median_ms]
+            best = min(ok, key=lambda r: r.median_ms, default=None)
+            line.append("-" if best is None else f"{best.impl} {fmt_ms(best.median_ms)} ms" +
+                        (f" ({best.speedup_vs_manual:.2f}x)" if best.speedup_vs_manual else ""))
+        out.append(line)
+    return out
+
+
 def terminal(rows: list[Row], device: str) -> str:
     parts = []
     for g, rs in groups(rows).items():
@@ -219,7 +234,8 @@ def markdown(rows: list[Row], env: dict, suite, device: str, seconds: float, not
         lines += ["", f"![{p}]({p})"]
     for g, rs in groups(rows).items():
         lines += ["", f"## {group_title(g)}", "", "Median ms (speedup over torch manual):", "",
-                  _table(pivot(rs, device), markdown=True), "", "<details><summary>every figure</summary>", "",
+                  _table(pivot(rs, device), markdown=True), "", "Per framework, fastest correct implementation:", "",
+                  _table(per_framework(rs), markdown=True), "", "<details><summary>every figure</summary>", "",
                   _table(long_rows(rs, device), markdown=True), "", "</details>"]
     lines += ["", "## Memory theory", "", theory_markdown(rows), ""]
     return "\n".join(lines)
@@ -303,7 +319,8 @@ def plot(out_dir: Path, stem: str, rows: list[Row], device: str) -> dict[str, Pa
             ax.set_xlabel("sequence length L")
             ax.set_ylabel(ylabel, fontsize=8)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=6)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=6)
         for ax in list(axes.flat)[len(gs):]:
             ax.axis("off")
         if not drawn and kind != "memory":
