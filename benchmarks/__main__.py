@@ -31,7 +31,7 @@ from conformance import registry  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
     p.add_argument("--suite", default="quick", choices=sorted(suites.SUITES))
-    p.add_argument("--impl", action="append", default=None,
+    p.add_argument("--impl", action="extend", nargs="+", default=None,
                    help="registry name or module:function (repeatable); default: the suite's list, else every "
                         "available one (on CPU without jax_impl.pallas_triton: interpret mode is not a benchmark)")
     p.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>/)")
