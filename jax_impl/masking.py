@@ -125,6 +125,62 @@ def q_block_range(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_
     return lo, hi
 
 
+def kv_block_split(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv_len, *,
+                   keys_padded: bool):
+    """``kv_block_range`` split FlashAttention-2 style: ``(lo, full_lo, full_hi, hi)``.
+
+    Key tiles in ``[full_lo, full_hi)`` lie wholly inside the band and the valid rectangle
+    (rules 1-3 hold for every pair), so they need no structural mask; only the tiles at the
+    edges, ``[lo, full_lo)`` and ``[full_hi, hi)``, evaluate it.
+    """
+    lo, hi = kv_block_range(spec, q_start, q_size, block_k, q_len, kv_len)
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    q_last = q_start + q_size - 1
+    full_lo, full_hi = lo, hi
+    if d_lo is not None:  # every key j >= q_last + d_lo
+        full_lo = jnp.maximum(full_lo, _cdiv(jnp.maximum(q_last + d_lo, 0), block_k))
+    if d_hi is not None:  # every key j <= q_start + d_hi
+        full_hi = jnp.minimum(full_hi, lax.div(jnp.maximum(q_start + d_hi + 1, 0), block_k))
+    if spec.has_kv_lengths or keys_padded:
+        full_hi = jnp.minimum(full_hi, lax.div(kv_len, block_k))
+    if spec.has_q_lengths:  # a tile with invalid rows is never unmasked
+        full_hi = jnp.where(q_last < q_len, full_hi, full_lo)
+    return _clamp_split(lo, full_lo, full_hi, hi)
+
+
+def q_block_split(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_len, *,
+                  keys_padded: bool):
+    """``q_block_range`` split like ``kv_block_split``: query tiles ``[full_lo, full_hi)``
+    need no structural mask against keys ``[k_start, k_start + k_size)``."""
+    lo, hi = q_block_range(spec, k_start, k_size, block_q, q_len, kv_len)
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    k_last = k_start + k_size - 1
+    full_lo, full_hi = lo, hi
+    if d_hi is not None:  # every query i >= k_last - d_hi
+        full_lo = jnp.maximum(full_lo, _cdiv(jnp.maximum(k_last - d_hi, 0), block_q))
+    if d_lo is not None:  # every query i <= k_start - d_lo
+        full_hi = jnp.minimum(full_hi, lax.div(jnp.maximum(k_start - d_lo + 1, 0), block_q))
+    if spec.has_q_lengths:
+        full_hi = jnp.minimum(full_hi, lax.div(q_len, block_q))
+    if spec.has_kv_lengths or keys_padded:  # a tile with invalid keys is never unmasked
+        full_hi = jnp.where(k_last < kv_len, full_hi, full_lo)
+    return _clamp_split(lo, full_lo, full_hi, hi)
+
+
+def _clamp_split(lo, full_lo, full_hi, hi):
+    full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
+    full_hi = jnp.minimum(jnp.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+def split_fori_loop(bounds, body, carry):
+    """Run ``body(i, carry, masked)`` over ``[lo, hi)``: masked at the edges, unmasked inside."""
+    lo, full_lo, full_hi, hi = bounds
+    carry = lax.fori_loop(lo, full_lo, lambda i, c: body(i, c, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, lambda i, c: body(i, c, False), carry)
+    return lax.fori_loop(full_hi, hi, lambda i, c: body(i, c, True), carry)
+
+
 def dense_allowed(spec: MaskSpec, lq: int, lk: int, q_len, kv_len,
                   q_segment_ids=None, kv_segment_ids=None, mask=None):
     """The whole ``[B, Hm, Lq, Lk]`` boolean pattern (Hm = 1 unless a per-head mask is given).

@@ -82,8 +82,12 @@ class _Tiles:
         heads = (self.hkv, self.groups) if x.shape[1] > 1 else (1, 1)
         return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
 
-    def logits(self, q_tile, k_tile, i, j):
-        """(S, soft-cap term, allowed or None) for query tile i and key tile j: [B, Hkv, G, bq, bk]."""
+    def logits(self, q_tile, k_tile, i, j, masked: bool):
+        """(S, soft-cap term, allowed or None) for query tile i and key tile j: [B, Hkv, G, bq, bk].
+
+        ``masked=False``: the tile lies inside the band for every batch row (kv_range/q_range),
+        so the structural rules are not evaluated.
+        """
         qk = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
                         preferred_element_type=jnp.float32)
         bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
@@ -91,7 +95,7 @@ class _Tiles:
         rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
         cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
         conditions = [masking.structural_allowed(self.cfg.mask, rows, cols, self.q_len, self.kv_len,
-                                                 keys_padded=self.keys_padded)]
+                                                 keys_padded=self.keys_padded) if masked else None]
         if self.q_seg is not None:
             q_seg = lax.dynamic_slice_in_dim(self.q_seg, i * self.block_q, self.block_q, 1)
             kv_seg = lax.dynamic_slice_in_dim(self.kv_seg, j * self.block_k, self.block_k, 1)
@@ -101,15 +105,23 @@ class _Tiles:
         return s, capped, masking.all_of(conditions)
 
     def kv_range(self, i):
-        """Key tiles for query tile i: the union over the batch of each row's range."""
-        lo, hi = masking.kv_block_range(self.cfg.mask, i * self.block_q, self.block_q,
-                                        self.block_k, self.masks.q_len, self.masks.kv_len)
-        return jnp.min(lo), jnp.max(hi)
+        """Key tiles for query tile i, (lo, full_lo, full_hi, hi): the union over the batch of
+        each row's range, unmasked only where every row's tile is inside its band."""
+        return _across_batch(masking.kv_block_split(
+            self.cfg.mask, i * self.block_q, self.block_q, self.block_k, self.masks.q_len,
+            self.masks.kv_len, keys_padded=self.keys_padded))
 
     def q_range(self, j):
-        lo, hi = masking.q_block_range(self.cfg.mask, j * self.block_k, self.block_k,
-                                       self.block_q, self.masks.q_len, self.masks.kv_len)
-        return jnp.min(lo), jnp.max(hi)
+        return _across_batch(masking.q_block_split(
+            self.cfg.mask, j * self.block_k, self.block_k, self.block_q, self.masks.q_len,
+            self.masks.kv_len, keys_padded=self.keys_padded))
+
+
+def _across_batch(bounds):
+    lo, full_lo, full_hi, hi = bounds  # each [B]
+    lo, hi = jnp.min(lo), jnp.max(hi)
+    full_lo = jnp.clip(jnp.max(full_lo), lo, hi)
+    return lo, full_lo, jnp.clip(jnp.min(full_hi), full_lo, hi), hi
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
@@ -123,9 +135,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
         out, lse = outputs
         q_tile = t.q_tile(t.q, i)
 
-        def key_tile(j, carry):
+        def key_tile(j, carry, masked):
             acc, row_max, row_sum = carry
-            s, _, allowed = t.logits(q_tile, t.kv_tile(t.k, j), i, j)
+            s, _, allowed = t.logits(q_tile, t.kv_tile(t.k, j), i, j, masked)
             rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), t.kv_tile(t.v, j),
                             precision=cfg.precision, preferred_element_type=jnp.float32)
@@ -133,8 +145,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
 
         init = (jnp.zeros(stats_shape + (d,), jnp.float32),
                 jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32))
-        lo, hi = t.kv_range(i)
-        acc, row_max, row_sum = lax.fori_loop(lo, hi, key_tile, init)
+        acc, row_max, row_sum = masking.split_fori_loop(t.kv_range(i), key_tile, init)
         o_tile, lse_tile = online_softmax.finalize(acc, row_max, row_sum)
         out = lax.dynamic_update_slice_in_dim(out, o_tile.astype(q.dtype), i * block_q, axis=3)
         lse = lax.dynamic_update_slice_in_dim(lse, lse_tile.reshape(b, hq, block_q), i * block_q, axis=2)
@@ -165,10 +176,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, out
         dq, dk, dv, dbias = grads
         k_tile, v_tile = t.kv_tile(t.k, j), t.kv_tile(t.v, j)
 
-        def query_tile(i, carry):
+        def query_tile(i, carry, masked):
             dq, dk_acc, dv_acc, dbias = carry
             q_tile, do_tile = t.q_tile(t.q, i), t.q_tile(d_out, i)
-            s, capped, allowed = t.logits(q_tile, k_tile, i, j)
+            s, capped, allowed = t.logits(q_tile, k_tile, i, j, masked)
             p = online_softmax.recomputed_probs(s, stats_tile(lse, i), allowed)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
@@ -186,8 +197,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, out
             return dq, dk_acc, dv_acc, dbias
 
         zeros = jnp.zeros((b, t.hkv, block_k, d), jnp.float32)
-        lo, hi = t.q_range(j)
-        dq, dk_tile, dv_tile, dbias = lax.fori_loop(lo, hi, query_tile, (dq, zeros, zeros, dbias))
+        dq, dk_tile, dv_tile, dbias = masking.split_fori_loop(t.q_range(j), query_tile,
+                                                              (dq, zeros, zeros, dbias))
         dk = lax.dynamic_update_slice_in_dim(dk, dk_tile.astype(k.dtype), j * block_k, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_tile.astype(v.dtype), j * block_k, axis=2)
         return dq, dk, dv, dbias

@@ -34,11 +34,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_
     k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
     cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
-    lo, hi = masking.q_block_range(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len)
+    bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len,
+                                   keys_padded=keys_padded)
     per_head = lambda ref, g: 0 if ref.shape[0] == 1 else g  # broadcast head axis of mask/bias
 
     def query_head(g, carry):
-        def query_tile(i, carry):
+        def query_tile(i, carry, masked):
             dk, dv = carry
             queries = pl.ds(i * block_q, block_q)
             q, do = q_ref[queries, g, :], do_ref[queries, g, :]       # [bq, Dp]
@@ -50,7 +51,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_
                 cfg.mask, rows, cols, q_len, kv_len,
                 None if q_seg_ref is None else q_seg_ref[queries], kv_seg,
                 None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :],
-                keys_padded=keys_padded)
+                keys_padded=keys_padded, structural=masked)
             p = online_softmax.recomputed_probs(s, lse_ref[g, queries], allowed)
             dp = common.dot(do, v, cfg.precision, trans_b=True)
             _, dqk = online_softmax.logits_gradient(p, dp, delta_ref[g, queries], capped, cfg)
@@ -58,7 +59,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_
             dk += common.dot(dqk.astype(q.dtype), q, cfg.precision, trans_a=True)
             return dk, dv
 
-        return lax.fori_loop(lo, hi, query_tile, carry)
+        return masking.split_fori_loop(bounds, query_tile, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, query_head, (zeros, zeros))
@@ -77,7 +78,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_le
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
-    def key_tile(j, dq):
+    def key_tile(j, dq, masked):
         keys = pl.ds(j * block_k, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
         qk = common.dot(q, k, cfg.precision, trans_b=True)
@@ -86,7 +87,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_le
         allowed = common.tile_allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
-            None if mask_ref is None else mask_ref[:, keys], keys_padded=keys_padded)
+            None if mask_ref is None else mask_ref[:, keys], keys_padded=keys_padded,
+            structural=masked)
         p = online_softmax.recomputed_probs(s, lse, allowed)
         dp = common.dot(do, v, cfg.precision, trans_b=True)
         ds, dqk = online_softmax.logits_gradient(p, dp, delta, capped, cfg)
@@ -94,11 +96,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_le
             dbias_ref[:, keys] = ds
         return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)
 
-    if dbias_ref is None:
-        lo, hi = masking.kv_block_range(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len)
-    else:  # every tile of dbias must be written, zeros included
-        lo, hi = 0, num_key_tiles
-    dq = lax.fori_loop(lo, hi, key_tile, jnp.zeros(q.shape, jnp.float32))
+    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len,
+                                    keys_padded=keys_padded)
+    if dbias_ref is not None:  # every tile of dbias must be written, zeros included
+        bounds = (0, bounds[1], bounds[2], num_key_tiles)
+    dq = masking.split_fori_loop(bounds, key_tile, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 

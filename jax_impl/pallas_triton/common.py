@@ -24,9 +24,14 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
 
 
 def tile_allowed(spec: masking.MaskSpec, rows, cols, q_len, kv_len, q_seg=None, kv_seg=None,
-                 mask_tile=None, *, keys_padded: bool):
-    """The allowed pattern of one [block_q, block_k] tile (rows [bq, 1], cols [1, bk]), or None."""
-    conditions = [masking.structural_allowed(spec, rows, cols, q_len, kv_len, keys_padded=keys_padded)]
+                 mask_tile=None, *, keys_padded: bool, structural: bool):
+    """The allowed pattern of one [block_q, block_k] tile (rows [bq, 1], cols [1, bk]), or None.
+
+    ``structural=False`` for a tile inside the band (masking.kv_block_split): rules 1-3 hold
+    for every pair, so only segment ids and the dense mask are evaluated.
+    """
+    conditions = [masking.structural_allowed(spec, rows, cols, q_len, kv_len, keys_padded=keys_padded)
+                  if structural else None]
     if q_seg is not None:
         conditions.append(q_seg[:, None] == kv_seg[None, :])
     if mask_tile is not None:

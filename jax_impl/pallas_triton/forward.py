@@ -29,7 +29,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_se
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
-    def key_tile(j, carry):
+    def key_tile(j, carry, masked):
         acc, row_max, row_sum = carry
         keys = pl.ds(j * block_k, block_k)
         qk = common.dot(q, k_ref[keys, :], cfg.precision, trans_b=True)  # [bq, bk]
@@ -38,7 +38,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_se
         allowed = common.tile_allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
-            None if mask_ref is None else mask_ref[:, keys], keys_padded=keys_padded)
+            None if mask_ref is None else mask_ref[:, keys], keys_padded=keys_padded, structural=masked)
         rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
         v = v_ref[keys, :]
         acc = rescale[:, None] * acc + common.dot(p.astype(v.dtype), v, cfg.precision)
@@ -46,8 +46,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_se
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    lo, hi = masking.kv_block_range(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len)
-    acc, row_max, row_sum = lax.fori_loop(lo, hi, key_tile, init)
+    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len,
+                                    keys_padded=keys_padded)
+    acc, row_max, row_sum = masking.split_fori_loop(bounds, key_tile, init)
     out, lse = online_softmax.finalize(acc, row_max, row_sum)
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse

@@ -1,0 +1,89 @@
+"""The tile ranges of masking.py against the element rules they summarise.
+
+For every query tile, key tiles outside [lo, hi) must hold no allowed pair (skipping them is
+exact), and tiles in [full_lo, full_hi) must hold only allowed pairs (not masking them is
+exact); likewise for key tiles and their query-tile ranges (the dK/dV loop).
+"""
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_impl import masking
+
+SPECS = [
+    masking.MaskSpec(),
+    masking.MaskSpec(is_causal=True),
+    masking.MaskSpec(is_causal=True, bottom_right=True),
+    masking.MaskSpec(window_left=5, window_right=3),
+    masking.MaskSpec(is_causal=True, window_left=9),
+    masking.MaskSpec(window_left=0, window_right=0, bottom_right=True),
+    masking.MaskSpec(window_right=7, bottom_right=True, has_q_lengths=True, has_kv_lengths=True),
+    masking.MaskSpec(is_causal=True, bottom_right=True, has_q_lengths=True, has_kv_lengths=True),
+]
+SHAPES = [(37, 53), (53, 37), (16, 16), (1, 40), (40, 1)]
+BLOCKS = [(16, 16), (16, 32), (32, 16)]
+
+
+def _pattern(spec, lq, lk, q_len, kv_len):
+    full = masking.dense_allowed(spec, lq, lk, jnp.array([q_len]), jnp.array([kv_len]))
+    return np.asarray(full[0, 0])
+
+
+def _cases():
+    rng = np.random.default_rng(0)
+    for spec, (lq, lk), (bq, bk) in itertools.product(SPECS, SHAPES, BLOCKS):
+        lengths = [(lq, lk)]
+        if spec.has_q_lengths:
+            lengths += [(int(rng.integers(0, lq + 1)), int(rng.integers(0, lk + 1))) for _ in range(3)]
+        for q_len, kv_len in lengths:
+            yield spec, lq, lk, bq, bk, q_len, kv_len
+
+
+def _padded(n, block):
+    return -(-n // block) * block
+
+
+@pytest.mark.parametrize("spec, lq, lk, bq, bk, q_len, kv_len", list(_cases()))
+def test_tile_ranges_are_exact_summaries_of_the_element_rules(spec, lq, lk, bq, bk, q_len, kv_len):
+    lq_pad, lk_pad = _padded(lq, bq), _padded(lk, bk)
+    keys_padded = lk_pad != lk
+    allowed = np.zeros((lq_pad, lk_pad), bool)
+    allowed[:lq, :lk] = _pattern(spec, lq, lk, q_len, kv_len)
+    args = (jnp.int32(q_len), jnp.int32(kv_len))
+    for i in range(lq_pad // bq):
+        lo, full_lo, full_hi, hi = (int(x) for x in masking.kv_block_split(
+            spec, i * bq, bq, bk, *args, keys_padded=keys_padded))
+        assert lo <= full_lo <= full_hi <= hi <= lk_pad // bk
+        rows = slice(i * bq, (i + 1) * bq)
+        for j in range(lk_pad // bk):
+            tile = allowed[rows, j * bk:(j + 1) * bk]
+            if not lo <= j < hi:
+                assert not tile.any(), f"query tile {i} skips key tile {j} holding allowed pairs"
+            if full_lo <= j < full_hi:  # rows past Lq (padding) are sliced off, not judged
+                real_rows = min(bq, max(lq - i * bq, 0))
+                assert tile[:real_rows].all(), \
+                    f"query tile {i} leaves key tile {j} unmasked though it holds excluded pairs"
+    for j in range(lk_pad // bk):
+        lo, full_lo, full_hi, hi = (int(x) for x in masking.q_block_split(
+            spec, j * bk, bk, bq, *args, keys_padded=keys_padded))
+        assert lo <= full_lo <= full_hi <= hi <= lq_pad // bq
+        cols = slice(j * bk, (j + 1) * bk)
+        for i in range(lq_pad // bq):
+            tile = allowed[i * bq:(i + 1) * bq, cols]
+            if not lo <= i < hi:
+                assert not tile.any(), f"key tile {j} skips query tile {i} holding allowed pairs"
+            if full_lo <= i < full_hi:
+                in_range = min(bq, max(lq - i * bq, 0))
+                assert tile[:in_range].all(), f"key tile {j} leaves query tile {i} unmasked wrongly"
+
+
+def test_causal_split_leaves_most_tiles_unmasked():
+    """The split is not vacuous: a long causal problem masks only the diagonal tiles."""
+    spec = masking.MaskSpec(is_causal=True)
+    lo, full_lo, full_hi, hi = (int(x) for x in masking.kv_block_split(
+        spec, 512, 64, 64, jnp.int32(1024), jnp.int32(1024), keys_padded=False))
+    assert (lo, full_lo, full_hi, hi) == (0, 0, 8, 9)
