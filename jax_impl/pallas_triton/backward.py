@@ -104,18 +104,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_le
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _broadcast_index(x, axis: int, index):
-    return index if x.shape[axis] > 1 else 0
-
-
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, delta,
                   masks: masking.MaskInputs, mask, bias):
     """Padded operands -> (dq, dk, dv, dbias [B, Hq, Lq_pad, Lk_pad] or None)."""
-    b, lq_pad, hq, d_pad = q.shape
+    batch, lq_pad, hq, d_pad = q.shape
     lk_pad, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
     blocks = layout.blocks
-    lengths = [pl.BlockSpec((b,), lambda *_: (0,))] * 2
+    lengths = [pl.BlockSpec((batch,), lambda *_: (0,))] * 2
     inputs = (q, k, v, d_out, lse, delta, masks.q_len, masks.kv_len, masks.q_segment_ids,
               masks.kv_segment_ids, mask, bias)
 
@@ -123,14 +119,14 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
     pair = lambda x: None if x is None else pl.BlockSpec(
         (None, groups if x.shape[1] > 1 else 1, lq_pad, bk),
-        lambda j, b, h: (_broadcast_index(x, 0, b), _broadcast_index(x, 1, h), 0, j))
+        lambda j, b, h: (common.broadcast_index(x, 0, b), common.broadcast_index(x, 1, h), 0, j))
     kv_tile = pl.BlockSpec((None, bk, None, d_pad), lambda j, b, h: (b, j, h, 0))
     q_group = pl.BlockSpec((None, lq_pad, groups, d_pad), lambda j, b, h: (b, 0, h, 0))
     stats_group = pl.BlockSpec((None, groups, lq_pad), lambda j, b, h: (b, h, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups,
                           keys_padded=layout.lk_pad != layout.lk),
-        grid=(lk_pad // bk, b, hkv),
+        grid=(lk_pad // bk, batch, hkv),
         in_specs=[q_group, kv_tile, kv_tile, q_group, stats_group, stats_group, *lengths,
                   None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
                   None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
@@ -145,7 +141,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
     pair = lambda x: None if x is None else pl.BlockSpec(
         (None, None, bq, lk_pad),
-        lambda i, b, h: (_broadcast_index(x, 0, b), _broadcast_index(x, 1, h), i, 0))
+        lambda i, b, h: (common.broadcast_index(x, 0, b), common.broadcast_index(x, 1, h), i, 0))
     q_tile = pl.BlockSpec((None, bq, None, d_pad), lambda i, b, h: (b, i, h, 0))
     kv_all = pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
@@ -153,12 +149,12 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if bias is not None:
         out_specs.append(pl.BlockSpec((None, None, bq, lk_pad), lambda i, b, h: (b, h, i, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((b, hq, lq_pad, lk_pad), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((batch, hq, lq_pad, lk_pad), jnp.float32))
     results = pl.pallas_call(
         functools.partial(_dq_kernel if bias is not None else _dq_kernel_no_bias, cfg=cfg,
                           block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk,
                           keys_padded=layout.lk_pad != layout.lk),
-        grid=(lq_pad // bq, b, hq),
+        grid=(lq_pad // bq, batch, hq),
         in_specs=[q_tile, kv_all, kv_all, q_tile, stats_tile, stats_tile, *lengths,
                   None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                   None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),

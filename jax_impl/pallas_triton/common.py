@@ -39,6 +39,11 @@ def tile_allowed(spec: masking.MaskSpec, rows, cols, q_len, kv_len, q_seg=None, 
     return masking.all_of(conditions)
 
 
+def broadcast_index(x, axis: int, index):
+    """Block index along a mask/bias axis that may be broadcast (size 1): then always 0."""
+    return index if x.shape[axis] > 1 else 0
+
+
 def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 

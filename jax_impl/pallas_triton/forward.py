@@ -54,44 +54,37 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_se
     lse_ref[...] = lse
 
 
-def pair_spec(x, block_shape, index):
-    """BlockSpec for a [X, H, Lq, Lk] mask/bias whose batch or head axis may be broadcast (1)."""
-    if x is None:
-        return None
-    return pl.BlockSpec(block_shape, index)
-
-
 def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.MaskInputs,
                  mask, bias):
     """Padded operands -> (out [B, Lq_pad, Hq, Dp], lse [B, Hq, Lq_pad])."""
-    b, lq_pad, hq, d_pad = q.shape
+    batch, lq_pad, hq, d_pad = q.shape
     lk_pad, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
     block_q, block_k = layout.blocks.block_q, layout.blocks.block_k
-    pick = lambda x, axis, idx: idx if x is not None and x.shape[axis] > 1 else 0
+    pair = lambda x: None if x is None else pl.BlockSpec(  # a [X, H, Lq, Lk] mask or bias
+        (None, None, block_q, lk_pad), lambda i, b, h: (
+            common.broadcast_index(x, 0, b), common.broadcast_index(x, 1, h), i, 0))
     in_specs = [
         pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
         pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0)),
         pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0)),
-        pl.BlockSpec((b,), lambda i, b, h: (0,)),
-        pl.BlockSpec((b,), lambda i, b, h: (0,)),
+        pl.BlockSpec((batch,), lambda i, b, h: (0,)),
+        pl.BlockSpec((batch,), lambda i, b, h: (0,)),
         None if masks.q_segment_ids is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
         None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
-        pair_spec(mask, (None, None, block_q, lk_pad),
-                  lambda i, b, h: (pick(mask, 0, b), pick(mask, 1, h), i, 0)),
-        pair_spec(bias, (None, None, block_q, lk_pad),
-                  lambda i, b, h: (pick(bias, 0, b), pick(bias, 1, h), i, 0)),
+        pair(mask),
+        pair(bias),
     ]
     out_specs = [
         pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
         pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
     ]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, hq, lq_pad), jnp.float32)]
+                 jax.ShapeDtypeStruct((batch, hq, lq_pad), jnp.float32)]
     kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
                                keys_padded=layout.lk_pad != layout.lk)
     return pl.pallas_call(
-        kernel, grid=(lq_pad // block_q, b, hq), in_specs=in_specs, out_specs=out_specs,
+        kernel, grid=(lq_pad // block_q, batch, hq), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
     )(q, k, v, masks.q_len, masks.kv_len, masks.q_segment_ids, masks.kv_segment_ids, mask, bias)
