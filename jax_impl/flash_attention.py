@@ -168,7 +168,8 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
 
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, jax.core.Tracer) or not np.isfinite(scale) or scale <= 0:
+    elif (not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(scale, bool)
+          or not np.isfinite(scale) or scale <= 0):
         raise ValueError(f"{scale=} must be a positive finite Python float (it is static)")
     if logits_soft_cap is not None and not (np.isfinite(logits_soft_cap) and logits_soft_cap > 0):
         raise ValueError(f"{logits_soft_cap=} must be a positive finite float or None")
@@ -243,12 +244,20 @@ def _lengths(name, lengths, batch_shape, seq_len):
         raise TypeError(f"{name} must be integers; got {lengths.dtype}")
     if lengths.shape != batch_shape:
         raise ValueError(f"{name}.shape={lengths.shape} must equal the batch shape {batch_shape}")
-    if not isinstance(lengths, jax.core.Tracer):
-        values = np.asarray(lengths)
+    values = _concrete(lengths)
+    if values is not None:
         if values.size and (values.min() < 0 or values.max() > seq_len):
             raise ValueError(f"{name} must lie in [0, {seq_len}]; got values in "
                              f"[{values.min()}, {values.max()}]")
     return lengths.reshape(b).astype(jnp.int32)
+
+
+def _concrete(x):
+    """x as numpy when its values are known at trace time, else None (traced under jit)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
 
 
 def _segment_ids(name, ids, batch_shape, seq_len):
