@@ -6,6 +6,7 @@ This file validates arguments, normalises masks to the canonical shapes of
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Any, NamedTuple
@@ -330,14 +331,20 @@ def _pallas_ineligible(head_dim: int) -> str | None:
 
 
 def _dispatch(call: _Call):
-    run = lambda impl: lambda q, k, v, bias, masks: _run(impl, call.cfg, q, k, v, bias, masks)
-    args = (call.q, call.k, call.v, call.bias, call.masks)
-    if call.implementation is not None:
-        return run(call.implementation)(*args)
-    if _pallas_ineligible(call.q.shape[-1]):
-        return run("xla")(*args)
+    return _attention(call.q, call.k, call.v, call.bias, call.masks,
+                      implementation=call.implementation, cfg=call.cfg)
+
+
+# Jitted so that an eager call compiles once per shape and configuration, not on every call.
+@functools.partial(jax.jit, static_argnames=("implementation", "cfg"))
+def _attention(q, k, v, bias, masks, *, implementation, cfg):
+    run = lambda impl: lambda q, k, v, bias, masks: _run(impl, cfg, q, k, v, bias, masks)
+    if implementation is not None:
+        return run(implementation)(q, k, v, bias, masks)
+    if _pallas_ineligible(q.shape[-1]):
+        return run("xla")(q, k, v, bias, masks)
     # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
-    return lax.platform_dependent(*args, cuda=run("pallas_triton"), default=run("xla"))
+    return lax.platform_dependent(q, k, v, bias, masks, cuda=run("pallas_triton"), default=run("xla"))
 
 
 def _run(implementation, cfg, q, k, v, bias, masks):

@@ -176,3 +176,19 @@ def test_causal_alignments_differ_as_defined():
         probs = np.asarray(out[0, 0, 0, :4])
         assert np.all(probs[:visible] > 0) and np.all(probs[visible:] == 0), (alignment, probs)
         np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-6)
+
+
+def test_eager_calls_trace_once_per_shape(monkeypatch):
+    """Calling without jit reuses one compilation (a re-trace per call cost ~100x the call)."""
+    from jax_impl import flash_attention as fa_module
+    traced = []
+    original = fa_module._run
+    monkeypatch.setattr(fa_module, "_run", lambda *a, **k: traced.append(1) or original(*a, **k))
+    q, k, v = _qkv(lq=19, lk=23, seed=16)
+    first = flash_attention(q, k, v, is_causal=True, local_window_size=(3, 2))
+    count = len(traced)
+    second = flash_attention(q + 1, k, v, is_causal=True, local_window_size=(3, 2))
+    assert count >= 1 and len(traced) == count
+    assert not np.allclose(first, second)
+    flash_attention(q, k, v, is_causal=False)  # another configuration traces again
+    assert len(traced) > count
