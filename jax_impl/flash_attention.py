@@ -155,7 +155,6 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     spec = masking.MaskSpec(is_causal=bool(is_causal), bottom_right=causal_alignment == "bottom_right",
                             window_left=window_left, window_right=window_right,
-                            has_segment_ids=q_segment_ids is not None, has_dense_mask=mask is not None,
                             has_q_lengths=query_seq_lengths is not None,
                             has_kv_lengths=key_value_seq_lengths is not None)
     masks = masking.MaskInputs(

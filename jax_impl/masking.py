@@ -37,18 +37,8 @@ class MaskSpec:
     bottom_right: bool = False
     window_left: int | None = None   # None: unbounded to the left
     window_right: int | None = None  # None: unbounded to the right
-    has_segment_ids: bool = False
-    has_dense_mask: bool = False
     has_q_lengths: bool = False   # query_seq_lengths given (else every query is valid)
     has_kv_lengths: bool = False  # key_value_seq_lengths given
-
-    @property
-    def has_upper_bound(self) -> bool:
-        return self.is_causal or self.window_right is not None
-
-    @property
-    def has_lower_bound(self) -> bool:
-        return self.window_left is not None
 
 
 def diagonal_band(spec: MaskSpec, q_len, kv_len):
