@@ -16,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import fused, masking, reference
+from jax_impl import implementations, masking, recompute_vjp, reference
 from jax_impl.config import AttentionConfig, BlockSizes
-from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
+from jax_impl.implementations import IMPLEMENTATIONS
 
-IMPLEMENTATIONS = ("pallas_triton", "xla", "reference")
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
@@ -175,13 +174,12 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
         raise ValueError(f"{logits_soft_cap=} must be a positive finite float or None")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a jax_impl.BlockSizes; got {type(block_sizes).__name__}")
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        hint = " (that is jax.nn.dot_product_attention's cuDNN path)" if implementation == "cudnn" else ""
-        raise ValueError(f"{implementation=}{hint} must be one of {IMPLEMENTATIONS} or None")
+    if implementation is not None:
+        implementations.get(implementation)  # a clear error for an unknown name
     if interpret and implementation not in (None, "pallas_triton"):
         raise ValueError(f"interpret=True runs the Pallas kernel; it does not apply to {implementation=}")
     if implementation == "pallas_triton" or interpret:
-        reason = _pallas_ineligible(head_dim)
+        reason = _head_dim_unsupported("pallas_triton", head_dim)
         if reason:
             raise ValueError(f"implementation='pallas_triton' cannot run this call: {reason}")
         implementation = "pallas_triton"
@@ -323,10 +321,9 @@ def _precision(precision):
 
 # --- Dispatch ------------------------------------------------------------------------------
 
-def _pallas_ineligible(head_dim: int) -> str | None:
-    if head_dim > MAX_HEAD_DIM:
-        return f"head_dim={head_dim} exceeds the kernel's maximum of {MAX_HEAD_DIM}"
-    return None
+def _head_dim_unsupported(name: str, head_dim: int) -> str | None:
+    """What rules ``name`` out for this head_dim on a CUDA GPU (the platform is decided later)."""
+    return implementations.unsupported(name, head_dim=head_dim, platform="cuda")
 
 
 def _dispatch(call: _Call):
@@ -340,7 +337,7 @@ def _attention(q, k, v, bias, masks, *, implementation, cfg):
     run = lambda impl: lambda q, k, v, bias, masks: _run(impl, cfg, q, k, v, bias, masks)
     if implementation is not None:
         return run(implementation)(q, k, v, bias, masks)
-    if _pallas_ineligible(q.shape[-1]):
+    if _head_dim_unsupported("pallas_triton", q.shape[-1]):
         return run("xla")(q, k, v, bias, masks)
     # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
     return lax.platform_dependent(q, k, v, bias, masks, cuda=run("pallas_triton"), default=run("xla"))
@@ -350,7 +347,7 @@ def _run(implementation, cfg, q, k, v, bias, masks):
     if implementation == "reference":
         return reference.attention(q, k, v, bias, masks, cfg,
                                    logits_dtype=jnp.promote_types(q.dtype, jnp.float32))
-    return fused.attention(implementation, cfg, q, k, v, bias, masks)
+    return recompute_vjp.attention(implementation, cfg, q, k, v, bias, masks)
 
 
 class ImplementationChoice(NamedTuple):
@@ -369,22 +366,22 @@ def explain_implementation(query, key, value, bias=None, mask=None, *, platform:
     call = _validate(query, key, value, bias, mask,
                      **_defaults({**kwargs, "implementation": implementation, "interpret": interpret}))
     platform = platform or jax.default_backend()
-    pallas_reason = _pallas_ineligible(call.q.shape[-1])
-    if pallas_reason is None and platform not in ("cuda", "gpu") and not call.cfg.interpret:
-        pallas_reason = f"the Triton kernel needs a CUDA GPU; platform is {platform!r} (interpret=True runs it anywhere)"
-    reasons = {"pallas_triton": pallas_reason, "xla": None, "reference": None}
+    reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,
+                                      interpret=call.cfg.interpret)
+               for name, impl in IMPLEMENTATIONS.items()}
     if call.implementation is not None:
         chosen = call.implementation
         for name in reasons:
             if name != chosen and reasons[name] is None:
                 reasons[name] = f"implementation={chosen!r} was requested"
-    else:
-        chosen = "pallas_triton" if pallas_reason is None else "xla"
-        reasons["reference"] = "never chosen automatically: it materialises the [Lq, Lk] logits"
-        if chosen == "pallas_triton":
-            reasons["xla"] = "pallas_triton is eligible and preferred on a CUDA GPU"
-    if reasons[chosen] is not None and chosen == "pallas_triton" and call.cfg.interpret:
-        reasons[chosen] = None
+        return ImplementationChoice(chosen, reasons)
+    chosen = next(name for name, impl in IMPLEMENTATIONS.items()
+                  if impl.automatic and reasons[name] is None)
+    for name, impl in IMPLEMENTATIONS.items():
+        if name == chosen or reasons[name] is not None:
+            continue
+        reasons[name] = (f"{chosen} is eligible and preferred" if impl.automatic else
+                         "never chosen automatically: it materialises the [Lq, Lk] logits")
     return ImplementationChoice(chosen, reasons)
 
 

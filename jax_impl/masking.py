@@ -1,6 +1,6 @@
 """Which (query i, key j) pairs may interact: the one description every implementation uses.
 
-A pair is allowed when all of these hold (DESIGN.md, "Semantics"):
+A pair is allowed when all of these hold (docs/semantics.md):
 
 1. ``i < q_len[b]`` and ``j < kv_len[b]`` (sequence lengths; the full length when not given);
 2. causal: ``j <= i + offset[b]``;
@@ -54,24 +54,50 @@ def diagonal_band(spec: MaskSpec, q_len, kv_len):
     return d_lo, d_hi
 
 
-def structural_allowed(spec: MaskSpec, rows, cols, q_len, kv_len, *, keys_padded: bool = True):
+def with_padding(spec: MaskSpec, *, queries_padded: bool, keys_padded: bool) -> MaskSpec:
+    """The spec a blocked implementation uses after padding to whole tiles: padded queries and
+    keys sit at or past the lengths, so padding switches the length rule on."""
+    return dataclasses.replace(spec, has_q_lengths=spec.has_q_lengths or queries_padded,
+                               has_kv_lengths=spec.has_kv_lengths or keys_padded)
+
+
+def structural_allowed(spec: MaskSpec, rows, cols, q_len, kv_len):
     """Rules 1-3 element-wise. rows ``[..., Tq, 1]``, cols ``[..., 1, Tk]`` absolute positions.
 
-    Returns None when every pair passes, so that the unmasked case costs no select. The row
-    rule is only evaluated when query lengths were given: a blocked implementation's padded
-    query rows are sliced off and, with zero-padded dO, add nothing to the gradients. Padded
-    keys must always be excluded (``keys_padded``).
+    Returns None when every pair passes, so that the unmasked case costs no select. The length
+    rules are evaluated only where lengths were given or the sequence was padded
+    (``with_padding``).
     """
     conditions = []
     if spec.has_q_lengths:
         conditions.append(rows < q_len)
-    if spec.has_kv_lengths or keys_padded:
+    if spec.has_kv_lengths:
         conditions.append(cols < kv_len)
     d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
     if d_lo is not None:
         conditions.append(cols - rows >= d_lo)
     if d_hi is not None:
         conditions.append(cols - rows <= d_hi)
+    return all_of(conditions)
+
+
+def segments_equal(q_segment_ids, kv_segment_ids):
+    """Rule 4: ``[..., Tq]`` and ``[..., Tk]`` ids -> ``[..., Tq, Tk]``, True where equal."""
+    return q_segment_ids[..., :, None] == kv_segment_ids[..., None, :]
+
+
+def allowed(spec: MaskSpec, rows, cols, q_len, kv_len, q_segment_ids=None, kv_segment_ids=None,
+            mask=None, *, structural: bool = True):
+    """Rules 1-5 for one tile (or the whole ``[Lq, Lk]``), or None when every pair passes.
+
+    ``structural=False`` for a tile inside the band (``kv_block_split``): rules 1-3 hold for
+    every pair, so only segment ids and the dense mask (bool, or int8 in a kernel) are evaluated.
+    """
+    conditions = [structural_allowed(spec, rows, cols, q_len, kv_len) if structural else None]
+    if q_segment_ids is not None:
+        conditions.append(segments_equal(q_segment_ids, kv_segment_ids))
+    if mask is not None:
+        conditions.append(mask if mask.dtype == jnp.bool_ else mask != 0)
     return all_of(conditions)
 
 
@@ -115,8 +141,7 @@ def q_block_range(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_
     return lo, hi
 
 
-def kv_block_split(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv_len, *,
-                   keys_padded: bool):
+def kv_block_split(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv_len):
     """``kv_block_range`` split FlashAttention-2 style: ``(lo, full_lo, full_hi, hi)``.
 
     Key tiles in ``[full_lo, full_hi)`` lie wholly inside the band and the valid rectangle
@@ -131,15 +156,14 @@ def kv_block_split(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv
         full_lo = jnp.maximum(full_lo, _cdiv(jnp.maximum(q_last + d_lo, 0), block_k))
     if d_hi is not None:  # every key j <= q_start + d_hi
         full_hi = jnp.minimum(full_hi, lax.div(jnp.maximum(q_start + d_hi + 1, 0), block_k))
-    if spec.has_kv_lengths or keys_padded:
+    if spec.has_kv_lengths:
         full_hi = jnp.minimum(full_hi, lax.div(kv_len, block_k))
     if spec.has_q_lengths:  # a tile with invalid rows is never unmasked
         full_hi = jnp.where(q_last < q_len, full_hi, full_lo)
     return _clamp_split(lo, full_lo, full_hi, hi)
 
 
-def q_block_split(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_len, *,
-                  keys_padded: bool):
+def q_block_split(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_len):
     """``q_block_range`` split like ``kv_block_split``: query tiles ``[full_lo, full_hi)``
     need no structural mask against keys ``[k_start, k_start + k_size)``."""
     lo, hi = q_block_range(spec, k_start, k_size, block_q, q_len, kv_len)
@@ -152,7 +176,7 @@ def q_block_split(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_
         full_hi = jnp.minimum(full_hi, lax.div(jnp.maximum(k_start - d_lo + 1, 0), block_q))
     if spec.has_q_lengths:
         full_hi = jnp.minimum(full_hi, lax.div(q_len, block_q))
-    if spec.has_kv_lengths or keys_padded:  # a tile with invalid keys is never unmasked
+    if spec.has_kv_lengths:  # a tile with invalid keys is never unmasked
         full_hi = jnp.where(k_last < kv_len, full_hi, full_lo)
     return _clamp_split(lo, full_lo, full_hi, hi)
 
@@ -181,20 +205,17 @@ def dense_allowed(spec: MaskSpec, lq: int, lk: int, q_len, kv_len,
     rows = jnp.arange(lq, dtype=jnp.int32)[None, None, :, None]
     cols = jnp.arange(lk, dtype=jnp.int32)[None, None, None, :]
     full = dataclasses.replace(spec, has_q_lengths=True, has_kv_lengths=True)
-    allowed = structural_allowed(full, rows, cols, q_len[:, None, None, None],
-                                 kv_len[:, None, None, None])
-    if q_segment_ids is not None:
-        allowed &= q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
-    if mask is not None:
-        allowed &= mask
-    return allowed
+    segments = (None, None) if q_segment_ids is None else (q_segment_ids[:, None], kv_segment_ids[:, None])
+    result = allowed(full, rows, cols, q_len[:, None, None, None], kv_len[:, None, None, None],
+                     *segments, mask)
+    return jnp.broadcast_to(result, jnp.broadcast_shapes(result.shape, (len(q_len), 1, lq, lk)))
 
 
 class MaskInputs(NamedTuple):
     """The data part of the mask, canonical shapes (see flash_attention.normalize)."""
 
-    q_len: jax.Array                  # [B] int32, in [0, Lq]
-    kv_len: jax.Array                 # [B] int32, in [0, Lk]
+    q_len: jax.Array                  # [B] int32, clamped to [0, Lq]
+    kv_len: jax.Array                 # [B] int32, clamped to [0, Lk]
     q_segment_ids: jax.Array | None   # [B, Lq] int32
     kv_segment_ids: jax.Array | None  # [B, Lk] int32
     mask: jax.Array | None            # [Bm, Hm, Lq, Lk] bool, Bm in {1, B}, Hm in {1, Hq}

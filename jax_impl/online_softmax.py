@@ -4,12 +4,33 @@ Shape-agnostic: a Pallas kernel calls them on ``[block_q, block_k]`` tiles, the 
 ``[B, Hkv, G, block_q, block_k]``; the last two axes are always (query, key).
 Notation of FlashAttention-2 (Dao, 2023): S logits, P probabilities, m running row max,
 l running row sum in m's scale, O unnormalised output accumulator.
+
+Non-finite values at excluded positions (one rule, every implementation): on a tile that
+evaluates a mask, Q, K and V enter every product except ``Q K^T`` with their non-finite
+entries replaced by 0 (``finite_or_zero``), and an allowed pair whose key's V row holds a
+non-finite value gets a NaN logit (``poison_logits``). So a NaN or inf at a key or query that a
+row may not attend never reaches that row's output or gradients, while one at an allowed pair
+still gives NaN. A tile without a mask (every pair allowed) needs neither.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
 from jax_impl.config import AttentionConfig
+
+
+class RowStats(NamedTuple):
+    """What the backward needs to recompute P = exp(S - max - log_sum), per query row.
+
+    Kept apart, not summed into the logsumexp: with logits of magnitude 1e9 the sum rounds
+    to the max and P could not be recomputed. A row with no allowed key (or only -inf logits)
+    has ``max = +inf`` and ``log_sum = 0``, so its recomputed P is exactly 0 with no select.
+    """
+
+    max: object      # [..., Lq] float32
+    log_sum: object  # [..., Lq] float32
 
 
 def logits(qk, cfg: AttentionConfig, bias_tile=None):
@@ -24,11 +45,27 @@ def logits(qk, cfg: AttentionConfig, bias_tile=None):
     return s, capped
 
 
+def is_finite(x):
+    """Elementwise isfinite written with a comparison (lowers in Triton and XLA alike)."""
+    return jnp.abs(x) < jnp.inf
+
+
+def finite_or_zero(x):
+    """x with its non-finite entries replaced by 0."""
+    return jnp.where(is_finite(x), x, jnp.zeros((), x.dtype))
+
+
+def poison_logits(s, v_tile):
+    """S plus NaN in the key columns whose V row (``v_tile [..., Tk, D]``) is not finite."""
+    bad_key = jnp.any(~is_finite(v_tile), axis=-1)                     # [..., Tk]
+    return s + jnp.where(bad_key, jnp.nan, 0.0)[..., None, :]
+
+
 def online_step(row_max, row_sum, s, allowed):
     """Algorithm 1, lines 8-10: fold one key tile into the running (m, l) and return P.
 
-    Rows that have seen no allowed key keep m = -inf; they use 0 as the reference point so
-    that no inf - inf appears, and their P is exactly 0.
+    Rows that have seen no finite allowed logit keep m = -inf; they use 0 as the reference
+    point so that no inf - inf appears, and their P is exactly 0.
     Returns (rescale factor for the old accumulator, P, new m, new l).
     """
     if allowed is not None:  # None: every pair of the tile is allowed
@@ -42,18 +79,25 @@ def online_step(row_max, row_sum, s, allowed):
 
 
 def finalize(acc, row_max, row_sum):
-    """Algorithm 1, lines 12-13: O = acc / l, lse = m + log l; empty rows give O = 0, lse = -inf."""
+    """Algorithm 1, lines 12-13: O = acc / l and the row statistics; empty rows give O = 0."""
     empty = row_sum == 0
     out = acc / jnp.where(empty, 1.0, row_sum)[..., None]
-    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(jnp.where(empty, 1.0, row_sum)))
-    return out, lse
+    stats = RowStats(jnp.where(empty, jnp.inf, row_max),
+                     jnp.log(jnp.where(empty, 1.0, row_sum)))
+    return out, stats
 
 
-def recomputed_probs(s, lse, allowed):
-    """Backward: P = exp(S - lse) from the saved logsumexp, exactly 0 where not allowed."""
+def logsumexp(stats: RowStats):
+    """The public logsumexp (natural log): max + log_sum, -inf for an empty row."""
+    return jnp.where(stats.max == jnp.inf, -jnp.inf, stats.max + stats.log_sum)
+
+
+def recomputed_probs(s, row_max, log_sum, allowed):
+    """Backward: P = exp(S - max - log_sum) from the saved statistics, exactly 0 where not allowed."""
+    shifted = (s - row_max[..., None]) - log_sum[..., None]
     if allowed is None:
-        return jnp.exp(s - lse[..., None])
-    return jnp.exp(jnp.where(allowed, s - lse[..., None], -jnp.inf))
+        return jnp.exp(shifted)
+    return jnp.exp(jnp.where(allowed, shifted, -jnp.inf))
 
 
 def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig):

@@ -3,7 +3,8 @@
 Memory is linear in the sequence length: the largest temporary is one
 ``[B, Hq, block_q, block_k]`` logits tile. Loops are ``fori_loop``s with bounds from
 ``masking.kv_block_range``/``q_block_range``, so tiles the causal/window/length structure rules
-out are skipped. The forward saves only (out, lse); the backward recomputes P tile by tile.
+out are skipped. The forward saves only (out, row statistics); the backward recomputes P tile by
+tile.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class _Tiles:
         lk, hkv = k.shape[1], k.shape[2]
         self.b, self.hq, self.hkv, self.groups = b, hq, hkv, hq // hkv
         self.lq_pad, self.lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
-        self.keys_padded = self.lk_pad != lk
+        self.spec = masking.with_padding(cfg.mask, queries_padded=self.lq_pad != lq,
+                                         keys_padded=self.lk_pad != lk)
         # Head-major layout, transposed once: each tile's einsum is then a plain batched matmul.
         self.q = self.to_heads(_pad_axis(q, 1, self.lq_pad))            # [B, Hkv, G, Lq_pad, D]
         self.k = jnp.swapaxes(_pad_axis(k, 1, self.lk_pad), 1, 2)        # [B, Hkv, Lk_pad, D]
@@ -82,11 +84,12 @@ class _Tiles:
         heads = (self.hkv, self.groups) if x.shape[1] > 1 else (1, 1)
         return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
 
-    def logits(self, q_tile, k_tile, i, j, masked: bool):
+    def logits(self, q_tile, k_tile, v_tile, i, j, masked: bool):
         """(S, soft-cap term, allowed or None) for query tile i and key tile j: [B, Hkv, G, bq, bk].
 
         ``masked=False``: the tile lies inside the band for every batch row (kv_range/q_range),
-        so the structural rules are not evaluated.
+        so the structural rules are not evaluated. Where a mask applies, S is poisoned at
+        allowed pairs whose V row is not finite (online_softmax's non-finite rule).
         """
         qk = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
                         preferred_element_type=jnp.float32)
@@ -94,27 +97,28 @@ class _Tiles:
         s, capped = online_softmax.logits(qk, self.cfg, bias)
         rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
         cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
-        conditions = [masking.structural_allowed(self.cfg.mask, rows, cols, self.q_len, self.kv_len,
-                                                 keys_padded=self.keys_padded) if masked else None]
-        if self.q_seg is not None:
-            q_seg = lax.dynamic_slice_in_dim(self.q_seg, i * self.block_q, self.block_q, 1)
-            kv_seg = lax.dynamic_slice_in_dim(self.kv_seg, j * self.block_k, self.block_k, 1)
-            conditions.append((q_seg[:, :, None] == kv_seg[:, None, :])[:, None, None])
-        if self.mask is not None:
-            conditions.append(self._pair_tile(self.mask, i, j))
-        return s, capped, masking.all_of(conditions)
+        segments = (None, None)
+        if self.q_seg is not None:  # [B, 1, 1, bq], [B, 1, 1, bk]
+            segments = (lax.dynamic_slice_in_dim(self.q_seg, i * self.block_q, self.block_q, 1)[:, None, None],
+                        lax.dynamic_slice_in_dim(self.kv_seg, j * self.block_k, self.block_k, 1)[:, None, None])
+        allowed = masking.allowed(self.spec, rows, cols, self.q_len, self.kv_len, *segments,
+                                  None if self.mask is None else self._pair_tile(self.mask, i, j),
+                                  structural=masked)
+        if allowed is not None:
+            s = online_softmax.poison_logits(s, v_tile[:, :, None])
+        return s, capped, allowed
 
     def kv_range(self, i):
         """Key tiles for query tile i, (lo, full_lo, full_hi, hi): the union over the batch of
         each row's range, unmasked only where every row's tile is inside its band."""
         return _across_batch(masking.kv_block_split(
-            self.cfg.mask, i * self.block_q, self.block_q, self.block_k, self.masks.q_len,
-            self.masks.kv_len, keys_padded=self.keys_padded))
+            self.spec, i * self.block_q, self.block_q, self.block_k, self.masks.q_len,
+            self.masks.kv_len))
 
     def q_range(self, j):
         return _across_batch(masking.q_block_split(
-            self.cfg.mask, j * self.block_k, self.block_k, self.block_q, self.masks.q_len,
-            self.masks.kv_len, keys_padded=self.keys_padded))
+            self.spec, j * self.block_k, self.block_k, self.block_q, self.masks.q_len,
+            self.masks.kv_len))
 
 
 def _across_batch(bounds):
@@ -125,62 +129,67 @@ def _across_batch(bounds):
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
-    """-> (out ``[B, Lq, Hq, D]`` in q's dtype, lse ``[B, Hq, Lq]`` float32)."""
+    """-> (out ``[B, Lq, Hq, D]`` in q's dtype, RowStats of ``[B, Hq, Lq]`` float32)."""
     b, lq, hq, d = q.shape
     block_q, block_k = chunk_sizes(cfg, lq, k.shape[1])
     t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k)
     stats_shape = (b, t.hkv, t.groups, block_q)
 
     def query_tile(i, outputs):
-        out, lse = outputs
+        out, stats = outputs
         q_tile = t.q_tile(t.q, i)
 
         def key_tile(j, carry, masked):
             acc, row_max, row_sum = carry
-            s, _, allowed = t.logits(q_tile, t.kv_tile(t.k, j), i, j, masked)
+            v_tile = t.kv_tile(t.v, j)
+            s, _, allowed = t.logits(q_tile, t.kv_tile(t.k, j), v_tile, i, j, masked)
             rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), t.kv_tile(t.v, j),
+            if allowed is not None:
+                v_tile = online_softmax.finite_or_zero(v_tile)
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v_tile,
                             precision=cfg.precision, preferred_element_type=jnp.float32)
             return rescale[..., None] * acc + pv, row_max, row_sum
 
         init = (jnp.zeros(stats_shape + (d,), jnp.float32),
                 jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32))
         acc, row_max, row_sum = masking.split_fori_loop(t.kv_range(i), key_tile, init)
-        o_tile, lse_tile = online_softmax.finalize(acc, row_max, row_sum)
+        o_tile, stats_tile = online_softmax.finalize(acc, row_max, row_sum)
         out = lax.dynamic_update_slice_in_dim(out, o_tile.astype(q.dtype), i * block_q, axis=3)
-        lse = lax.dynamic_update_slice_in_dim(lse, lse_tile.reshape(b, hq, block_q), i * block_q, axis=2)
-        return out, lse
+        stats = [lax.dynamic_update_slice_in_dim(x, x_tile.reshape(b, hq, block_q), i * block_q, axis=2)
+                 for x, x_tile in zip(stats, stats_tile)]
+        return out, stats
 
-    outputs = (jnp.zeros(t.q.shape, q.dtype), jnp.zeros((b, hq, t.lq_pad), jnp.float32))
-    out, lse = lax.fori_loop(0, t.lq_pad // block_q, query_tile, outputs)
-    return t.from_heads(out)[:, :lq], lse[:, :, :lq]
+    stats = [jnp.zeros((b, hq, t.lq_pad), jnp.float32)] * 2
+    out, stats = lax.fori_loop(0, t.lq_pad // block_q, query_tile, (jnp.zeros(t.q.shape, q.dtype), stats))
+    return t.from_heads(out)[:, :lq], online_softmax.RowStats(*(x[:, :, :lq] for x in stats))
 
 
-def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, out, lse, d_out, d_lse):
+def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta):
     """Algorithm 2 of FlashAttention-2: outer loop over key tiles (dK, dV in registers),
     inner loop over query tiles, dQ accumulated in place. -> (dq, dk, dv, dbias | None)."""
     b, lq, hq, d = q.shape
     lk = k.shape[1]
     block_q, block_k = chunk_sizes(cfg, lq, lk)
     t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k)
-    # delta_i = rowsum(dO_i * O_i); a cotangent of lse enters as dS += P * dlse.
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        delta = delta - d_lse
     grouped = lambda x: _pad_axis(x, -1, t.lq_pad).reshape(b, t.hkv, t.groups, t.lq_pad)
-    delta, lse = grouped(delta), grouped(lse)
+    delta, row_max, log_sum = grouped(delta), grouped(stats.max), grouped(stats.log_sum)
     d_out = t.to_heads(_pad_axis(d_out, 1, t.lq_pad))
     stats_tile = lambda x, i: lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=3)
 
     def key_tile(j, grads):
         dq, dk, dv, dbias = grads
-        k_tile, v_tile = t.kv_tile(t.k, j), t.kv_tile(t.v, j)
+        k_raw, v_raw = t.kv_tile(t.k, j), t.kv_tile(t.v, j)
+        k_clean, v_clean = online_softmax.finite_or_zero(k_raw), online_softmax.finite_or_zero(v_raw)
 
         def query_tile(i, carry, masked):
             dq, dk_acc, dv_acc, dbias = carry
             q_tile, do_tile = t.q_tile(t.q, i), t.q_tile(d_out, i)
-            s, capped, allowed = t.logits(q_tile, k_tile, i, j, masked)
-            p = online_softmax.recomputed_probs(s, stats_tile(lse, i), allowed)
+            s, capped, allowed = t.logits(q_tile, k_raw, v_raw, i, j, masked)
+            k_tile, v_tile = (k_raw, v_raw) if allowed is None else (k_clean, v_clean)
+            if allowed is not None:
+                q_tile = online_softmax.finite_or_zero(q_tile)
+            p = online_softmax.recomputed_probs(s, stats_tile(row_max, i), stats_tile(log_sum, i),
+                                                allowed)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
             ds, dqk = online_softmax.logits_gradient(p, dp, stats_tile(delta, i), capped, cfg)

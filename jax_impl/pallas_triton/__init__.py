@@ -1,9 +1,11 @@
 """Pallas GPU (Triton) FlashAttention: forward and backward kernels behind one pair of calls."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
-from jax_impl import masking
+from jax_impl import masking, online_softmax
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.backward import backward_call
@@ -12,7 +14,10 @@ from jax_impl.pallas_triton.layout import Layout
 
 
 def _padded_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInputs):
+    """Operands padded to whole tiles, and the config whose mask excludes the padding."""
     lq_pad, lk_pad = layout.lq_pad, layout.lk_pad
+    cfg = dataclasses.replace(cfg, mask=masking.with_padding(
+        cfg.mask, queries_padded=lq_pad != layout.lq, keys_padded=lk_pad != layout.lk))
     q = layout.pad(q, 1, lq_pad, 3)
     if not cfg.interpret:
         q = common.requires_cuda(q)
@@ -23,31 +28,28 @@ def _padded_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInpu
         mask=None)
     pair = lambda x: None if x is None else layout.pad(layout.pad(x, 2, lq_pad), 3, lk_pad)
     mask = None if masks.mask is None else pair(masks.mask.astype(jnp.int8))
-    return q, k, v, padded_masks, mask, pair(bias)
+    return cfg, q, k, v, padded_masks, mask, pair(bias)
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
-    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], lse [B, Hq, Lq] f32)."""
-    b, lq, hq, d = q.shape
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
+    lq, d = q.shape[1], q.shape[3]
     layout = Layout.create(lq, k.shape[1], d, q.dtype, cfg.block_sizes)
-    qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
-    out, lse = forward_call(cfg, layout, qp, kp, vp, padded_masks, mask, bias)
-    return out[:, :lq, :, :d], lse[:, :, :lq]
+    cfg, qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
+    out, row_max, log_sum = forward_call(cfg, layout, qp, kp, vp, padded_masks, mask, bias)
+    return out[:, :lq, :, :d], online_softmax.RowStats(row_max[:, :, :lq], log_sum[:, :, :lq])
 
 
-def backward(cfg: AttentionConfig, q, k, v, bias, masks, out, lse, d_out, d_lse):
+def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta):
     """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] f32 or None)."""
-    b, lq, hq, d = q.shape
-    lk = k.shape[1]
+    lq, d, lk = q.shape[1], q.shape[3], k.shape[1]
     layout = Layout.create(lq, lk, d, q.dtype, cfg.block_sizes)
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        delta = delta - d_lse
-    qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
-    stats = lambda x: layout.pad(x, 2, layout.lq_pad)
+    cfg, qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
+    pad_rows = lambda x: layout.pad(x, 2, layout.lq_pad)
     d_out = layout.pad(d_out, 1, layout.lq_pad, 3)
-    dq, dk, dv, dbias = backward_call(cfg, layout, qp, kp, vp, d_out, stats(lse), stats(delta),
-                                      padded_masks, mask, bias)
+    dq, dk, dv, dbias = backward_call(cfg, layout, qp, kp, vp, d_out,
+                                      online_softmax.RowStats(*map(pad_rows, stats)),
+                                      pad_rows(delta), padded_masks, mask, bias)
     if dbias is not None:
         dbias = dbias[:, :, :lq, :lk]
     return dq[:, :lq, :, :d], dk[:, :lk, :, :d], dv[:, :lk, :, :d], dbias

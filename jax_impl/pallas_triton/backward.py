@@ -7,8 +7,8 @@
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
   It also writes dS, the gradient of the bias, when there is a bias.
 
-Both recompute P = exp(S - lse) from q, k and the saved logsumexp; delta = rowsum(dO * O)
-(minus the cotangent of the logsumexp, if any) comes from XLA.
+Both recompute P = exp(S - m - log l) from q, k and the saved row statistics; delta =
+rowsum(dO * O) (minus the cotangent of the logsumexp, if any) comes from the custom VJP.
 """
 from __future__ import annotations
 
@@ -25,17 +25,16 @@ from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.layout import Layout
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                  q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dk_ref, dv_ref, *,
-                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int,
-                 keys_padded: bool):
+                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int):
     j, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
+    v_clean = online_softmax.finite_or_zero(v)
     cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
-    bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len,
-                                   keys_padded=keys_padded)
+    bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len)
     per_head = lambda ref, g: 0 if ref.shape[0] == 1 else g  # broadcast head axis of mask/bias
 
     def query_head(g, carry):
@@ -47,13 +46,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_
             bias = None if bias_ref is None else bias_ref[per_head(bias_ref, g), queries, :]
             s, capped = online_softmax.logits(qk, cfg, bias)
             rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
-            allowed = common.tile_allowed(
+            allowed = masking.allowed(
                 cfg.mask, rows, cols, q_len, kv_len,
                 None if q_seg_ref is None else q_seg_ref[queries], kv_seg,
-                None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :],
-                keys_padded=keys_padded, structural=masked)
-            p = online_softmax.recomputed_probs(s, lse_ref[g, queries], allowed)
-            dp = common.dot(do, v, cfg.precision, trans_b=True)
+                None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :], structural=masked)
+            v_tile = v
+            if allowed is not None:  # online_softmax's non-finite rule
+                s = online_softmax.poison_logits(s, v)
+                q, v_tile = online_softmax.finite_or_zero(q), v_clean
+            p = online_softmax.recomputed_probs(s, max_ref[g, queries], log_sum_ref[g, queries], allowed)
+            dp = common.dot(do, v_tile, cfg.precision, trans_b=True)
             _, dqk = online_softmax.logits_gradient(p, dp, delta_ref[g, queries], capped, cfg)
             dv += common.dot(p.astype(do.dtype), do, cfg.precision, trans_a=True)
             dk += common.dot(dqk.astype(q.dtype), q, cfg.precision, trans_a=True)
@@ -67,14 +69,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dq_ref, dbias_ref, *,
-               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int,
-               keys_padded: bool):
+               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int):
     i, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     q, do = q_ref[...], do_ref[...]                                   # [bq, Dp]
-    lse, delta = lse_ref[...], delta_ref[...]                         # [bq]
+    row_max, log_sum, delta = max_ref[...], log_sum_ref[...], delta_ref[...]  # [bq]
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
@@ -84,27 +85,29 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_le
         qk = common.dot(q, k, cfg.precision, trans_b=True)
         s, capped = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
-        allowed = common.tile_allowed(
+        allowed = masking.allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
-            None if mask_ref is None else mask_ref[:, keys], keys_padded=keys_padded,
+            None if mask_ref is None else mask_ref[:, keys],
             structural=masked)
-        p = online_softmax.recomputed_probs(s, lse, allowed)
+        if allowed is not None:  # online_softmax's non-finite rule
+            s = online_softmax.poison_logits(s, v)
+            k, v = online_softmax.finite_or_zero(k), online_softmax.finite_or_zero(v)
+        p = online_softmax.recomputed_probs(s, row_max, log_sum, allowed)
         dp = common.dot(do, v, cfg.precision, trans_b=True)
         ds, dqk = online_softmax.logits_gradient(p, dp, delta, capped, cfg)
         if dbias_ref is not None:
             dbias_ref[:, keys] = ds
         return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)
 
-    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len,
-                                    keys_padded=keys_padded)
+    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len)
     if dbias_ref is not None:  # every tile of dbias must be written, zeros included
         bounds = (0, bounds[1], bounds[2], num_key_tiles)
     dq = masking.split_fori_loop(bounds, key_tile, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, delta,
+def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
                   masks: masking.MaskInputs, mask, bias):
     """Padded operands -> (dq, dk, dv, dbias [B, Hq, Lq_pad, Lk_pad] or None)."""
     batch, lq_pad, hq, d_pad = q.shape
@@ -112,7 +115,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
     groups = hq // hkv
     blocks = layout.blocks
     lengths = [pl.BlockSpec((batch,), lambda *_: (0,))] * 2
-    inputs = (q, k, v, d_out, lse, delta, masks.q_len, masks.kv_len, masks.q_segment_ids,
+    inputs = (q, k, v, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len, masks.q_segment_ids,
               masks.kv_segment_ids, mask, bias)
 
     # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.
@@ -124,10 +127,9 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
     q_group = pl.BlockSpec((None, lq_pad, groups, d_pad), lambda j, b, h: (b, 0, h, 0))
     stats_group = pl.BlockSpec((None, groups, lq_pad), lambda j, b, h: (b, h, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups,
-                          keys_padded=layout.lk_pad != layout.lk),
+        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups),
         grid=(lk_pad // bk, batch, hkv),
-        in_specs=[q_group, kv_tile, kv_tile, q_group, stats_group, stats_group, *lengths,
+        in_specs=[q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
                   None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
                   None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
                   pair(mask), pair(bias)],
@@ -152,10 +154,9 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, lse, del
         out_shape.append(jax.ShapeDtypeStruct((batch, hq, lq_pad, lk_pad), jnp.float32))
     results = pl.pallas_call(
         functools.partial(_dq_kernel if bias is not None else _dq_kernel_no_bias, cfg=cfg,
-                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk,
-                          keys_padded=layout.lk_pad != layout.lk),
+                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk),
         grid=(lq_pad // bq, batch, hq),
-        in_specs=[q_tile, kv_all, kv_all, q_tile, stats_tile, stats_tile, *lengths,
+        in_specs=[q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
                   None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                   None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
                   pair(mask), pair(bias)],

@@ -1,4 +1,4 @@
-"""Pieces every kernel uses: the dot, the element mask of one tile, the platform guard."""
+"""Pieces every kernel uses: the dot, block indices of broadcast operands, the platform guard."""
 from __future__ import annotations
 
 import jax
@@ -21,22 +21,6 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     precision = precision if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
                            precision=precision, preferred_element_type=jnp.float32)
-
-
-def tile_allowed(spec: masking.MaskSpec, rows, cols, q_len, kv_len, q_seg=None, kv_seg=None,
-                 mask_tile=None, *, keys_padded: bool, structural: bool):
-    """The allowed pattern of one [block_q, block_k] tile (rows [bq, 1], cols [1, bk]), or None.
-
-    ``structural=False`` for a tile inside the band (masking.kv_block_split): rules 1-3 hold
-    for every pair, so only segment ids and the dense mask are evaluated.
-    """
-    conditions = [masking.structural_allowed(spec, rows, cols, q_len, kv_len, keys_padded=keys_padded)
-                  if structural else None]
-    if q_seg is not None:
-        conditions.append(q_seg[:, None] == kv_seg[None, :])
-    if mask_tile is not None:
-        conditions.append(mask_tile != 0)
-    return masking.all_of(conditions)
 
 
 def broadcast_index(x, axis: int, index):

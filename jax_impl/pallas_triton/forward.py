@@ -2,8 +2,8 @@
 
 Each program keeps its query tile in registers and walks the key tiles that the mask
 structure allows (masking.kv_block_range), with a running row max m, a running sum l in m's
-scale and an fp32 output accumulator, rescaled whenever m grows; O and the logsumexp are
-written once at the end.
+scale and an fp32 output accumulator, rescaled whenever m grows; O and the row statistics
+(m and log l) are written once at the end.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from jax_impl.pallas_triton.layout import Layout
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref,
-                    mask_ref, bias_ref, o_ref, lse_ref, *, cfg: AttentionConfig,
-                    block_q: int, block_k: int, keys_padded: bool):
+                    mask_ref, bias_ref, o_ref, max_ref, log_sum_ref, *, cfg: AttentionConfig,
+                    block_q: int, block_k: int):
     i, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     q = q_ref[...]                                                    # [bq, Dp]
@@ -35,28 +35,31 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_se
         qk = common.dot(q, k_ref[keys, :], cfg.precision, trans_b=True)  # [bq, bk]
         s, _ = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
-        allowed = common.tile_allowed(
+        allowed = masking.allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
-            None if mask_ref is None else mask_ref[:, keys], keys_padded=keys_padded, structural=masked)
-        rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
+            None if mask_ref is None else mask_ref[:, keys], structural=masked)
         v = v_ref[keys, :]
+        if allowed is not None:  # online_softmax's non-finite rule
+            s = online_softmax.poison_logits(s, v)
+            v = online_softmax.finite_or_zero(v)
+        rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
         acc = rescale[:, None] * acc + common.dot(p.astype(v.dtype), v, cfg.precision)
         return acc, row_max, row_sum
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len,
-                                    keys_padded=keys_padded)
+    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len)
     acc, row_max, row_sum = masking.split_fori_loop(bounds, key_tile, init)
-    out, lse = online_softmax.finalize(acc, row_max, row_sum)
+    out, stats = online_softmax.finalize(acc, row_max, row_sum)
     o_ref[...] = out.astype(o_ref.dtype)
-    lse_ref[...] = lse
+    max_ref[...] = stats.max
+    log_sum_ref[...] = stats.log_sum
 
 
 def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.MaskInputs,
                  mask, bias):
-    """Padded operands -> (out [B, Lq_pad, Hq, Dp], lse [B, Hq, Lq_pad])."""
+    """Padded operands -> (out [B, Lq_pad, Hq, Dp], row max and log-sum [B, Hq, Lq_pad])."""
     batch, lq_pad, hq, d_pad = q.shape
     lk_pad, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -75,14 +78,12 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         pair(mask),
         pair(bias),
     ]
-    out_specs = [
-        pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
-    ]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, hq, lq_pad), jnp.float32)]
-    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k,
-                               keys_padded=layout.lk_pad != layout.lk)
+    stats_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+    stats_shape = jax.ShapeDtypeStruct((batch, hq, lq_pad), jnp.float32)
+    out_specs = [pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
+                 stats_spec, stats_spec]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), stats_shape, stats_shape]
+    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k)
     return pl.pallas_call(
         kernel, grid=(lq_pad // block_q, batch, hq), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",

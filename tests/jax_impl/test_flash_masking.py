@@ -50,13 +50,13 @@ def _padded(n, block):
 @pytest.mark.parametrize("spec, lq, lk, bq, bk, q_len, kv_len", list(_cases()))
 def test_tile_ranges_are_exact_summaries_of_the_element_rules(spec, lq, lk, bq, bk, q_len, kv_len):
     lq_pad, lk_pad = _padded(lq, bq), _padded(lk, bk)
-    keys_padded = lk_pad != lk
+    spec = masking.with_padding(spec, queries_padded=lq_pad != lq, keys_padded=lk_pad != lk)
     allowed = np.zeros((lq_pad, lk_pad), bool)
     allowed[:lq, :lk] = _pattern(spec, lq, lk, q_len, kv_len)
     args = (jnp.int32(q_len), jnp.int32(kv_len))
     for i in range(lq_pad // bq):
         lo, full_lo, full_hi, hi = (int(x) for x in masking.kv_block_split(
-            spec, i * bq, bq, bk, *args, keys_padded=keys_padded))
+            spec, i * bq, bq, bk, *args))
         assert lo <= full_lo <= full_hi <= hi <= lk_pad // bk
         rows = slice(i * bq, (i + 1) * bq)
         for j in range(lk_pad // bk):
@@ -69,7 +69,7 @@ def test_tile_ranges_are_exact_summaries_of_the_element_rules(spec, lq, lk, bq, 
                     f"query tile {i} leaves key tile {j} unmasked though it holds excluded pairs"
     for j in range(lk_pad // bk):
         lo, full_lo, full_hi, hi = (int(x) for x in masking.q_block_split(
-            spec, j * bk, bk, bq, *args, keys_padded=keys_padded))
+            spec, j * bk, bk, bq, *args))
         assert lo <= full_lo <= full_hi <= hi <= lq_pad // bq
         cols = slice(j * bk, (j + 1) * bk)
         for i in range(lq_pad // bq):
@@ -85,5 +85,5 @@ def test_causal_split_leaves_most_tiles_unmasked():
     """The split is not vacuous: a long causal problem masks only the diagonal tiles."""
     spec = masking.MaskSpec(is_causal=True)
     lo, full_lo, full_hi, hi = (int(x) for x in masking.kv_block_split(
-        spec, 512, 64, 64, jnp.int32(1024), jnp.int32(1024), keys_padded=False))
+        spec, 512, 64, 64, jnp.int32(1024), jnp.int32(1024)))
     assert (lo, full_lo, full_hi, hi) == (0, 0, 8, 9)

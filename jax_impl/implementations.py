@@ -1,0 +1,69 @@
+"""The one table of implementations: name -> forward, backward, and when it can run.
+
+``flash_attention`` (dispatch and ``explain_implementation``), the custom VJP and the
+conformance registry all read this table; nothing else restates which implementation can run
+a call.
+
+A blocked implementation provides
+  ``forward(cfg, q, k, v, bias, masks) -> (out, RowStats)`` and
+  ``backward(cfg, q, k, v, bias, masks, stats, d_out, delta) -> (dq, dk, dv, dbias | None)``
+with q ``[B, Lq, Hq, D]``, k/v ``[B, Lk, Hkv, D]``, bias ``[Bb, Hb, Lq, Lk]`` or None and
+``delta = rowsum(dO * O) - d(lse)`` ``[B, Hq, Lq]`` float32; ``recompute_vjp`` wires them into
+one custom VJP. The dense reference has neither: plain autodiff differentiates it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from jax_impl import pallas_triton, xla
+from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
+
+CUDA_PLATFORMS = ("cuda", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    name: str
+    summary: str
+    forward: Callable | None = None   # None: dense, differentiated by autodiff
+    backward: Callable | None = None
+    max_head_dim: int | None = None
+    needs_cuda: bool = False          # unless interpret=True (the Pallas interpreter)
+    automatic: bool = True            # may be chosen by implementation=None
+
+    def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False) -> str | None:
+        """Why this implementation cannot run such a call, or None if it can."""
+        if self.max_head_dim is not None and head_dim > self.max_head_dim:
+            return f"head_dim={head_dim} exceeds the kernel's maximum of {self.max_head_dim}"
+        if self.needs_cuda and not interpret and platform not in CUDA_PLATFORMS:
+            return (f"the Triton kernel needs a CUDA GPU; platform is {platform!r} "
+                    "(interpret=True runs it anywhere)")
+        return None
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
+    "pallas_triton": Implementation(
+        "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
+        pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True),
+    "xla": Implementation(
+        "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
+        xla.forward, xla.backward),
+    "reference": Implementation(
+        "reference", "dense attention (materialises [Lq, Lk]); the oracle of the tests",
+        automatic=False),
+}
+
+
+def get(name: str) -> Implementation:
+    try:
+        return IMPLEMENTATIONS[name]
+    except KeyError:
+        hint = " (that is jax.nn.dot_product_attention's cuDNN path)" if name == "cudnn" else ""
+        raise ValueError(f"implementation={name!r}{hint} must be one of "
+                         f"{tuple(IMPLEMENTATIONS)} or None") from None
+
+
+def unsupported(name: str, *, head_dim: int, platform: str, interpret: bool = False) -> str | None:
+    """Why implementation ``name`` cannot run a call with this head_dim on ``platform``, or None."""
+    return get(name).unsupported(head_dim=head_dim, platform=platform, interpret=interpret)

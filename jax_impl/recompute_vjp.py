@@ -1,0 +1,73 @@
+"""The custom VJP shared by the blocked implementations (xla, pallas_triton).
+
+Residuals are q, k, v, the bias, the mask inputs and the per-row softmax statistics
+(``online_softmax.RowStats``: the row max and the log of the row sum, kept apart so that the
+backward recomputes P exactly even when the logits are huge): nothing of size Lq * Lk beyond
+what the caller passed in. The backward recomputes the probabilities tile by tile.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_impl import implementations, masking, online_softmax
+from jax_impl.config import AttentionConfig
+
+SECOND_ORDER_ERROR = (
+    "flash_attention's blocked implementations (xla, pallas_triton) have a first-order VJP "
+    "only: their backward pass cannot be differentiated again. For higher-order derivatives "
+    "use implementation='reference' (dense autodiff, [Lq, Lk] memory).")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
+    """-> (out [B, Lq, Hq, D], lse [B, Hq, Lq] float32, natural log, -inf for empty rows)."""
+    out, stats = implementations.get(implementation).forward(cfg, q, k, v, bias, masks)
+    return out, online_softmax.logsumexp(stats)
+
+
+def _attention_fwd(implementation, cfg, q, k, v, bias, masks):
+    out, stats = implementations.get(implementation).forward(cfg, q, k, v, bias, masks)
+    return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, out, stats)
+
+
+def _reduce_to(grad, shape):
+    """Sum a [B, Hq, Lq, Lk] gradient over the axes the bias was broadcast along."""
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and grad.shape[a] != 1)
+    return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad
+
+
+def _attention_bwd(implementation, cfg, residuals, cotangents):
+    q, k, v, bias, masks, out, stats = residuals
+    d_out, d_lse = cotangents
+    # delta_i = rowsum(dO_i * O_i); a cotangent of the logsumexp enters as dS += P * dlse.
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - d_lse
+    dq, dk, dv, dbias = _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta)
+    if bias is not None:
+        dbias = _reduce_to(dbias, bias.shape).astype(bias.dtype)
+    mask_cotangents = jax.tree.map(lambda _: None, masks)
+    return dq, dk, dv, dbias, mask_cotangents
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta):
+    """The implementation's backward; differentiating it again raises SECOND_ORDER_ERROR."""
+    return implementations.get(implementation).backward(cfg, q, k, v, bias, masks, stats, d_out, delta)
+
+
+def _first_order_fwd(implementation, cfg, *args):
+    return _first_order(implementation, cfg, *args), None
+
+
+def _refuse_second_order(implementation, cfg, residuals, cotangents):
+    raise NotImplementedError(SECOND_ORDER_ERROR)
+
+
+_first_order.defvjp(_first_order_fwd, _refuse_second_order)
