@@ -170,8 +170,11 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
     elif (not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(scale, bool)
           or not np.isfinite(scale) or scale <= 0):
         raise ValueError(f"{scale=} must be a positive finite Python float (it is static)")
-    if logits_soft_cap is not None and not (np.isfinite(logits_soft_cap) and logits_soft_cap > 0):
-        raise ValueError(f"{logits_soft_cap=} must be a positive finite float or None")
+    if logits_soft_cap is not None and (
+            not isinstance(logits_soft_cap, (int, float, np.integer, np.floating))
+            or isinstance(logits_soft_cap, bool) or not np.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
+        raise ValueError(f"{logits_soft_cap=} must be None or a positive finite Python float "
+                         "(it is static: a traced or array value cannot be used)")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a jax_impl.BlockSizes; got {type(block_sizes).__name__}")
     if implementation is not None:
@@ -224,30 +227,35 @@ def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, valu
 def _window(local_window_size):
     if local_window_size is None:
         return None, None
-    sides = (local_window_size, local_window_size) if isinstance(local_window_size, (int, np.integer)) \
-        else tuple(local_window_size)
-    if len(sides) != 2 or any(s is not None and (not isinstance(s, (int, np.integer)) or s < 0)
-                              for s in sides):
+    is_int = lambda s: isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_))
+    sides = (local_window_size, local_window_size) if is_int(local_window_size) else local_window_size
+    if (not isinstance(sides, (tuple, list)) or len(sides) != 2
+            or any(s is not None and (not is_int(s) or s < 0) for s in sides)):
         raise ValueError(f"{local_window_size=} must be an int >= 0 or a pair (left, right) of "
-                         "ints >= 0 or None")
+                         "ints >= 0 or None (it is static)")
     return tuple(None if s is None else int(s) for s in sides)
 
 
 def _lengths(name, lengths, batch_shape, seq_len):
+    """[B] int32 lengths, clamped to [0, seq_len]: concrete values outside are refused; traced
+    ones (under jit) cannot be checked, and past the sequence they mean the whole sequence."""
     b = math.prod(batch_shape)
     if lengths is None:
         return jnp.full((b,), seq_len, jnp.int32)
-    lengths = jnp.asarray(lengths)
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    values = _concrete(lengths)  # before any cast: int64 values must not wrap
+    lengths = jnp.asarray(lengths) if values is None else values
+    if not np.issubdtype(lengths.dtype, np.integer):
         raise TypeError(f"{name} must be integers; got {lengths.dtype}")
     if lengths.shape != batch_shape:
         raise ValueError(f"{name}.shape={lengths.shape} must equal the batch shape {batch_shape}")
-    values = _concrete(lengths)
     if values is not None:
         if values.size and (values.min() < 0 or values.max() > seq_len):
             raise ValueError(f"{name} must lie in [0, {seq_len}]; got values in "
                              f"[{values.min()}, {values.max()}]")
-    return lengths.reshape(b).astype(jnp.int32)
+        return jnp.asarray(values.reshape(b), jnp.int32)
+    if jnp.iinfo(lengths.dtype).max > jnp.iinfo(jnp.int32).max:
+        lengths = jnp.clip(lengths, 0, seq_len)  # before the int32 cast, which could wrap
+    return jnp.clip(lengths.reshape(b).astype(jnp.int32), 0, seq_len)
 
 
 def _concrete(x):
@@ -327,6 +335,9 @@ def _head_dim_unsupported(name: str, head_dim: int) -> str | None:
 
 
 def _dispatch(call: _Call):
+    if call.q.shape[0] == 0:  # an empty batch: an empty result, as jax.nn gives
+        return (jnp.zeros(call.q.shape, call.q.dtype),
+                jnp.full((0, call.q.shape[2], call.q.shape[1]), -jnp.inf, jnp.float32))
     return _attention(call.q, call.k, call.v, call.bias, call.masks,
                       implementation=call.implementation, cfg=call.cfg)
 

@@ -6,11 +6,12 @@ Notation of FlashAttention-2 (Dao, 2023): S logits, P probabilities, m running r
 l running row sum in m's scale, O unnormalised output accumulator.
 
 Non-finite values at excluded positions (one rule, every implementation): on a tile that
-evaluates a mask, Q, K and V enter every product except ``Q K^T`` with their non-finite
-entries replaced by 0 (``finite_or_zero``), and an allowed pair whose key's V row holds a
-non-finite value gets a NaN logit (``poison_logits``). So a NaN or inf at a key or query that a
-row may not attend never reaches that row's output or gradients, while one at an allowed pair
-still gives NaN. A tile without a mask (every pair allowed) needs neither.
+evaluates a mask, Q, K and V enter every product with their non-finite entries replaced by 0
+(``finite_or_zero``), and a pair whose query row or key row (K or V) holds a non-finite value
+gets a NaN logit (``row_poison``), which survives only where the pair is allowed. So a NaN or
+inf at a key or query that a row may not attend never reaches that row's output or gradients,
+while one at an allowed pair still gives NaN. A tile without a mask (every pair allowed)
+needs neither.
 """
 from __future__ import annotations
 
@@ -55,10 +56,11 @@ def finite_or_zero(x):
     return jnp.where(is_finite(x), x, jnp.zeros((), x.dtype))
 
 
-def poison_logits(s, v_tile):
-    """S plus NaN in the key columns whose V row (``v_tile [..., Tk, D]``) is not finite."""
-    bad_key = jnp.any(~is_finite(v_tile), axis=-1)                     # [..., Tk]
-    return s + jnp.where(bad_key, jnp.nan, 0.0)[..., None, :]
+def row_poison(x):
+    """``[..., n, D] -> [..., n]`` float32: NaN where the row holds a non-finite value, else 0."""
+    # A max over 0/1 rather than jnp.any: Pallas Triton has no lowering for reduce_or.
+    bad_row = jnp.max(jnp.where(is_finite(x), 0.0, 1.0), axis=-1) > 0
+    return jnp.where(bad_row, jnp.nan, 0.0)
 
 
 def online_step(row_max, row_sum, s, allowed):

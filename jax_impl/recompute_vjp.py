@@ -24,12 +24,12 @@ SECOND_ORDER_ERROR = (
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
     """-> (out [B, Lq, Hq, D], lse [B, Hq, Lq] float32, natural log, -inf for empty rows)."""
-    out, stats = implementations.get(implementation).forward(cfg, q, k, v, bias, masks)
+    out, stats = _forward(implementation, cfg, q, k, v, bias, masks)
     return out, online_softmax.logsumexp(stats)
 
 
 def _attention_fwd(implementation, cfg, q, k, v, bias, masks):
-    out, stats = implementations.get(implementation).forward(cfg, q, k, v, bias, masks)
+    out, stats = _forward(implementation, cfg, q, k, v, bias, masks)
     return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, out, stats)
 
 
@@ -56,18 +56,25 @@ def _attention_bwd(implementation, cfg, residuals, cotangents):
 attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+# The implementations' own passes, each behind a custom VJP that refuses to be differentiated:
+# a second-order derivative reaches one of them and gets SECOND_ORDER_ERROR, not an obscure
+# message from inside a kernel or loop.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _forward(implementation, cfg, q, k, v, bias, masks):
+    return implementations.get(implementation).forward(cfg, q, k, v, bias, masks)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta):
     """The implementation's backward; differentiating it again raises SECOND_ORDER_ERROR."""
     return implementations.get(implementation).backward(cfg, q, k, v, bias, masks, stats, d_out, delta)
 
 
-def _first_order_fwd(implementation, cfg, *args):
-    return _first_order(implementation, cfg, *args), None
-
-
 def _refuse_second_order(implementation, cfg, residuals, cotangents):
     raise NotImplementedError(SECOND_ORDER_ERROR)
 
 
-_first_order.defvjp(_first_order_fwd, _refuse_second_order)
+for _pass in (_forward, _first_order):
+    _pass.defvjp(lambda implementation, cfg, *args, _pass=_pass: (_pass(implementation, cfg, *args), None),
+                 _refuse_second_order)

@@ -1,7 +1,7 @@
-"""Dense attention: the oracle of the tests and ``implementation="reference"``.
+"""Dense attention: ``implementation="reference"``, for checking and higher-order derivatives.
 
-It materialises the ``[B, Hq, Lq, Lk]`` logits, so it is for checking and for small shapes.
-Plain autodiff gives its gradients; the masking is arranged so that a row with no allowed
+It materialises the ``[B, Hq, Lq, Lk]`` logits, so it is for small shapes. Plain autodiff gives
+its gradients (of any order); the masking is arranged so that a row with no allowed
 key has output 0, logsumexp -inf and zero gradients, with no NaN anywhere.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_impl import masking
+from jax_impl import masking, online_softmax
 from jax_impl.config import AttentionConfig
 
 
@@ -24,6 +24,12 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
+    # online_softmax's non-finite rule, densely: compute with non-finite entries as 0 and give
+    # NaN logits to the pairs whose query row or key row (K or V) holds one.
+    row_poison = lambda x: jnp.where(jnp.all(online_softmax.is_finite(x), axis=-1), 0.0, jnp.nan)
+    q_poison = jnp.swapaxes(row_poison(q), 1, 2)                        # [B, Hq, Lq]
+    kv_poison = jnp.repeat(jnp.swapaxes(row_poison(k) + row_poison(v), 1, 2), groups, axis=1)
+    q, k, v = map(online_softmax.finite_or_zero, (q, k, v))
     q_grouped = q.reshape(b, lq, hkv, groups, d)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_grouped, k, precision=cfg.precision,
                         preferred_element_type=logits_dtype)
@@ -33,6 +39,7 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
         logits = cap * jnp.tanh(logits / cap)
     if bias is not None:
         logits = logits + bias.astype(logits_dtype)
+    logits = logits + (q_poison[..., :, None] + kv_poison[..., None, :]).astype(logits_dtype)
     allowed = masking.dense_allowed(cfg.mask, lq, lk, masks.q_len, masks.kv_len,
                                     masks.q_segment_ids, masks.kv_segment_ids, masks.mask)
     row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True)

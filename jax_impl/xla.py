@@ -85,16 +85,13 @@ class _Tiles:
         return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
 
     def logits(self, q_tile, k_tile, v_tile, i, j, masked: bool):
-        """(S, soft-cap term, allowed or None) for query tile i and key tile j: [B, Hkv, G, bq, bk].
+        """(S, soft-cap term, allowed or None, (q, k, v) for the tile's products), all
+        ``[B, Hkv, G, bq, bk]`` for query tile i and key tile j.
 
         ``masked=False``: the tile lies inside the band for every batch row (kv_range/q_range),
-        so the structural rules are not evaluated. Where a mask applies, S is poisoned at
-        allowed pairs whose V row is not finite (online_softmax's non-finite rule).
+        so the structural rules are not evaluated. Where a mask applies, the tiles' non-finite
+        entries become 0 and poison their pairs' logits (online_softmax's non-finite rule).
         """
-        qk = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
-                        preferred_element_type=jnp.float32)
-        bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
-        s, capped = online_softmax.logits(qk, self.cfg, bias)
         rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
         cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
         segments = (None, None)
@@ -105,8 +102,16 @@ class _Tiles:
                                   None if self.mask is None else self._pair_tile(self.mask, i, j),
                                   structural=masked)
         if allowed is not None:
-            s = online_softmax.poison_logits(s, v_tile[:, :, None])
-        return s, capped, allowed
+            poison = (online_softmax.row_poison(q_tile)[..., :, None]
+                      + (online_softmax.row_poison(k_tile) + online_softmax.row_poison(v_tile))[:, :, None, None, :])
+            q_tile, k_tile, v_tile = map(online_softmax.finite_or_zero, (q_tile, k_tile, v_tile))
+        qk = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
+                        preferred_element_type=jnp.float32)
+        bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
+        s, capped = online_softmax.logits(qk, self.cfg, bias)
+        if allowed is not None:
+            s = s + poison
+        return s, capped, allowed, (q_tile, k_tile, v_tile)
 
     def kv_range(self, i):
         """Key tiles for query tile i, (lo, full_lo, full_hi, hi): the union over the batch of
@@ -141,11 +146,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
 
         def key_tile(j, carry, masked):
             acc, row_max, row_sum = carry
-            v_tile = t.kv_tile(t.v, j)
-            s, _, allowed = t.logits(q_tile, t.kv_tile(t.k, j), v_tile, i, j, masked)
+            s, _, allowed, (_, _, v_tile) = t.logits(q_tile, t.kv_tile(t.k, j), t.kv_tile(t.v, j),
+                                                     i, j, masked)
             rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
-            if allowed is not None:
-                v_tile = online_softmax.finite_or_zero(v_tile)
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v_tile,
                             precision=cfg.precision, preferred_element_type=jnp.float32)
             return rescale[..., None] * acc + pv, row_max, row_sum
@@ -179,15 +182,12 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     def key_tile(j, grads):
         dq, dk, dv, dbias = grads
         k_raw, v_raw = t.kv_tile(t.k, j), t.kv_tile(t.v, j)
-        k_clean, v_clean = online_softmax.finite_or_zero(k_raw), online_softmax.finite_or_zero(v_raw)
 
         def query_tile(i, carry, masked):
             dq, dk_acc, dv_acc, dbias = carry
-            q_tile, do_tile = t.q_tile(t.q, i), t.q_tile(d_out, i)
-            s, capped, allowed = t.logits(q_tile, k_raw, v_raw, i, j, masked)
-            k_tile, v_tile = (k_raw, v_raw) if allowed is None else (k_clean, v_clean)
-            if allowed is not None:
-                q_tile = online_softmax.finite_or_zero(q_tile)
+            do_tile = t.q_tile(d_out, i)
+            s, capped, allowed, (q_tile, k_tile, v_tile) = t.logits(t.q_tile(t.q, i), k_raw, v_raw,
+                                                                     i, j, masked)
             p = online_softmax.recomputed_probs(s, stats_tile(row_max, i), stats_tile(log_sum, i),
                                                 allowed)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile, precision=cfg.precision,

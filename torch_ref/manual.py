@@ -1,8 +1,9 @@
-"""The course's manual attention (scores = Q K^T * scale, softmax, times V), generalised.
+"""Manual attention (scores = Q K^T * scale, softmax, times V), generalised to every mask rule.
 
 Runs in the inputs' dtype: in float64 it is the project's oracle; in fp16/bf16 it is the
 "plain same-dtype implementation" whose error sets the conformance tolerance.
-Layout [B, H, L, D]. Semantics: /work/shared/DESIGN.md (semantics table).
+Layout [B, H, L, D]. Semantics: docs/semantics.md. Written from those rules alone: it shares
+no code with jax_impl.
 """
 
 from __future__ import annotations
@@ -103,8 +104,10 @@ def manual_attention(
 ):
     """Dense softmax attention in the inputs' dtype; returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq]).
 
-    A query row with no allowed key gives output 0, lse -inf and zero gradients (no NaN).
-    The lse is in the inputs' dtype.
+    A query row with no allowed key, or whose allowed logits are all -inf (an additive -inf
+    bias), gives output 0, lse -inf and zero gradients (no NaN). A non-finite value in Q, K or
+    V reaches a row only through a pair that row may attend (then the row is NaN); at any
+    other position it has no effect. The lse is in the inputs' dtype.
     """
     batch, num_q_heads, num_kv_heads, q_len, kv_len = _checks.check_qkv(Q, K, V)
     target = (batch, num_q_heads, q_len, kv_len)
@@ -122,12 +125,20 @@ def manual_attention(
     if group > 1:  # query head h reads kv head h // group
         K = K.repeat_interleave(group, dim=1)
         V = V.repeat_interleave(group, dim=1)
+    # Non-finite entries are computed with as 0 and marked: a pair touching a non-finite query,
+    # key or value row gets a NaN logit, which matters only where the pair is allowed.
+    finite = lambda x: torch.isfinite(x).all(dim=-1)  # [B, H, L]
+    bad_pair = ~finite(Q)[..., :, None] | ~(finite(K) & finite(V))[..., None, :]
+    zero_nonfinite = lambda x: torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
+    Q, K, V = map(zero_nonfinite, (Q, K, V))
     s = (Q @ K.transpose(-2, -1)) * _resolve_scale(scale, Q.shape[-1])  # [B, Hq, Lq, Lk]
     if logits_soft_cap is not None:
         cap = float(logits_soft_cap)
         s = cap * torch.tanh(s / cap)
     if bias is not None:
         s = s + bias.to(s.dtype)
+    s = torch.where(bad_pair, torch.full((), float("nan"), dtype=s.dtype), s)
+    allowed = allowed & (s != float("-inf"))  # an additive -inf bias excludes the pair
 
     row_ok = allowed.any(dim=-1, keepdim=True)  # [B, Hq|1, Lq, 1]
     # Disallowed keys get -inf in rows that have an allowed key, and a finite 0 in empty

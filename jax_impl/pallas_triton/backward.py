@@ -31,7 +31,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
     j, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
-    v_clean = online_softmax.finite_or_zero(v)
     cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
     bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len)
@@ -42,18 +41,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
             dk, dv = carry
             queries = pl.ds(i * block_q, block_q)
             q, do = q_ref[queries, g, :], do_ref[queries, g, :]       # [bq, Dp]
-            qk = common.dot(q, k, cfg.precision, trans_b=True)        # [bq, bk]
-            bias = None if bias_ref is None else bias_ref[per_head(bias_ref, g), queries, :]
-            s, capped = online_softmax.logits(qk, cfg, bias)
             rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
             allowed = masking.allowed(
                 cfg.mask, rows, cols, q_len, kv_len,
                 None if q_seg_ref is None else q_seg_ref[queries], kv_seg,
                 None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :], structural=masked)
-            v_tile = v
-            if allowed is not None:  # online_softmax's non-finite rule
-                s = online_softmax.poison_logits(s, v)
-                q, v_tile = online_softmax.finite_or_zero(q), v_clean
+            k_tile, v_tile = k, v
+            if allowed is not None:
+                poison, q, k_tile, v_tile = common.excluded_nonfinite(q, k, v)
+            qk = common.dot(q, k_tile, cfg.precision, trans_b=True)   # [bq, bk]
+            bias = None if bias_ref is None else bias_ref[per_head(bias_ref, g), queries, :]
+            s, capped = online_softmax.logits(qk, cfg, bias)
+            if allowed is not None:
+                s = s + poison
             p = online_softmax.recomputed_probs(s, max_ref[g, queries], log_sum_ref[g, queries], allowed)
             dp = common.dot(do, v_tile, cfg.precision, trans_b=True)
             _, dqk = online_softmax.logits_gradient(p, dp, delta_ref[g, queries], capped, cfg)
@@ -81,18 +81,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
 
     def key_tile(j, dq, masked):
         keys = pl.ds(j * block_k, block_k)
-        k, v = k_ref[keys, :], v_ref[keys, :]
-        qk = common.dot(q, k, cfg.precision, trans_b=True)
-        s, capped = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
         allowed = masking.allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
             None if mask_ref is None else mask_ref[:, keys],
             structural=masked)
-        if allowed is not None:  # online_softmax's non-finite rule
-            s = online_softmax.poison_logits(s, v)
-            k, v = online_softmax.finite_or_zero(k), online_softmax.finite_or_zero(v)
+        q_tile, k, v = q, k_ref[keys, :], v_ref[keys, :]
+        if allowed is not None:
+            poison, q_tile, k, v = common.excluded_nonfinite(q_tile, k, v)
+        qk = common.dot(q_tile, k, cfg.precision, trans_b=True)
+        s, capped = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        if allowed is not None:
+            s = s + poison
         p = online_softmax.recomputed_probs(s, row_max, log_sum, allowed)
         dp = common.dot(do, v, cfg.precision, trans_b=True)
         ds, dqk = online_softmax.logits_gradient(p, dp, delta, capped, cfg)

@@ -6,9 +6,9 @@ import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
-from jax_impl import masking
+from jax_impl import online_softmax
 
 
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
@@ -21,6 +21,14 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     precision = precision if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
                            precision=precision, preferred_element_type=jnp.float32)
+
+
+def excluded_nonfinite(q, k, v):
+    """online_softmax's non-finite rule on one masked tile: q [bq, Dp], k/v [bk, Dp] ->
+    (NaN-or-0 poison [bq, bk] to add to S, and q, k, v with non-finite entries as 0)."""
+    poison = online_softmax.row_poison(q)[:, None] + (
+        online_softmax.row_poison(k) + online_softmax.row_poison(v))[None, :]
+    return (poison, *map(online_softmax.finite_or_zero, (q, k, v)))
 
 
 def broadcast_index(x, axis: int, index):
@@ -53,6 +61,10 @@ def _refuse_lowering(ctx, x):
 
 
 mlir.register_lowering(_requires_cuda_p, _refuse_lowering)
+# An identity, so every transformation passes straight through (vmap, and the autodiff that
+# reaches it when JAX differentiates the custom VJP's backward and reports the real error).
+batching.primitive_batchers[_requires_cuda_p] = lambda args, dims: (_requires_cuda_p.bind(*args), dims[0])
+ad.deflinear(_requires_cuda_p, lambda cotangent: [cotangent])
 mlir.register_lowering(_requires_cuda_p, lambda ctx, x: [x], platform="cuda")
 
 

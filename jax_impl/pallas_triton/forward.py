@@ -32,17 +32,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_se
     def key_tile(j, carry, masked):
         acc, row_max, row_sum = carry
         keys = pl.ds(j * block_k, block_k)
-        qk = common.dot(q, k_ref[keys, :], cfg.precision, trans_b=True)  # [bq, bk]
-        s, _ = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
         allowed = masking.allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
             None if mask_ref is None else mask_ref[:, keys], structural=masked)
-        v = v_ref[keys, :]
-        if allowed is not None:  # online_softmax's non-finite rule
-            s = online_softmax.poison_logits(s, v)
-            v = online_softmax.finite_or_zero(v)
+        q_tile, k, v = q, k_ref[keys, :], v_ref[keys, :]
+        if allowed is not None:
+            poison, q_tile, k, v = common.excluded_nonfinite(q_tile, k, v)
+        qk = common.dot(q_tile, k, cfg.precision, trans_b=True)       # [bq, bk]
+        s, _ = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        if allowed is not None:
+            s = s + poison
         rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
         acc = rescale[:, None] * acc + common.dot(p.astype(v.dtype), v, cfg.precision)
         return acc, row_max, row_sum

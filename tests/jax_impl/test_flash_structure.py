@@ -137,8 +137,9 @@ def _triton_ir(precision):
                                None, None, None)
 
     def fwd_bwd(q):
-        out, lse = pallas_triton.forward(cfg, q, q, q, None, masks)
-        return pallas_triton.backward(cfg, q, q, q, None, masks, out, lse, out, None)
+        out, stats = pallas_triton.forward(cfg, q, q, q, None, masks)
+        delta = jnp.zeros(stats.max.shape, jnp.float32)
+        return pallas_triton.backward(cfg, q, q, q, None, masks, stats, out, delta)
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
