@@ -72,9 +72,7 @@ def select(suite, args, device):
         else:
             adapters = [a for a in registry.available_adapters(device)
                         if not (device == "cpu" and a.name == "jax_impl.pallas_triton")]
-            missing = {a.name: a.on(device).available() for a in registry.REGISTRY.values()
-                       if a.on(device).available() is not None}
-            notes += [f"{n}: {why}" for n, why in missing.items()]
+            notes += [f"{n}: {why}" for n, why in registry.unavailable_adapters(device).items()]
         if device == "cpu":
             notes.append(f"jax_impl.pallas_triton not timed: {INTERPRET_REASON}")
     return adapters, opts_interpret, notes
