@@ -1,8 +1,8 @@
-"""The course's manual attention (scores = Q K^T * scale, softmax, times V), generalised.
+"""Manual attention (scores = Q K^T * scale, softmax, times V), generalised.
 
 Runs in the inputs' dtype: in float64 it is the project's oracle; in fp16/bf16 it is the
 "plain same-dtype implementation" whose error sets the conformance tolerance.
-Layout [B, H, L, D]. Semantics: /work/shared/DESIGN.md (semantics table).
+Layout [B, H, L, D]. Semantics: docs/semantics.md.
 """
 
 from __future__ import annotations
