@@ -22,9 +22,11 @@ from conformance import harness, outputs, probes as probes_mod, registry, report
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m conformance", description=__doc__.split("\n\n")[1])
-    p.add_argument("--suite", default="quick", choices=sorted(cases_mod.SUITES))
+    p.add_argument("--suite", default="quick", choices=sorted(cases_mod.SUITES),
+                   help="which cases (default quick: 23 small cases; probes: the probes only)")
     p.add_argument("--impl", action="append", default=None,
-                   help="registry name or module:function (repeatable); default: every available one")
+                   help="registry name, or module:function for a plug-in (the contract: conformance/README.md); "
+                        "repeatable; default: every available one")
     p.add_argument("--out", default=None, type=Path,
                    help="output folder (default ./flash_attention_results/conformance/<device>/)")
     p.add_argument("--update-reference", action="store_true",

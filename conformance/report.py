@@ -92,7 +92,8 @@ def terminal_table(results, cases, impls) -> str:
     """The grid, the legend of its cells, and why each error or n.s. cell is one."""
     notes = footnotes(results)
     lines = [_table(_grid(results, cases, impls, notes)), "", RATIO_LEGEND]
-    lines += [f"  [{n}] {impl}: {reason}" for (impl, reason), n in notes.items()]
+    lines += [f"  [{n}] " + (reason if reason.startswith(impl) else f"{impl}: {reason}")
+              for (impl, reason), n in notes.items()]
     return "\n".join(lines)
 
 
