@@ -9,16 +9,10 @@ from conformance.runs import JaxPrepared, NotSupported
 
 
 def _jax_impl_unsupported(implementation: str, head_dim: int, device: str) -> str | None:
-    """jax_impl's own eligibility rule (its implementation table), for the harness's device."""
-    interpret = device == "cpu"  # the harness runs the Pallas kernel in the interpreter on CPU
-    try:
-        from jax_impl.implementations import unsupported
-    except ImportError:  # jax_impl 0.1 has no implementation table; its kernel's rule was this
-        from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
-        if implementation == "pallas_triton" and head_dim > MAX_HEAD_DIM:
-            return f"head_dim={head_dim} exceeds the kernel's maximum of {MAX_HEAD_DIM}"
-        return None
-    return unsupported(implementation, head_dim=head_dim, platform=device, interpret=interpret)
+    """jax_impl's own eligibility rule (its implementation table), for the harness's device;
+    on CPU the harness runs the Pallas kernel in the interpreter."""
+    from jax_impl.implementations import unsupported
+    return unsupported(implementation, head_dim=head_dim, platform=device, interpret=device == "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
