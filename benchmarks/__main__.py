@@ -1,31 +1,48 @@
 """python -m benchmarks [--suite quick|course|sweep|gpu] [--impl NAME|module:function ...]
-[--out DIR] [--device cpu|cuda]
+[--out DIR | --update-reference] [--device cpu|cuda]
 
 Times every implementation of the registry (conformance.registry) on the suite's
 configurations, after checking each result against the float64 oracle; writes a terminal
-table, CSV, JSON, Markdown and PNG plots to --out (default benchmarks/results/<device>/, the
-device being "cpu" or the GPU's name slugified, e.g. nvidia-h200).
+table, CSV, JSON, Markdown and PNG plots to --out (default
+./flash_attention_results/benchmarks/<device>/, the device being "cpu" or the GPU's name
+slugified, e.g. nvidia-h200). Exit code 2 for a bad command line, before any work starts.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-# before JAX starts: share one GPU with torch (no 75% preallocation; JAX's pool capped), and
-# allow each side's out-of-memory to be a recorded result. Override by setting them yourself.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
+from benchmarks import measure as measure_mod, report, suites
+from benchmarks.measure import OOM, SKIPPED, INTERPRET_REASON, Options, ReferenceCache
+from conformance import outputs, registry
+from conformance.adapters.base import has_module
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-from tqdm import tqdm  # noqa: E402
+def share_the_gpu_with_torch() -> None:
+    """Before JAX starts: no 75% preallocation and a capped pool, so JAX and torch share one
+    GPU and each side's out-of-memory is a recorded result. Variables already set win."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
 
-from benchmarks import measure as measure_mod, report, suites  # noqa: E402
-from benchmarks.measure import OOM, SKIPPED, INTERPRET_REASON, Options, ReferenceCache  # noqa: E402
-from conformance import registry  # noqa: E402
+
+class UsageError(ValueError):
+    """A command line that cannot run; reported in one line before any work starts."""
+
+
+def positive_ints(option: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise UsageError(f"{option} {text!r} must be comma-separated positive integers, e.g. 512,1024")
+    return values
 
 
 def parse_args(argv=None):
@@ -34,9 +51,13 @@ def parse_args(argv=None):
     p.add_argument("--impl", action="extend", nargs="+", default=None,
                    help="registry name or module:function (repeatable); default: the suite's list, else every "
                         "available one (on CPU without jax_impl.pallas_triton: interpret mode is not a benchmark)")
-    p.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>/)")
+    p.add_argument("--out", default=None, type=Path,
+                   help="output folder (default ./flash_attention_results/benchmarks/<device>/)")
+    p.add_argument("--update-reference", action="store_true",
+                   help="write to the committed reference results, benchmarks/results/<device>/ (no --out)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if JAX sees a GPU")
-    p.add_argument("--seq-lens", default=None, help="comma-separated lengths replacing the suite's (e.g. 128,256)")
+    p.add_argument("--seq-lens", default=None,
+                   help="comma-separated lengths replacing the suite's (e.g. 128,256)")
     p.add_argument("--heads", type=int, default=None, help="replace the suite's head count")
     p.add_argument("--repeats", type=int, default=None, help="at most this many timed repeats (default: the suite's)")
     p.add_argument("--time-budget", type=float, default=None,
@@ -44,6 +65,15 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the float64-oracle check (rows say 'not checked')")
     p.add_argument("--baseline", default="torch.manual", help="speedups are over this implementation")
     return p.parse_args(argv)
+
+
+def check_numbers(args) -> None:
+    if args.seq_lens is not None:
+        args.seq_lens = positive_ints("--seq-lens", args.seq_lens)
+    for option in ("heads", "repeats"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            raise UsageError(f"--{option} {value} must be at least 1")
 
 
 def _enable_compile_cache():
@@ -60,31 +90,41 @@ def _enable_compile_cache():
 
 
 def select(suite, args, device):
+    """(adapters, allow interpret mode, notes). Implementations the user names must be able to
+    run here (else UsageError); those a suite lists but this machine lacks are left out, with a note."""
     notes = []
     if args.impl:
-        adapters = [registry.get_adapter(n, device) for n in args.impl]
+        adapters = []
+        for name in args.impl:
+            try:
+                adapter = registry.get_adapter(name, device)
+            except (registry.UnknownImplementation, registry.PluginError) as e:
+                raise UsageError(f"--impl: {e}") from e
+            why = adapter.available()
+            if why:
+                raise UsageError(f"--impl {name}: cannot run on {device}: {why}")
+            adapters.append(adapter)
         opts_interpret = any(a.name == "jax_impl.pallas_triton" for a in adapters)
     else:
         opts_interpret = False
         names = suite.impls.get(device)
         if names:
-            adapters = [registry.get_adapter(n, device) for n in names]
+            listed = [registry.get_adapter(n, device) for n in names]
+            adapters = [a for a in listed if a.available() is None]
+            notes += [f"{a.name} left out: {a.available()}" for a in listed if a.available() is not None]
         else:
             adapters = [a for a in registry.available_adapters(device)
                         if not (device == "cpu" and a.name == "jax_impl.pallas_triton")]
-            missing = {a.name: a.on(device).available() for a in registry.REGISTRY.values()
-                       if a.on(device).available() is not None}
-            notes += [f"{n}: {why}" for n, why in missing.items()]
+            notes += [f"{n}: {why}" for n, why in registry.unavailable_adapters(device).items()]
         if device == "cpu":
             notes.append(f"jax_impl.pallas_triton not timed: {INTERPRET_REASON}")
     return adapters, opts_interpret, notes
 
 
 def with_overrides(suite, args):
-    import dataclasses
     configs = list(suite.configs)
     if args.seq_lens or args.heads:
-        lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else None
+        lens = list(args.seq_lens) if args.seq_lens else None
         new = []
         for c in configs:
             shape = c.shape
@@ -118,6 +158,7 @@ def run(suite, adapters, device, *, check=True, allow_interpret=False, baseline=
     refs = ReferenceCache() if check else None
     rows, oom_at, notes = [], {}, []
     start = time.perf_counter()
+    from tqdm import tqdm
     bar = tqdm(total=len(suite.configs) * len(adapters), unit="run", dynamic_ncols=True,
                disable=not progress or os.environ.get("BENCH_NO_PROGRESS") == "1")
     skipped_budget = 0
@@ -148,13 +189,39 @@ def run(suite, adapters, device, *, check=True, allow_interpret=False, baseline=
     return rows, seconds, notes
 
 
+def output_dir(args, device: str) -> Path:
+    device_folder = report.slug(report.device_name(device))
+    if args.update_reference:
+        if args.out:
+            raise UsageError("--update-reference writes benchmarks/results/<device>/: it takes no --out")
+        folder = outputs.reference_dir("benchmarks", device_folder)
+    else:
+        folder = args.out or outputs.default_dir("benchmarks", device_folder)
+    return outputs.ensure_writable(folder)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = args.device or registry.default_device()
-    suite = with_overrides(suites.get_suite(args.suite), args)
+    share_the_gpu_with_torch()
+    try:  # every check of the command line before any work starts
+        check_numbers(args)
+        device = args.device or registry.default_device()
+        suite = with_overrides(suites.get_suite(args.suite), args)
+        adapters, allow_interpret, notes = select(suite, args, device)
+        if not args.no_check and not has_module("torch"):
+            raise UsageError("the float64-oracle check needs torch (pip install torch); "
+                             "--no-check times without checking")
+        out_dir = output_dir(args, device)
+    except (UsageError, outputs.OutputError) as e:
+        print(f"python -m benchmarks: error: {e}", file=sys.stderr)
+        return 2
+    if not any(a.name == args.baseline for a in adapters):
+        notes.append(f"no speedups: the baseline {args.baseline} is not among the implementations run")
+    if not report.can_plot():
+        notes.append("no PNG plots: matplotlib is not installed (pip install matplotlib, or the 'plots' extra)")
     _enable_compile_cache()
-    adapters, allow_interpret, notes = select(suite, args, device)
-    env = report.environment(device)
+    env = report.environment(device, shlex.join(["python", "-m", "benchmarks"] +
+                                                list(sys.argv[1:] if argv is None else argv)))
     rows, seconds, run_notes = run(suite, adapters, device, check=not args.no_check,
                                    allow_interpret=allow_interpret, baseline=args.baseline)
     notes += run_notes
@@ -171,7 +238,6 @@ def main(argv=None) -> int:
     except OSError:
         pass
     print(report.terminal(rows, device))
-    out_dir = Path(args.out) if args.out else Path(__file__).parent / "results" / report.slug(report.device_name(device))
     paths = report.write(out_dir, rows, env, suite, device, seconds, notes)
     for n in notes:
         print("note:", n)

@@ -78,7 +78,7 @@ def binary_size(n: float | None) -> str:
 
 def theory_table(batch: int = 2, heads: int = 8, seq_lens=(512, 1024, 2048, 4096, 8192, 16384),
                  dtypes=("float16", "float32")) -> list[dict]:
-    """One score tensor per (L, dtype): rows {"L", dtype: bytes, ...}; the course's table is
+    """One score tensor per (L, dtype): rows {"L", dtype: bytes, ...}; the reference table is
     batch 2, 8 heads (32 MiB fp16 / 64 MiB fp32 at L=1024, 1 GiB fp32 at L=4096)."""
     return [{"L": n, "batch": batch, "heads": heads,
              **{dt: score_tensor_bytes(batch, heads, n, n, dt) for dt in dtypes}} for n in seq_lens]

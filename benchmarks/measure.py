@@ -35,7 +35,8 @@ from benchmarks.suites import Config
 from conformance import harness
 from conformance.cases import Inputs, make_inputs
 from conformance.oracle import References, references
-from conformance.registry import Adapter, NotSupported
+from conformance.adapters.base import Adapter
+from conformance.runs import NotSupported
 
 OK, WRONG, NS, OOM, ERROR, SKIPPED = "ok", "WRONG", "n.s.", "oom", "error", "skipped"
 INTERPRET_REASON = ("Pallas interpret mode on CPU is a correctness tool, not a benchmark "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from benchmarks import flops as flops_mod
 from benchmarks.measure import OK, WRONG, Row
+from conformance.report import without_machine_paths
 
 CSV_COLUMNS = [f.name for f in dataclasses.fields(Row)]
 
@@ -50,9 +51,9 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
 
 
-def environment(device: str) -> dict:
+def environment(device: str, command: str) -> dict:
     from conformance.report import environment as conformance_environment
-    env = conformance_environment(device)
+    env = conformance_environment(device, command)
     env["device_name"] = device_name(device)
     env["cpu_model"] = cpu_model()
     env["cpu_count"] = os.cpu_count()
@@ -77,7 +78,7 @@ def environment(device: str) -> dict:
         except Exception:
             pass
     env["env_vars"] = {k: v for k, v in os.environ.items()
-                       if k.startswith(("XLA_", "JAX_", "OMP_", "MKL_", "CUDA_VISIBLE", "TF_"))}
+                       if k.startswith(("XLA_", "JAX_", "OMP_", "MKL_", "CUDA_VISIBLE", "TF_CPP_"))}
     return env
 
 
@@ -120,7 +121,7 @@ def long_rows(rows: list[Row], device: str) -> list[list[str]]:
     unit, scale = rate_unit(device)
     mem_head = "memory (JAX temp | torch/JAX peak extra | RSS peak extra)"
     out = [["L", "impl", "status", "median ms", "IQR ms", "min-max ms", "n", unit, "x manual", "first call ms",
-            mem_head, "check"]]
+            mem_head, "check: error/tolerance (<1 passes)"]]
     for r in rows:
         mem = " | ".join(flops_mod.binary_size(x) if x is not None else "-" for x in (
             r.jax_temp_bytes, r.torch_peak_extra_bytes if r.framework == "torch" else r.jax_peak_extra_bytes,
@@ -201,7 +202,7 @@ def terminal(rows: list[Row], device: str) -> str:
 def theory_markdown(rows: list[Row]) -> str:
     course = flops_mod.theory_table(2, 8, (1024, 2048, 4096, 8192, 16384), ("float16", "bfloat16", "float32"))
     lines = ["One score tensor `[B, H, Lq, Lk]` (theory; a dense implementation holds at least one, its "
-             "backward several). The course's table, B=2, H=8:", "",
+             "backward several). For reference, B=2, H=8:", "",
              _table([["L", "fp16", "bf16", "fp32"]] + [[str(t["L"])] + [flops_mod.binary_size(t[d]) for d in
                                                                          ("float16", "bfloat16", "float32")]
                                                         for t in course], markdown=True)]
@@ -256,7 +257,8 @@ def write(out_dir: Path, rows: list[Row], env: dict, suite, device: str, seconds
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if v is None else v) for k, v in dataclasses.asdict(r).items()})
+            w.writerow({k: ("" if v is None else without_machine_paths(v) if isinstance(v, str) else v)
+                        for k, v in dataclasses.asdict(r).items()})
     plots = plot(out_dir, stem, rows, device)
     for name, p in plots.items():
         paths[name] = p
@@ -268,44 +270,70 @@ def write(out_dir: Path, rows: list[Row], env: dict, suite, device: str, seconds
                       "speedup_baseline": "torch.manual"},
            "theory_score_tensor_course": flops_mod.theory_table(2, 8, (1024, 2048, 4096, 8192, 16384)),
            "rows": [{k: _json_value(v) for k, v in dataclasses.asdict(r).items()} for r in rows]}
-    paths["json"].write_text(json.dumps(doc, indent=1, default=str))
-    paths["md"].write_text(markdown(rows, env, suite, device, seconds, notes, [p.name for p in plots.values()]))
+    paths["json"].write_text(without_machine_paths(json.dumps(doc, indent=1, default=str)) + "\n")
+    paths["md"].write_text(without_machine_paths(
+        markdown(rows, env, suite, device, seconds, notes, [p.name for p in plots.values()])))
     return paths
 
 
 # --- plots ----------------------------------------------------------------------------------
 
-def plot(out_dir: Path, stem: str, rows: list[Row], device: str) -> dict[str, Path]:
-    """time vs L, speedup vs L, memory vs L: one panel per group, log-log."""
+MARKERS = "osD^vP*Xh<>"
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def can_plot() -> bool:
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def line_styles(impls: list[str], cmap) -> dict[str, dict]:
+    """A colour, a marker and a line style per implementation: lines that coincide (e.g. two
+    dense JAX programs with the same temp bytes) stay distinguishable."""
+    return {impl: {"color": cmap(k % cmap.N), "marker": MARKERS[k % len(MARKERS)],
+                   "linestyle": LINESTYLES[k % len(LINESTYLES)], "markersize": (7, 5, 3.5)[k % 3],
+                   "markerfacecolor": "none" if k % 2 else cmap(k % cmap.N)}
+            for k, impl in enumerate(impls)}
+
+
+def plot(out_dir: Path, stem: str, rows: list[Row], device: str) -> dict[str, Path]:
+    """time vs L (median, with the interquartile range as a band), speedup vs L, memory vs L:
+    one panel per group, log-log (memory: symmetric log, so a measured 0 stays on the plot)."""
+    if not can_plot():
         return {}
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     gs = groups(rows)
     if not gs:
         return {}
     impls = list(dict.fromkeys(r.impl for r in rows))
-    cmap = plt.get_cmap("tab20" if len(impls) > 10 else "tab10")
-    color = {i: cmap(k % cmap.N) for k, i in enumerate(impls)}
+    style = line_styles(impls, plt.get_cmap("tab20" if len(impls) > 10 else "tab10"))
     ncols = min(4, len(gs))
     nrows = math.ceil(len(gs) / ncols)
     out = {}
 
-    def figure(kind, ylabel, values):
+    def figure(kind, ylabel, values, spread=None, memory=False):
         fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
         drawn = False
         for ax, (g, rs) in zip(axes.flat, gs.items()):
             for impl in impls:
-                pts = [(r.q_len, values(r), r.status) for r in rs if r.impl == impl]
-                pts = [(x, y, s) for x, y, s in pts if y is not None and y > 0]
+                pts = sorted((r.q_len, values(r), r) for r in rs if r.impl == impl and values(r) is not None)
+                pts = [(x, y, r) for x, y, r in pts if y > 0 or (memory and y == 0)]
                 if not pts:
                     continue
-                xs, ys, ss = zip(*sorted(pts))
-                wrong = any(s == WRONG for s in ss)
-                ax.plot(xs, ys, "o-" if not wrong else "x--", color=color[impl], ms=3,
-                        label=impl + (" (WRONG)" if wrong else ""))
+                xs, ys, rs_ = zip(*pts)
+                wrong = any(r.status == WRONG for r in rs_)
+                st = dict(style[impl], linestyle="--" if wrong else style[impl]["linestyle"])
+                ax.plot(xs, ys, lw=1.2, label=impl + (" (WRONG)" if wrong else ""), **st)
+                if spread is not None:
+                    band = [(x, *spread(r)) for x, r in zip(xs, rs_) if spread(r) is not None]
+                    if band:
+                        bx, lo, hi = zip(*band)
+                        ax.fill_between(bx, lo, hi, color=st["color"], alpha=0.18, lw=0)
                 drawn = True
             if kind == "memory":
                 xs = sorted({r.q_len for r in rs})
@@ -314,7 +342,12 @@ def plot(out_dir: Path, stem: str, rows: list[Row], device: str) -> dict[str, Pa
             if kind == "speedup":
                 ax.axhline(1.0, color="grey", lw=0.8)
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            if memory:  # MiB; a 0 (nothing measured) stays visible, below the smallest positive value
+                positive = [y for line in ax.get_lines() for y in line.get_ydata() if y > 0]
+                ax.set_yscale("symlog", linthresh=min([1.0] + positive))
+                ax.set_ylim(bottom=0)
+            else:
+                ax.set_yscale("log")
             ax.set_title(group_title(g), fontsize=8)
             ax.set_xlabel("sequence length L")
             ax.set_ylabel(ylabel, fontsize=8)
@@ -332,18 +365,22 @@ def plot(out_dir: Path, stem: str, rows: list[Row], device: str) -> dict[str, Pa
         plt.close(fig)
         out[kind] = path
 
-    figure("time", "median ms", lambda r: r.median_ms if r.status in (OK, WRONG) else None)
+    timed = lambda r: r.median_ms if r.status in (OK, WRONG) else None
+    iqr = lambda r: (r.q1_ms, r.q3_ms) if timed(r) is not None and r.q1_ms is not None else None
+    figure("time", "median ms (band: interquartile range)", timed, spread=iqr)
     figure("speedup", "speedup over torch manual", lambda r: r.speedup_vs_manual)
+    mib = lambda x: None if x is None else x / 2 ** 20
 
-    def mem(r):  # MiB: the measured peak where there is one, else the compiled temp bytes (JAX)
+    def peak(r):  # the measured peak where there is one, else the compiled temp bytes (JAX)
         for x in (r.torch_peak_extra_bytes, r.jax_peak_extra_bytes, r.rss_peak_extra_bytes, r.jax_temp_bytes):
             if x is not None and x > 0:
-                return x / 2 ** 20
+                return mib(x)
         return None
     if device == "cpu":
-        figure("memory", "MiB: JAX compiled temp bytes", lambda r: (r.jax_temp_bytes or 0) / 2 ** 20 or None)
-        figure("rss", "MiB: peak RSS growth during the call", lambda r: (r.rss_peak_extra_bytes or 0) / 2 ** 20 or None)
+        figure("memory", "MiB: JAX compiled temp bytes (symlog)", lambda r: mib(r.jax_temp_bytes), memory=True)
+        figure("rss", "MiB: peak RSS growth during the call (symlog; 0 = reused memory)",
+               lambda r: mib(r.rss_peak_extra_bytes), memory=True)
     else:
-        figure("memory", "MiB: peak additional (torch / JAX device)", mem)
-        figure("temp", "MiB: JAX compiled temp bytes", lambda r: (r.jax_temp_bytes or 0) / 2 ** 20 or None)
+        figure("memory", "MiB: peak additional (torch / JAX device; symlog)", peak, memory=True)
+        figure("temp", "MiB: JAX compiled temp bytes (symlog)", lambda r: mib(r.jax_temp_bytes), memory=True)
     return out

@@ -76,7 +76,7 @@ def _quick() -> Suite:
 def _course() -> Suite:
     return Suite(
         "course",
-        "the course's measurement: fp16, B=1, H=8, D=64, L=128..32768 (until memory ends), "
+        "dense against fused attention until memory runs out: fp16, B=1, H=8, D=64, L=128..32768 (until memory ends), "
         "manual attention against fused kernels, forward and forward+backward",
         tuple(grid((128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768), heads=8,
                    dtypes=("float16",))),

@@ -51,7 +51,7 @@ class Case:
     segments: bool = False          # random packed segment ids
     soft_cap: float | None = None
     seed: int = 0
-    scale: float | None = None      # None: the implementation's default (1/sqrt(D) by DESIGN.md)
+    scale: float | None = None      # None: the implementation's default (1/sqrt(D) in docs/semantics.md)
     bias_shape: str = "full"        # "full" [B, Hq, Lq, Lk] | "shared_batch" [1, Hq, Lq, Lk]
     empty_rows: bool = False        # the bool mask leaves some query rows with no allowed key
     logit_scale: float = 1.0        # multiplies q and k: large logits (fp16 overflow probes)

@@ -11,7 +11,8 @@ import numpy as np
 from conformance import tolerance
 from conformance.cases import Case, Inputs, make_inputs
 from conformance.oracle import References, references
-from conformance.registry import Adapter, NotSupported
+from conformance.adapters.base import Adapter
+from conformance.runs import NotSupported, platform_limitation
 
 PASS, FAIL, NOT_SUPPORTED, ERROR = "pass", "FAIL", "n.s.", "error"
 
@@ -96,7 +97,10 @@ def run_one(adapter: Adapter, inputs: Inputs, refs: References) -> Result:
         values = prepared.results()
     except (NotSupported, NotImplementedError) as e:
         return Result(case.name, adapter.name, NOT_SUPPORTED, f"{e}")
-    except Exception as e:  # a crash is a result too
+    except Exception as e:  # a crash is a result too, unless the platform cannot run the call
+        limit = platform_limitation(e)
+        if limit:
+            return Result(case.name, adapter.name, NOT_SUPPORTED, limit)
         tb = traceback.format_exc(limit=3)
         return Result(case.name, adapter.name, ERROR, f"{type(e).__name__}: {e}"[:600] + "\n" + tb[-800:])
     seconds = time.perf_counter() - start
@@ -123,6 +127,15 @@ def run_suite(cases: Iterable[Case], adapters: list[Adapter], *,
     return results
 
 
+def is_own(impl: str) -> bool:
+    """The library's implementations: held to docs/semantics.md, probes included."""
+    return impl.startswith("jax_impl.")
+
+
+def is_plugin(impl: str) -> bool:
+    return ":" in impl
+
+
 def must_pass(impl: str) -> bool:
-    """Failures of these decide the exit code: the project's own and plug-ins."""
-    return impl.startswith("jax_impl.") or ":" in impl
+    """Case failures of these decide the exit code: the project's own and plug-ins."""
+    return is_own(impl) or is_plugin(impl)

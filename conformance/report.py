@@ -2,19 +2,34 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import site
 import sys
 from pathlib import Path
 
 from conformance import tolerance
 from conformance.cases import Case
+from conformance.outputs import REPO_ROOT
 from conformance.harness import ERROR, FAIL, NOT_SUPPORTED, PASS, Result
 from conformance.probes import EXPECTED, QUESTIONS, ProbeRow
 
 
-def environment(device: str) -> dict:
+def without_machine_paths(text: str) -> str:
+    """``text`` with this machine's folders replaced by portable names (repository-relative,
+    ``<site-packages>``, ``<python>``, ``~``): reports are shared and committed."""
+    folders = {str(REPO_ROOT) + os.sep: "", os.getcwd() + os.sep: "./", str(Path.home()): "~"}
+    folders.update({p: "<site-packages>" for p in site.getsitepackages() + [site.getusersitepackages()]})
+    folders.update({sys.prefix: "<python>", sys.base_prefix: "<python>"})
+    for folder in sorted(folders, key=len, reverse=True):  # the most specific first
+        if len(folder) > 1:
+            text = text.replace(folder, folders[folder])
+    return text
+
+
+def environment(device: str, command: str = "python -m conformance") -> dict:
     env = {"python": platform.python_version(), "platform": platform.platform(), "device": device,
-           "argv": " ".join(sys.argv)}
+           "command": without_machine_paths(command)}
     try:
         import jax
         import jaxlib
@@ -32,13 +47,29 @@ def environment(device: str) -> dict:
     return env
 
 
-def cell(r: Result) -> str:
+RATIO_LEGEND = ("pass/FAIL x = the worst error / tolerance over out, dq, dk, dv (and dbias): below 1 passes; "
+                "* = wrong only in query rows with no allowed key; n.s. = not supported")
+
+
+def cell(r: Result, footnote: int | None = None) -> str:
     if r.status == PASS:
         return f"pass {r.worst_ratio:.2f}"
     if r.status == FAIL:
-        ratio = r.worst_ratio
-        return f"FAIL {ratio:.3g}" + ("*" if r.note else "")
-    return r.status
+        return f"FAIL {r.worst_ratio:.3g}" + ("*" if r.note else "")
+    return r.status + (f" [{footnote}]" if footnote else "")
+
+
+def short_reason(r: Result) -> str:
+    return (r.reason or "").splitlines()[0][:160] if r.reason else ""
+
+
+def footnotes(results: list[Result]) -> dict[tuple[str, str], int]:
+    """(impl, reason) -> footnote number, for every error and n.s. cell."""
+    numbers: dict[tuple[str, str], int] = {}
+    for r in results:
+        if r.status in (ERROR, NOT_SUPPORTED):
+            numbers.setdefault((r.impl, short_reason(r)), len(numbers) + 1)
+    return numbers
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -47,14 +78,23 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join([fmt(rows[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows[1:]])
 
 
-def _grid(results: list[Result], cases: list[Case], impls: list[str]):
+def _grid(results: list[Result], cases: list[Case], impls: list[str], notes: dict | None = None):
     by = {(r.case, r.impl): r for r in results}
-    return [["case"] + impls] + [[c.name] + [cell(by[(c.name, i)]) if (c.name, i) in by else "" for i in impls]
-                                 for c in cases]
+    notes = notes or {}
+
+    def text(case, impl):
+        r = by.get((case, impl))
+        return "" if r is None else cell(r, notes.get((r.impl, short_reason(r))))
+    return [["case"] + impls] + [[c.name] + [text(c.name, i) for i in impls] for c in cases]
 
 
 def terminal_table(results, cases, impls) -> str:
-    return _table(_grid(results, cases, impls))
+    """The grid, the legend of its cells, and why each error or n.s. cell is one."""
+    notes = footnotes(results)
+    lines = [_table(_grid(results, cases, impls, notes)), "", RATIO_LEGEND]
+    lines += [f"  [{n}] " + (reason if reason.startswith(impl) else f"{impl}: {reason}")
+              for (impl, reason), n in notes.items()]
+    return "\n".join(lines)
 
 
 def summary(results: list[Result], impls: list[str]) -> dict:
@@ -88,7 +128,8 @@ def markdown(results, probes: list[ProbeRow], cases, impls, env: dict, suite: st
               "plain same-dtype implementation is the same function run in the case dtype on the CPU. "
               "Gradients are a vjp with one random cotangent per case, never `.sum()`. A cell shows the worst "
               "error / tolerance ratio over out and all gradients (below 1 passes); `*` marks a failure "
-              "confined to query rows with no allowed key. `n.s.` = not supported (reasons below).", ""]
+              "confined to query rows with no allowed key. `n.s.` = not supported (reasons below).", "",
+              "The semantics the probes compare with are those of docs/semantics.md in the repository.", ""]
     lines += ["## Environment", ""] + [f"- {k}: `{v}`" for k, v in env.items()] + \
         [f"- wall time: {seconds:.0f} s", ""]
     if skipped:
@@ -129,12 +170,13 @@ def markdown(results, probes: list[ProbeRow], cases, impls, env: dict, suite: st
             lines.append(f"- `{impl}`: {reason} ({len(which)} cases)")
     if probes:
         lines += ["", "## Semantic probes", "",
-                  "Observations of what each framework does. jax_impl.* must follow DESIGN.md "
-                  "(expected column); the others are not judged.", ""]
+                  "Observations of what each framework does. jax_impl.* must follow docs/semantics.md "
+                  "(expected column); a plug-in's differences are marked but never set the exit code; "
+                  "the others are not judged.", ""]
         probe_names = list(dict.fromkeys(p.probe for p in probes))
         probe_impls = list(dict.fromkeys(p.impl for p in probes))
         by_p = {(p.probe, p.impl): p for p in probes}
-        lines += ["| probe | question | DESIGN.md | " + " | ".join(probe_impls) + " |",
+        lines += ["| probe | question | docs/semantics.md | " + " | ".join(probe_impls) + " |",
                   "|" + " --- |" * (3 + len(probe_impls))]
         for name in probe_names:
             cells = []
@@ -142,10 +184,16 @@ def markdown(results, probes: list[ProbeRow], cases, impls, env: dict, suite: st
                 p = by_p.get((name, impl))
                 text = "" if p is None else p.observation.replace("|", "/")
                 if p is not None and p.conforms is False:
-                    text = f"**{text} (violates DESIGN.md)**"
+                    text = f"**{text} ({probe_verdict(p)})**"
                 cells.append(text)
             lines.append(f"| {name} | {QUESTIONS.get(name, '')} | {EXPECTED.get(name, '')} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def probe_verdict(p: ProbeRow) -> str:
+    if p.impl.startswith("jax_impl."):
+        return "violates docs/semantics.md"
+    return "differs from docs/semantics.md; reported, not judged"
 
 
 def write(out_dir: Path, results, probes, cases, impls, env, suite, seconds, skipped, exit_code) -> tuple[Path, Path]:
@@ -160,6 +208,6 @@ def write(out_dir: Path, results, probes, cases, impls, env, suite, seconds, ski
             "probes": [p.to_json() for p in probes]}
     json_path = out_dir / f"conformance_{suite}.json"
     md_path = out_dir / f"conformance_{suite}.md"
-    json_path.write_text(json.dumps(data, indent=1, default=str))
-    md_path.write_text(markdown(results, probes, cases, impls, env, suite, seconds, skipped))
+    json_path.write_text(without_machine_paths(json.dumps(data, indent=1, default=str)) + "\n")
+    md_path.write_text(without_machine_paths(markdown(results, probes, cases, impls, env, suite, seconds, skipped)))
     return md_path, json_path

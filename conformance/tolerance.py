@@ -1,4 +1,4 @@
-"""How a result is judged (DESIGN.md): against a float64 oracle, relative to a plain implementation.
+"""How a result is judged (docs/design.md): against a float64 oracle, relative to a plain implementation.
 
 An implementation run in dtype X passes when its max abs error against the oracle is at most
 ``factor`` times the error of a plain, non-fused implementation run in the same dtype X, plus
@@ -30,7 +30,7 @@ def factor_for(name: str) -> float:
 # needs it: a dense fp32 implementation can be exact by structure where a tiled one is not
 # (one key: dense softmax's gradient g - sum(g * p) cancels exactly, while a tiled
 # dP - rowsum(dO * O) cancels only to rounding, ~20 ulp after summing over queries; PyTorch's
-# own CPU flash kernel shows the same). 1e-5 is the fp32 bar DESIGN.md sets for conformance.
+# own CPU flash kernel shows the same). 1e-5 is the fp32 bar of docs/design.md.
 # 16-bit dtypes' rounding floor is already far above their accumulation noise.
 RELATIVE_FLOOR = {"float32": 1e-5, "float16": 0.0, "bfloat16": 0.0, "float64": 0.0}
 

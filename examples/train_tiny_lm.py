@@ -11,7 +11,8 @@ Both loss curves are printed side by side, written to ``<out>/tiny_lm_losses.jso
 plotted to ``<out>/tiny_lm_losses.png``. The script exits with status 1 when the curves
 disagree beyond float32 tolerance in the first steps or end at different losses.
 
-    python examples/train_tiny_lm.py --steps 300 --out examples/results
+    python examples/train_tiny_lm.py                      # -> ./flash_attention_results/train_tiny_lm/
+    python examples/train_tiny_lm.py --update-reference   # rewrites examples/results/ (committed)
 """
 from __future__ import annotations
 
@@ -280,16 +281,37 @@ def plot(flash: list[float], default: list[float], path: Path, title: str) -> No
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--implementation", choices=["xla", "pallas_triton", "reference"], default=None,
-                        help="flash_attention implementation (default: automatic)")
-    parser.add_argument("--print-every", type=int, default=25)
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+DEFAULT_OUT = Path("flash_attention_results") / "train_tiny_lm"  # under the current directory
+REFERENCE_OUT = HERE / "results"                                   # the committed curves
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300,
+                        help="training steps for each of the two models (default and reference curves: 300)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"folder for tiny_lm_losses.json and .png (default ./{DEFAULT_OUT})")
+    parser.add_argument("--update-reference", action="store_true",
+                        help="write to examples/results/, the committed reference curves, instead of --out")
+    parser.add_argument("--implementation", choices=["xla", "pallas_triton", "reference"], default=None,
+                        help="flash_attention implementation (default: the automatic choice)")
+    parser.add_argument("--print-every", type=int, default=25, help="print the two losses every N steps")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    if args.update_reference and args.out is not None:
+        parser.error("--update-reference writes examples/results/: it takes no --out")
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps} must be at least 1")
+    args.out = REFERENCE_OUT if args.update_reference else (args.out or DEFAULT_OUT)
+    try:  # before training, not after it
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {str(args.out)!r} is not a writable folder: {e.strerror or type(e).__name__}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     cfg = Config()
     documents = load_documents()
     vocab = build_vocab(documents)
@@ -318,7 +340,6 @@ def main(argv=None) -> int:
               f"traced {run['traces']}x")
     print(f"total {wall:.1f} s")
 
-    args.out.mkdir(parents=True, exist_ok=True)
     record = {
         "model": "Flax linen decoder-only transformer, character level, packed sequences",
         "config": dataclasses.asdict(cfg), "steps": args.steps, "implementation": args.implementation,

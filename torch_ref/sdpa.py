@@ -1,4 +1,4 @@
-"""torch.nn.functional.scaled_dot_product_attention with explicit backends (the course's
+"""torch.nn.functional.scaled_dot_product_attention with explicit backends (the classic
 two SDPA wrappers, generalised to the project's semantics).
 
 Returns SDPA's raw output: rows with no allowed key are NOT repaired, so a harness sees
@@ -171,5 +171,5 @@ def sdpa_attention(
 
 
 def sdpa_causal_attention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, **kw) -> torch.Tensor:
-    """The course's causal wrapper: sdpa_attention with is_causal=True."""
+    """The causal wrapper: sdpa_attention with is_causal=True."""
     return sdpa_attention(Q, K, V, is_causal=True, **kw)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from conformance.cases import SUITES, Case, make_inputs
-from conformance.registry import REGISTRY, _TorchPrepared, load_plugin
+from conformance.registry import adapters, get_adapter, load_plugin
+from conformance.runs import TorchPrepared
 
 ARRAYS = ("q", "k", "v", "cotangent", "bias", "mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
 
@@ -39,7 +40,7 @@ def test_bf16_reaches_torch_and_jax_bit_exactly():
     assert np.array_equal(got["out"], inputs.q.astype(np.float64))
     assert np.array_equal(got["dq"], inputs.cotangent.astype(np.float64))
     # torch: the same through the torch adapters' input path
-    torch_run = _TorchPrepared(lambda Q, K, V, **kw: Q * 1, inputs, backward=True, device="cpu")
+    torch_run = TorchPrepared(lambda Q, K, V, **kw: Q * 1, inputs, backward=True, device="cpu")
     torch_run.run()
     got = torch_run.results()
     assert np.array_equal(got["out"], inputs.q.astype(np.float64))
@@ -79,11 +80,11 @@ def test_registry_names_and_unsupported_reasons():
     for name in ("jax_impl.xla", "jax_impl.pallas_triton", "jax_impl.reference", "jax.dense", "jax.nn.xla",
                  "jax.nn.cudnn", "jax.pallas.mha", "tokamax", "torch.manual", "torch.sdpa.auto",
                  "torch.sdpa.math", "torch.sdpa.flash", "torch.sdpa.efficient", "torch.sdpa.cudnn", "flash_attn"):
-        assert name in REGISTRY
+        assert name in adapters("cpu")
     segments = Case("seg", segments=True)
-    assert "segment" in REGISTRY["jax.nn.xla"].on("cpu").unsupported(segments)
-    assert "CUDA" in REGISTRY["jax.pallas.mha"].on("cpu").unsupported(segments) or \
-        "cuda" in REGISTRY["jax.pallas.mha"].on("cpu").unsupported(segments)
-    assert REGISTRY["jax.pallas.mha"].on("cuda")._reason(Case("gqa", q_heads=4, kv_heads=2)) is not None
-    assert "soft cap" in REGISTRY["torch.sdpa.math"].on("cpu").unsupported(Case("cap", soft_cap=5.0))
-    assert REGISTRY["jax_impl.xla"].on("cpu").unsupported(segments) is None
+    assert "segment" in get_adapter("jax.nn.xla", "cpu").unsupported(segments)
+    assert "CUDA" in get_adapter("jax.pallas.mha", "cpu").unsupported(segments) or \
+        "cuda" in get_adapter("jax.pallas.mha", "cpu").unsupported(segments)
+    assert get_adapter("jax.pallas.mha", "cuda")._reason(Case("gqa", q_heads=4, kv_heads=2)) is not None
+    assert "soft cap" in get_adapter("torch.sdpa.math", "cpu").unsupported(Case("cap", soft_cap=5.0))
+    assert get_adapter("jax_impl.xla", "cpu").unsupported(segments) is None

@@ -1,0 +1,170 @@
+"""JAX implementations: jax_impl's, dense JAX, jax.nn, JAX's Pallas ``mha`` and tokamax."""
+from __future__ import annotations
+
+import dataclasses
+
+from conformance.adapters.base import Adapter, JaxFunctionAdapter
+from conformance.cases import Case
+from conformance.runs import JaxPrepared, NotSupported
+
+
+def _jax_impl_unsupported(implementation: str, head_dim: int, device: str) -> str | None:
+    """jax_impl's own eligibility rule (its implementation table), for the harness's device;
+    on CPU the harness runs the Pallas kernel in the interpreter."""
+    from jax_impl.implementations import unsupported
+    return unsupported(implementation, head_dim=head_dim, platform=device, interpret=device == "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxImplAdapter(Adapter):
+    """``jax_impl.flash_attention`` with one implementation forced."""
+
+    implementation: str = "xla"
+
+    @property
+    def interpret(self) -> bool:
+        return self.implementation == "pallas_triton" and self.device == "cpu"
+
+    def _reason(self, case):
+        reason = _jax_impl_unsupported(self.implementation, case.head_dim, self.device)
+        if reason is None and self.interpret and not case.interpret_ok:
+            reason = "too large for the Pallas interpreter on CPU (runs on a GPU)"
+        return reason
+
+    def _prepare(self, inputs, *, backward):
+        from jax_impl.flash_attention import flash_attention
+        extra = {"implementation": self.implementation}
+        if self.interpret:
+            extra["interpret"] = True
+
+        def attn(q, k, v, bias, mask, **kw):
+            return flash_attention(q, k, v, bias, mask, **extra, **kw)
+        return JaxPrepared(attn, inputs, backward=backward, device=self.device,
+                           info={"interpret": self.interpret})
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxDenseAdapter(Adapter):
+    """Plain dense JAX attention as anyone would write it: logits in fp32 (preferred element
+    type), softmax over the allowed pattern, probabilities cast to the input dtype."""
+
+    explicit_scale = "written here with 1/sqrt(D)"
+
+    def _prepare(self, inputs, *, backward):
+        import jax
+        import jax.numpy as jnp
+        c = inputs.case
+        allowed = inputs.allowed()  # [B, 1|Hq, Lq, Lk]
+        group = c.q_heads // c.kv_heads
+        scale, cap = c.effective_scale, c.soft_cap
+
+        def attn(q, k, v, bias, mask, **_):
+            kk, vv = (jnp.repeat(x, group, axis=2) for x in (k, v))
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, kk, preferred_element_type=jnp.float32,
+                           precision=jax.lax.Precision.HIGHEST) * scale
+            if cap is not None:
+                s = cap * jnp.tanh(s / cap)
+            if bias is not None:
+                s = s + bias.astype(jnp.float32)
+            s = jnp.where(allowed, s, -jnp.inf)
+            row_ok = allowed.any(-1, keepdims=True)
+            p = jax.nn.softmax(jnp.where(row_ok, s, 0.0), axis=-1)
+            p = jnp.where(row_ok, p, 0.0).astype(q.dtype)
+            out = jnp.einsum("bhqk,bkhd->bqhd", p, vv, preferred_element_type=jnp.float32,
+                             precision=jax.lax.Precision.HIGHEST)
+            return out.astype(q.dtype)
+        return JaxPrepared(attn, inputs, backward=backward, device=self.device)
+
+
+def jax_nn_reason(adapter, case: Case) -> str | None:
+    if case.segments:
+        return "jax.nn has no segment ids"
+    if case.soft_cap is not None:
+        return "jax.nn has no logits soft cap"
+    if case.causal == "bottom_right" and (case.q_len != case.kv_len or case.lengths):
+        return "jax.nn's is_causal is top-left only (no bottom-right alignment)"
+    if case.window is not None and case.causal == "bottom_right":
+        return "jax.nn's window is measured from the top-left diagonal only"
+    if dict(adapter.fixed_kwargs).get("implementation") == "cudnn" and case.dtype == "float32":
+        return "jax.nn cuDNN attention takes fp16/bf16 only"
+    return None
+
+
+def jax_nn_attention(q, k, v, bias=None, mask=None, *, local_window_size=None, **kw):
+    import jax
+    if local_window_size is not None:  # jax.nn takes ints; None = unbounded
+        big = q.shape[-3] + k.shape[-3]
+        kw["local_window_size"] = tuple(big if s is None else int(s) for s in local_window_size)
+    return jax.nn.dot_product_attention(q, k, v, bias, mask, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxNNAdapter(JaxFunctionAdapter):
+    def _prepare(self, inputs, *, backward):
+        try:
+            return super()._prepare(inputs, backward=backward)
+        except NotSupported:
+            raise
+        except Exception as e:  # cuDNN's own constraint checks
+            if dict(self.fixed_kwargs).get("implementation") == "cudnn":
+                raise NotSupported(f"jax.nn cuDNN: {type(e).__name__}: {str(e)[:300]}") from e
+            raise
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMhaAdapter(Adapter):
+    """jax.experimental.pallas.ops.gpu.attention.mha: GPU only, [B, L, H, D], no GQA, no mask."""
+
+    explicit_scale = "mha's own default sm_scale is 1.0; the adapter passes 1/sqrt(D)"
+
+    def _reason(self, case):
+        if case.q_heads != case.kv_heads:
+            return "Pallas mha has no GQA/MQA (kv heads must equal q heads)"
+        if case.mask != "none" or case.bias or case.lengths or case.window or case.soft_cap:
+            return "Pallas mha has no mask, bias, lengths, window or soft cap"
+        if case.segments and case.q_len != case.kv_len:
+            return "Pallas mha takes one segment_ids array (needs Lq == Lk)"
+        if case.causal == "bottom_right" and case.q_len != case.kv_len:
+            return "Pallas mha's causal is top-left only"
+        for n in (case.q_len, case.kv_len):
+            if n % 128 and (n > 128 or n & (n - 1) or n < 16):
+                return f"Pallas mha needs lengths that are multiples of its block (128), got {n}"
+        if case.head_dim > 256:
+            return "Pallas mha head_dim > 256"
+        return None
+
+    def _prepare(self, inputs, *, backward):
+        from jax.experimental.pallas.ops.gpu.attention import mha
+        c = inputs.case
+
+        def attn(q, k, v, bias, mask, *, q_segment_ids=None, **_):
+            # sm_scale passed explicitly: mha's default is 1.0, not 1/sqrt(D)
+            return mha(q, k, v, q_segment_ids, sm_scale=c.effective_scale, causal=c.causal is not None)
+        try:
+            return JaxPrepared(attn, inputs, backward=backward, device=self.device)
+        except NotSupported:
+            raise
+        except Exception as e:
+            raise NotSupported(f"Pallas mha: {type(e).__name__}: {str(e)[:300]}") from e
+
+
+def _parse_absl_flags_once() -> None:
+    """tokamax reads absl flags; unparsed, absl would parse the harness's own command line
+    (``--impl`` ...) and fail. Parse them with only a program name instead."""
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(["conformance"], known_only=True)
+
+
+def tokamax_attention(q, k, v, bias=None, mask=None, **kw):
+    _parse_absl_flags_once()
+    import tokamax
+    return tokamax.dot_product_attention(q, k, v, bias=bias, mask=mask, **kw)
+
+
+def tokamax_reason(adapter, case):
+    if case.segments:
+        return "tokamax adapter: segment ids not mapped"
+    if case.causal == "bottom_right" and case.q_len != case.kv_len:
+        return "tokamax's is_causal is top-left"
+    return None

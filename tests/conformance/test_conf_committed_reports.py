@@ -1,0 +1,20 @@
+"""The committed reference reports are portable: no absolute path of the machine that wrote them."""
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+REPORTS = sorted(p for folder in ("conformance/results", "benchmarks/results", "examples/results")
+                 for p in (REPO / folder).rglob("*") if p.suffix in (".md", ".json", ".csv"))
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|root|home|tmp|usr|opt|Users)/|site-packages|[A-Z]:\\\\")
+
+
+def test_there_are_committed_reports():
+    assert {p.relative_to(REPO).parts[0] for p in REPORTS} == {"conformance", "benchmarks", "examples"}
+
+
+@pytest.mark.parametrize("report", REPORTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_a_committed_report_holds_no_machine_paths(report):
+    found = MACHINE_PATH.findall(report.read_text())
+    assert not found, found[:3]
