@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_impl import implementations, masking, online_softmax
+from jax_impl import masking, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
 
 SECOND_ORDER_ERROR = (
@@ -24,12 +24,12 @@ SECOND_ORDER_ERROR = (
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
     """-> (out [B, Lq, Hq, D], lse [B, Hq, Lq] float32, natural log, -inf for empty rows)."""
-    out, stats = implementations.get(implementation).forward(cfg, q, k, v, bias, masks)
+    out, stats = partitioned.forward(implementation, cfg, q, k, v, bias, masks)
     return out, online_softmax.logsumexp(stats)
 
 
 def _attention_fwd(implementation, cfg, q, k, v, bias, masks):
-    out, stats = implementations.get(implementation).forward(cfg, q, k, v, bias, masks)
+    out, stats = partitioned.forward(implementation, cfg, q, k, v, bias, masks)
     return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, out, stats)
 
 
@@ -59,7 +59,7 @@ attention.defvjp(_attention_fwd, _attention_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta):
     """The implementation's backward; differentiating it again raises SECOND_ORDER_ERROR."""
-    return implementations.get(implementation).backward(cfg, q, k, v, bias, masks, stats, d_out, delta)
+    return partitioned.backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta)
 
 
 def _first_order_fwd(implementation, cfg, *args):
