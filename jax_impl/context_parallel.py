@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_impl import flash_attention as fa
 from jax_impl import ring
-from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
 
 
 def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
@@ -24,7 +22,7 @@ def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
                    local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None,
                    q_segment_ids=None, kv_segment_ids=None, logits_soft_cap: float | None = None,
                    implementation: str | None = "xla", block_sizes=None, precision=None,
-                   interpret: bool = False, layout: str = "zigzag",
+                   layout: str = "zigzag",
                    return_residual: bool = False):
     """Exact attention over a sequence sharded along mesh axis ``axis_name`` (call inside
     ``jax.shard_map``). Forward and backward are rings of ``lax.ppermute`` steps.
@@ -32,8 +30,8 @@ def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
     layout: "zigzag" (device r holds global chunks r and 2N-1-r of 2N: balanced causal work;
       reorder global arrays with ``ring.to_zigzag`` before sharding) or "contiguous" (device r
       holds chunk r of N).
-    implementation: "xla", "pallas_triton" (CUDA, or interpret=True) or None (pallas_triton on
-      a GPU, else xla): the local kernel each ring step runs.
+    implementation: "xla" (or None): the local kernel each ring step runs. The Pallas kernels
+      do not take the per-step position offset yet.
     Bias and dense masks are not supported here (they would have to travel with K/V).
     Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
     """
@@ -45,8 +43,7 @@ def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
     if layout not in ring.LAYOUTS:
         raise ValueError(f"{layout=} must be one of {ring.LAYOUTS}")
     if implementation is None:
-        implementation = ("pallas_triton" if jax.default_backend() == "gpu"
-                          and query.shape[-1] <= MAX_HEAD_DIM else "xla")
+        implementation = ring.RING_IMPLEMENTATIONS[0]
     if implementation not in ring.RING_IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} must be one of {ring.RING_IMPLEMENTATIONS} or None "
                          "for ring_attention")
@@ -54,8 +51,7 @@ def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
         scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
         local_window_size=local_window_size, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
-        implementation=implementation, block_sizes=block_sizes, precision=precision,
-        interpret=interpret)))
+        implementation=implementation, block_sizes=block_sizes, precision=precision)))
     chunks = 2 if layout == "zigzag" else 1
     lq, lk = call.q.shape[1], call.k.shape[1]
     for name, length in (("query", lq), ("key", lk)):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_impl import implementations, masking, online_softmax
+from jax_impl import implementations, masking, online_softmax, ring, sharded_sequence
 
 
 class ShardingWarning(UserWarning):
@@ -106,12 +106,13 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -
     sequence = ()
     if seq:
         chunks = 2 * _size(mesh, seq)
-        if allow_ring and lq % chunks == 0 and lk % chunks == 0 and not set(seq) & set(batch + heads):
+        if (allow_ring and len(seq) == 1 and lq % chunks == 0 and lk % chunks == 0
+                and not set(seq) & set(batch + heads)):
             sequence = seq
         else:
-            notes.append(f"sequence sharding over {seq} not supported for this call "
-                         f"(needs lengths divisible by {chunks}, no bias or dense mask): "
-                         "all-gathered")
+            notes.append(f"sequence sharding over {seq} not supported for this call (the ring "
+                         f"needs implementation='xla', one mesh axis, sequences divisible by "
+                         f"{chunks}, no bias or dense mask): all-gathered")
     if dim:
         notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
                      "needs the whole head): all-gathered")
@@ -158,11 +159,33 @@ def _backward_body(implementation, cfg, names, *arrays):
     return (dq, dk, dv) + ((dbias,) if dbias is not None else ())
 
 
-def _local_plan(mesh, arg_shapes, names):
+def ring_supported(implementation, names) -> bool:
+    """Whether a call can run as a ring: no bias/mask (they would have to travel with K/V), and
+    a local implementation that takes MaskInputs.position_offset (the Pallas kernels do not yet)."""
+    return implementation in ring.RING_IMPLEMENTATIONS and not {"bias", "mask", "offset"} & set(names)
+
+
+def _local_plan(implementation, mesh, arg_shapes, names):
     named = dict(zip(names, arg_shapes))
     q = named["q"]
     spec = q.sharding.spec if isinstance(q.sharding, NamedSharding) else P()
-    return sharding_plan(mesh, spec, q.shape, named["k"].shape), named
+    plan = sharding_plan(mesh, spec, q.shape, named["k"].shape, allow_ring=ring_supported(implementation, names))
+    return plan, named
+
+
+def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
+    q, k, v, _, masks = _unpack(dict(zip(names, arrays)))
+    out, stats = sharded_sequence.forward(sharded_sequence.make_ring(cfg, axis, n, implementation),
+                                          q, k, v, masks)
+    return out, stats.max, stats.log_sum
+
+
+def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
+    named = dict(zip(names, arrays))
+    q, k, v, _, masks = _unpack(named)
+    stats = online_softmax.RowStats(named["max"], named["log_sum"])
+    return sharded_sequence.backward(sharded_sequence.make_ring(cfg, axis, n, implementation),
+                                     q, k, v, masks, stats, named["d_out"], named["delta"])
 
 
 def _shardings(mesh, plan, named, results):
@@ -172,17 +195,22 @@ def _shardings(mesh, plan, named, results):
     return tuple(to(n) for n in named), tuple(to(n) for n in results)
 
 
-def _make_op(body, results_of):
+def _make_op(body, ring_body, results_of):
     def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        plan, named = _local_plan(mesh, arg_shapes, names)
+        plan, named = _local_plan(implementation, mesh, arg_shapes, names)
         return _shardings(mesh, plan, named, results_of(names))[1]
 
     def partition(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        plan, named = _local_plan(mesh, arg_shapes, names)
+        plan, named = _local_plan(implementation, mesh, arg_shapes, names)
         for note in plan.notes:
             warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
         args, results = _shardings(mesh, plan, named, results_of(names))
-        return mesh, functools.partial(body, implementation, cfg, names), results, args
+        if plan.sequence:
+            (axis,) = plan.sequence
+            local = functools.partial(ring_body, axis, mesh.shape[axis], implementation, cfg, names)
+        else:
+            local = functools.partial(body, implementation, cfg, names)
+        return mesh, local, results, args
 
     def rule(implementation, cfg, names, mesh, operand_types, result_types):
         return sharding_rule(names, results_of(names), operand_types)
@@ -212,8 +240,8 @@ def sharding_rule(names, results, operand_types):
     return (rule, {"g": groups}) if groups > 1 else rule
 
 
-_forward_op = _make_op(_forward_body, lambda names: FORWARD_RESULTS)
-_backward_op = _make_op(_backward_body, _backward_results)
+_forward_op = _make_op(_forward_body, _ring_forward_body, lambda names: FORWARD_RESULTS)
+_backward_op = _make_op(_backward_body, _ring_backward_body, _backward_results)
 
 
 # --- vmap: fold the mapped axis into the batch axis ------------------------------------------

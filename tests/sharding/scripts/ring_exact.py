@@ -51,7 +51,6 @@ def run(name, implementation):
 
     def body(q, k, v, lens, *segs):
         return ring_attention(q, k, v, axis_name="seq", layout=layout, implementation=implementation,
-                              interpret=implementation == "pallas_triton",
                               **dict(zip(("q_segment_ids", "kv_segment_ids"), segs)),
                               **lens, **kwargs)
 
