@@ -283,3 +283,26 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta):
     names = tuple(named)
     grads = _folded(_backward_op, implementation, cfg, names)(*named.values())
     return tuple(grads) + ((None,) if bias is None else ())
+
+
+def explain(implementation: str, q, q_shape, k_shape, has_bias_or_mask: bool) -> str | None:
+    """The strategy for ``q`` (an array or ShapeDtypeStruct with a NamedSharding), or None when
+    it carries no multi-device NamedSharding."""
+    sharding = getattr(q, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
+        return None
+    names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ())
+    plan = sharding_plan(sharding.mesh, _canonical_spec(sharding.spec, len(q.shape)), q_shape, k_shape,
+                         allow_ring=ring_supported(implementation, names))
+    if plan.sequence:
+        (axis,) = plan.sequence
+        return (f"ring over {axis!r} in {sharding.mesh.shape[axis]} steps (context parallelism, "
+                "zigzag layout)" + "".join(f"; {n}" for n in plan.notes))
+    return plan.describe()
+
+
+def _canonical_spec(spec, ndim: int):
+    """A user spec over ``[batch..., L, H, D]`` -> the spec of the flat ``[B, L, H, D]``."""
+    spec = tuple(spec) + (None,) * (ndim - len(spec))
+    batch = tuple(a for entry in spec[:-3] for a in _axes(entry))
+    return P(batch or None, *spec[-3:])
