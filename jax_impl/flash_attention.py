@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import implementations, masking, recompute_vjp, reference
+from jax_impl import implementations, masking, partitioned, recompute_vjp, reference
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.implementations import IMPLEMENTATIONS
 
@@ -364,6 +364,8 @@ def _run(implementation, cfg, q, k, v, bias, masks):
 class ImplementationChoice(NamedTuple):
     chosen: str
     reasons: dict  # implementation -> None if eligible, else why not
+    # How sharded inputs run (partitioned.explain): local / ring / gathered; None unsharded.
+    strategy: str | None = None
 
 
 def explain_implementation(query, key, value, bias=None, mask=None, *, platform: str | None = None,
@@ -377,6 +379,8 @@ def explain_implementation(query, key, value, bias=None, mask=None, *, platform:
     call = _validate(query, key, value, bias, mask,
                      **_defaults({**kwargs, "implementation": implementation, "interpret": interpret}))
     platform = platform or jax.default_backend()
+    strategy = lambda chosen: partitioned.explain(  # --- sharded inputs (partitioned.py)
+        chosen, query, call.q.shape, call.k.shape, bias is not None or mask is not None)
     reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,
                                       interpret=call.cfg.interpret)
                for name, impl in IMPLEMENTATIONS.items()}
@@ -385,7 +389,7 @@ def explain_implementation(query, key, value, bias=None, mask=None, *, platform:
         for name in reasons:
             if name != chosen and reasons[name] is None:
                 reasons[name] = f"implementation={chosen!r} was requested"
-        return ImplementationChoice(chosen, reasons)
+        return ImplementationChoice(chosen, reasons, strategy(chosen))
     chosen = next(name for name, impl in IMPLEMENTATIONS.items()
                   if impl.automatic and reasons[name] is None)
     for name, impl in IMPLEMENTATIONS.items():
@@ -393,7 +397,7 @@ def explain_implementation(query, key, value, bias=None, mask=None, *, platform:
             continue
         reasons[name] = (f"{chosen} is eligible and preferred" if impl.automatic else
                          "never chosen automatically: it materialises the [Lq, Lk] logits")
-    return ImplementationChoice(chosen, reasons)
+    return ImplementationChoice(chosen, reasons, strategy(chosen))
 
 
 def _defaults(kwargs):

@@ -9,7 +9,9 @@ A pair is allowed when all of these hold (docs/semantics.md):
 5. the dense boolean mask, True = may attend;
 
 where ``offset[b]`` is 0 for the top-left causal alignment and ``kv_len[b] - q_len[b]`` for
-bottom-right. Rules 1-3 are a band ``d_lo <= j - i <= d_hi`` inside the valid rectangle, so
+bottom-right, plus ``MaskInputs.position_offset[b]`` when given (ring attention: a block of
+queries starting at global position ``qs`` against keys starting at ``ks`` passes
+``qs - ks``, so local indices keep their global meaning). Rules 1-3 are a band ``d_lo <= j - i <= d_hi`` inside the valid rectangle, so
 they also give, for any tile of queries, the range of key tiles that can hold an allowed pair
 (and the converse): the kernels skip every tile outside it instead of computing and masking.
 Rules 4 and 5 depend on data and are applied per element only.
@@ -41,9 +43,14 @@ class MaskSpec:
     has_kv_lengths: bool = False  # key_value_seq_lengths given
 
 
-def diagonal_band(spec: MaskSpec, q_len, kv_len):
-    """(d_lo, d_hi) with ``d_lo <= j - i <= d_hi``; an unbounded side is None."""
+def diagonal_band(spec: MaskSpec, q_len, kv_len, position_offset=None):
+    """(d_lo, d_hi) with ``d_lo <= j - i <= d_hi``; an unbounded side is None.
+
+    ``position_offset`` (traced int, or None): added to the alignment's offset.
+    """
     offset = kv_len - q_len if spec.bottom_right else 0
+    if position_offset is not None:
+        offset = offset + position_offset
     d_hi = None
     if spec.is_causal:
         d_hi = offset
@@ -61,7 +68,7 @@ def with_padding(spec: MaskSpec, *, queries_padded: bool, keys_padded: bool) -> 
                                has_kv_lengths=spec.has_kv_lengths or keys_padded)
 
 
-def structural_allowed(spec: MaskSpec, rows, cols, q_len, kv_len):
+def structural_allowed(spec: MaskSpec, rows, cols, q_len, kv_len, position_offset=None):
     """Rules 1-3 element-wise. rows ``[..., Tq, 1]``, cols ``[..., 1, Tk]`` absolute positions.
 
     Returns None when every pair passes, so that the unmasked case costs no select. The length
@@ -73,7 +80,7 @@ def structural_allowed(spec: MaskSpec, rows, cols, q_len, kv_len):
         conditions.append(rows < q_len)
     if spec.has_kv_lengths:
         conditions.append(cols < kv_len)
-    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len, position_offset)
     if d_lo is not None:
         conditions.append(cols - rows >= d_lo)
     if d_hi is not None:
@@ -87,13 +94,14 @@ def segments_equal(q_segment_ids, kv_segment_ids):
 
 
 def allowed(spec: MaskSpec, rows, cols, q_len, kv_len, q_segment_ids=None, kv_segment_ids=None,
-            mask=None, *, structural: bool = True):
+            mask=None, *, structural: bool = True, position_offset=None):
     """Rules 1-5 for one tile (or the whole ``[Lq, Lk]``), or None when every pair passes.
 
     ``structural=False`` for a tile inside the band (``kv_block_split``): rules 1-3 hold for
     every pair, so only segment ids and the dense mask (bool, or int8 in a kernel) are evaluated.
     """
-    conditions = [structural_allowed(spec, rows, cols, q_len, kv_len) if structural else None]
+    conditions = [structural_allowed(spec, rows, cols, q_len, kv_len, position_offset)
+                  if structural else None]
     if q_segment_ids is not None:
         conditions.append(segments_equal(q_segment_ids, kv_segment_ids))
     if mask is not None:
@@ -114,12 +122,12 @@ def _cdiv(x, block: int):
     return lax.div(x + (block - 1), block)
 
 
-def kv_block_range(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv_len):
+def kv_block_range(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv_len, position_offset=None):
     """Key tiles ``[lo, hi)`` that can hold an allowed pair for queries ``[q_start, q_start + q_size)``.
 
     ``hi <= lo`` means the query tile has no allowed key at all.
     """
-    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len, position_offset)
     q_last = jnp.minimum(q_start + q_size, q_len) - 1
     j_begin = jnp.zeros_like(q_len) if d_lo is None else jnp.maximum(q_start + d_lo, 0)
     j_end = kv_len if d_hi is None else jnp.minimum(kv_len, q_last + d_hi + 1)
@@ -129,9 +137,9 @@ def kv_block_range(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv
     return lo, hi
 
 
-def q_block_range(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_len):
+def q_block_range(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_len, position_offset=None):
     """Query tiles ``[lo, hi)`` that can hold an allowed pair for keys ``[k_start, k_start + k_size)``."""
-    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len, position_offset)
     k_last = jnp.minimum(k_start + k_size, kv_len) - 1
     i_begin = jnp.zeros_like(q_len) if d_hi is None else jnp.maximum(k_start - d_hi, 0)
     i_end = q_len if d_lo is None else jnp.minimum(q_len, k_last - d_lo + 1)
@@ -141,15 +149,15 @@ def q_block_range(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_
     return lo, hi
 
 
-def kv_block_split(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv_len):
+def kv_block_split(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv_len, position_offset=None):
     """``kv_block_range`` split FlashAttention-2 style: ``(lo, full_lo, full_hi, hi)``.
 
     Key tiles in ``[full_lo, full_hi)`` lie wholly inside the band and the valid rectangle
     (rules 1-3 hold for every pair), so they need no structural mask; only the tiles at the
     edges, ``[lo, full_lo)`` and ``[full_hi, hi)``, evaluate it.
     """
-    lo, hi = kv_block_range(spec, q_start, q_size, block_k, q_len, kv_len)
-    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    lo, hi = kv_block_range(spec, q_start, q_size, block_k, q_len, kv_len, position_offset)
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len, position_offset)
     q_last = q_start + q_size - 1
     full_lo, full_hi = lo, hi
     if d_lo is not None:  # every key j >= q_last + d_lo
@@ -163,11 +171,11 @@ def kv_block_split(spec: MaskSpec, q_start, q_size: int, block_k: int, q_len, kv
     return _clamp_split(lo, full_lo, full_hi, hi)
 
 
-def q_block_split(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_len):
+def q_block_split(spec: MaskSpec, k_start, k_size: int, block_q: int, q_len, kv_len, position_offset=None):
     """``q_block_range`` split like ``kv_block_split``: query tiles ``[full_lo, full_hi)``
     need no structural mask against keys ``[k_start, k_start + k_size)``."""
-    lo, hi = q_block_range(spec, k_start, k_size, block_q, q_len, kv_len)
-    d_lo, d_hi = diagonal_band(spec, q_len, kv_len)
+    lo, hi = q_block_range(spec, k_start, k_size, block_q, q_len, kv_len, position_offset)
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len, position_offset)
     k_last = k_start + k_size - 1
     full_lo, full_hi = lo, hi
     if d_hi is not None:  # every query i >= k_last - d_hi
@@ -219,3 +227,5 @@ class MaskInputs(NamedTuple):
     q_segment_ids: jax.Array | None   # [B, Lq] int32
     kv_segment_ids: jax.Array | None  # [B, Lk] int32
     mask: jax.Array | None            # [Bm, Hm, Lq, Lk] bool, Bm in {1, B}, Hm in {1, Hq}
+    # [B] int32 added to the band's offset (diagonal_band); None: 0. Set by ring attention.
+    position_offset: jax.Array | None = None

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_impl import implementations, masking, online_softmax
+from jax_impl import masking, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
 
 SECOND_ORDER_ERROR = (
@@ -62,13 +62,13 @@ attention.defvjp(_attention_fwd, _attention_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _forward(implementation, cfg, q, k, v, bias, masks):
-    return implementations.get(implementation).forward(cfg, q, k, v, bias, masks)
+    return partitioned.forward(implementation, cfg, q, k, v, bias, masks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta):
     """The implementation's backward; differentiating it again raises SECOND_ORDER_ERROR."""
-    return implementations.get(implementation).backward(cfg, q, k, v, bias, masks, stats, d_out, delta)
+    return partitioned.backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta)
 
 
 def _refuse_second_order(implementation, cfg, residuals, cotangents):

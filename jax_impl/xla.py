@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_impl import masking, online_softmax
+from jax_impl import masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 
 # Chunk sizes for the XLA path: large tiles keep the CPU's matmuls efficient while the
@@ -58,6 +58,8 @@ class _Tiles:
         self.bias = None if bias is None else _pad_axis(_pad_axis(bias, 2, self.lq_pad), 3, self.lk_pad)
         self.q_len = masks.q_len[:, None, None, None, None]     # [B, 1, 1, 1, 1]
         self.kv_len = masks.kv_len[:, None, None, None, None]
+        self.offset = (None if masks.position_offset is None
+                       else masks.position_offset[:, None, None, None, None])
         self.q_seg = _pad_axis(masks.q_segment_ids, 1, self.lq_pad)
         self.kv_seg = _pad_axis(masks.kv_segment_ids, 1, self.lk_pad)
         self.mask = None if masks.mask is None else _pad_axis(
@@ -100,7 +102,7 @@ class _Tiles:
                         lax.dynamic_slice_in_dim(self.kv_seg, j * self.block_k, self.block_k, 1)[:, None, None])
         allowed = masking.allowed(self.spec, rows, cols, self.q_len, self.kv_len, *segments,
                                   None if self.mask is None else self._pair_tile(self.mask, i, j),
-                                  structural=masked)
+                                  structural=masked, position_offset=self.offset)
         if allowed is not None:
             poison = (online_softmax.row_poison(q_tile)[..., :, None]
                       + (online_softmax.row_poison(k_tile) + online_softmax.row_poison(v_tile))[:, :, None, None, :])
@@ -118,12 +120,12 @@ class _Tiles:
         each row's range, unmasked only where every row's tile is inside its band."""
         return _across_batch(masking.kv_block_split(
             self.spec, i * self.block_q, self.block_q, self.block_k, self.masks.q_len,
-            self.masks.kv_len))
+            self.masks.kv_len, self.masks.position_offset))
 
     def q_range(self, j):
         return _across_batch(masking.q_block_split(
             self.spec, j * self.block_k, self.block_k, self.block_q, self.masks.q_len,
-            self.masks.kv_len))
+            self.masks.kv_len, self.masks.position_offset))
 
 
 def _across_batch(bounds):
@@ -139,6 +141,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
     block_q, block_k = chunk_sizes(cfg, lq, k.shape[1])
     t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k)
     stats_shape = (b, t.hkv, t.groups, block_q)
+    axes = vma.axes_of(q, k, v, bias, masks)  # inside shard_map, loop carries vary like these
 
     def query_tile(i, outputs):
         out, stats = outputs
@@ -153,8 +156,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
                             precision=cfg.precision, preferred_element_type=jnp.float32)
             return rescale[..., None] * acc + pv, row_max, row_sum
 
-        init = (jnp.zeros(stats_shape + (d,), jnp.float32),
-                jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32))
+        init = vma.like((jnp.zeros(stats_shape + (d,), jnp.float32),
+                         jnp.full(stats_shape, -jnp.inf, jnp.float32),
+                         jnp.zeros(stats_shape, jnp.float32)), axes)
         acc, row_max, row_sum = masking.split_fori_loop(t.kv_range(i), key_tile, init)
         o_tile, stats_tile = online_softmax.finalize(acc, row_max, row_sum)
         out = lax.dynamic_update_slice_in_dim(out, o_tile.astype(q.dtype), i * block_q, axis=3)
@@ -162,8 +166,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
                  for x, x_tile in zip(stats, stats_tile)]
         return out, stats
 
-    stats = [jnp.zeros((b, hq, t.lq_pad), jnp.float32)] * 2
-    out, stats = lax.fori_loop(0, t.lq_pad // block_q, query_tile, (jnp.zeros(t.q.shape, q.dtype), stats))
+    init = vma.like((jnp.zeros(t.q.shape, q.dtype), [jnp.zeros((b, hq, t.lq_pad), jnp.float32)] * 2), axes)
+    out, stats = lax.fori_loop(0, t.lq_pad // block_q, query_tile, init)
     return t.from_heads(out)[:, :lq], online_softmax.RowStats(*(x[:, :, :lq] for x in stats))
 
 
@@ -205,16 +209,18 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
                 dbias = lax.dynamic_update_slice(dbias, ds, (0, 0, i * block_q, j * block_k))
             return dq, dk_acc, dv_acc, dbias
 
-        zeros = jnp.zeros((b, t.hkv, block_k, d), jnp.float32)
+        zeros = vma.like(jnp.zeros((b, t.hkv, block_k, d), jnp.float32), axes)
         dq, dk_tile, dv_tile, dbias = masking.split_fori_loop(t.q_range(j), query_tile,
                                                               (dq, zeros, zeros, dbias))
         dk = lax.dynamic_update_slice_in_dim(dk, dk_tile.astype(k.dtype), j * block_k, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_tile.astype(v.dtype), j * block_k, axis=2)
         return dq, dk, dv, dbias
 
-    grads = (jnp.zeros(t.q.shape, jnp.float32), jnp.zeros(t.k.shape, k.dtype),
-             jnp.zeros(t.v.shape, v.dtype),
-             None if bias is None else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32))
+    axes = vma.axes_of(q, k, v, bias, masks, stats, d_out, delta)  # as in forward
+    grads = vma.like((jnp.zeros(t.q.shape, jnp.float32), jnp.zeros(t.k.shape, k.dtype),
+                      jnp.zeros(t.v.shape, v.dtype),
+                      None if bias is None else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32)),
+                     axes)
     dq, dk, dv, dbias = lax.fori_loop(0, t.lk_pad // block_k, key_tile, grads)
     dq = t.from_heads(dq)[:, :lq].astype(q.dtype)
     if dbias is not None:

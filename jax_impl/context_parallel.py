@@ -1,0 +1,88 @@
+"""``ring_attention``: flash_attention for a sequence split over a mesh axis, inside shard_map.
+
+The arguments mean what they mean for ``flash_attention``, for the GLOBAL sequence: query,
+key, value and the segment ids are this device's blocks (sequence axis sharded over
+``axis_name``), lengths are global (``[batch...]``, replicated over ``axis_name``), and causal,
+window and alignment refer to global positions. ``ring.py`` has the algorithm and the layouts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_impl import flash_attention as fa
+from jax_impl import ring
+
+
+def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
+                   is_causal: bool = False, causal_alignment: str = "top_left",
+                   local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None,
+                   q_segment_ids=None, kv_segment_ids=None, logits_soft_cap: float | None = None,
+                   implementation: str | None = "xla", block_sizes=None, precision=None,
+                   layout: str = "zigzag",
+                   return_residual: bool = False):
+    """Exact attention over a sequence sharded along mesh axis ``axis_name`` (call inside
+    ``jax.shard_map``). Forward and backward are rings of ``lax.ppermute`` steps.
+
+    layout: "zigzag" (device r holds global chunks r and 2N-1-r of 2N: balanced causal work;
+      reorder global arrays with ``ring.to_zigzag`` before sharding) or "contiguous" (device r
+      holds chunk r of N).
+    implementation: "xla" (or None): the local kernel each ring step runs. The Pallas kernels
+      do not take the per-step position offset yet.
+    Bias and dense masks are not supported here (they would have to travel with K/V).
+    Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
+    """
+    try:
+        num_devices = lax.axis_size(axis_name)
+    except (NameError, KeyError, ValueError) as err:
+        raise ValueError(f"axis_name={axis_name!r} is not a mesh axis bound here: call "
+                         "ring_attention inside jax.shard_map over a mesh with that axis") from err
+    if layout not in ring.LAYOUTS:
+        raise ValueError(f"{layout=} must be one of {ring.LAYOUTS}")
+    if implementation is None:
+        implementation = ring.RING_IMPLEMENTATIONS[0]
+    if implementation not in ring.RING_IMPLEMENTATIONS:
+        raise ValueError(f"{implementation=} must be one of {ring.RING_IMPLEMENTATIONS} or None "
+                         "for ring_attention")
+    call = fa._validate(query, key, value, None, None, **fa._defaults(dict(
+        scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
+        local_window_size=local_window_size, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
+        implementation=implementation, block_sizes=block_sizes, precision=precision)))
+    chunks = 2 if layout == "zigzag" else 1
+    lq, lk = call.q.shape[1], call.k.shape[1]
+    for name, length in (("query", lq), ("key", lk)):
+        if length % chunks:
+            raise ValueError(f"{name}'s local sequence length {length} must be even for "
+                             "layout='zigzag' (two chunks per device)")
+    spec = dataclasses.replace(call.cfg.mask, bottom_right=False,
+                               has_q_lengths=query_seq_lengths is not None,
+                               has_kv_lengths=key_value_seq_lengths is not None)
+    masks = call.masks._replace(
+        q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape,
+                              num_devices * lq),
+        kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape,
+                               num_devices * lk))
+    description = ring.Ring(axis_name, num_devices, layout, call.implementation or implementation,
+                            dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
+    out, lse = ring.ring_vjp(description, call.q, call.k, call.v, masks)
+    out = out.reshape(call.batch_shape + out.shape[1:])
+    if not return_residual:
+        return out
+    return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
+
+
+def _global_lengths(name, lengths, batch_shape, global_len: int):
+    b = math.prod(batch_shape)
+    if lengths is None:
+        return jnp.full((b,), global_len, jnp.int32)
+    lengths = jnp.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers; got {lengths.dtype}")
+    if lengths.shape != batch_shape:
+        raise ValueError(f"{name}.shape={lengths.shape} must equal the batch shape {batch_shape} "
+                         "(global lengths, the same on every device of the ring)")
+    return jnp.clip(lengths.reshape(b), 0, global_len).astype(jnp.int32)

@@ -1,0 +1,308 @@
+"""The blocked forward and backward as ops that partition themselves under ``jax.jit``.
+
+Without a rule, XLA's partitioner sees the Pallas kernel as an opaque custom call and can only
+replicate it: every device gathers all of q, k, v. ``jax.experimental.custom_partitioning``
+gives both the forward and the backward (so the whole custom VJP) a rule, valid under GSPMD
+(``partition``/``infer_sharding_from_operands``) and Shardy (``sharding_rule``):
+
+* batch and head axes are computed locally, no collective; a head split keeps each kv head
+  with its group of query heads (kv heads split the same way, or replicated for MQA);
+* mask, bias, lengths and segment ids follow their broadcast axes; outputs keep q's sharding;
+* what cannot be honoured is resharded explicitly and said so (``sharding_plan().notes``,
+  a ``ShardingWarning`` when the program is partitioned): head_dim, a head split that would
+  separate a kv head from its group, a sequence axis (see ``sharded_sequence.py``).
+
+Under ``vmap`` (which custom_partitioning does not support) the mapped axis is folded into
+the batch axis (``custom_vmap``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_impl import implementations, masking, online_softmax, ring, sharded_sequence
+
+
+class ShardingWarning(UserWarning):
+    """An input sharding flash_attention cannot honour: the operand is resharded."""
+
+
+# --- Operands by name ------------------------------------------------------------------------
+
+_MASK_FIELDS = (("q_len", "q_len"), ("kv_len", "kv_len"), ("q_segment_ids", "q_seg"),
+                ("kv_segment_ids", "kv_seg"), ("mask", "mask"), ("position_offset", "offset"))
+
+
+def _named(q, k, v, bias, masks, **more):
+    named = dict(q=q, k=k, v=v, bias=bias, **{short: getattr(masks, field)
+                                              for field, short in _MASK_FIELDS}, **more)
+    return {name: x for name, x in named.items() if x is not None}
+
+
+def _unpack(named):
+    masks = masking.MaskInputs(**{field: named.get(short) for field, short in _MASK_FIELDS})
+    return named["q"], named["k"], named["v"], named.get("bias"), masks
+
+
+# --- The plan: which mesh axes each operand keeps ---------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    batch: tuple      # mesh axes of the batch dim
+    heads: tuple      # mesh axes of the query-head dim
+    kv_heads: tuple   # mesh axes of the kv-head dim (heads, or () for MQA)
+    sequence: tuple   # mesh axes of the sequence dim honoured (ring); () otherwise
+    notes: tuple      # what was not honoured, and why
+
+    def describe(self) -> str:
+        if self.sequence:
+            how = f"ring over {self.sequence} (context parallelism)"
+        elif self.batch or self.heads:
+            how = f"local: batch over {self.batch or 'none'}, heads over {self.heads or 'none'}, no collective"
+        else:
+            how = "replicated: every device computes the whole attention"
+        return how + "".join(f"; {note}" for note in self.notes)
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -> ShardingPlan:
+    """The plan for q sharded as ``q_spec`` (a PartitionSpec over ``mesh``)."""
+    spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
+    batch, seq, heads, dim = (_axes(s) for s in spec[:4])
+    b, lq, hq, _ = q_shape
+    lk, hkv = k_shape[1], k_shape[2]
+    notes = []
+    if batch and b % _size(mesh, batch):
+        notes.append(f"batch {b} does not divide over {batch}: replicated")
+        batch = ()
+    kv_heads = heads
+    if heads:
+        size = _size(mesh, heads)
+        if hq % size:
+            notes.append(f"{hq} query heads do not divide over {heads}: replicated")
+            heads = kv_heads = ()
+        elif hkv == 1:
+            kv_heads = ()  # MQA: the one kv head goes with every query group
+        elif hkv % size:
+            notes.append(f"splitting {hq} query heads over {heads} would separate kv heads "
+                         f"({hkv}) from their query groups: heads replicated")
+            heads = kv_heads = ()
+    sequence = ()
+    if seq:
+        chunks = 2 * _size(mesh, seq)
+        if (allow_ring and len(seq) == 1 and lq % chunks == 0 and lk % chunks == 0
+                and not set(seq) & set(batch + heads)):
+            sequence = seq
+        else:
+            notes.append(f"sequence sharding over {seq} not supported for this call (the ring "
+                         f"needs implementation='xla', one mesh axis, sequences divisible by "
+                         f"{chunks}, no bias or dense mask): all-gathered")
+    if dim:
+        notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
+                     "needs the whole head): all-gathered")
+    return ShardingPlan(batch, heads, kv_heads, sequence, tuple(notes))
+
+
+def _specs(plan: ShardingPlan, named_shapes: dict, hq: int, b: int) -> dict:
+    """PartitionSpec of every operand and result by name."""
+    bt = plan.batch or None
+    hd = plan.heads or None
+    kv = plan.kv_heads or None
+    sq = plan.sequence or None
+    specs = dict(q=P(bt, sq, hd, None), k=P(bt, sq, kv, None), v=P(bt, sq, kv, None),
+                 q_len=P(bt), kv_len=P(bt), offset=P(bt), q_seg=P(bt, sq), kv_seg=P(bt, sq),
+                 d_out=P(bt, sq, hd, None), max=P(bt, hd, sq), log_sum=P(bt, hd, sq),
+                 delta=P(bt, hd, sq), out=P(bt, sq, hd, None), dq=P(bt, sq, hd, None),
+                 dk=P(bt, sq, kv, None), dv=P(bt, sq, kv, None), dbias=P(bt, hd, None, None))
+    for name in ("bias", "mask"):
+        if name in named_shapes:
+            shape = named_shapes[name]
+            specs[name] = P(bt if shape[0] == b else None, hd if shape[1] == hq else None, None, None)
+    return specs
+
+
+# --- The two ops -------------------------------------------------------------------------------
+
+FORWARD_RESULTS = ("out", "max", "log_sum")
+
+
+def _backward_results(names):
+    return ("dq", "dk", "dv") + (("dbias",) if "bias" in names else ())
+
+
+def _forward_body(implementation, cfg, names, *arrays):
+    out, stats = implementations.get(implementation).forward(cfg, *_unpack(dict(zip(names, arrays))))
+    return out, stats.max, stats.log_sum
+
+
+def _backward_body(implementation, cfg, names, *arrays):
+    named = dict(zip(names, arrays))
+    stats = online_softmax.RowStats(named["max"], named["log_sum"])
+    dq, dk, dv, dbias = implementations.get(implementation).backward(
+        cfg, *_unpack(named), stats, named["d_out"], named["delta"])
+    return (dq, dk, dv) + ((dbias,) if dbias is not None else ())
+
+
+def ring_supported(implementation, names) -> bool:
+    """Whether a call can run as a ring: no bias/mask (they would have to travel with K/V), and
+    a local implementation that takes MaskInputs.position_offset (the Pallas kernels do not yet)."""
+    return implementation in ring.RING_IMPLEMENTATIONS and not {"bias", "mask", "offset"} & set(names)
+
+
+def _local_plan(implementation, mesh, arg_shapes, names):
+    named = dict(zip(names, arg_shapes))
+    q = named["q"]
+    spec = q.sharding.spec if isinstance(q.sharding, NamedSharding) else P()
+    plan = sharding_plan(mesh, spec, q.shape, named["k"].shape, allow_ring=ring_supported(implementation, names))
+    return plan, named
+
+
+def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
+    q, k, v, _, masks = _unpack(dict(zip(names, arrays)))
+    out, stats = sharded_sequence.forward(sharded_sequence.make_ring(cfg, axis, n, implementation),
+                                          q, k, v, masks)
+    return out, stats.max, stats.log_sum
+
+
+def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
+    named = dict(zip(names, arrays))
+    q, k, v, _, masks = _unpack(named)
+    stats = online_softmax.RowStats(named["max"], named["log_sum"])
+    return sharded_sequence.backward(sharded_sequence.make_ring(cfg, axis, n, implementation),
+                                     q, k, v, masks, stats, named["d_out"], named["delta"])
+
+
+def _shardings(mesh, plan, named, results):
+    hq, b = named["q"].shape[2], named["q"].shape[0]
+    specs = _specs(plan, {n: s.shape for n, s in named.items()}, hq, b)
+    to = lambda n: NamedSharding(mesh, specs[n])
+    return tuple(to(n) for n in named), tuple(to(n) for n in results)
+
+
+def _make_op(body, ring_body, results_of):
+    def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
+        plan, named = _local_plan(implementation, mesh, arg_shapes, names)
+        return _shardings(mesh, plan, named, results_of(names))[1]
+
+    def partition(implementation, cfg, names, mesh, arg_shapes, result_shape):
+        plan, named = _local_plan(implementation, mesh, arg_shapes, names)
+        for note in plan.notes:
+            warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
+        args, results = _shardings(mesh, plan, named, results_of(names))
+        if plan.sequence:
+            (axis,) = plan.sequence
+            local = functools.partial(ring_body, axis, mesh.shape[axis], implementation, cfg, names)
+        else:
+            local = functools.partial(body, implementation, cfg, names)
+        return mesh, local, results, args
+
+    def rule(implementation, cfg, names, mesh, operand_types, result_types):
+        return sharding_rule(names, results_of(names), operand_types)
+
+    op = custom_partitioning(body, static_argnums=(0, 1, 2))
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=rule)
+    return op
+
+
+def sharding_rule(names, results, operand_types):
+    """Einsum-like Shardy rule: b batch, q/k sequences, n kv heads, g group, d head dim."""
+    shapes = dict(zip(names, (tuple(t.shape) for t in operand_types)))
+    b, hq, hkv = shapes["q"][0], shapes["q"][2], shapes["k"][2]
+    groups = hq // hkv
+    h = "n" if groups == 1 else "(n g)"
+    factors = dict(q=f"b q {h} d", k="b k n d", v="b k n d", q_len="b", kv_len="b", offset="b",
+                   q_seg="b q", kv_seg="b k", d_out=f"b q {h} d", max=f"b {h} q",
+                   log_sum=f"b {h} q", delta=f"b {h} q", out=f"b q {h} d", dq=f"b q {h} d",
+                   dk="b k n d", dv="b k n d", dbias=f"b {h} q k")
+    for name in ("bias", "mask"):
+        if name in shapes:
+            bb, hb = shapes[name][:2]
+            factors[name] = (f"{'b' if bb == b else name + '_b1'} "
+                             f"{h if hb == hq else name + '_h1'} q k")
+    rule = ", ".join(factors[n] for n in names) + " -> " + ", ".join(factors[n] for n in results)
+    return (rule, {"g": groups}) if groups > 1 else rule
+
+
+_forward_op = _make_op(_forward_body, _ring_forward_body, lambda names: FORWARD_RESULTS)
+_backward_op = _make_op(_backward_body, _ring_backward_body, _backward_results)
+
+
+# --- vmap: fold the mapped axis into the batch axis ------------------------------------------
+
+def _folded(op, implementation, cfg, names):
+    @jax.custom_batching.custom_vmap
+    def call(*arrays):
+        return op(implementation, cfg, names, *arrays)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *arrays):
+        b = dict(zip(names, arrays))["q"].shape[0 + in_batched[names.index("q")]]
+        folded = []
+        for name, x, batched in zip(names, arrays, in_batched):
+            if not batched:
+                x = jnp.broadcast_to(x, (axis_size,) + x.shape)
+            if name in ("bias", "mask") and x.shape[1] != b:  # broadcast batch: materialise it
+                x = jnp.broadcast_to(x, (axis_size, b) + x.shape[2:])
+            folded.append(x.reshape((axis_size * x.shape[1],) + x.shape[2:]))
+        outs = _folded(op, implementation, cfg, names)(*folded)
+        outs = tuple(o.reshape((axis_size, b) + o.shape[1:]) for o in outs)
+        return outs, tuple(True for _ in outs)
+
+    return call
+
+
+def forward(implementation, cfg, q, k, v, bias, masks):
+    """Like ``Implementation.forward``, partitioned under jit."""
+    named = _named(q, k, v, bias, masks)
+    names = tuple(named)
+    out, row_max, log_sum = _folded(_forward_op, implementation, cfg, names)(*named.values())
+    return out, online_softmax.RowStats(row_max, log_sum)
+
+
+def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta):
+    """Like ``Implementation.backward``, partitioned under jit."""
+    named = _named(q, k, v, bias, masks, max=stats.max, log_sum=stats.log_sum, d_out=d_out,
+                   delta=delta)
+    names = tuple(named)
+    grads = _folded(_backward_op, implementation, cfg, names)(*named.values())
+    return tuple(grads) + ((None,) if bias is None else ())
+
+
+def explain(implementation: str, q, q_shape, k_shape, has_bias_or_mask: bool) -> str | None:
+    """The strategy for ``q`` (an array or ShapeDtypeStruct with a NamedSharding), or None when
+    it carries no multi-device NamedSharding."""
+    sharding = getattr(q, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
+        return None
+    names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ())
+    plan = sharding_plan(sharding.mesh, _canonical_spec(sharding.spec, len(q.shape)), q_shape, k_shape,
+                         allow_ring=ring_supported(implementation, names))
+    if plan.sequence:
+        (axis,) = plan.sequence
+        return (f"ring over {axis!r} in {sharding.mesh.shape[axis]} steps (context parallelism, "
+                "zigzag layout)" + "".join(f"; {n}" for n in plan.notes))
+    return plan.describe()
+
+
+def _canonical_spec(spec, ndim: int):
+    """A user spec over ``[batch..., L, H, D]`` -> the spec of the flat ``[B, L, H, D]``."""
+    spec = tuple(spec) + (None,) * (ndim - len(spec))
+    batch = tuple(a for entry in spec[:-3] for a in _axes(entry))
+    return P(batch or None, *spec[-3:])

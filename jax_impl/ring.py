@@ -1,0 +1,257 @@
+"""Context parallelism: ring attention for code running inside ``jax.shard_map``.
+
+Each device holds a block of the queries and a block of the keys/values along a sequence axis
+of the mesh. The key/value blocks (with their segment ids) travel around the ring with
+``lax.ppermute``; at every step each device runs the same blocked forward (xla or pallas) on its
+query block against the visiting key block, and the partial (out, row statistics) pairs merge
+exactly (``merge``). The backward is one more ring: K, V and the dK/dV accumulators travel
+together while dQ stays home; it reuses the implementation's backward with the GLOBAL row
+statistics and delta, which is exactly what a blocked backward takes from outside.
+
+Global positions: a block is split into chunks; a pair (query chunk at global start qs, key
+chunk at ks) runs with local lengths ``clip(len - start, 0, chunk)`` and
+``MaskInputs.position_offset = qs - ks`` (+ ``kv_len - q_len`` for bottom-right), so causal
+(both alignments), windows, lengths and segment ids mean exactly what they mean on one device.
+A pair that the band and lengths rule out wholly is skipped (``lax.cond``).
+
+Layouts (``layout=``):
+* ``"zigzag"`` (default): the sequence is cut into ``2N`` chunks and device ``r`` holds chunks
+  ``r`` and ``2N-1-r`` (``to_zigzag`` reorders a global array that way). Under a causal mask
+  every device then does the same work: chunk ``r`` sees ``r`` full chunks and half of one,
+  chunk ``2N-1-r`` sees ``2N-1-r`` and half of one: ``2N`` half-chunk units each.
+* ``"contiguous"``: device ``r`` holds chunk ``r`` of ``N``; no reordering, but under a causal
+  mask device ``N-1`` does ``2N-1`` units of work while device 0 does 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_impl import implementations, masking, online_softmax, vma
+from jax_impl.config import AttentionConfig
+
+LAYOUTS = ("zigzag", "contiguous")
+# The local kernels that honour MaskInputs.position_offset (the Pallas kernels do not yet).
+RING_IMPLEMENTATIONS = ("xla",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """The static description of one ring: hashable, a nondiff argument of the custom VJP."""
+
+    axis_name: str
+    num_devices: int
+    layout: str
+    implementation: str
+    cfg: AttentionConfig  # its mask spec is top-left: the alignment lives in the offsets
+    bottom_right: bool
+
+    @property
+    def chunks(self) -> int:
+        """Chunks per device block."""
+        return 2 if self.layout == "zigzag" else 1
+
+
+def chunk_ids(layout: str, num_devices: int, device):
+    """Global chunk indices held by ``device``, in local order."""
+    if layout == "zigzag":
+        return [device, 2 * num_devices - 1 - device]
+    return [device]
+
+
+# --- Reordering of global arrays (outside shard_map) ---------------------------------------
+
+def zigzag_permutation(length: int, num_devices: int) -> np.ndarray:
+    """Indices ``p`` such that ``x[p]`` puts chunks ``r, 2N-1-r`` in device ``r``'s block."""
+    if length % (2 * num_devices):
+        raise ValueError(f"sequence length {length} must be a multiple of 2 * num_devices = "
+                         f"{2 * num_devices} for the zigzag layout")
+    chunk = length // (2 * num_devices)
+    order = [c for r in range(num_devices) for c in chunk_ids("zigzag", num_devices, r)]
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in order])
+
+
+def to_zigzag(x, num_devices: int, axis: int):
+    """Reorder the sequence ``axis`` of a global array into the zigzag layout."""
+    return jnp.take(x, zigzag_permutation(x.shape[axis], num_devices), axis=axis)
+
+
+def from_zigzag(x, num_devices: int, axis: int):
+    """Inverse of ``to_zigzag``."""
+    return jnp.take(x, np.argsort(zigzag_permutation(x.shape[axis], num_devices)), axis=axis)
+
+
+# --- Exact merge of partial results ---------------------------------------------------------
+
+def empty_stats(shape):
+    """RowStats of rows that have seen no allowed key yet."""
+    return online_softmax.RowStats(jnp.full(shape, jnp.inf, jnp.float32),
+                                   jnp.zeros(shape, jnp.float32))
+
+
+def merge(out_a, stats_a, out_b, stats_b):
+    """Two normalised partial outputs ``[B, L, H, D]`` over disjoint key sets -> the output over
+    their union, with RowStats ``[B, H, L]`` kept as (max, log-sum) so the backward recomputes
+    P exactly. Empty rows (max = +inf) contribute nothing."""
+    m_a = jnp.where(stats_a.max == jnp.inf, -jnp.inf, stats_a.max)
+    m_b = jnp.where(stats_b.max == jnp.inf, -jnp.inf, stats_b.max)
+    m = jnp.maximum(m_a, m_b)
+    safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w_a = jnp.exp(m_a - safe) * jnp.exp(stats_a.log_sum)  # 0 for an empty side
+    w_b = jnp.exp(m_b - safe) * jnp.exp(stats_b.log_sum)
+    total = w_a + w_b
+    empty = total == 0
+    denom = jnp.where(empty, 1.0, total)
+    per_row = lambda w: jnp.swapaxes(w / denom, 1, 2)[..., None]  # [B, H, L] -> [B, L, H, 1]
+    out = per_row(w_a) * out_a.astype(jnp.float32) + per_row(w_b) * out_b.astype(jnp.float32)
+    return out, online_softmax.RowStats(jnp.where(empty, jnp.inf, m), jnp.log(denom))
+
+
+# --- One (query chunk, key chunk) pair -------------------------------------------------------
+
+def pair_masks(ring: Ring, masks: masking.MaskInputs, q_chunk, kv_chunk, cq: int, ck: int,
+               q_seg, kv_seg) -> masking.MaskInputs:
+    """Local mask inputs for query chunk ``q_chunk`` (size cq) against key chunk ``kv_chunk``.
+
+    ``masks`` carries the GLOBAL lengths ``[B]``."""
+    q_start, kv_start = q_chunk * cq, kv_chunk * ck
+    base = masks.kv_len - masks.q_len if ring.bottom_right else jnp.zeros_like(masks.q_len)
+    return masking.MaskInputs(
+        q_len=jnp.clip(masks.q_len - q_start, 0, cq).astype(jnp.int32),
+        kv_len=jnp.clip(masks.kv_len - kv_start, 0, ck).astype(jnp.int32),
+        q_segment_ids=q_seg, kv_segment_ids=kv_seg, mask=None,
+        position_offset=(base + q_start - kv_start).astype(jnp.int32))
+
+
+def pair_active(ring: Ring, pm: masking.MaskInputs, cq: int, ck: int):
+    """False when the band and lengths exclude every (query, key) pair of the chunk pair."""
+    lo, hi = masking.kv_block_range(ring.cfg.mask, 0, cq, ck, pm.q_len, pm.kv_len,
+                                    pm.position_offset)
+    return jnp.any(hi > lo)
+
+
+def _split(x, parts: int, axis: int):
+    return [None] * parts if x is None else jnp.split(x, parts, axis=axis)
+
+
+def _rotate(tree, ring: Ring):
+    """Send every array of ``tree`` to the next device of the ring."""
+    perm = [(i, (i + 1) % ring.num_devices) for i in range(ring.num_devices)]
+    return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
+
+
+# --- Forward and backward rings -------------------------------------------------------------
+
+def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs):
+    """-> (out ``[B, Lq_loc, Hq, D]`` in q's dtype, global RowStats ``[B, Hq, Lq_loc]``)."""
+    impl = implementations.get(ring.implementation)
+    b, lq, hq, d = q.shape
+    cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
+    me = lax.axis_index(ring.axis_name)
+    q_ids = chunk_ids(ring.layout, ring.num_devices, me)
+    qs, q_segs = _split(q, ring.chunks, 1), _split(masks.q_segment_ids, ring.chunks, 1)
+    axes = vma.axes_of(q, k, v, masks, me)  # fresh buffers vary like the operands
+
+    def step(s, carry):
+        kv, outs, stats = carry
+        incoming = _rotate(kv, ring)  # issued before the compute so the transfer can overlap it
+        k_blk, v_blk, kv_seg = kv
+        kv_ids = chunk_ids(ring.layout, ring.num_devices, (me - s) % ring.num_devices)
+        ks, vs, kv_segs = (_split(x, ring.chunks, 1) for x in (k_blk, v_blk, kv_seg))
+        outs, stats = list(outs), list(stats)
+        for a in range(ring.chunks):
+            for c in range(ring.chunks):
+                pm = pair_masks(ring, masks, q_ids[a], kv_ids[c], cq, ck, q_segs[a], kv_segs[c])
+                o, st = lax.cond(
+                    pair_active(ring, pm, cq, ck),
+                    lambda qa, kc, vc, pm: impl.forward(ring.cfg, qa, kc, vc, None, pm),
+                    lambda qa, kc, vc, pm: vma.like(
+                        (jnp.zeros(qa.shape, qa.dtype), empty_stats((b, hq, cq))), axes),
+                    qs[a], ks[c], vs[c], pm)
+                outs[a], stats[a] = merge(outs[a], stats[a], o, st)
+        return incoming, tuple(outs), tuple(stats)
+
+    outs = vma.like(tuple(jnp.zeros((b, cq, hq, d), jnp.float32) for _ in range(ring.chunks)), axes)
+    stats = vma.like(tuple(empty_stats((b, hq, cq)) for _ in range(ring.chunks)), axes)
+    kv = (k, v, masks.kv_segment_ids)
+    _, outs, stats = lax.fori_loop(0, ring.num_devices, step, (kv, outs, stats))
+    out = jnp.concatenate(outs, axis=1).astype(q.dtype)
+    return out, online_softmax.RowStats(*(jnp.concatenate(x, axis=2) for x in zip(*stats)))
+
+
+def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta):
+    """-> (dq, dk, dv) of the local blocks; dK/dV accumulators travel with K and V."""
+    impl = implementations.get(ring.implementation)
+    lq = q.shape[1]
+    cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
+    me = lax.axis_index(ring.axis_name)
+    q_ids = chunk_ids(ring.layout, ring.num_devices, me)
+    split_q = lambda x: _split(x, ring.chunks, 1)
+    split_rows = lambda x: _split(x, ring.chunks, 2)
+    qs, dos, q_segs = split_q(q), split_q(d_out), split_q(masks.q_segment_ids)
+    deltas = split_rows(delta)
+    row_stats = [online_softmax.RowStats(m, l)
+                 for m, l in zip(split_rows(stats.max), split_rows(stats.log_sum))]
+    axes = vma.axes_of(q, k, v, masks, stats, d_out, delta, me)
+
+    def step(s, carry):
+        kv, dkv, dqs = carry
+        incoming = _rotate(kv, ring)
+        k_blk, v_blk, kv_seg = kv
+        kv_ids = chunk_ids(ring.layout, ring.num_devices, (me - s) % ring.num_devices)
+        ks, vs, kv_segs = (_split(x, ring.chunks, 1) for x in (k_blk, v_blk, kv_seg))
+        dks, dvs = split_q(dkv[0]), split_q(dkv[1])
+        dqs = list(dqs)
+        for a in range(ring.chunks):
+            for c in range(ring.chunks):
+                pm = pair_masks(ring, masks, q_ids[a], kv_ids[c], cq, ck, q_segs[a], kv_segs[c])
+
+                def compute(qa, kc, vc, pm, st, do, dl):
+                    dq, dk, dv, _ = impl.backward(ring.cfg, qa, kc, vc, None, pm, st, do, dl)
+                    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+                def skip(qa, kc, vc, *_):
+                    return vma.like((jnp.zeros(qa.shape, jnp.float32), jnp.zeros(kc.shape, jnp.float32),
+                                     jnp.zeros(vc.shape, jnp.float32)), axes)
+
+                dq, dk, dv = lax.cond(pair_active(ring, pm, cq, ck), compute, skip,
+                                      qs[a], ks[c], vs[c], pm, row_stats[a], dos[a], deltas[a])
+                dqs[a] = dqs[a] + dq
+                dks[c] = dks[c] + dk
+                dvs[c] = dvs[c] + dv
+        dkv = (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
+        return incoming, _rotate(dkv, ring), tuple(dqs)
+
+    zeros = lambda x: vma.like(jnp.zeros(x.shape, jnp.float32), axes)
+    dqs = tuple(zeros(x) for x in qs)
+    kv = (k, v, masks.kv_segment_ids)
+    _, (dk, dv), dqs = lax.fori_loop(0, ring.num_devices, step, (kv, (zeros(k), zeros(v)), dqs))
+    return (jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+
+
+def _ring_fwd(ring, q, k, v, masks):
+    out, stats = ring_forward(ring, q, k, v, masks)
+    return (out, online_softmax.logsumexp(stats)), (q, k, v, masks, out, stats)
+
+
+def _ring_bwd(ring, residuals, cotangents):
+    q, k, v, masks, out, stats = residuals
+    d_out, d_lse = cotangents
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - d_lse
+    dq, dk, dv = ring_backward(ring, q, k, v, masks, stats, d_out, delta)
+    return dq, dk, dv, jax.tree.map(lambda _: None, masks)
+
+
+def _ring_primal(ring, q, k, v, masks):
+    out, stats = ring_forward(ring, q, k, v, masks)
+    return out, online_softmax.logsumexp(stats)
+
+
+ring_vjp = jax.custom_vjp(_ring_primal, nondiff_argnums=(0,))
+ring_vjp.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,35 @@
+"""Varying manual axes: inside ``jax.shard_map`` a loop carry or ``lax.cond`` branch created
+with ``jnp.zeros`` is unvarying, while one computed from the sharded operands varies over the
+mesh axes; JAX requires both to agree, so fresh buffers take the operands' axes."""
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def _varying(x) -> frozenset:
+    """The manual axes ``x`` varies over: ``aval.mat.varying`` in newer JAX, ``aval.vma`` before."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    axes = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return frozenset(axes or ())
+
+
+def axes_of(*trees) -> tuple:
+    """The union of the varying manual axes of every array in ``trees`` (empty outside shard_map)."""
+    axes = set()
+    for leaf in jax.tree.leaves(trees):
+        axes |= _varying(leaf)
+    return tuple(sorted(axes, key=str))
+
+
+def like(tree, axes: tuple):
+    """``tree``'s arrays marked varying over ``axes`` (those they do not vary over yet)."""
+    if not axes:
+        return tree
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in _varying(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
