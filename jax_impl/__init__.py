@@ -1,10 +1,14 @@
 """FlashAttention for JAX: exact attention, tile by tile, with a recomputing custom VJP.
 
-The function is ``jax_impl.flash_attention.flash_attention``.
+``jax_impl.flash_attention(q, k, v, ...)`` is the function (also importable as
+``from jax_impl.flash_attention import flash_attention``).
 """
+__version__ = "0.2.0.dev0"
+
 from jax_impl.config import BlockSizes
 from jax_impl.context_parallel import ring_attention
-from jax_impl.flash_attention import IMPLEMENTATIONS, ImplementationChoice, explain_implementation
+from jax_impl.flash_attention import (IMPLEMENTATIONS, ImplementationChoice, explain_implementation,
+                                      flash_attention)
 
 __all__ = ["BlockSizes", "IMPLEMENTATIONS", "ImplementationChoice", "explain_implementation",
-           "ring_attention"]
+           "flash_attention", "ring_attention"]

@@ -9,12 +9,15 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
+import types
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from jax_impl import implementations, masking, partitioned, recompute_vjp, reference
 from jax_impl.config import AttentionConfig, BlockSizes
@@ -24,7 +27,8 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
 def flash_attention(
-    query, key, value, bias=None, mask=None, *,
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None, *,
     scale: float | None = None,
     is_causal: bool = False,
     query_seq_lengths=None,
@@ -49,7 +53,7 @@ def flash_attention(
     force_fp32_for_softmax: bool = False,
     qk_attn_weights_einsum=None,
     attn_weights_value_einsum=None,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Exact softmax attention, computed tile by tile (FlashAttention), forward and backward.
 
     Shapes (``...`` = any number of batch dims, possibly none):
@@ -368,7 +372,9 @@ class ImplementationChoice(NamedTuple):
     strategy: str | None = None
 
 
-def explain_implementation(query, key, value, bias=None, mask=None, *, platform: str | None = None,
+def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                           bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                           platform: str | None = None,
                            implementation: str | None = None, interpret: bool = False,
                            **kwargs) -> ImplementationChoice:
     """Which implementation ``flash_attention`` would use for these arguments, and why not the others.
@@ -409,3 +415,14 @@ def _defaults(kwargs):
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
     return {**defaults, **kwargs}
+
+
+class _CallableModule(types.ModuleType):
+    """This module calls ``flash_attention``: ``jax_impl.flash_attention(q, k, v)`` works whether
+    the name resolves to the function or, after ``import jax_impl.flash_attention``, to the module."""
+
+    def __call__(self, *args, **kwargs):
+        return flash_attention(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -192,3 +192,17 @@ def test_eager_calls_trace_once_per_shape(monkeypatch):
     assert not np.allclose(first, second)
     flash_attention(q, k, v, is_causal=False)  # another configuration traces again
     assert len(traced) > count
+
+
+def test_the_package_attribute_is_callable_as_users_write_it():
+    import importlib
+    import importlib.metadata
+
+    import jax_impl
+    import jax_impl.flash_attention as module
+    from jax_impl.flash_attention import flash_attention as function
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 2, 16))
+    expected = np.asarray(function(q, q, q, is_causal=True))
+    for attention in (jax_impl.flash_attention, module, importlib.import_module("jax_impl").flash_attention):
+        np.testing.assert_array_equal(attention(q, q, q, is_causal=True), expected)
+    assert importlib.metadata.version("jax-flash-attention-ref") == jax_impl.__version__
