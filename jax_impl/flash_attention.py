@@ -418,11 +418,12 @@ def _defaults(kwargs):
 
 
 class _CallableModule(types.ModuleType):
-    """This module calls ``flash_attention``: ``jax_impl.flash_attention(q, k, v)`` works whether
-    the name resolves to the function or, after ``import jax_impl.flash_attention``, to the module."""
+    """This module calls ``flash_attention``, so ``jax_impl.flash_attention(q, k, v)`` works as
+    users write it, while ``import jax_impl.flash_attention`` still names the module."""
 
     def __call__(self, *args, **kwargs):
         return flash_attention(*args, **kwargs)
 
 
+__signature__ = inspect.signature(flash_attention)  # what inspect.signature(module) reports
 sys.modules[__name__].__class__ = _CallableModule

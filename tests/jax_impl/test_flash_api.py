@@ -91,13 +91,12 @@ def test_logsumexp_residual_matches_dense_and_is_differentiable(implementation):
     out_ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     lse_ct = jnp.asarray(rng.standard_normal(q.shape[:-1]), jnp.float32)
 
-    def grads(impl, **kw):
-        fn = lambda q, k, v: flash_attention(q, k, v, is_causal=True, return_residual=True,
-                                             implementation=impl, **kw)
+    def grads(attention, **kw):
+        fn = lambda q, k, v: attention(q, k, v, is_causal=True, return_residual=True, **kw)
         (out, lse), vjp = jax.vjp(fn, q, k, v)
         return (out, lse) + vjp((out_ct, lse_ct))
 
-    ours, dense = grads(implementation, **options), grads("reference")
+    ours, dense = grads(flash_attention, implementation=implementation, **options), grads(_dense)
     assert ours[1].shape == q.shape[:-1]  # [B, Lq, Hq], as jax.nn's residual
     dense_lse = jax.nn.dot_product_attention(q, jnp.repeat(k, 2, 2), jnp.repeat(v, 2, 2),
                                              is_causal=True, return_residual=True)[1]
@@ -108,8 +107,26 @@ def test_logsumexp_residual_matches_dense_and_is_differentiable(implementation):
 
 # --- Transformations and shapes ---------------------------------------------------------------
 
-def _dense(q, k, v, **kw):
-    return flash_attention(q, k, v, implementation="reference", **kw)
+def _dense(q, k, v, *, is_causal=False, mask=None, key_value_seq_lengths=None,
+           return_residual=False):
+    """Dense attention written here from the rules, sharing no code with jax_impl: the oracle
+    of these tests. q [..., Lq, Hq, D], k/v [..., Lk, Hkv, D]; forward only for empty rows."""
+    groups = q.shape[-2] // k.shape[-2]
+    k, v = jnp.repeat(k, groups, axis=-2), jnp.repeat(v, groups, axis=-2)
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k, precision="highest") / np.sqrt(q.shape[-1])
+    lq, lk = logits.shape[-2:]
+    allowed = jnp.ones(logits.shape, bool)
+    if is_causal:
+        allowed &= jnp.arange(lk)[None, :] <= jnp.arange(lq)[:, None]
+    if mask is not None:
+        allowed &= mask
+    if key_value_seq_lengths is not None:
+        allowed &= jnp.arange(lk) < jnp.asarray(key_value_seq_lengths)[..., None, None, None]
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)                              # [..., Hq, Lq]
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])  # empty rows: 0
+    out = jnp.einsum("...hqk,...khd->...qhd", p, v, precision="highest")
+    return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
 
 
 def test_jit_grad_vmap_checkpoint_agree_with_dense():
@@ -197,6 +214,7 @@ def test_eager_calls_trace_once_per_shape(monkeypatch):
 def test_the_package_attribute_is_callable_as_users_write_it():
     import importlib
     import importlib.metadata
+    import inspect
 
     import jax_impl
     import jax_impl.flash_attention as module
@@ -205,4 +223,6 @@ def test_the_package_attribute_is_callable_as_users_write_it():
     expected = np.asarray(function(q, q, q, is_causal=True))
     for attention in (jax_impl.flash_attention, module, importlib.import_module("jax_impl").flash_attention):
         np.testing.assert_array_equal(attention(q, q, q, is_causal=True), expected)
+    assert module.explain_implementation is jax_impl.explain_implementation  # still the module
+    assert "is_causal" in inspect.signature(jax_impl.flash_attention).parameters
     assert importlib.metadata.version("jax-flash-attention-ref") == jax_impl.__version__
