@@ -26,14 +26,15 @@ from jax_impl.pallas_triton.layout import Layout
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-                 q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dk_ref, dv_ref, *,
+                 offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dk_ref, dv_ref, *,
                  cfg: AttentionConfig, block_q: int, block_k: int, groups: int):
     j, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
+    offset = common.position_offset(offset_ref, b)
     k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
     cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
-    bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len)
+    bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
     per_head = lambda ref, g: 0 if ref.shape[0] == 1 else g  # broadcast head axis of mask/bias
 
     def query_head(g, carry):
@@ -45,7 +46,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
             allowed = masking.allowed(
                 cfg.mask, rows, cols, q_len, kv_len,
                 None if q_seg_ref is None else q_seg_ref[queries], kv_seg,
-                None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :], structural=masked)
+                None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :], structural=masked,
+                position_offset=offset)
             k_tile, v_tile = k, v
             if allowed is not None:
                 poison, q, k_tile, v_tile = common.excluded_nonfinite(q, k, v)
@@ -70,10 +72,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-               q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dq_ref, dbias_ref, *,
+               offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dq_ref, dbias_ref, *,
                cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int):
     i, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
+    offset = common.position_offset(offset_ref, b)
     q, do = q_ref[...], do_ref[...]                                   # [bq, Dp]
     row_max, log_sum, delta = max_ref[...], log_sum_ref[...], delta_ref[...]  # [bq]
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
@@ -86,7 +89,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
             None if mask_ref is None else mask_ref[:, keys],
-            structural=masked)
+            structural=masked, position_offset=offset)
         q_tile, k, v = q, k_ref[keys, :], v_ref[keys, :]
         if allowed is not None:
             poison, q_tile, k, v = common.excluded_nonfinite(q_tile, k, v)
@@ -101,7 +104,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
             dbias_ref[:, keys] = ds
         return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)
 
-    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len)
+    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     if dbias_ref is not None:  # every tile of dbias must be written, zeros included
         bounds = (0, bounds[1], bounds[2], num_key_tiles)
     dq = masking.split_fori_loop(bounds, key_tile, jnp.zeros(q.shape, jnp.float32))
@@ -115,8 +118,10 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     lk_pad, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
     blocks = layout.blocks
-    lengths = [pl.BlockSpec((batch,), lambda *_: (0,))] * 2
-    inputs = (q, k, v, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len, masks.q_segment_ids,
+    lengths = [pl.BlockSpec((batch,), lambda *_: (0,))] * 2 + [
+        common.per_row_spec(masks.position_offset, batch)]
+    inputs = (q, k, v, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len,
+              masks.position_offset, masks.q_segment_ids,
               masks.kv_segment_ids, mask, bias)
 
     # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.

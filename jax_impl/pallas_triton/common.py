@@ -5,6 +5,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import ad, batching, mlir
 
@@ -34,6 +35,20 @@ def excluded_nonfinite(q, k, v):
 def broadcast_index(x, axis: int, index):
     """Block index along a mask/bias axis that may be broadcast (size 1): then always 0."""
     return index if x.shape[axis] > 1 else 0
+
+
+# --- MaskInputs.position_offset (ring attention) ------------------------------------------
+# One int32 per batch row, read like q_len/kv_len; absent (None ref) outside a ring, so the
+# kernels of an ordinary call are unchanged.
+
+def per_row_spec(offset, batch: int):
+    """BlockSpec of the ``[B]`` position offset, or None when there is none."""
+    return None if offset is None else pl.BlockSpec((batch,), lambda *_: (0,))
+
+
+def position_offset(offset_ref, b):
+    """Batch row ``b``'s position offset, or None (masking treats None as 0)."""
+    return None if offset_ref is None else offset_ref[b]
 
 
 def compiler_params(num_warps: int, num_stages: int):

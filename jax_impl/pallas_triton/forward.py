@@ -20,11 +20,12 @@ from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.layout import Layout
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref,
+def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_seg_ref, kv_seg_ref,
                     mask_ref, bias_ref, o_ref, max_ref, log_sum_ref, *, cfg: AttentionConfig,
                     block_q: int, block_k: int):
     i, b = pl.program_id(0), pl.program_id(1)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
+    offset = common.position_offset(offset_ref, b)
     q = q_ref[...]                                                    # [bq, Dp]
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
@@ -36,7 +37,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_se
         allowed = masking.allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
             None if kv_seg_ref is None else kv_seg_ref[keys],
-            None if mask_ref is None else mask_ref[:, keys], structural=masked)
+            None if mask_ref is None else mask_ref[:, keys], structural=masked,
+            position_offset=offset)
         q_tile, k, v = q, k_ref[keys, :], v_ref[keys, :]
         if allowed is not None:
             poison, q_tile, k, v = common.excluded_nonfinite(q_tile, k, v)
@@ -50,7 +52,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, q_seg_ref, kv_se
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len)
+    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     acc, row_max, row_sum = masking.split_fori_loop(bounds, key_tile, init)
     out, stats = online_softmax.finalize(acc, row_max, row_sum)
     o_ref[...] = out.astype(o_ref.dtype)
@@ -74,6 +76,7 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0)),
         pl.BlockSpec((batch,), lambda i, b, h: (0,)),
         pl.BlockSpec((batch,), lambda i, b, h: (0,)),
+        common.per_row_spec(masks.position_offset, batch),
         None if masks.q_segment_ids is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
         None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
         pair(mask),
@@ -89,4 +92,5 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         kernel, grid=(lq_pad // block_q, batch, hq), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
-    )(q, k, v, masks.q_len, masks.kv_len, masks.q_segment_ids, masks.kv_segment_ids, mask, bias)
+    )(q, k, v, masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
+      masks.kv_segment_ids, mask, bias)
