@@ -3,7 +3,9 @@
 The arguments mean what they mean for ``flash_attention``, for the GLOBAL sequence: query,
 key, value and the segment ids are this device's blocks (sequence axis sharded over
 ``axis_name``), lengths are global (``[batch...]``, replicated over ``axis_name``), and causal,
-window and alignment refer to global positions. ``ring.py`` has the algorithm and the layouts.
+window and alignment refer to global positions. A bias or dense mask holds this device's query
+rows and every key column (``[..., Hq|1, Lq_loc, Lk_global]``, columns in global key order).
+``ring.py`` has the algorithm and the layouts.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from jax_impl import flash_attention as fa
 from jax_impl import ring
 
 
-def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
+def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
+                   scale: float | None = None,
                    is_causal: bool = False, causal_alignment: str = "top_left",
                    local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None,
                    q_segment_ids=None, kv_segment_ids=None, logits_soft_cap: float | None = None,
                    implementation: str | None = "xla", block_sizes=None, precision=None,
-                   layout: str = "zigzag",
+                   interpret: bool = False, layout: str = "zigzag",
                    return_residual: bool = False):
     """Exact attention over a sequence sharded along mesh axis ``axis_name`` (call inside
     ``jax.shard_map``). Forward and backward are rings of ``lax.ppermute`` steps.
@@ -30,9 +33,13 @@ def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
     layout: "zigzag" (device r holds global chunks r and 2N-1-r of 2N: balanced causal work;
       reorder global arrays with ``ring.to_zigzag`` before sharding) or "contiguous" (device r
       holds chunk r of N).
-    implementation: "xla" (or None): the local kernel each ring step runs. The Pallas kernels
-      do not take the per-step position offset yet.
-    Bias and dense masks are not supported here (they would have to travel with K/V).
+    implementation: the local kernel each ring step runs: "xla" (or None) or "pallas_triton"
+      (a CUDA GPU, or anywhere with interpret=True).
+    bias, mask: broadcastable to ``[..., Hq, Lq_loc, Lk]`` where ``Lq_loc`` is this device's
+      query rows (in the order of its query block, i.e. the layout's) and ``Lk`` is the GLOBAL
+      key length, columns in global (natural) key order whatever the layout: shard them along
+      the query rows only. They stay on their device; each ring step slices the columns of the
+      visiting key chunk. The bias is differentiable; its gradient has the same layout.
     Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
     """
     try:
@@ -51,7 +58,8 @@ def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
         scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
         local_window_size=local_window_size, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
-        implementation=implementation, block_sizes=block_sizes, precision=precision)))
+        implementation=implementation, block_sizes=block_sizes, precision=precision,
+        interpret=interpret)))
     chunks = 2 if layout == "zigzag" else 1
     lq, lk = call.q.shape[1], call.k.shape[1]
     for name, length in (("query", lq), ("key", lk)):
@@ -66,13 +74,25 @@ def ring_attention(query, key, value, *, axis_name, scale: float | None = None,
                               num_devices * lq),
         kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape,
                                num_devices * lk))
+    bias, mask = (_rows_local(name, x, call.batch_shape + (call.q.shape[2], lq, num_devices * lk))
+                  for name, x in (("bias", bias), ("mask", mask)))
+    masks = masks._replace(mask=mask)
     description = ring.Ring(axis_name, num_devices, layout, call.implementation or implementation,
                             dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
-    out, lse = ring.ring_vjp(description, call.q, call.k, call.v, masks)
+    out, lse = ring.ring_vjp(description, call.q, call.k, call.v, bias, masks)
     out = out.reshape(call.batch_shape + out.shape[1:])
     if not return_residual:
         return out
     return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
+
+
+def _rows_local(name, x, shape):
+    """A bias/mask -> ``[Bx, Hx, Lq_loc, Lk]`` (fa._pairwise), with the ring's layout rule named."""
+    try:
+        return fa._pairwise(name, x, shape, is_mask=name == "mask")
+    except ValueError as err:
+        raise ValueError(f"{err}; in ring_attention {name} holds this device's {shape[-2]} query "
+                         f"rows and all {shape[-1]} key columns (the global key length)") from None
 
 
 def _global_lengths(name, lengths, batch_shape, global_len: int):

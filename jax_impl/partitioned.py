@@ -10,7 +10,9 @@ gives both the forward and the backward (so the whole custom VJP) a rule, valid 
 * mask, bias, lengths and segment ids follow their broadcast axes; outputs keep q's sharding;
 * what cannot be honoured is resharded explicitly and said so (``sharding_plan().notes``,
   a ``ShardingWarning`` when the program is partitioned): head_dim, a head split that would
-  separate a kv head from its group, a sequence axis (see ``sharded_sequence.py``).
+  separate a kv head from its group, a sequence axis the ring cannot take;
+* a sequence axis (one mesh axis) runs as a ring (``sharded_sequence.py``): q, k, v and segment
+  ids sharded along it, bias/mask and dbias along their query rows with every key column.
 
 Under ``vmap`` (which custom_partitioning does not support) the mapped axis is folded into
 the batch axis (``custom_vmap``).
@@ -111,8 +113,9 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -
             sequence = seq
         else:
             notes.append(f"sequence sharding over {seq} not supported for this call (the ring "
-                         f"needs implementation='xla', one mesh axis, sequences divisible by "
-                         f"{chunks}, no bias or dense mask): all-gathered")
+                         f"needs implementation 'xla' or 'pallas_triton', one mesh axis not "
+                         f"also used by batch or heads, sequences divisible by {chunks}): "
+                         "all-gathered")
     if dim:
         notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
                      "needs the whole head): all-gathered")
@@ -129,11 +132,11 @@ def _specs(plan: ShardingPlan, named_shapes: dict, hq: int, b: int) -> dict:
                  q_len=P(bt), kv_len=P(bt), offset=P(bt), q_seg=P(bt, sq), kv_seg=P(bt, sq),
                  d_out=P(bt, sq, hd, None), max=P(bt, hd, sq), log_sum=P(bt, hd, sq),
                  delta=P(bt, hd, sq), out=P(bt, sq, hd, None), dq=P(bt, sq, hd, None),
-                 dk=P(bt, sq, kv, None), dv=P(bt, sq, kv, None), dbias=P(bt, hd, None, None))
-    for name in ("bias", "mask"):
+                 dk=P(bt, sq, kv, None), dv=P(bt, sq, kv, None), dbias=P(bt, hd, sq, None))
+    for name in ("bias", "mask"):  # query rows follow the sequence (ring), key columns whole
         if name in named_shapes:
             shape = named_shapes[name]
-            specs[name] = P(bt if shape[0] == b else None, hd if shape[1] == hq else None, None, None)
+            specs[name] = P(bt if shape[0] == b else None, hd if shape[1] == hq else None, sq, None)
     return specs
 
 
@@ -160,9 +163,9 @@ def _backward_body(implementation, cfg, names, *arrays):
 
 
 def ring_supported(implementation, names) -> bool:
-    """Whether a call can run as a ring: no bias/mask (they would have to travel with K/V), and
-    a local implementation that takes MaskInputs.position_offset (the Pallas kernels do not yet)."""
-    return implementation in ring.RING_IMPLEMENTATIONS and not {"bias", "mask", "offset"} & set(names)
+    """Whether a call can run as a ring: a local implementation that takes
+    MaskInputs.position_offset, and no offset of its own already."""
+    return implementation in ring.RING_IMPLEMENTATIONS and "offset" not in names
 
 
 def _local_plan(implementation, mesh, arg_shapes, names):
@@ -174,18 +177,22 @@ def _local_plan(implementation, mesh, arg_shapes, names):
 
 
 def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
-    q, k, v, _, masks = _unpack(dict(zip(names, arrays)))
+    q, k, v, bias, masks = _unpack(dict(zip(names, arrays)))
     out, stats = sharded_sequence.forward(sharded_sequence.make_ring(cfg, axis, n, implementation),
-                                          q, k, v, masks)
+                                          q, k, v, masks, bias)
     return out, stats.max, stats.log_sum
 
 
 def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
     named = dict(zip(names, arrays))
-    q, k, v, _, masks = _unpack(named)
+    q, k, v, bias, masks = _unpack(named)
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
-    return sharded_sequence.backward(sharded_sequence.make_ring(cfg, axis, n, implementation),
-                                     q, k, v, masks, stats, named["d_out"], named["delta"])
+    if bias is not None:  # the op's dbias is [B, Hq, Lq, Lk] (recompute_vjp reduces it, across
+        bias = jnp.broadcast_to(bias, q.shape[:1] + q.shape[2:3] + bias.shape[2:])  # devices too)
+    *grads, dbias = sharded_sequence.backward(
+        sharded_sequence.make_ring(cfg, axis, n, implementation), q, k, v, masks, stats,
+        named["d_out"], named["delta"], bias)
+    return tuple(grads) + (() if dbias is None else (dbias,))
 
 
 def _shardings(mesh, plan, named, results):
@@ -226,7 +233,8 @@ def sharding_rule(names, results, operand_types):
     shapes = dict(zip(names, (tuple(t.shape) for t in operand_types)))
     b, hq, hkv = shapes["q"][0], shapes["q"][2], shapes["k"][2]
     groups = hq // hkv
-    h = "n" if groups == 1 else "(n g)"
+    # Shardy refuses a size-1 factor inside a compound dim: MQA's query heads are all "g".
+    h = "n" if groups == 1 else "g" if hkv == 1 else "(n g)"
     factors = dict(q=f"b q {h} d", k="b k n d", v="b k n d", q_len="b", kv_len="b", offset="b",
                    q_seg="b q", kv_seg="b k", d_out=f"b q {h} d", max=f"b {h} q",
                    log_sum=f"b {h} q", delta=f"b {h} q", out=f"b q {h} d", dq=f"b q {h} d",
@@ -237,7 +245,7 @@ def sharding_rule(names, results, operand_types):
             factors[name] = (f"{'b' if bb == b else name + '_b1'} "
                              f"{h if hb == hq else name + '_h1'} q k")
     rule = ", ".join(factors[n] for n in names) + " -> " + ", ".join(factors[n] for n in results)
-    return (rule, {"g": groups}) if groups > 1 else rule
+    return (rule, {"g": groups}) if h == "(n g)" else rule
 
 
 _forward_op = _make_op(_forward_body, _ring_forward_body, lambda names: FORWARD_RESULTS)
@@ -296,8 +304,11 @@ def explain(implementation: str, q, q_shape, k_shape, has_bias_or_mask: bool) ->
                          allow_ring=ring_supported(implementation, names))
     if plan.sequence:
         (axis,) = plan.sequence
+        pairwise = ("; bias/mask: query rows sharded over the same axis, every key column, "
+                    "sliced per step" if has_bias_or_mask else "")
         return (f"ring over {axis!r} in {sharding.mesh.shape[axis]} steps (context parallelism, "
-                "zigzag layout)" + "".join(f"; {n}" for n in plan.notes))
+                f"zigzag layout, local kernel {implementation}){pairwise}"
+                + "".join(f"; {n}" for n in plan.notes))
     return plan.describe()
 
 

@@ -14,6 +14,12 @@ chunk at ks) runs with local lengths ``clip(len - start, 0, chunk)`` and
 (both alignments), windows, lengths and segment ids mean exactly what they mean on one device.
 A pair that the band and lengths rule out wholly is skipped (``lax.cond``).
 
+Bias and dense mask (``[Bx, Hx, Lq_loc, Lk]``: this device's query rows, ALL key columns, the
+columns in global key order): they stay home; each pair slices its rows (static) and the
+columns of the visiting key chunk (``lax.dynamic_slice`` at global chunk index * chunk size,
+so the layout does not matter). dbias is written pair by pair into the same layout, reduced
+over the bias's broadcast batch/head axes as it goes.
+
 Layouts (``layout=``):
 * ``"zigzag"`` (default): the sequence is cut into ``2N`` chunks and device ``r`` holds chunks
   ``r`` and ``2N-1-r`` (``to_zigzag`` reorders a global array that way). Under a causal mask
@@ -35,8 +41,8 @@ from jax_impl import implementations, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 
 LAYOUTS = ("zigzag", "contiguous")
-# The local kernels that honour MaskInputs.position_offset (the Pallas kernels do not yet).
-RING_IMPLEMENTATIONS = ("xla",)
+# The local kernels that honour MaskInputs.position_offset.
+RING_IMPLEMENTATIONS = ("xla", "pallas_triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +133,21 @@ def pair_masks(ring: Ring, masks: masking.MaskInputs, q_chunk, kv_chunk, cq: int
         position_offset=(base + q_start - kv_start).astype(jnp.int32))
 
 
+def pair_columns(x, a: int, kv_chunk, cq: int, ck: int):
+    """Rows of local query chunk ``a`` and the columns of global key chunk ``kv_chunk`` of a
+    ``[Bx, Hx, Lq_loc, Lk]`` bias or mask (None stays None)."""
+    if x is None:
+        return None
+    rows = x[:, :, a * cq:(a + 1) * cq]
+    return lax.dynamic_slice_in_dim(rows, kv_chunk * ck, ck, axis=3)
+
+
+def reduce_to(grad, shape):
+    """Sum a ``[B, Hq, ...]`` gradient over the axes where the bias is broadcast (size 1)."""
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad
+
+
 def pair_active(ring: Ring, pm: masking.MaskInputs, cq: int, ck: int):
     """False when the band and lengths exclude every (query, key) pair of the chunk pair."""
     lo, hi = masking.kv_block_range(ring.cfg.mask, 0, cq, ck, pm.q_len, pm.kv_len,
@@ -146,15 +167,17 @@ def _rotate(tree, ring: Ring):
 
 # --- Forward and backward rings -------------------------------------------------------------
 
-def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs):
-    """-> (out ``[B, Lq_loc, Hq, D]`` in q's dtype, global RowStats ``[B, Hq, Lq_loc]``)."""
+def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None):
+    """-> (out ``[B, Lq_loc, Hq, D]`` in q's dtype, global RowStats ``[B, Hq, Lq_loc]``).
+
+    ``masks.mask`` and ``bias``: ``[Bx, Hx, Lq_loc, Lk]`` (rows local, every key column)."""
     impl = implementations.get(ring.implementation)
     b, lq, hq, d = q.shape
     cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
     me = lax.axis_index(ring.axis_name)
     q_ids = chunk_ids(ring.layout, ring.num_devices, me)
     qs, q_segs = _split(q, ring.chunks, 1), _split(masks.q_segment_ids, ring.chunks, 1)
-    axes = vma.axes_of(q, k, v, masks, me)  # fresh buffers vary like the operands
+    axes = vma.axes_of(q, k, v, masks, bias, me)  # fresh buffers vary like the operands
 
     def step(s, carry):
         kv, outs, stats = carry
@@ -166,12 +189,13 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs):
         for a in range(ring.chunks):
             for c in range(ring.chunks):
                 pm = pair_masks(ring, masks, q_ids[a], kv_ids[c], cq, ck, q_segs[a], kv_segs[c])
+                pm = pm._replace(mask=pair_columns(masks.mask, a, kv_ids[c], cq, ck))
                 o, st = lax.cond(
                     pair_active(ring, pm, cq, ck),
-                    lambda qa, kc, vc, pm: impl.forward(ring.cfg, qa, kc, vc, None, pm),
-                    lambda qa, kc, vc, pm: vma.like(
+                    lambda qa, kc, vc, bp, pm: impl.forward(ring.cfg, qa, kc, vc, bp, pm),
+                    lambda qa, kc, vc, bp, pm: vma.like(
                         (jnp.zeros(qa.shape, qa.dtype), empty_stats((b, hq, cq))), axes),
-                    qs[a], ks[c], vs[c], pm)
+                    qs[a], ks[c], vs[c], pair_columns(bias, a, kv_ids[c], cq, ck), pm)
                 outs[a], stats[a] = merge(outs[a], stats[a], o, st)
         return incoming, tuple(outs), tuple(stats)
 
@@ -183,8 +207,9 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs):
     return out, online_softmax.RowStats(*(jnp.concatenate(x, axis=2) for x in zip(*stats)))
 
 
-def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta):
-    """-> (dq, dk, dv) of the local blocks; dK/dV accumulators travel with K and V."""
+def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
+    """-> (dq, dk, dv, dbias or None) of the local blocks; dK/dV accumulators travel with K and
+    V; dbias (float32, ``bias``'s shape: rows local, every key column) stays home."""
     impl = implementations.get(ring.implementation)
     lq = q.shape[1]
     cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
@@ -196,10 +221,10 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta):
     deltas = split_rows(delta)
     row_stats = [online_softmax.RowStats(m, l)
                  for m, l in zip(split_rows(stats.max), split_rows(stats.log_sum))]
-    axes = vma.axes_of(q, k, v, masks, stats, d_out, delta, me)
+    axes = vma.axes_of(q, k, v, masks, bias, stats, d_out, delta, me)
 
     def step(s, carry):
-        kv, dkv, dqs = carry
+        kv, dkv, dqs, dbias = carry
         incoming = _rotate(kv, ring)
         k_blk, v_blk, kv_seg = kv
         kv_ids = chunk_ids(ring.layout, ring.num_devices, (me - s) % ring.num_devices)
@@ -209,47 +234,57 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta):
         for a in range(ring.chunks):
             for c in range(ring.chunks):
                 pm = pair_masks(ring, masks, q_ids[a], kv_ids[c], cq, ck, q_segs[a], kv_segs[c])
+                pm = pm._replace(mask=pair_columns(masks.mask, a, kv_ids[c], cq, ck))
+                bp = pair_columns(bias, a, kv_ids[c], cq, ck)
 
-                def compute(qa, kc, vc, pm, st, do, dl):
-                    dq, dk, dv, _ = impl.backward(ring.cfg, qa, kc, vc, None, pm, st, do, dl)
-                    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+                def compute(qa, kc, vc, bp, pm, st, do, dl):
+                    dq, dk, dv, db = impl.backward(ring.cfg, qa, kc, vc, bp, pm, st, do, dl)
+                    db = None if bp is None else reduce_to(db, bp.shape).astype(jnp.float32)
+                    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), db
 
-                def skip(qa, kc, vc, *_):
+                def skip(qa, kc, vc, bp, *_):
                     return vma.like((jnp.zeros(qa.shape, jnp.float32), jnp.zeros(kc.shape, jnp.float32),
-                                     jnp.zeros(vc.shape, jnp.float32)), axes)
+                                     jnp.zeros(vc.shape, jnp.float32),
+                                     None if bp is None else jnp.zeros(bp.shape, jnp.float32)), axes)
 
-                dq, dk, dv = lax.cond(pair_active(ring, pm, cq, ck), compute, skip,
-                                      qs[a], ks[c], vs[c], pm, row_stats[a], dos[a], deltas[a])
+                dq, dk, dv, db = lax.cond(pair_active(ring, pm, cq, ck), compute, skip, qs[a], ks[c],
+                                          vs[c], bp, pm, row_stats[a], dos[a], deltas[a])
+                if dbias is not None:  # each (row chunk, key chunk) is visited exactly once
+                    dbias = lax.dynamic_update_slice(dbias, db, (0, 0, a * cq, kv_ids[c] * ck))
                 dqs[a] = dqs[a] + dq
                 dks[c] = dks[c] + dk
                 dvs[c] = dvs[c] + dv
         dkv = (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
-        return incoming, _rotate(dkv, ring), tuple(dqs)
+        return incoming, _rotate(dkv, ring), tuple(dqs), dbias
 
     zeros = lambda x: vma.like(jnp.zeros(x.shape, jnp.float32), axes)
     dqs = tuple(zeros(x) for x in qs)
     kv = (k, v, masks.kv_segment_ids)
-    _, (dk, dv), dqs = lax.fori_loop(0, ring.num_devices, step, (kv, (zeros(k), zeros(v)), dqs))
-    return (jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    dbias = None if bias is None else zeros(bias)
+    _, (dk, dv), dqs, dbias = lax.fori_loop(0, ring.num_devices, step,
+                                            (kv, (zeros(k), zeros(v)), dqs, dbias))
+    return (jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            dbias)
 
 
-def _ring_fwd(ring, q, k, v, masks):
-    out, stats = ring_forward(ring, q, k, v, masks)
-    return (out, online_softmax.logsumexp(stats)), (q, k, v, masks, out, stats)
+def _ring_fwd(ring, q, k, v, bias, masks):
+    out, stats = ring_forward(ring, q, k, v, masks, bias)
+    return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, out, stats)
 
 
 def _ring_bwd(ring, residuals, cotangents):
-    q, k, v, masks, out, stats = residuals
+    q, k, v, bias, masks, out, stats = residuals
     d_out, d_lse = cotangents
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         delta = delta - d_lse
-    dq, dk, dv = ring_backward(ring, q, k, v, masks, stats, d_out, delta)
-    return dq, dk, dv, jax.tree.map(lambda _: None, masks)
+    dq, dk, dv, dbias = ring_backward(ring, q, k, v, masks, stats, d_out, delta, bias)
+    dbias = None if bias is None else dbias.astype(bias.dtype)
+    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, masks)
 
 
-def _ring_primal(ring, q, k, v, masks):
-    out, stats = ring_forward(ring, q, k, v, masks)
+def _ring_primal(ring, q, k, v, bias, masks):
+    out, stats = ring_forward(ring, q, k, v, masks, bias)
     return out, online_softmax.logsumexp(stats)
 
 

@@ -3,7 +3,10 @@
 Inputs arrive in the natural (contiguous) layout: device r holds chunks 2r and 2r+1 of 2N.
 The ring wants the zigzag layout (chunks r and 2N-1-r) for balanced causal work, so the local
 bodies reorder with two ``ppermute``s on the way in and two on the way out; each moves one
-chunk per device, never the whole sequence.
+chunk per device, never the whole sequence. A bias or dense mask arrives sharded along its
+query rows with every key column (``[Bx, Hx, Lq_loc, Lk]``): its rows are reordered the same
+way, its columns stay in global order (the ring slices them per step), and dbias goes back
+like the rows came.
 """
 from __future__ import annotations
 
@@ -52,24 +55,30 @@ def make_ring(cfg: AttentionConfig, axis_name, n: int, implementation: str) -> r
                      dataclasses.replace(cfg, mask=spec), cfg.mask.bottom_right)
 
 
-def forward(description: ring.Ring, q, k, v, masks):
+def _local_masks(masks, axis, n: int):
+    seq = lambda x, a=1: to_zigzag_local(x, axis, n, a)
+    return masks._replace(q_segment_ids=seq(masks.q_segment_ids),
+                          kv_segment_ids=seq(masks.kv_segment_ids), mask=seq(masks.mask, 2))
+
+
+def forward(description: ring.Ring, q, k, v, masks, bias=None):
     """Local body of the partitioned forward: contiguous blocks in and out."""
     axis, n = description.axis_name, description.num_devices
-    seq = lambda x: to_zigzag_local(x, axis, n, 1)
-    masks = masks._replace(q_segment_ids=seq(masks.q_segment_ids),
-                           kv_segment_ids=seq(masks.kv_segment_ids))
-    out, stats = ring.ring_forward(description, seq(q), seq(k), seq(v), masks)
+    seq = lambda x, a=1: to_zigzag_local(x, axis, n, a)
+    out, stats = ring.ring_forward(description, seq(q), seq(k), seq(v),
+                                   _local_masks(masks, axis, n), seq(bias, 2))
     back = lambda x, a: from_zigzag_local(x, axis, n, a)
     return back(out, 1), online_softmax.RowStats(back(stats.max, 2), back(stats.log_sum, 2))
 
 
-def backward(description: ring.Ring, q, k, v, masks, stats, d_out, delta):
-    """Local body of the partitioned backward: -> (dq, dk, dv) in contiguous blocks."""
+def backward(description: ring.Ring, q, k, v, masks, stats, d_out, delta, bias=None):
+    """Local body of the partitioned backward: -> (dq, dk, dv, dbias | None) in contiguous
+    blocks; dbias float32 in the bias's (reduced) shape."""
     axis, n = description.axis_name, description.num_devices
     seq = lambda x, a=1: to_zigzag_local(x, axis, n, a)
-    masks = masks._replace(q_segment_ids=seq(masks.q_segment_ids),
-                           kv_segment_ids=seq(masks.kv_segment_ids))
     stats = online_softmax.RowStats(seq(stats.max, 2), seq(stats.log_sum, 2))
-    grads = ring.ring_backward(description, seq(q), seq(k), seq(v), masks, stats, seq(d_out),
-                               seq(delta, 2))
-    return tuple(from_zigzag_local(g, axis, n, 1) for g in grads)
+    *grads, dbias = ring.ring_backward(description, seq(q), seq(k), seq(v),
+                                       _local_masks(masks, axis, n), stats, seq(d_out),
+                                       seq(delta, 2), seq(bias, 2))
+    grads = tuple(from_zigzag_local(g, axis, n, 1) for g in grads)
+    return grads + (None if dbias is None else from_zigzag_local(dbias, axis, n, 2),)

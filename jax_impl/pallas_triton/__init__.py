@@ -5,7 +5,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_impl import masking, online_softmax
+from jax_impl import masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.backward import backward_call
@@ -14,7 +14,10 @@ from jax_impl.pallas_triton.layout import Layout
 
 
 def _padded_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInputs):
-    """Operands padded to whole tiles, and the config whose mask excludes the padding."""
+    """Operands padded to whole tiles, and the config whose mask excludes the padding.
+
+    Inside shard_map every operand is made to vary over the same manual axes (common.out_struct)."""
+    q, k, v, bias, masks = vma.like((q, k, v, bias, masks), vma.axes_of(q, k, v, bias, masks))
     lq_pad, lk_pad = layout.lq_pad, layout.lk_pad
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=lq_pad != layout.lq, keys_padded=lk_pad != layout.lk))
@@ -46,6 +49,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta):
     layout = Layout.create(lq, lk, d, q.dtype, cfg.block_sizes)
     cfg, qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
     pad_rows = lambda x: layout.pad(x, 2, layout.lq_pad)
+    axes = vma.axes_of(qp, d_out, stats, delta)
+    qp, kp, vp, padded_masks, mask, bias, d_out, stats, delta = vma.like(
+        (qp, kp, vp, padded_masks, mask, bias, d_out, stats, delta), axes)
     d_out = layout.pad(d_out, 1, layout.lq_pad, 3)
     dq, dk, dv, dbias = backward_call(cfg, layout, qp, kp, vp, d_out,
                                       online_softmax.RowStats(*map(pad_rows, stats)),

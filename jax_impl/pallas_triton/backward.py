@@ -140,7 +140,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
                   None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
                   pair(mask), pair(bias)],
         out_specs=[kv_tile, kv_tile],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[common.out_struct(k.shape, k.dtype, q), common.out_struct(v.shape, v.dtype, q)],
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dkdv",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
     )(*inputs)
@@ -154,10 +154,10 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     kv_all = pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     out_specs = [q_tile]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_shape = [common.out_struct(q.shape, q.dtype, q)]
     if bias is not None:
         out_specs.append(pl.BlockSpec((None, None, bq, lk_pad), lambda i, b, h: (b, h, i, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, hq, lq_pad, lk_pad), jnp.float32))
+        out_shape.append(common.out_struct((batch, hq, lq_pad, lk_pad), jnp.float32, q))
     results = pl.pallas_call(
         functools.partial(_dq_kernel if bias is not None else _dq_kernel_no_bias, cfg=cfg,
                           block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk),

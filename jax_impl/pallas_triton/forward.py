@@ -83,10 +83,10 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         pair(bias),
     ]
     stats_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-    stats_shape = jax.ShapeDtypeStruct((batch, hq, lq_pad), jnp.float32)
+    stats_shape = common.out_struct((batch, hq, lq_pad), jnp.float32, q)
     out_specs = [pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
                  stats_spec, stats_spec]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), stats_shape, stats_shape]
+    out_shape = [common.out_struct(q.shape, q.dtype, q), stats_shape, stats_shape]
     kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k)
     return pl.pallas_call(
         kernel, grid=(lq_pad // block_q, batch, hq), in_specs=in_specs, out_specs=out_specs,

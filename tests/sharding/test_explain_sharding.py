@@ -6,6 +6,10 @@ def test_strategy_for_sharded_inputs():
     s = run_script("explain.py")
     assert s["batch_heads"].startswith("local") and "no collective" in s["batch_heads"]
     assert s["sequence"].startswith("ring over 'seq' in 8 steps")
-    assert "all-gathered" in s["sequence_pallas"] and "implementation='xla'" in s["sequence_pallas"]
+    assert "local kernel xla" in s["sequence"]
+    assert s["sequence_pallas"].startswith("ring over 'seq' in 8 steps")
+    assert "local kernel pallas_triton" in s["sequence_pallas"]
+    assert s["sequence_bias"].startswith("ring over 'seq'") and "query rows sharded" in s["sequence_bias"]
+    assert "all-gathered" in s["sequence_two_axes"] and "one mesh axis" in s["sequence_two_axes"]
     assert "head_dim" in s["head_dim"] and "all-gathered" in s["head_dim"]
     assert s["unsharded"] is None

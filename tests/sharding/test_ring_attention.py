@@ -8,15 +8,30 @@ from jax_impl import ring
 TOL = 2e-5  # float32 blocked attention vs float64 dense, unit-normal inputs, L <= 64
 
 
+def _check(errors, names):
+    assert set(errors) == set(names)
+    for config, errs in errors.items():
+        expected = {"out", "dq", "dk", "dv"} | ({"dbias"} if "bias" in config else set())
+        assert set(errs) == expected, config
+        assert max(errs.values()) < TOL, (config, errs)
+
+
 def test_ring_xla_matches_float64_oracle():
     """Causal in both alignments, window, lengths (one row empty), segment ids, GQA, Lq != Lk,
-    zigzag and contiguous layouts: out, dq, dk, dv."""
-    errors = run_script("ring_exact.py", "xla", "causal_top_left",
-                        "bottom_right_gqa_window_lengths_segments", "contiguous_window_kv_lengths")
-    assert len(errors) == 3
-    for config, errs in errors.items():
-        assert set(errs) == {"out", "dq", "dk", "dv"}
-        assert max(errs.values()) < TOL, (config, errs)
+    zigzag and contiguous layouts, bias (per head, broadcast) and dense mask: out, dq, dk, dv,
+    dbias against torch_ref.manual_attention in float64."""
+    names = ("causal_top_left", "bottom_right_gqa_window_lengths_segments",
+             "contiguous_window_kv_lengths", "bias_causal_gqa",
+             "bias_broadcast_mask_bottom_right_lengths", "contiguous_bias_mask_window")
+    _check(run_script("ring_exact.py", "xla", *names), names)
+
+
+def test_ring_pallas_interpret_matches_float64_oracle():
+    """The same ring with the Pallas kernels (interpreter) as the local step: the per-pair
+    position offset reaches the forward, dK/dV and dQ kernels."""
+    names = ("causal_top_left", "bottom_right_gqa_window_lengths_segments",
+             "bias_broadcast_mask_bottom_right_lengths", "contiguous_bias_mask_window")
+    _check(run_script("ring_exact.py", "pallas_triton", *names), names)
 
 
 def _causal_work(layout, n, length):

@@ -1,7 +1,8 @@
-"""Shared by the sharding scripts: random problems and the float64 dense oracle.
+"""Shared by the sharding scripts: random problems and the float64 dense oracles.
 
-The oracle is ``implementation="reference"`` in float64 on one device: dense, plain autodiff,
-no blocked code, no ring, no partitioning.
+``torch_oracle``: torch_ref.manual_attention in float64 (shares no code with jax_impl).
+``oracle``: ``implementation="reference"`` in float64 on one device: dense, plain autodiff,
+no blocked code, no ring, no partitioning (but jax_impl's masking rules).
 """
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from jax_impl.flash_attention import flash_attention
 
 
 def problem(seed, b, lq, lk, hq, hkv, d, *, bias=False):
+    """Unit-normal q, k, v, the output cotangent ``ct`` and, with ``bias`` (True or a shape
+    ``(Bb, Hb)``), a bias ``[Bb, Hb, Lq, Lk]``."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
     arrays = dict(q=normal(b, lq, hq, d), k=normal(b, lk, hkv, d), v=normal(b, lk, hkv, d),
                   ct=normal(b, lq, hq, d))
     if bias:
-        arrays["bias"] = normal(b, hq, lq, lk)
+        bb, hb = (b, hq) if bias is True else bias
+        arrays["bias"] = normal(bb, hb, lq, lk)
     return arrays, rng
 
 
@@ -34,6 +38,18 @@ def oracle(arrays, **kwargs):
         out, vjp = jax.vjp(f, *(c64(arrays[n]) for n in names))
         grads = vjp(c64(arrays["ct"]))
         return np.asarray(out), dict(zip(names, (np.asarray(g) for g in grads)))
+
+
+def torch_oracle(arrays, **kwargs):
+    """(out, grads of q, k, v[, bias]) from torch_ref.manual_attention in float64."""
+    from torch_ref import attention_with_grads, manual_attention
+    c64 = lambda x: np.asarray(x, np.float64)
+    kwargs = {n: x for n, x in kwargs.items() if x is not None}
+    ref = attention_with_grads(manual_attention, c64(arrays["q"]), c64(arrays["k"]),
+                               c64(arrays["v"]), c64(arrays["ct"]),
+                               bias=None if "bias" not in arrays else c64(arrays["bias"]), **kwargs)
+    grads = {n: ref["d" + n] for n in ("q", "k", "v", "bias") if "d" + n in ref}
+    return ref["out"], grads
 
 
 def max_errors(out, grads, ref_out, ref_grads):

@@ -17,7 +17,11 @@ explain = lambda mesh, spec, **kw: explain_implementation(
 print(json.dumps({
     "batch_heads": explain(grid, P("data", None, "model"), implementation="xla"),
     "sequence": explain(line, P(None, "seq"), implementation="xla"),
-    "sequence_pallas": explain(line, P(None, "seq"), implementation="pallas_triton"),
+    "sequence_pallas": explain(line, P(None, "seq"), implementation="pallas_triton",
+                               interpret=True),
+    "sequence_bias": explain(line, P(None, "seq"), implementation="xla",
+                             bias=rng.standard_normal((2, 8, 64, 64)).astype(np.float32)),
+    "sequence_two_axes": explain(grid, P(None, ("data", "model")), implementation="xla"),
     "head_dim": explain(line, P(None, None, None, "seq"), implementation="xla"),
     "unsharded": explain_implementation(*(rng.standard_normal((2, 8, 2, 16)).astype(np.float32)
                                           for _ in range(3))).strategy,

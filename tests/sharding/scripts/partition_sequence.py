@@ -1,6 +1,8 @@
 """flash_attention under plain jax.jit with sequence-sharded inputs: routed to the ring.
 
-argv: "exact" -> 8 devices, L=64, errors vs the float64 oracle and collective counts;
+argv: "exact" [implementation] -> 8 devices, L<=64, errors vs torch_ref float64 and collective
+      counts ("pallas_triton" runs in the Pallas interpreter); bias and mask arrive sharded along
+      their query rows with every key column;
       "memory" -> L=32768, H=8, D=64 fp32 causal: compiled per-device arguments + temporaries
       on 8 devices vs 1 (compiled only, never run).
 """
@@ -13,43 +15,62 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from _common import max_errors, oracle, problem
+from _common import max_errors, problem, torch_oracle
 from jax_impl.flash_attention import flash_attention
 
 
-def exact():
+def exact(implementation="xla"):
     mesh = Mesh(np.array(jax.devices()), ("seq",))
     results = {}
-    configs = {
-        "causal_top_left_gqa": (64, 64, 4, 2, dict(is_causal=True)),
+    configs = {  # name: (lq, lk, hq, hkv, kwargs, bias (Bb, Hb) or None, mask (Bm, Hm) or None)
+        "causal_top_left_gqa": (64, 64, 4, 2, dict(is_causal=True), None, None),
         "bottom_right_lengths_segments_window": (32, 64, 2, 2, dict(
-            is_causal=True, causal_alignment="bottom_right", local_window_size=(17, None))),
+            is_causal=True, causal_alignment="bottom_right", local_window_size=(17, None)),
+            None, None),
+        "bias_mask_causal_gqa": (32, 64, 4, 2, dict(is_causal=True), (2, 4), (1, 4)),
+        "broadcast_bias_bottom_right_lengths": (64, 32, 2, 1, dict(
+            is_causal=True, causal_alignment="bottom_right"), (1, 1), None),
     }
-    for name, (lq, lk, hq, hkv, kwargs) in configs.items():
-        arrays, rng = problem(np.random.SeedSequence().entropy % 2**31, 2, lq, lk, hq, hkv, 16)
+    extra = dict(interpret=True) if implementation == "pallas_triton" else {}
+    for name, (lq, lk, hq, hkv, kwargs, bias_shape, mask_shape) in configs.items():
+        arrays, rng = problem(np.random.SeedSequence().entropy % 2**31, 2, lq, lk, hq, hkv, 16,
+                              bias=bias_shape or False)
         if "lengths" in name:
             kwargs = dict(kwargs, query_seq_lengths=np.array([lq, 20], np.int32),
-                          key_value_seq_lengths=np.array([41, 0], np.int32),
+                          key_value_seq_lengths=np.array([lk - 23, 0], np.int32))
+        if "segments" in name:
+            kwargs = dict(kwargs,
                           q_segment_ids=np.sort(rng.integers(0, 3, (2, lq)), 1).astype(np.int32),
                           kv_segment_ids=np.sort(rng.integers(0, 3, (2, lk)), 1).astype(np.int32))
-        ref_out, ref_grads = oracle(arrays, **kwargs)
-        put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "seq")))
+        mask = None if mask_shape is None else rng.random(mask_shape + (lq, lk)) < 0.7
+        oracle_mask = {} if mask is None else dict(
+            mask=np.broadcast_to(mask, (2, mask_shape[1], lq, lk)).copy())
+        ref_out, ref_grads = torch_oracle(arrays, **kwargs, **oracle_mask)
+        put = lambda x, spec=P(None, "seq"): jax.device_put(x, NamedSharding(mesh, spec))
+        rows = P(None, None, "seq", None)  # bias/mask: query rows sharded, every key column
         kwargs = {key: put(val) if "segment" in key else val for key, val in kwargs.items()}
+        mask_arg = None if mask is None else put(mask, rows)
 
-        def loss(q, k, v, ct):
-            out = flash_attention(q, k, v, implementation="xla", **kwargs)
+        def loss(q, k, v, bias, ct):
+            out = flash_attention(q, k, v, bias, mask_arg, implementation=implementation,
+                                  **extra, **kwargs)
             return jnp.sum(out * ct), out
 
-        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-        args = [put(arrays[n]) for n in ("q", "k", "v", "ct")]
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        bias = None if bias_shape is None else put(arrays["bias"], rows)
+        args = [put(arrays[n]) for n in ("q", "k", "v")] + [bias, put(arrays["ct"])]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             hlo = grad.lower(*args).compile().as_text()
-        (_, out), (dq, dk, dv) = grad(*args)
+        (_, out), (dq, dk, dv, dbias) = grad(*args)
+        grads = dict(q=dq, k=dk, v=dv)
+        if bias is not None:
+            grads["bias"] = dbias
         results[name] = dict(
             all_gathers=hlo.count("all-gather"), permutes=hlo.count("collective-permute"),
             out_spec=str(tuple(out.sharding.spec)[:2]), warnings=[str(w.message) for w in caught],
-            errors=max_errors(out, dict(q=dq, k=dk, v=dv), ref_out, ref_grads))
+            dbias_spec=None if bias is None else str(tuple(dbias.sharding.spec)),
+            errors=max_errors(out, grads, ref_out, ref_grads))
     return results
 
 
@@ -75,4 +96,4 @@ def memory():
 
 
 if __name__ == "__main__":
-    print(json.dumps(exact() if sys.argv[1] == "exact" else memory()))
+    print(json.dumps(exact(*sys.argv[2:]) if sys.argv[1] == "exact" else memory()))
