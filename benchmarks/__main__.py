@@ -1,4 +1,4 @@
-"""python -m benchmarks [--suite quick|course|sweep|gpu] [--impl NAME|module:function ...]
+"""python -m benchmarks [--suite quick|course|sweep|gpu|sharded] [--impl NAME|module:function ...]
 [--out DIR | --update-reference] [--device cpu|cuda]
 
 Times every implementation of the registry (conformance.registry) on the suite's
@@ -6,6 +6,8 @@ configurations, after checking each result against the float64 oracle; writes a 
 table, CSV, JSON, Markdown and PNG plots to --out (default
 ./flash_attention_results/benchmarks/<device>/, the device being "cpu" or the GPU's name
 slugified, e.g. nvidia-h200). Exit code 2 for a bad command line, before any work starts.
+A suite with a runner (``--suite sharded``) measures compiled programs instead: its runner
+writes its own files to the same folder.
 """
 from __future__ import annotations
 
@@ -200,6 +202,21 @@ def output_dir(args, device: str) -> Path:
     return outputs.ensure_writable(folder)
 
 
+def run_runner(suite, args, device: str) -> int:
+    """A suite whose runner module replaces the timing run (no implementations, no oracle)."""
+    import importlib
+    if args.impl or args.heads or args.repeats or args.time_budget is not None:
+        raise UsageError(f"--suite {suite.name} measures compiled programs: it takes only "
+                         "--out, --update-reference, --device and one --seq-lens value")
+    lengths = args.seq_lens or ()
+    if len(lengths) > 1:
+        raise UsageError(f"--suite {suite.name} takes one --seq-lens value (the fixed L); got {lengths}")
+    out_dir = output_dir(args, device)
+    paths = importlib.import_module(suite.runner).run_suite(out_dir, device, *lengths)
+    print(f"--suite {suite.name}: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     share_the_gpu_with_torch()
@@ -207,6 +224,8 @@ def main(argv=None) -> int:
         check_numbers(args)
         device = args.device or registry.default_device()
         suite = with_overrides(suites.get_suite(args.suite), args)
+        if suite.runner:
+            return run_runner(suite, args, device)
         adapters, allow_interpret, notes = select(suite, args, device)
         if not args.no_check and not has_module("torch"):
             raise UsageError("the float64-oracle check needs torch (pip install torch); "

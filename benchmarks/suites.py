@@ -49,6 +49,9 @@ class Suite:
     measure_budget_s: float = 2.0   # timed repeats per measurement: about this long, within [min, max]
     input_sets: int = 3             # input draws per configuration, cycled between repeats
     time_budget_s: float | None = None  # after this, remaining measurements are recorded as skipped
+    # A module with ``run_suite(out_dir, device) -> list[Path]`` that replaces the timing run
+    # (a suite that measures something other than the registry's implementations).
+    runner: str | None = None
 
 
 def grid(seq_lens, *, batch=1, heads=8, head_dims=(64,), dtypes=("float32",), causal=(None,),
@@ -112,7 +115,17 @@ def _gpu() -> Suite:
         max_repeats=30, min_repeats=5, measure_budget_s=0.25, input_sets=3, time_budget_s=360.0)
 
 
-SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu())}
+def _sharded() -> Suite:
+    return Suite(
+        "sharded",
+        "many devices: per-device memory (arguments + temporaries) and collectives of the "
+        "compiled forward and forward+backward under plain jit vs device count (1, 2, 4, 8) at "
+        "L=32768, H=8, D=64 fp32 causal, sequence sharded (ring) and heads sharded (local); "
+        "compiled, never run (on a CPU host: 8 virtual devices in a subprocess)",
+        (), runner="benchmarks.sharded")
+
+
+SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _sharded())}
 
 
 def get_suite(name: str) -> Suite:
