@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_impl import flash_attention as fa
-from jax_impl import ring
+from jax_impl import ring, vma
 
 
 def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
@@ -34,7 +34,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
       reorder global arrays with ``ring.to_zigzag`` before sharding) or "contiguous" (device r
       holds chunk r of N).
     implementation: the local kernel each ring step runs: "xla" (or None) or "pallas_triton"
-      (a CUDA GPU, or anywhere with interpret=True).
+      (a CUDA GPU, or anywhere with interpret=True; the Pallas interpreter of jax 0.10 needs
+      ``check_vma=False`` on the enclosing ``jax.shard_map``).
     bias, mask: broadcastable to ``[..., Hq, Lq_loc, Lk]`` where ``Lq_loc`` is this device's
       query rows (in the order of its query block, i.e. the layout's) and ``Lk`` is the GLOBAL
       key length, columns in global (natural) key order whatever the layout: shard them along
@@ -60,6 +61,10 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
         implementation=implementation, block_sizes=block_sizes, precision=precision,
         interpret=interpret)))
+    if call.cfg.interpret and vma.axes_of(call.q, call.k, call.v):
+        raise ValueError("implementation='pallas_triton' with interpret=True inside jax.shard_map "
+                         "needs check_vma=False on the shard_map (the Pallas interpreter mixes "
+                         "varying and unvarying values); the compiled GPU kernel does not")
     chunks = 2 if layout == "zigzag" else 1
     lq, lk = call.q.shape[1], call.k.shape[1]
     for name, length in (("query", lq), ("key", lk)):

@@ -34,6 +34,11 @@ def test_ring_pallas_interpret_matches_float64_oracle():
     _check(run_script("ring_exact.py", "pallas_triton", *names), names)
 
 
+def test_ring_pallas_interpreter_under_check_vma_is_refused_by_name():
+    message = run_script("ring_exact.py", "refusal")["message"]
+    assert message and "interpret=True" in message and "check_vma=False" in message
+
+
 def _causal_work(layout, n, length):
     """Allowed (query, key) pairs of a top-left causal mask each device's queries own."""
     if layout == "zigzag":

@@ -94,6 +94,22 @@ def run(name, implementation):
     return max_errors(out, grads, ref_out, ref_grads)
 
 
+def interpreter_refusal():
+    """The Pallas interpreter under shard_map's default check_vma=True: refused by name."""
+    mesh = Mesh(np.array(jax.devices()[:N]), ("seq",))
+    body = lambda q: ring_attention(q, q, q, axis_name="seq", implementation="pallas_triton",
+                                    interpret=True)
+    try:
+        jax.shard_map(body, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))(
+            jnp.asarray(np.random.default_rng().standard_normal((1, 32, 1, 16)), jnp.float32))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "refusal":
+        print(json.dumps({"message": interpreter_refusal()}))
+        sys.exit()
     implementation, names = sys.argv[1], sys.argv[2:]
     print(json.dumps({name: run(name, implementation) for name in names}))
