@@ -3,6 +3,8 @@
 float64 with a dense mask built here in numpy: allowed when the shifted band holds."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,3 +64,33 @@ def test_position_offset_shifts_the_band(implementation, causal, window, lengths
     errors = {name: float(np.max(np.abs(np.asarray(x, np.float64) - ref[name])))
               for name, x in dict(out=out, dq=dq, dk=dk, dv=dv).items()}
     assert max(errors.values()) < TOL, errors
+
+
+def test_ring_with_pallas_kernels_lowers_to_triton_for_cuda():
+    """ring_attention's local step with implementation="pallas_triton" (compiled, not the
+    interpreter) inside jax.shard_map with the default check_vma=True, forward and backward,
+    exported for CUDA: the three kernels lower with the position offset and bias columns."""
+    from jax import export
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jax_impl.context_parallel import ring_attention
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    seq, rows = P(None, "seq"), P(None, None, "seq", None)
+
+    def loss(q, k, v, bias):
+        body = lambda q, k, v, bias: ring_attention(
+            q, k, v, bias, axis_name="seq", implementation="pallas_triton", is_causal=True,
+            causal_alignment="bottom_right", key_value_seq_lengths=jnp.array([70, 33], jnp.int32))
+        out = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, rows), out_specs=seq)(q, k, v, bias)
+        return jnp.sum(out.astype(jnp.float32))
+
+    sd = jax.ShapeDtypeStruct
+    shapes = [sd((2, 64, 4, 64), jnp.bfloat16), sd((2, 96, 2, 64), jnp.bfloat16),
+              sd((2, 96, 2, 64), jnp.bfloat16), sd((1, 4, 64, 96), jnp.float32)]
+    exported = export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+    kernels = set(re.findall(r'name = "(flash_attention_\w+)"', exported.mlir_module()))
+    assert kernels == {"flash_attention_forward", "flash_attention_backward_dkdv",
+                       "flash_attention_backward_dq"}
