@@ -5,10 +5,11 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import ad, batching, mlir
 
-from jax_impl import online_softmax
+from jax_impl import extras, online_softmax
 
 
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
@@ -34,6 +35,28 @@ def excluded_nonfinite(q, k, v):
 def broadcast_index(x, axis: int, index):
     """Block index along a mask/bias axis that may be broadcast (size 1): then always 0."""
     return index if x.shape[axis] > 1 else 0
+
+
+# --- Sinks and dropout (extras.py) ---------------------------------------------------------
+# Both arrive as whole [Bs, Hs] arrays (Bs in {1, B}, Hs in {1, Hq}); a kernel reads its one
+# scalar per (batch, head).
+
+def per_head_spec(x):
+    return None if x is None else pl.BlockSpec(x.shape, lambda *_: (0, 0))
+
+
+def per_head(ref, b, h):
+    """The entry of (batch b, query head h) of a [Bs, Hs] sinks/seeds ref, or None."""
+    if ref is None:
+        return None
+    return ref[broadcast_index(ref, 0, b), broadcast_index(ref, 1, h)]
+
+
+def dropout_keep(cfg, seed, rows, cols):
+    """The keep mask of absolute rows [bq, 1] x cols [1, bk], or None without dropout."""
+    if not cfg.dropout_rate:
+        return None
+    return extras.keep(seed, rows, cols, cfg.dropout_rate)
 
 
 def compiler_params(num_warps: int, num_stages: int):
