@@ -80,7 +80,10 @@ class _Tiles:
             return None
         rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
         cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
-        return extras_lib.keep(self.seeds[..., None, None], rows, cols, self.cfg.dropout_rate)
+        keep = extras_lib.keep(self.seeds[..., None, None], rows, cols, self.cfg.dropout_rate)
+        # Materialised once per tile: fused into its consumers, XLA would recompute the hash
+        # for every (batch, head) that a broadcast pattern shares.
+        return lax.optimization_barrier(keep)
 
     def to_heads(self, x):  # [B, L, Hq, D] -> [B, Hkv, G, L, D]
         b, length, _, d = x.shape

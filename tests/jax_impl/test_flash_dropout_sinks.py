@@ -211,3 +211,20 @@ def test_per_batch_sinks_and_dropout_together_match_the_oracle():
     plain = torch_arrays(q, k, v, ct, dtype=np.float32, attention_sinks=sinks, dropout_mask=mask,
                          dropout_rate=rate)
     _assert_judged(results, oracle, plain, "float32")
+
+
+# --- Through the conformance harness's cases (identical dropout pattern on both sides) -------
+
+from conformance.cases import get_suite  # noqa: E402
+from _flash_helpers import assert_judged_correct, baseline, oracle, run  # noqa: E402
+
+TRAINING = {case.name: case for case in get_suite("training")}
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_training_conformance_case_passes_xla(name):
+    case = TRAINING[name]
+    extra = dict(dropout_rng=jax.random.key(case.seed), broadcast_dropout=False) if case.dropout else {}
+    results = run(case, jnp.dtype(case.dtype), "xla", **extra)
+    assert_judged_correct(results, {n: x for n, x in oracle(case).items() if n in results},
+                          baseline(case), case.dtype)
