@@ -57,6 +57,8 @@ class Case:
     logit_scale: float = 1.0        # multiplies q and k: large logits (fp16 overflow probes)
     interpret_ok: bool = True       # small enough for the Pallas interpreter on CPU
     native_causal: bool = False     # probe: pass the framework's own causal flag, whatever its alignment
+    dropout: float = 0.0            # attention dropout rate; the pattern: Inputs.dropout_keep()
+    sinks: bool = False             # random per-head attention sinks
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -102,6 +104,10 @@ class Case:
             parts.append(f"scale={self.scale}")
         if self.logit_scale != 1.0:
             parts.append(f"logits x{self.logit_scale ** 2:g}")
+        if self.dropout:
+            parts.append(f"dropout={self.dropout:g}")
+        if self.sinks:
+            parts.append("sinks")
         return ", ".join(parts)
 
 
@@ -120,6 +126,7 @@ class Inputs:
     kv_lengths: np.ndarray | None = None  # [B] int32
     q_segment_ids: np.ndarray | None = None   # [B, Lq] int32
     kv_segment_ids: np.ndarray | None = None  # [B, Lk] int32
+    sinks: np.ndarray | None = None           # [Hq] float32
 
     def attention_kwargs(self) -> dict[str, Any]:
         """Keyword arguments in ``flash_attention``'s (and torch_ref's) names; only those in use."""
@@ -141,7 +148,25 @@ class Inputs:
             kw["kv_segment_ids"] = self.kv_segment_ids
         if c.soft_cap is not None:
             kw["logits_soft_cap"] = float(c.soft_cap)
+        if self.sinks is not None:
+            kw["attention_sinks"] = self.sinks
+        if c.dropout:  # the pattern: dropout_key() for jax_impl, dropout_keep() for the oracle
+            kw["dropout_rate"] = float(c.dropout)
         return kw
+
+    def dropout_key(self):
+        """The PRNG key of the case's dropout (flash_attention's ``dropout_rng``)."""
+        import jax
+        return jax.random.key(self.case.seed)
+
+    def dropout_keep(self) -> np.ndarray:
+        """Bool ``[B, Hq, Lq, Lk]`` keep mask that ``flash_attention`` draws from ``dropout_key()``
+        with ``broadcast_dropout=False``, materialised by its public ``jax_impl.dropout_mask``:
+        the oracle applies this mask, so both sides drop the identical pairs."""
+        from jax_impl import dropout_mask
+        c = self.case
+        return np.asarray(dropout_mask(self.dropout_key(), (c.batch, c.q_heads, c.q_len, c.kv_len),
+                                       c.dropout, broadcast_dropout=False))
 
     def allowed(self) -> np.ndarray:
         """Bool ``[B, 1|Hq, Lq, Lk]``: which pairs may interact (masking.py's rules, in numpy)."""
@@ -226,7 +251,8 @@ def make_inputs(case: Case) -> Inputs:
     if case.segments:
         count = int(rng.integers(2, 5))
         q_seg, kv_seg = _segments(rng, b, lq, lk, count)
-    return Inputs(case, q, k, v, cotangent, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg)
+    sinks = rng.standard_normal(hq).astype(np.float32) if case.sinks else None
+    return Inputs(case, q, k, v, cotangent, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks)
 
 
 # --- Named shapes (the benchmarks reuse them) ----------------------------------------------
@@ -343,7 +369,23 @@ def _probes() -> list[Case]:
     ]
 
 
-SUITES = {"quick": _quick(), "full": _full(), "course": _course(), "probes": _probes()}
+def _training() -> list[Case]:
+    """Attention dropout (the oracle applies the identical materialised pattern) and sinks."""
+    C = Case
+    return [
+        C("fp32_dropout", 2, 4, 2, 48, 64, 32, "float32", dropout=0.2, causal="top_left", seed=801),
+        C("bf16_dropout_lengths", 2, 4, 4, 40, 40, 32, "bfloat16", dropout=0.1, lengths=True, seed=802),
+        C("fp32_sinks_gqa_causal_br", 2, 4, 2, 37, 50, 32, "float32", sinks=True,
+          causal="bottom_right", seed=803),
+        C("fp16_sinks_mask_empty_rows", 1, 2, 2, 32, 32, 32, "float16", sinks=True, mask="bool",
+          empty_rows=True, seed=804),
+        C("fp32_dropout_sinks_bias", 2, 2, 2, 32, 48, 32, "float32", dropout=0.1, sinks=True,
+          bias=True, seed=805),
+    ]
+
+
+SUITES = {"quick": _quick(), "full": _full() + _training(), "course": _course(), "probes": _probes(),
+          "training": _training()}
 
 
 def get_suite(name: str) -> list[Case]:

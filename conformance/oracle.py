@@ -18,6 +18,8 @@ def _run_manual(inputs: Inputs, dtype, **overrides) -> dict[str, np.ndarray]:
     from torch_ref import attention_with_grads, manual_attention
     cast = (lambda x: None if x is None else np.asarray(x).astype(dtype)) if dtype is not None else (lambda x: x)
     kw = dict(inputs.attention_kwargs(), mask=inputs.mask)
+    if inputs.case.dropout:
+        kw["dropout_mask"] = inputs.dropout_keep()
     kw.update(overrides)  # an override of None removes the keyword (e.g. scale=None: the default)
     kw = {n: v for n, v in kw.items() if v is not None}
     res = attention_with_grads(manual_attention, cast(inputs.q), cast(inputs.k), cast(inputs.v),

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from jax_impl import implementations, masking, partitioned, recompute_vjp, reference
+from jax_impl import extras as extras_lib, implementations, masking, partitioned, recompute_vjp, reference
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.implementations import IMPLEMENTATIONS
 
@@ -43,6 +43,7 @@ def flash_attention(
     block_sizes: BlockSizes | None = None,
     precision=None,
     interpret: bool = False,
+    attention_sinks=None,
     # Keywords that Flax's attention modules pass to an `attention_fn`:
     dropout_rng=None,
     dropout_rate: float = 0.0,
@@ -84,6 +85,15 @@ def flash_attention(
       block_sizes: tile sizes (``BlockSizes``); None: per-device heuristics.
       precision: of float32 matmuls; default HIGHEST (full fp32, never silent TF32).
       interpret: run the Pallas kernel in the Pallas interpreter (any device; slow; for tests).
+      attention_sinks: float, broadcastable to ``[..., Hq]``: one learnable logit per head that
+        joins every row's softmax denominator and carries no value (gpt-oss); differentiable.
+        It enters the logsumexp; a row with no allowed key gives output 0.
+      dropout_rate / dropout_rng / broadcast_dropout / deterministic: attention dropout as Flax
+        means it: active when ``dropout_rate > 0`` and not ``deterministic`` (None: as Flax's
+        ``dot_product_attention``, not deterministic); P is dropped with a pattern hashed from
+        the key and (batch, head, query, key) indices, shared across batch and heads when
+        ``broadcast_dropout``, and kept values are scaled by ``1 / (1 - dropout_rate)``.
+        ``jax_impl.dropout_mask`` materialises the pattern.
 
     A query row with no allowed key gives output 0, logsumexp -inf and zero gradients.
     Flax keywords (``dropout_*``, ``deterministic``, ``dtype``, ``module``, ...) are honoured or
@@ -108,17 +118,18 @@ class _Call(NamedTuple):
     bias: Any    # [Bb, Hb, Lq, Lk] or None
     masks: masking.MaskInputs
     batch_shape: tuple
+    extras: extras_lib.Extras = extras_lib.Extras()
 
 
 def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
               key_value_seq_lengths, local_window_size, implementation, return_residual,
               causal_alignment, q_segment_ids, kv_segment_ids, logits_soft_cap, block_sizes,
-              precision, interpret, dropout_rng, dropout_rate, broadcast_dropout, deterministic,
-              dtype, module, force_fp32_for_softmax, qk_attn_weights_einsum,
+              precision, interpret, attention_sinks, dropout_rng, dropout_rate, broadcast_dropout,
+              deterministic, dtype, module, force_fp32_for_softmax, qk_attn_weights_einsum,
               attn_weights_value_einsum) -> _Call:
     mask = _validate_flax_keywords(dropout_rate, deterministic, module, qk_attn_weights_einsum,
                                    attn_weights_value_einsum, mask)
-    del dropout_rng, broadcast_dropout, force_fp32_for_softmax  # no dropout; softmax is fp32
+    del force_fp32_for_softmax  # the softmax is always fp32
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     if dtype is not None:
         query, key, value = (x.astype(dtype) for x in (query, key, value))
@@ -190,12 +201,21 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
         if reason:
             raise ValueError(f"implementation='pallas_triton' cannot run this call: {reason}")
         implementation = "pallas_triton"
+    rate = float(dropout_rate) if dropout_rate and not deterministic else 0.0
+    seeds = None
+    if rate:
+        if dropout_rng is None:
+            raise ValueError(f"dropout_rng must be a PRNG key when {dropout_rate=} and "
+                             f"{deterministic=} (dropout is active)")
+        seeds = extras_lib.head_seeds(extras_lib.key_words(dropout_rng), b, hq, bool(broadcast_dropout))
+    extras = extras_lib.Extras(sinks=_sinks(attention_sinks, batch_shape, hq), dropout_seeds=seeds)
     cfg = AttentionConfig(scale=float(scale), mask=spec,
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                           block_sizes=block_sizes, interpret=bool(interpret),
-                          precision=_precision(precision))
+                          precision=_precision(precision), dropout_rate=rate)
     flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])
-    return _Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape)
+    return _Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape,
+                 extras)
 
 
 def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, value_einsum, mask):
@@ -208,12 +228,9 @@ def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, valu
     mask is read Flax's way (``mask != 0``) only when ``deterministic`` is given; in a direct
     call it is still refused (``_pairwise``), so an additive float mask is never misread.
     """
-    if dropout_rate and not deterministic:
-        raise NotImplementedError(
-            f"attention dropout ({dropout_rate=}, {deterministic=}) is not implemented by "
-            "flash_attention; use dropout_rate=0 or deterministic=True")
-    if not 0.0 <= float(dropout_rate) < 1.0:
-        raise ValueError(f"{dropout_rate=} must be in [0, 1)")
+    if (not isinstance(dropout_rate, (int, float, np.integer, np.floating))
+            or isinstance(dropout_rate, bool) or not 0.0 <= float(dropout_rate) < 1.0):
+        raise ValueError(f"{dropout_rate=} must be a Python float in [0, 1) (it is static)")
     if module is not None:
         raise NotImplementedError(
             "flash_attention never materialises the attention weights, so it cannot sow them "
@@ -226,6 +243,27 @@ def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, valu
         if mask.dtype != jnp.bool_:
             mask = mask != 0
     return mask
+
+
+def _sinks(sinks, batch_shape, hq):
+    """attention_sinks broadcastable to [batch..., Hq] -> [Bs, Hs] (Bs in {1, B}, Hs in {1, Hq})."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"attention_sinks must be floating point; got {sinks.dtype}")
+    full = batch_shape + (hq,)
+    try:
+        if sinks.ndim > len(full):
+            raise ValueError
+        jnp.broadcast_shapes(sinks.shape, full)
+    except ValueError:
+        raise ValueError(f"attention_sinks.shape={sinks.shape} must broadcast to [batch..., Hq] = "
+                         f"{full}") from None
+    sinks = sinks.reshape((1,) * (len(full) - sinks.ndim) + sinks.shape)
+    batch_is_broadcast = all(n == 1 for n in sinks.shape[:-1])
+    target = ((1,) * len(batch_shape) if batch_is_broadcast else batch_shape) + sinks.shape[-1:]
+    return jnp.broadcast_to(sinks, target).reshape(-1, sinks.shape[-1])
 
 
 def _window(local_window_size):
@@ -342,27 +380,29 @@ def _dispatch(call: _Call):
     if call.q.shape[0] == 0:  # an empty batch: an empty result, as jax.nn gives
         return (jnp.zeros(call.q.shape, call.q.dtype),
                 jnp.full((0, call.q.shape[2], call.q.shape[1]), -jnp.inf, jnp.float32))
-    return _attention(call.q, call.k, call.v, call.bias, call.masks,
+    return _attention(call.q, call.k, call.v, call.bias, call.masks, call.extras,
                       implementation=call.implementation, cfg=call.cfg)
 
 
 # Jitted so that an eager call compiles once per shape and configuration, not on every call.
 @functools.partial(jax.jit, static_argnames=("implementation", "cfg"))
-def _attention(q, k, v, bias, masks, *, implementation, cfg):
-    run = lambda impl: lambda q, k, v, bias, masks: _run(impl, cfg, q, k, v, bias, masks)
+def _attention(q, k, v, bias, masks, extras, *, implementation, cfg):
+    run = lambda impl: lambda *args: _run(impl, cfg, *args)
     if implementation is not None:
-        return run(implementation)(q, k, v, bias, masks)
+        return run(implementation)(q, k, v, bias, masks, extras)
     if _head_dim_unsupported("pallas_triton", q.shape[-1]):
-        return run("xla")(q, k, v, bias, masks)
+        return run("xla")(q, k, v, bias, masks, extras)
     # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
-    return lax.platform_dependent(q, k, v, bias, masks, cuda=run("pallas_triton"), default=run("xla"))
+    return lax.platform_dependent(q, k, v, bias, masks, extras, cuda=run("pallas_triton"),
+                                  default=run("xla"))
 
 
-def _run(implementation, cfg, q, k, v, bias, masks):
+def _run(implementation, cfg, q, k, v, bias, masks, extras):
     if implementation == "reference":
         return reference.attention(q, k, v, bias, masks, cfg,
-                                   logits_dtype=jnp.promote_types(q.dtype, jnp.float32))
-    return recompute_vjp.attention(implementation, cfg, q, k, v, bias, masks)
+                                   logits_dtype=jnp.promote_types(q.dtype, jnp.float32),
+                                   extras=extras)
+    return recompute_vjp.attention(implementation, cfg, q, k, v, bias, masks, extras)
 
 
 class ImplementationChoice(NamedTuple):

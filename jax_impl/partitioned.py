@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_impl import implementations, masking, online_softmax, ring, sharded_sequence
+from jax_impl import extras as extras_lib, implementations, masking, online_softmax, ring, sharded_sequence
 
 
 class ShardingWarning(UserWarning):
@@ -42,15 +42,23 @@ _MASK_FIELDS = (("q_len", "q_len"), ("kv_len", "kv_len"), ("q_segment_ids", "q_s
                 ("kv_segment_ids", "kv_seg"), ("mask", "mask"), ("position_offset", "offset"))
 
 
-def _named(q, k, v, bias, masks, **more):
+# extras.Extras: [Bs, Hs] per-(batch, head) arrays; they follow the batch and head axes.
+_EXTRA_FIELDS = (("sinks", "sinks"), ("dropout_seeds", "seeds"))
+_PER_HEAD = ("sinks", "seeds")
+
+
+def _named(q, k, v, bias, masks, extras=None, **more):
+    extras = extras or extras_lib.Extras()
     named = dict(q=q, k=k, v=v, bias=bias, **{short: getattr(masks, field)
-                                              for field, short in _MASK_FIELDS}, **more)
+                                              for field, short in _MASK_FIELDS},
+                 **{short: getattr(extras, field) for field, short in _EXTRA_FIELDS}, **more)
     return {name: x for name, x in named.items() if x is not None}
 
 
 def _unpack(named):
     masks = masking.MaskInputs(**{field: named.get(short) for field, short in _MASK_FIELDS})
-    return named["q"], named["k"], named["v"], named.get("bias"), masks
+    extras = extras_lib.Extras(**{field: named.get(short) for field, short in _EXTRA_FIELDS})
+    return named["q"], named["k"], named["v"], named.get("bias"), masks, extras
 
 
 # --- The plan: which mesh axes each operand keeps ---------------------------------------------
@@ -133,10 +141,11 @@ def _specs(plan: ShardingPlan, named_shapes: dict, hq: int, b: int) -> dict:
                  d_out=P(bt, sq, hd, None), max=P(bt, hd, sq), log_sum=P(bt, hd, sq),
                  delta=P(bt, hd, sq), out=P(bt, sq, hd, None), dq=P(bt, sq, hd, None),
                  dk=P(bt, sq, kv, None), dv=P(bt, sq, kv, None), dbias=P(bt, hd, sq, None))
-    for name in ("bias", "mask"):  # query rows follow the sequence (ring), key columns whole
-        if name in named_shapes:
+    for name in ("bias", "mask") + _PER_HEAD:  # bias/mask: query rows follow the sequence
+        if name in named_shapes:                 # (ring), key columns whole
             shape = named_shapes[name]
-            specs[name] = P(bt if shape[0] == b else None, hd if shape[1] == hq else None, sq, None)
+            pair_axes = (sq, None) if name in ("bias", "mask") else ()
+            specs[name] = P(bt if shape[0] == b else None, hd if shape[1] == hq else None, *pair_axes)
     return specs
 
 
@@ -157,15 +166,17 @@ def _forward_body(implementation, cfg, names, *arrays):
 def _backward_body(implementation, cfg, names, *arrays):
     named = dict(zip(names, arrays))
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
+    *inputs, extras = _unpack(named)
     dq, dk, dv, dbias = implementations.get(implementation).backward(
-        cfg, *_unpack(named), stats, named["d_out"], named["delta"])
+        cfg, *inputs, stats, named["d_out"], named["delta"], extras)
     return (dq, dk, dv) + ((dbias,) if dbias is not None else ())
 
 
 def ring_supported(implementation, names) -> bool:
     """Whether a call can run as a ring: a local implementation that takes
-    MaskInputs.position_offset, and no offset of its own already."""
-    return implementation in ring.RING_IMPLEMENTATIONS and "offset" not in names
+    MaskInputs.position_offset, and no offset of its own already. Sinks and dropout are not
+    threaded through the ring's merge and global offsets yet."""
+    return implementation in ring.RING_IMPLEMENTATIONS and not {"offset", *_PER_HEAD} & set(names)
 
 
 def _local_plan(implementation, mesh, arg_shapes, names):
@@ -177,7 +188,7 @@ def _local_plan(implementation, mesh, arg_shapes, names):
 
 
 def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
-    q, k, v, bias, masks = _unpack(dict(zip(names, arrays)))
+    q, k, v, bias, masks, _ = _unpack(dict(zip(names, arrays)))
     out, stats = sharded_sequence.forward(sharded_sequence.make_ring(cfg, axis, n, implementation),
                                           q, k, v, masks, bias)
     return out, stats.max, stats.log_sum
@@ -185,7 +196,7 @@ def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
 
 def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
     named = dict(zip(names, arrays))
-    q, k, v, bias, masks = _unpack(named)
+    q, k, v, bias, masks, _ = _unpack(named)
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
     if bias is not None:  # the op's dbias is [B, Hq, Lq, Lk] (recompute_vjp reduces it, across
         bias = jnp.broadcast_to(bias, q.shape[:1] + q.shape[2:3] + bias.shape[2:])  # devices too)
@@ -239,11 +250,11 @@ def sharding_rule(names, results, operand_types):
                    q_seg="b q", kv_seg="b k", d_out=f"b q {h} d", max=f"b {h} q",
                    log_sum=f"b {h} q", delta=f"b {h} q", out=f"b q {h} d", dq=f"b q {h} d",
                    dk="b k n d", dv="b k n d", dbias=f"b {h} q k")
-    for name in ("bias", "mask"):
+    for name in ("bias", "mask") + _PER_HEAD:
         if name in shapes:
             bb, hb = shapes[name][:2]
             factors[name] = (f"{'b' if bb == b else name + '_b1'} "
-                             f"{h if hb == hq else name + '_h1'} q k")
+                             f"{h if hb == hq else name + '_h1'}" + (" q k" if name in ("bias", "mask") else ""))
     rule = ", ".join(factors[n] for n in names) + " -> " + ", ".join(factors[n] for n in results)
     return (rule, {"g": groups}) if h == "(n g)" else rule
 
@@ -266,7 +277,7 @@ def _folded(op, implementation, cfg, names):
         for name, x, batched in zip(names, arrays, in_batched):
             if not batched:
                 x = jnp.broadcast_to(x, (axis_size,) + x.shape)
-            if name in ("bias", "mask") and x.shape[1] != b:  # broadcast batch: materialise it
+            if name in ("bias", "mask") + _PER_HEAD and x.shape[1] != b:  # broadcast batch: materialise it
                 x = jnp.broadcast_to(x, (axis_size, b) + x.shape[2:])
             folded.append(x.reshape((axis_size * x.shape[1],) + x.shape[2:]))
         outs = _folded(op, implementation, cfg, names)(*folded)
@@ -276,17 +287,19 @@ def _folded(op, implementation, cfg, names):
     return call
 
 
-def forward(implementation, cfg, q, k, v, bias, masks):
+def forward(implementation, cfg, q, k, v, bias, masks, extras=None):
     """Like ``Implementation.forward``, partitioned under jit."""
-    named = _named(q, k, v, bias, masks)
+    named = _named(q, k, v, bias, masks, extras)
     names = tuple(named)
     out, row_max, log_sum = _folded(_forward_op, implementation, cfg, names)(*named.values())
     return out, online_softmax.RowStats(row_max, log_sum)
 
 
-def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta):
-    """Like ``Implementation.backward``, partitioned under jit."""
-    named = _named(q, k, v, bias, masks, max=stats.max, log_sum=stats.log_sum, d_out=d_out,
+def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, extras=None):
+    """Like ``Implementation.backward``, partitioned under jit (the sinks are not needed: P
+    comes from the row statistics, which include them)."""
+    extras = None if extras is None else extras._replace(sinks=None)
+    named = _named(q, k, v, bias, masks, extras, max=stats.max, log_sum=stats.log_sum, d_out=d_out,
                    delta=delta)
     names = tuple(named)
     grads = _folded(_backward_op, implementation, cfg, names)(*named.values())

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_impl import masking, online_softmax, partitioned
+from jax_impl import extras as extras_lib, masking, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
 
 SECOND_ORDER_ERROR = (
@@ -22,15 +22,16 @@ SECOND_ORDER_ERROR = (
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
+def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs,
+              extras: extras_lib.Extras):
     """-> (out [B, Lq, Hq, D], lse [B, Hq, Lq] float32, natural log, -inf for empty rows)."""
-    out, stats = _forward(implementation, cfg, q, k, v, bias, masks)
+    out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
     return out, online_softmax.logsumexp(stats)
 
 
-def _attention_fwd(implementation, cfg, q, k, v, bias, masks):
-    out, stats = _forward(implementation, cfg, q, k, v, bias, masks)
-    return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, out, stats)
+def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
+    out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
+    return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, extras, out, stats)
 
 
 def _reduce_to(grad, shape):
@@ -40,17 +41,21 @@ def _reduce_to(grad, shape):
 
 
 def _attention_bwd(implementation, cfg, residuals, cotangents):
-    q, k, v, bias, masks, out, stats = residuals
+    q, k, v, bias, masks, extras, out, stats = residuals
     d_out, d_lse = cotangents
     # delta_i = rowsum(dO_i * O_i); a cotangent of the logsumexp enters as dS += P * dlse.
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         delta = delta - d_lse
-    dq, dk, dv, dbias = _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta)
+    dq, dk, dv, dbias = _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta,
+                                     extras)
     if bias is not None:
         dbias = _reduce_to(dbias, bias.shape).astype(bias.dtype)
     mask_cotangents = jax.tree.map(lambda _: None, masks)
-    return dq, dk, dv, dbias, mask_cotangents
+    # Sinks need no kernel: their gradient follows from the row statistics and delta.
+    d_extras = jax.tree.map(lambda _: None, extras)._replace(
+        sinks=None if extras.sinks is None else extras_lib.sink_gradient(extras.sinks, stats, delta))
+    return dq, dk, dv, dbias, mask_cotangents, d_extras
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
@@ -61,14 +66,14 @@ attention.defvjp(_attention_fwd, _attention_bwd)
 # message from inside a kernel or loop.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _forward(implementation, cfg, q, k, v, bias, masks):
-    return partitioned.forward(implementation, cfg, q, k, v, bias, masks)
+def _forward(implementation, cfg, q, k, v, bias, masks, extras):
+    return partitioned.forward(implementation, cfg, q, k, v, bias, masks, extras)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta):
+def _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, extras):
     """The implementation's backward; differentiating it again raises SECOND_ORDER_ERROR."""
-    return partitioned.backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta)
+    return partitioned.backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
 
 
 def _refuse_second_order(implementation, cfg, residuals, cotangents):

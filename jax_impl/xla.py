@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_impl import masking, online_softmax, vma
+from jax_impl import extras as extras_lib, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 
 # Chunk sizes for the XLA path: large tiles keep the CPU's matmuls efficient while the
@@ -43,7 +43,7 @@ def _pad_axis(x, axis: int, size: int):
 class _Tiles:
     """Padded operands and per-tile accessors shared by the forward and backward loops."""
 
-    def __init__(self, cfg, q, k, v, bias, masks, block_q, block_k):
+    def __init__(self, cfg, q, k, v, bias, masks, block_q, block_k, extras=None):
         self.cfg, self.block_q, self.block_k = cfg, block_q, block_k
         b, lq, hq, d = q.shape
         lk, hkv = k.shape[1], k.shape[2]
@@ -65,6 +65,25 @@ class _Tiles:
         self.mask = None if masks.mask is None else _pad_axis(
             _pad_axis(masks.mask, 2, self.lq_pad), 3, self.lk_pad)
         self.masks = masks
+        extras = extras or extras_lib.Extras()
+        # [Bs, Hs] -> [Bs, Hkv|1, G|1]: per-(batch, head) sinks and dropout seeds.
+        self.sinks, self.seeds = (None if x is None else self.per_head(x)
+                                  for x in (extras.sinks, extras.dropout_seeds))
+
+    def per_head(self, x):  # [Bs, Hq|1] -> [Bs, Hkv|1, G|1]
+        return x.reshape(x.shape[0], self.hkv, self.groups) if x.shape[1] > 1 else x[:, :, None]
+
+    def keep(self, i, j):
+        """Dropout's keep mask ``[Bs, Hkv|1, G|1, bq, bk]`` of query tile i and key tile j
+        (extras.keep), or None without dropout."""
+        if not self.cfg.dropout_rate:
+            return None
+        rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
+        cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
+        keep = extras_lib.keep(self.seeds[..., None, None], rows, cols, self.cfg.dropout_rate)
+        # Materialised once per tile: fused into its consumers, XLA would recompute the hash
+        # for every (batch, head) that a broadcast pattern shares.
+        return lax.optimization_barrier(keep)
 
     def to_heads(self, x):  # [B, L, Hq, D] -> [B, Hkv, G, L, D]
         b, length, _, d = x.shape
@@ -135,11 +154,11 @@ def _across_batch(bounds):
     return lo, full_lo, jnp.clip(jnp.min(full_hi), full_lo, hi), hi
 
 
-def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
+def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """-> (out ``[B, Lq, Hq, D]`` in q's dtype, RowStats of ``[B, Hq, Lq]`` float32)."""
     b, lq, hq, d = q.shape
     block_q, block_k = chunk_sizes(cfg, lq, k.shape[1])
-    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k)
+    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k, extras)
     stats_shape = (b, t.hkv, t.groups, block_q)
     axes = vma.axes_of(q, k, v, bias, masks)  # inside shard_map, loop carries vary like these
 
@@ -152,13 +171,14 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
             s, _, allowed, (_, _, v_tile) = t.logits(q_tile, t.kv_tile(t.k, j), t.kv_tile(t.v, j),
                                                      i, j, masked)
             rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v_tile,
+            p_drop = extras_lib.apply_dropout(p, t.keep(i, j), cfg.dropout_rate)  # the sum keeps p
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_drop.astype(v.dtype), v_tile,
                             precision=cfg.precision, preferred_element_type=jnp.float32)
             return rescale[..., None] * acc + pv, row_max, row_sum
 
+        sink = None if t.sinks is None else t.sinks[..., None]
         init = vma.like((jnp.zeros(stats_shape + (d,), jnp.float32),
-                         jnp.full(stats_shape, -jnp.inf, jnp.float32),
-                         jnp.zeros(stats_shape, jnp.float32)), axes)
+                         *extras_lib.initial_stats(sink, stats_shape)), axes)
         acc, row_max, row_sum = masking.split_fori_loop(t.kv_range(i), key_tile, init)
         o_tile, stats_tile = online_softmax.finalize(acc, row_max, row_sum)
         out = lax.dynamic_update_slice_in_dim(out, o_tile.astype(q.dtype), i * block_q, axis=3)
@@ -171,13 +191,14 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
     return t.from_heads(out)[:, :lq], online_softmax.RowStats(*(x[:, :, :lq] for x in stats))
 
 
-def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta):
+def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
+             extras=None):
     """Algorithm 2 of FlashAttention-2: outer loop over key tiles (dK, dV in registers),
     inner loop over query tiles, dQ accumulated in place. -> (dq, dk, dv, dbias | None)."""
     b, lq, hq, d = q.shape
     lk = k.shape[1]
     block_q, block_k = chunk_sizes(cfg, lq, lk)
-    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k)
+    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k, extras)
     grouped = lambda x: _pad_axis(x, -1, t.lq_pad).reshape(b, t.hkv, t.groups, t.lq_pad)
     delta, row_max, log_sum = grouped(delta), grouped(stats.max), grouped(stats.log_sum)
     d_out = t.to_heads(_pad_axis(d_out, 1, t.lq_pad))
@@ -196,8 +217,11 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
                                                 allowed)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
-            ds, dqk = online_softmax.logits_gradient(p, dp, stats_tile(delta, i), capped, cfg)
-            dv_acc += jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(v.dtype), do_tile,
+            # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
+            keep = t.keep(i, j)
+            drop = lambda x: extras_lib.apply_dropout(x, keep, cfg.dropout_rate)
+            ds, dqk = online_softmax.logits_gradient(p, drop(dp), stats_tile(delta, i), capped, cfg)
+            dv_acc += jnp.einsum("bhgqk,bhgqd->bhkd", drop(p).astype(v.dtype), do_tile,
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
             dk_acc += jnp.einsum("bhgqk,bhgqd->bhkd", dqk.astype(q.dtype), q_tile,
                                  precision=cfg.precision, preferred_element_type=jnp.float32)

@@ -69,7 +69,8 @@ def attention_with_grads(attn_fn, q, k, v, cotangent, *, bias=None, device="cpu"
     q, k, v ([B, L, H, D] numpy) and back-propagates `cotangent` ([B, Lq, Hq, Dv], same dtype).
 
     Returns numpy {"out", "dq", "dk", "dv"} in [B, L, H, D] and the inputs' dtype, plus
-    "dbias" (the bias's own shape and dtype) when a bias is given. If attn_fn returns
+    "dbias" (the bias's own shape and dtype) when a bias is given, "dsinks" likewise when
+    ``attention_sinks`` is given. If attn_fn returns
     (out, lse), "lse" [B, Hq, Lq] is added (not differentiated).
     """
     _check_layout(q, k, v)
@@ -81,6 +82,9 @@ def attention_with_grads(attn_fn, q, k, v, cotangent, *, bias=None, device="cpu"
     if bias is not None:
         B = to_torch(bias, device).requires_grad_()
         kw["bias"] = B
+    S = None
+    if kw.get("attention_sinks") is not None:
+        S = kw["attention_sinks"] = kw["attention_sinks"].detach().clone().requires_grad_()
     result = attn_fn(Q, K, V, **kw)
     lse = None
     if isinstance(result, tuple):
@@ -88,12 +92,14 @@ def attention_with_grads(attn_fn, q, k, v, cotangent, *, bias=None, device="cpu"
     ct = _bhld(cotangent, device)
     if tuple(ct.shape) != tuple(result.shape):
         raise ValueError(f"cotangent shape {np.shape(cotangent)} must be the output's [B, Lq, Hq, Dv]")
-    inputs = (Q, K, V) + ((B,) if B is not None else ())
+    inputs = (Q, K, V) + ((B,) if B is not None else ()) + ((S,) if S is not None else ())
     grads = torch.autograd.grad(result, inputs, grad_outputs=ct, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
     res = {"out": _blhd(result), "dq": _blhd(grads[0]), "dk": _blhd(grads[1]), "dv": _blhd(grads[2])}
     if B is not None:
         res["dbias"] = to_numpy(grads[3])
+    if S is not None:
+        res["dsinks"] = to_numpy(grads[-1])
     if lse is not None:
         res["lse"] = to_numpy(lse)
     return res

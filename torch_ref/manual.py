@@ -100,9 +100,17 @@ def manual_attention(
     q_segment_ids: torch.Tensor | None = None,
     kv_segment_ids: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
+    attention_sinks: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_rate: float = 0.0,
     return_lse: bool = False,
 ):
     """Dense softmax attention in the inputs' dtype; returns out [B, Hq, Lq, Dv] (and lse [B, Hq, Lq]).
+
+    attention_sinks: [Hq] or [B, Hq] logits, one more softmax column per row that carries no
+    value (the lse includes it; a row with no allowed key then gives output 0).
+    dropout_mask: bool keep mask broadcastable to [B, Hq, Lq, Lk]; the softmax probabilities
+    are multiplied by it and scaled by 1 / (1 - dropout_rate) before they meet V.
 
     A query row with no allowed key, or whose allowed logits are all -inf (an additive -inf
     bias), gives output 0, lse -inf and zero gradients (no NaN). A non-finite value in Q, K or
@@ -140,17 +148,29 @@ def manual_attention(
     s = torch.where(bad_pair, torch.full((), float("nan"), dtype=s.dtype), s)
     allowed = allowed & (s != float("-inf"))  # an additive -inf bias excludes the pair
 
-    row_ok = allowed.any(dim=-1, keepdim=True)  # [B, Hq|1, Lq, 1]
-    # Disallowed keys get -inf in rows that have an allowed key, and a finite 0 in empty
-    # rows, so softmax and logsumexp stay finite there (forward and backward); the empty
-    # rows are then set to exactly 0 / -inf by a where, which passes zero gradient.
-    fill = torch.where(row_ok, float("-inf"), 0.0).to(s.dtype)
-    s_safe = torch.where(allowed, s, fill)
-    p = torch.softmax(s_safe, dim=-1)
-    p = torch.where(row_ok, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    if attention_sinks is not None:
+        # The sink is one more column of every row: no row is empty.
+        sink = attention_sinks.to(s.dtype).expand(batch, num_q_heads)[:, :, None, None]
+        s_ext = torch.cat([torch.where(allowed, s, float("-inf")),
+                           sink.expand(batch, num_q_heads, q_len, 1)], dim=-1)
+        p = torch.softmax(s_ext, dim=-1)[..., :-1]
+        lse = torch.logsumexp(s_ext, dim=-1)
+        row_ok = torch.ones((), dtype=torch.bool, device=s.device)
+    else:
+        row_ok = allowed.any(dim=-1, keepdim=True)  # [B, Hq|1, Lq, 1]
+        # Disallowed keys get -inf in rows that have an allowed key, and a finite 0 in empty
+        # rows, so softmax and logsumexp stay finite there (forward and backward); the empty
+        # rows are then set to exactly 0 / -inf by a where, which passes zero gradient.
+        fill = torch.where(row_ok, float("-inf"), 0.0).to(s.dtype)
+        s_safe = torch.where(allowed, s, fill)
+        p = torch.softmax(s_safe, dim=-1)
+        p = torch.where(row_ok, p, torch.zeros((), dtype=p.dtype, device=p.device))
+        lse = torch.logsumexp(s_safe, dim=-1)  # [B, Hq, Lq]
+    if dropout_mask is not None:
+        keep = dropout_mask.to(device=p.device, dtype=torch.bool)
+        p = torch.where(keep, p / (1.0 - float(dropout_rate)), torch.zeros((), dtype=p.dtype))
     out = p @ V  # [B, Hq, Lq, Dv]
     if not return_lse:
         return out
-    lse = torch.logsumexp(s_safe, dim=-1)  # [B, Hq, Lq]
     lse = torch.where(row_ok.squeeze(-1), lse, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device))
     return out, lse

@@ -35,6 +35,7 @@ class Adapter:
     devices: tuple = ("cpu", "cuda")  # where it can run at all
     description: str = ""
     explicit_scale = None  # str when the adapter itself supplies the scale (no default to probe)
+    extras_ok = False  # takes attention sinks and jax_impl's hashed dropout pattern
 
     def on(self, device: str) -> "Adapter":
         return dataclasses.replace(self, device=device)
@@ -50,6 +51,8 @@ class Adapter:
         return None
 
     def unsupported(self, case: Case) -> str | None:
+        if (case.dropout or case.sinks) and not self.extras_ok:
+            return "no attention sinks / no dropout with a given pattern"
         return self.available() or self._reason(case)
 
     def prepare(self, inputs: Inputs, *, backward: bool) -> Prepared:

@@ -20,6 +20,7 @@ class JaxImplAdapter(Adapter):
     """``jax_impl.flash_attention`` with one implementation forced."""
 
     implementation: str = "xla"
+    extras_ok = True  # takes attention sinks and hashed dropout (Inputs.dropout_key)
 
     @property
     def interpret(self) -> bool:
@@ -36,6 +37,8 @@ class JaxImplAdapter(Adapter):
         extra = {"implementation": self.implementation}
         if self.interpret:
             extra["interpret"] = True
+        if inputs.case.dropout:
+            extra.update(dropout_rng=inputs.dropout_key(), broadcast_dropout=False, deterministic=False)
 
         def attn(q, k, v, bias, mask, **kw):
             return flash_attention(q, k, v, bias, mask, **extra, **kw)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jax_impl import masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
+from jax_impl.extras import Extras
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.backward import backward_call
 from jax_impl.pallas_triton.forward import forward_call
@@ -34,16 +35,18 @@ def _padded_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInpu
     return cfg, q, k, v, padded_masks, mask, pair(bias)
 
 
-def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs):
+def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
     lq, d = q.shape[1], q.shape[3]
     layout = Layout.create(lq, k.shape[1], d, q.dtype, cfg.block_sizes)
     cfg, qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
-    out, row_max, log_sum = forward_call(cfg, layout, qp, kp, vp, padded_masks, mask, bias)
+    extras = extras or Extras()
+    out, row_max, log_sum = forward_call(cfg, layout, qp, kp, vp, padded_masks, mask, bias,
+                                         extras.sinks, extras.dropout_seeds)
     return out[:, :lq, :, :d], online_softmax.RowStats(row_max[:, :, :lq], log_sum[:, :, :lq])
 
 
-def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta):
+def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, extras=None):
     """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] f32 or None)."""
     lq, d, lk = q.shape[1], q.shape[3], k.shape[1]
     layout = Layout.create(lq, lk, d, q.dtype, cfg.block_sizes)
@@ -55,7 +58,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta):
     d_out = layout.pad(d_out, 1, layout.lq_pad, 3)
     dq, dk, dv, dbias = backward_call(cfg, layout, qp, kp, vp, d_out,
                                       online_softmax.RowStats(*map(pad_rows, stats)),
-                                      pad_rows(delta), padded_masks, mask, bias)
+                                      pad_rows(delta), padded_masks, mask, bias,
+                                      (extras or Extras()).dropout_seeds)
     if dbias is not None:
         dbias = dbias[:, :, :lq, :lk]
     return dq[:, :lq, :, :d], dk[:, :lk, :, :d], dv[:, :lk, :, :d], dbias

@@ -19,16 +19,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_impl import masking, online_softmax
+from jax_impl import extras, masking, online_softmax
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.layout import Layout
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-                 offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dk_ref, dv_ref, *,
+                 offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dk_ref, dv_ref, *,
                  cfg: AttentionConfig, block_q: int, block_k: int, groups: int):
-    j, b = pl.program_id(0), pl.program_id(1)
+    j, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
     k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
@@ -38,6 +38,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
     per_head = lambda ref, g: 0 if ref.shape[0] == 1 else g  # broadcast head axis of mask/bias
 
     def query_head(g, carry):
+        seed = common.per_head(seeds_ref, b, kv_head * groups + g)
+
         def query_tile(i, carry, masked):
             dk, dv = carry
             queries = pl.ds(i * block_q, block_q)
@@ -58,8 +60,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
                 s = s + poison
             p = online_softmax.recomputed_probs(s, max_ref[g, queries], log_sum_ref[g, queries], allowed)
             dp = common.dot(do, v_tile, cfg.precision, trans_b=True)
-            _, dqk = online_softmax.logits_gradient(p, dp, delta_ref[g, queries], capped, cfg)
-            dv += common.dot(p.astype(do.dtype), do, cfg.precision, trans_a=True)
+            # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
+            keep = common.dropout_keep(cfg, seed, rows, cols)
+            drop = lambda x: extras.apply_dropout(x, keep, cfg.dropout_rate)
+            _, dqk = online_softmax.logits_gradient(p, drop(dp), delta_ref[g, queries], capped, cfg)
+            dv += common.dot(drop(p).astype(do.dtype), do, cfg.precision, trans_a=True)
             dk += common.dot(dqk.astype(q.dtype), q, cfg.precision, trans_a=True)
             return dk, dv
 
@@ -72,9 +77,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-               offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, dq_ref, dbias_ref, *,
+               offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dq_ref, dbias_ref, *,
                cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int):
-    i, b = pl.program_id(0), pl.program_id(1)
+    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seed = common.per_head(seeds_ref, b, h)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
     q, do = q_ref[...], do_ref[...]                                   # [bq, Dp]
@@ -99,7 +105,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
             s = s + poison
         p = online_softmax.recomputed_probs(s, row_max, log_sum, allowed)
         dp = common.dot(do, v, cfg.precision, trans_b=True)
-        ds, dqk = online_softmax.logits_gradient(p, dp, delta, capped, cfg)
+        keep = common.dropout_keep(cfg, seed, rows, cols)  # dP reaches P through dropout's mask
+        ds, dqk = online_softmax.logits_gradient(
+            p, extras.apply_dropout(dp, keep, cfg.dropout_rate), delta, capped, cfg)
         if dbias_ref is not None:
             dbias_ref[:, keys] = ds
         return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)
@@ -112,7 +120,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
-                  masks: masking.MaskInputs, mask, bias):
+                  masks: masking.MaskInputs, mask, bias, seeds=None):
     """Padded operands -> (dq, dk, dv, dbias [B, Hq, Lq_pad, Lk_pad] or None)."""
     batch, lq_pad, hq, d_pad = q.shape
     lk_pad, hkv = k.shape[1], k.shape[2]
@@ -121,8 +129,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     lengths = [pl.BlockSpec((batch,), lambda *_: (0,))] * 2 + [
         common.per_row_spec(masks.position_offset, batch)]
     inputs = (q, k, v, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len,
-              masks.position_offset, masks.q_segment_ids,
-              masks.kv_segment_ids, mask, bias)
+              masks.position_offset, masks.q_segment_ids, masks.kv_segment_ids, mask, bias, seeds)
 
     # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
@@ -138,7 +145,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         in_specs=[q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
                   None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
                   None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-                  pair(mask), pair(bias)],
+                  pair(mask), pair(bias), common.per_head_spec(seeds)],
         out_specs=[kv_tile, kv_tile],
         out_shape=[common.out_struct(k.shape, k.dtype, q), common.out_struct(v.shape, v.dtype, q)],
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dkdv",
@@ -165,7 +172,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         in_specs=[q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
                   None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                   None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
-                  pair(mask), pair(bias)],
+                  pair(mask), pair(bias), common.per_head_spec(seeds)],
         out_specs=out_specs, out_shape=out_shape,
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dq",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),

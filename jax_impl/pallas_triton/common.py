@@ -9,7 +9,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import ad, batching, mlir
 
-from jax_impl import online_softmax
+from jax_impl import extras, online_softmax
 
 
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
@@ -63,6 +63,28 @@ def out_struct(shape, dtype, like):
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
     vma = getattr(aval, "vma", None)  # older JAX
     return jax.ShapeDtypeStruct(shape, dtype, **({} if vma is None else {"vma": vma}))
+
+
+# --- Sinks and dropout (extras.py) ---------------------------------------------------------
+# Both arrive as whole [Bs, Hs] arrays (Bs in {1, B}, Hs in {1, Hq}); a kernel reads its one
+# scalar per (batch, head).
+
+def per_head_spec(x):
+    return None if x is None else pl.BlockSpec(x.shape, lambda *_: (0, 0))
+
+
+def per_head(ref, b, h):
+    """The entry of (batch b, query head h) of a [Bs, Hs] sinks/seeds ref, or None."""
+    if ref is None:
+        return None
+    return ref[broadcast_index(ref, 0, b), broadcast_index(ref, 1, h)]
+
+
+def dropout_keep(cfg, seed, rows, cols):
+    """The keep mask of absolute rows [bq, 1] x cols [1, bk], or None without dropout."""
+    if not cfg.dropout_rate:
+        return None
+    return extras.keep(seed, rows, cols, cfg.dropout_rate)
 
 
 def compiler_params(num_warps: int, num_stages: int):

@@ -14,16 +14,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_impl import masking, online_softmax
+from jax_impl import extras, masking, online_softmax
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.layout import Layout
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_seg_ref, kv_seg_ref,
-                    mask_ref, bias_ref, o_ref, max_ref, log_sum_ref, *, cfg: AttentionConfig,
-                    block_q: int, block_k: int):
-    i, b = pl.program_id(0), pl.program_id(1)
+                    mask_ref, bias_ref, sinks_ref, seeds_ref, o_ref, max_ref, log_sum_ref, *,
+                    cfg: AttentionConfig, block_q: int, block_k: int):
+    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    sink, seed = common.per_head(sinks_ref, b, h), common.per_head(seeds_ref, b, h)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
     q = q_ref[...]                                                    # [bq, Dp]
@@ -47,11 +48,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
         if allowed is not None:
             s = s + poison
         rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
-        acc = rescale[:, None] * acc + common.dot(p.astype(v.dtype), v, cfg.precision)
+        p_drop = extras.apply_dropout(p, common.dropout_keep(cfg, seed, rows, cols), cfg.dropout_rate)
+        acc = rescale[:, None] * acc + common.dot(p_drop.astype(v.dtype), v, cfg.precision)
         return acc, row_max, row_sum
 
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
+    init = (jnp.zeros(q.shape, jnp.float32), *extras.initial_stats(sink, (block_q,)))
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     acc, row_max, row_sum = masking.split_fori_loop(bounds, key_tile, init)
     out, stats = online_softmax.finalize(acc, row_max, row_sum)
@@ -61,7 +62,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
 
 
 def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.MaskInputs,
-                 mask, bias):
+                 mask, bias, sinks=None, seeds=None):
     """Padded operands -> (out [B, Lq_pad, Hq, Dp], row max and log-sum [B, Hq, Lq_pad])."""
     batch, lq_pad, hq, d_pad = q.shape
     lk_pad, hkv = k.shape[1], k.shape[2]
@@ -81,6 +82,8 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
         pair(mask),
         pair(bias),
+        common.per_head_spec(sinks),
+        common.per_head_spec(seeds),
     ]
     stats_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
     stats_shape = common.out_struct((batch, hq, lq_pad), jnp.float32, q)
@@ -93,4 +96,4 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
     )(q, k, v, masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
-      masks.kv_segment_ids, mask, bias)
+      masks.kv_segment_ids, mask, bias, sinks, seeds)

@@ -153,19 +153,55 @@ def test_pallas_interpret_linen_causal():
 
 # --- dropout, sow_weights, custom einsums ------------------------------------------------
 
-def test_dropout_in_training_is_refused_linen():
-    xq, _ = random_inputs(0, (2,), 16, 16)
+def _train(loss_and_grad, params, steps=5, lr=0.1):
+    losses = []
+    for step in range(steps):
+        loss, grads = loss_and_grad(params, jax.random.key(100 + step))
+        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+        losses.append(float(loss))
+    return losses
+
+
+def test_dropout_trains_under_jit_linen():
+    xq, target = random_inputs(0, (2,), 16, 16)
     module = linen_mha(flash_attention, dropout_rate=0.1)
     params = jax.jit(lambda key: module.init(key, xq, deterministic=True))(jax.random.PRNGKey(0))
-    with pytest.raises(NotImplementedError, match=r"dropout.*not implemented"):
-        module.apply(params, xq, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
+    apply = lambda params, key, det: module.apply(params, xq, deterministic=det, rngs={"dropout": key})
+    step = jax.jit(jax.value_and_grad(lambda p, key: jnp.mean((apply(p, key, False) - target) ** 2)))
+    losses = _train(step, params)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    key = jax.random.key(1)
+    train = jax.jit(apply, static_argnums=2)
+    np.testing.assert_array_equal(train(params, key, False), train(params, key, False))
+    assert max_abs_diff({"o": train(params, key, False)}, {"o": train(params, jax.random.key(2), False)}) > 1e-3
+    # deterministic=True is exactly the module without dropout.
+    plain = linen_mha(flash_attention).apply(params, xq)
+    np.testing.assert_array_equal(train(params, key, True), plain)
 
 
-def test_dropout_in_training_is_refused_nnx():
-    xq, _ = random_inputs(0, (2,), 16, 16)
+def test_dropout_trains_under_jit_nnx():
+    xq, target = random_inputs(0, (2,), 16, 16)
     module = nnx_mha(flash_attention, dropout_rate=0.1)
-    with pytest.raises(NotImplementedError, match=r"dropout.*not implemented"):
-        module(xq, deterministic=False)
+    optimizer_lr = 0.1
+
+    @nnx.jit
+    def step(module, key):
+        def loss_fn(module):
+            return jnp.mean((module(xq, deterministic=False, rngs=nnx.Rngs(dropout=key)) - target) ** 2)
+        loss, grads = nnx.value_and_grad(loss_fn)(module)
+        params = nnx.state(module, nnx.Param)
+        nnx.update(module, jax.tree.map(lambda p, g: p - optimizer_lr * g, params, grads))
+        return loss
+
+    losses = [float(step(module, jax.random.key(100 + i))) for i in range(5)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    out = lambda key: module(xq, deterministic=False, rngs=nnx.Rngs(dropout=key))
+    np.testing.assert_array_equal(out(jax.random.key(3)), out(jax.random.key(3)))
+    assert float(jnp.max(jnp.abs(out(jax.random.key(3)) - out(jax.random.key(4))))) > 1e-3
+    plain = module(xq, deterministic=True)
+    reference = nnx.clone(module)
+    reference.dropout_rate = 0.0
+    np.testing.assert_array_equal(plain, reference(xq, deterministic=False))
 
 
 def test_sow_weights_is_refused():

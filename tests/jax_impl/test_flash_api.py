@@ -39,7 +39,10 @@ BAD_CALLS = {
     "interpret_xla": (lambda q, k, v: flash_attention(q, k, v, implementation="xla", interpret=True), ValueError, "interpret=True"),
     "block_sizes_type": (lambda q, k, v: flash_attention(q, k, v, block_sizes=(64, 64)), TypeError, "block_sizes"),
     "head_dim_pallas": (lambda q, k, v: flash_attention(*(jnp.ones((1, 4, 1, 512)),) * 3, implementation="pallas_triton"), ValueError, "head_dim=512"),
-    "dropout": (lambda q, k, v: flash_attention(q, k, v, dropout_rate=0.1, deterministic=False), NotImplementedError, "dropout"),
+    "dropout_rng": (lambda q, k, v: flash_attention(q, k, v, dropout_rate=0.1, deterministic=False), ValueError, "dropout_rng must be a PRNG key"),
+    "dropout_rate": (lambda q, k, v: flash_attention(q, k, v, dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, r"dropout_rate=1.0 must be"),
+    "sinks_shape": (lambda q, k, v: flash_attention(q, k, v, attention_sinks=jnp.zeros((3,))), ValueError, r"attention_sinks.shape=\(3,\)"),
+    "sinks_dtype": (lambda q, k, v: flash_attention(q, k, v, attention_sinks=jnp.zeros((2,), jnp.int32)), TypeError, "attention_sinks must be floating"),
     "precision": (lambda q, k, v: flash_attention(q, k, v, precision="turbo"), ValueError, "precision"),
 }
 

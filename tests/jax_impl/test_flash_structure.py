@@ -74,6 +74,8 @@ FEATURES = {
     "everything": dict(mask=True, bias=True, segments=True, lengths=True, is_causal=True,
                        causal_alignment="bottom_right", local_window_size=(64, 8),
                        logits_soft_cap=20.0, gqa=True),
+    # Dropout (per batch and head: the hash's uint32 arithmetic) and sinks in every kernel.
+    "dropout_sinks": dict(dropout=True, sinks=True, gqa=True, is_causal=True, lengths=True),
 }
 
 
@@ -91,6 +93,10 @@ def _export_gradients(head_dim, dtype, lq, lk, features, block_sizes=None):
         extra["kv_segment_ids"] = jnp.zeros((b, lk), jnp.int32).at[:, lk // 2:].set(1)
     if features.get("lengths"):
         extra["key_value_seq_lengths"] = jnp.array([lk, lk // 2], jnp.int32)
+    if features.get("dropout"):
+        extra.update(dropout_rate=0.1, dropout_rng=jax.random.key(0), broadcast_dropout=False)
+    if features.get("sinks"):
+        extra["attention_sinks"] = jnp.linspace(-1.0, 1.0, hq)
     static = {n: features[n] for n in ("is_causal", "causal_alignment", "local_window_size",
                                        "logits_soft_cap") if n in features}
 

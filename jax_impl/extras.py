@@ -1,0 +1,122 @@
+"""Attention dropout and attention sinks: the traced inputs and the per-tile math they add.
+
+Dropout. The keep/drop decision for pair (b, h, i, j) is a counter-based hash, never a stored
+mask: a per-(batch, head) 32-bit seed (``head_seeds``, derived once in plain XLA from the key,
+the GLOBAL flat batch index and the head) is mixed per element with the query and key indices
+(``keep``). So the forward and both backward kernels recompute the same pattern, for any tile
+sizes and padding, in xla and in Pallas alike; a batch or head split across devices only
+slices the ``[B, Hq]`` seed array. With ``broadcast_dropout`` (Flax's default) the pattern is
+shared across batch and heads, as ``flax.linen.dot_product_attention_weights`` draws it with
+shape ``[1..., 1, Lq, Lk]``: the seed array is then ``[1, 1]``.
+Kept probabilities are scaled by ``1 / (1 - rate)`` (Flax, PyTorch). Dropout acts on the
+normalised P only where it meets V: the row statistics and the logsumexp are unaffected.
+
+Sinks. A sink is one more logit per (batch, head) that joins every row's softmax denominator
+and carries no value: the online softmax starts from ``m = sink, l = 1`` instead of
+``m = -inf, l = 0`` (``initial_stats``), so a row with no allowed key gives output 0 and
+logsumexp = sink. Its gradient needs no kernel: P_sink = exp(sink - lse) from the saved
+statistics and d sink = -sum_i P_sink_i * delta_i (``sink_gradient``).
+
+Everything here uses jnp ops on uint32/int32/float32 that lower in XLA and in Pallas Triton.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# murmur3's 32-bit finaliser constants, and two odd multipliers that spread the counters.
+_M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
+_GOLDEN, _PRIME = 0x9E3779B1, 0x27D4EB2F
+# keep iff the top 24 bits of the hash are >= threshold: an int32 compare (no unsigned one
+# needed in the kernel) at a resolution of 2^-24 in the rate.
+_BITS = 24
+
+
+class Extras(NamedTuple):
+    """Traced inputs beyond q, k, v, bias and the mask (None when unused)."""
+
+    sinks: jax.Array | None = None          # [Bs, Hs] float32, Bs in {1, B}, Hs in {1, Hq}
+    dropout_seeds: jax.Array | None = None  # [Bs, Hs] uint32 (see head_seeds)
+
+
+def _u32(x):
+    return jnp.asarray(x).astype(jnp.uint32)
+
+
+def mix(x):
+    """murmur3 fmix32: a bijection of uint32 with full avalanche."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(_M1)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(_M2)
+    return x ^ (x >> 16)
+
+
+def key_words(rng):
+    """Two uint32 words from a PRNG key (typed or raw, any implementation)."""
+    return jax.random.bits(rng, (2,), jnp.uint32)
+
+
+def head_seeds(words, batch: int, heads: int, broadcast: bool):
+    """The per-(global flat batch index, head) seeds: ``[B, Hq]``, or ``[1, 1]`` when broadcast."""
+    b, h = (1, 1) if broadcast else (batch, heads)
+    bi = jnp.arange(b, dtype=jnp.uint32)[:, None]
+    hi = jnp.arange(h, dtype=jnp.uint32)[None, :]
+    return mix(mix(words[0] ^ mix(bi * jnp.uint32(_GOLDEN) + words[1])) + hi * jnp.uint32(_PRIME))
+
+
+def threshold(rate: float) -> int:
+    return int(round(rate * (1 << _BITS)))
+
+
+def keep(seed, rows, cols, rate: float):
+    """Bool keep mask for absolute query indices ``rows [..., Tq, 1]`` and key indices
+    ``cols [..., 1, Tk]`` under ``seed`` (uint32, broadcastable to ``[..., 1, 1]``)."""
+    row_key = mix(seed ^ (_u32(rows) * jnp.uint32(_GOLDEN)))       # one mix per row
+    bits = mix(row_key ^ (_u32(cols) * jnp.uint32(_PRIME) + seed))  # one mix per pair
+    return (bits >> (32 - _BITS)).astype(jnp.int32) >= threshold(rate)
+
+
+def apply_dropout(x, keep_mask, rate: float):
+    """x where kept, scaled by 1 / (1 - rate); 0 where dropped. ``keep_mask`` None: x."""
+    if keep_mask is None:
+        return x
+    return jnp.where(keep_mask, x * (1.0 / (1.0 - rate)), 0.0)
+
+
+def initial_stats(sink, shape):
+    """The online softmax's (m, l) before any key: (-inf, 0), or (sink, 1) with a sink
+    (a -inf sink is no sink)."""
+    if sink is None:
+        return jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)
+    sink = jnp.broadcast_to(sink.astype(jnp.float32), shape)
+    return sink, jnp.where(sink > -jnp.inf, 1.0, 0.0).astype(jnp.float32)
+
+
+def sink_gradient(sinks, stats, delta):
+    """d sinks ``[Bs, Hs]`` from the row statistics ``[B, Hq, Lq]`` and delta = rowsum(dO * O)
+    - d(lse): out and lse depend on the sink only through P_sink = exp(sink - lse)."""
+    lse = jnp.where(stats.max == jnp.inf, -jnp.inf, stats.max + stats.log_sum)
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[:, :, None] - lse)  # lse >= sink: <= 1
+    grad = -jnp.sum(p_sink * delta, axis=-1)                       # [B, Hq]
+    axes = tuple(a for a, n in enumerate(sinks.shape) if n == 1 and grad.shape[a] != 1)
+    return (jnp.sum(grad, axis=axes, keepdims=True) if axes else grad).astype(sinks.dtype)
+
+
+def dropout_mask(rng, shape, rate: float, *, broadcast_dropout: bool = True):
+    """The keep mask ``flash_attention(..., dropout_rng=rng, dropout_rate=rate)`` uses, as bool
+    ``[batch..., Hq, Lq, Lk]`` (``shape``); True = kept (and scaled by ``1 / (1 - rate)``).
+
+    For tests and debugging: it materialises ``Lq * Lk`` per (batch, head).
+    """
+    *batch_shape, hq, lq, lk = shape
+    b = 1
+    for n in batch_shape:
+        b *= n
+    seeds = head_seeds(key_words(rng), b, hq, broadcast_dropout)[:, :, None, None]
+    rows = jnp.arange(lq, dtype=jnp.int32)[:, None]
+    cols = jnp.arange(lk, dtype=jnp.int32)[None, :]
+    mask = keep(seeds, rows, cols, float(rate))
+    return jnp.broadcast_to(mask, (b, hq, lq, lk)).reshape(tuple(shape))
