@@ -58,5 +58,5 @@ class AttentionConfig:
     interpret: bool = False
     precision: lax.Precision = lax.Precision.HIGHEST  # of fp32 matmuls: no silent TF32
     debug: bool = False  # Pallas prints each kernel's jaxpr and Triton IR when lowering
-    # Attention dropout on P (extras.py); the seeds are a traced input (Extras.dropout_seeds).
+    # Attention dropout on P (dropout_sinks.py); the seeds are a traced input (SinksAndDropout.dropout_seeds).
     dropout_rate: float = 0.0

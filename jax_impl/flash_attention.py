@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from jax_impl import extras as extras_lib, implementations, masking, partitioned, recompute_vjp, reference
+from jax_impl import dropout_sinks, implementations, masking, partitioned, recompute_vjp, reference
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.implementations import IMPLEMENTATIONS
 
@@ -118,7 +118,7 @@ class _Call(NamedTuple):
     bias: Any    # [Bb, Hb, Lq, Lk] or None
     masks: masking.MaskInputs
     batch_shape: tuple
-    extras: extras_lib.Extras = extras_lib.Extras()
+    extras: dropout_sinks.SinksAndDropout = dropout_sinks.SinksAndDropout()
 
 
 def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
@@ -207,8 +207,8 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
         if dropout_rng is None:
             raise ValueError(f"dropout_rng must be a PRNG key when {dropout_rate=} and "
                              f"{deterministic=} (dropout is active)")
-        seeds = extras_lib.head_seeds(extras_lib.key_words(dropout_rng), b, hq, bool(broadcast_dropout))
-    extras = extras_lib.Extras(sinks=_sinks(attention_sinks, batch_shape, hq), dropout_seeds=seeds)
+        seeds = dropout_sinks.head_seeds(dropout_sinks.key_words(dropout_rng), b, hq, bool(broadcast_dropout))
+    extras = dropout_sinks.SinksAndDropout(sinks=_sinks(attention_sinks, batch_shape, hq), dropout_seeds=seeds)
     cfg = AttentionConfig(scale=float(scale), mask=spec,
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                           block_sizes=block_sizes, interpret=bool(interpret),

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_impl import extras as extras_lib, implementations, masking, online_softmax, ring, sharded_sequence
+from jax_impl import dropout_sinks, implementations, masking, online_softmax, ring, sharded_sequence
 
 
 class ShardingWarning(UserWarning):
@@ -42,13 +42,13 @@ _MASK_FIELDS = (("q_len", "q_len"), ("kv_len", "kv_len"), ("q_segment_ids", "q_s
                 ("kv_segment_ids", "kv_seg"), ("mask", "mask"), ("position_offset", "offset"))
 
 
-# extras.Extras: [Bs, Hs] per-(batch, head) arrays; they follow the batch and head axes.
+# dropout_sinks.SinksAndDropout: [Bs, Hs] per-(batch, head) arrays; they follow the batch and head axes.
 _EXTRA_FIELDS = (("sinks", "sinks"), ("dropout_seeds", "seeds"))
 _PER_HEAD = ("sinks", "seeds")
 
 
 def _named(q, k, v, bias, masks, extras=None, **more):
-    extras = extras or extras_lib.Extras()
+    extras = extras or dropout_sinks.SinksAndDropout()
     named = dict(q=q, k=k, v=v, bias=bias, **{short: getattr(masks, field)
                                               for field, short in _MASK_FIELDS},
                  **{short: getattr(extras, field) for field, short in _EXTRA_FIELDS}, **more)
@@ -57,7 +57,7 @@ def _named(q, k, v, bias, masks, extras=None, **more):
 
 def _unpack(named):
     masks = masking.MaskInputs(**{field: named.get(short) for field, short in _MASK_FIELDS})
-    extras = extras_lib.Extras(**{field: named.get(short) for field, short in _EXTRA_FIELDS})
+    extras = dropout_sinks.SinksAndDropout(**{field: named.get(short) for field, short in _EXTRA_FIELDS})
     return named["q"], named["k"], named["v"], named.get("bias"), masks, extras
 
 

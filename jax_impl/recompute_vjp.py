@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_impl import extras as extras_lib, masking, online_softmax, partitioned
+from jax_impl import dropout_sinks, masking, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
 
 SECOND_ORDER_ERROR = (
@@ -23,7 +23,7 @@ SECOND_ORDER_ERROR = (
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs,
-              extras: extras_lib.Extras):
+              extras: dropout_sinks.SinksAndDropout):
     """-> (out [B, Lq, Hq, D], lse [B, Hq, Lq] float32, natural log, -inf for empty rows)."""
     out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
     return out, online_softmax.logsumexp(stats)
@@ -54,7 +54,7 @@ def _attention_bwd(implementation, cfg, residuals, cotangents):
     mask_cotangents = jax.tree.map(lambda _: None, masks)
     # Sinks need no kernel: their gradient follows from the row statistics and delta.
     d_extras = jax.tree.map(lambda _: None, extras)._replace(
-        sinks=None if extras.sinks is None else extras_lib.sink_gradient(extras.sinks, stats, delta))
+        sinks=None if extras.sinks is None else dropout_sinks.sink_gradient(extras.sinks, stats, delta))
     return dq, dk, dv, dbias, mask_cotangents, d_extras
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_impl import extras as extras_lib, masking, online_softmax
+from jax_impl import dropout_sinks, masking, online_softmax
 from jax_impl.config import AttentionConfig
 
 
 def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
-              logits_dtype=jnp.float32, extras: extras_lib.Extras | None = None):
+              logits_dtype=jnp.float32, extras: dropout_sinks.SinksAndDropout | None = None):
     """q ``[B, Lq, Hq, D]``, k/v ``[B, Lk, Hkv, D]`` -> (out ``[B, Lq, Hq, D]``, lse ``[B, Hq, Lq]``).
 
     ``logits_dtype`` is the dtype of the logits and softmax: float32 (or float64 for the oracle)
@@ -43,7 +43,7 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     allowed = masking.dense_allowed(cfg.mask, lq, lk, masks.q_len, masks.kv_len,
                                     masks.q_segment_ids, masks.kv_segment_ids, masks.mask)
     row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True)
-    extras = extras or extras_lib.Extras()
+    extras = extras or dropout_sinks.SinksAndDropout()
     sink = None if extras.sinks is None else extras.sinks.astype(logits_dtype)[:, :, None, None]
     if sink is not None:  # one more logit in every row's denominator, with no value
         row_max = jnp.maximum(row_max, sink)
@@ -58,8 +58,8 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     if cfg.dropout_rate:
         rows = jnp.arange(lq, dtype=jnp.int32)[:, None]
         cols = jnp.arange(lk, dtype=jnp.int32)[None, :]
-        keep = extras_lib.keep(extras.dropout_seeds[:, :, None, None], rows, cols, cfg.dropout_rate)
-        probs = extras_lib.apply_dropout(probs, keep, cfg.dropout_rate)
+        keep = dropout_sinks.keep(extras.dropout_seeds[:, :, None, None], rows, cols, cfg.dropout_rate)
+        probs = dropout_sinks.apply_dropout(probs, keep, cfg.dropout_rate)
     probs = probs.astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.reshape(b, hkv, groups, lq, lk), v,
                      precision=cfg.precision, preferred_element_type=logits_dtype)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_impl import extras as extras_lib, masking, online_softmax, vma
+from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 
 # Chunk sizes for the XLA path: large tiles keep the CPU's matmuls efficient while the
@@ -65,7 +65,7 @@ class _Tiles:
         self.mask = None if masks.mask is None else _pad_axis(
             _pad_axis(masks.mask, 2, self.lq_pad), 3, self.lk_pad)
         self.masks = masks
-        extras = extras or extras_lib.Extras()
+        extras = extras or dropout_sinks.SinksAndDropout()
         # [Bs, Hs] -> [Bs, Hkv|1, G|1]: per-(batch, head) sinks and dropout seeds.
         self.sinks, self.seeds = (None if x is None else self.per_head(x)
                                   for x in (extras.sinks, extras.dropout_seeds))
@@ -75,12 +75,12 @@ class _Tiles:
 
     def keep(self, i, j):
         """Dropout's keep mask ``[Bs, Hkv|1, G|1, bq, bk]`` of query tile i and key tile j
-        (extras.keep), or None without dropout."""
+        (dropout_sinks.keep), or None without dropout."""
         if not self.cfg.dropout_rate:
             return None
         rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
         cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
-        keep = extras_lib.keep(self.seeds[..., None, None], rows, cols, self.cfg.dropout_rate)
+        keep = dropout_sinks.keep(self.seeds[..., None, None], rows, cols, self.cfg.dropout_rate)
         # Materialised once per tile: fused into its consumers, XLA would recompute the hash
         # for every (batch, head) that a broadcast pattern shares.
         return lax.optimization_barrier(keep)
@@ -171,14 +171,14 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
             s, _, allowed, (_, _, v_tile) = t.logits(q_tile, t.kv_tile(t.k, j), t.kv_tile(t.v, j),
                                                      i, j, masked)
             rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
-            p_drop = extras_lib.apply_dropout(p, t.keep(i, j), cfg.dropout_rate)  # the sum keeps p
+            p_drop = dropout_sinks.apply_dropout(p, t.keep(i, j), cfg.dropout_rate)  # the sum keeps p
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_drop.astype(v.dtype), v_tile,
                             precision=cfg.precision, preferred_element_type=jnp.float32)
             return rescale[..., None] * acc + pv, row_max, row_sum
 
         sink = None if t.sinks is None else t.sinks[..., None]
         init = vma.like((jnp.zeros(stats_shape + (d,), jnp.float32),
-                         *extras_lib.initial_stats(sink, stats_shape)), axes)
+                         *dropout_sinks.initial_stats(sink, stats_shape)), axes)
         acc, row_max, row_sum = masking.split_fori_loop(t.kv_range(i), key_tile, init)
         o_tile, stats_tile = online_softmax.finalize(acc, row_max, row_sum)
         out = lax.dynamic_update_slice_in_dim(out, o_tile.astype(q.dtype), i * block_q, axis=3)
@@ -219,7 +219,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
                             preferred_element_type=jnp.float32)
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
             keep = t.keep(i, j)
-            drop = lambda x: extras_lib.apply_dropout(x, keep, cfg.dropout_rate)
+            drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
             ds, dqk = online_softmax.logits_gradient(p, drop(dp), stats_tile(delta, i), capped, cfg)
             dv_acc += jnp.einsum("bhgqk,bhgqd->bhkd", drop(p).astype(v.dtype), do_tile,
                                  precision=cfg.precision, preferred_element_type=jnp.float32)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jax_impl import masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
-from jax_impl.extras import Extras
+from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.backward import backward_call
 from jax_impl.pallas_triton.forward import forward_call
@@ -40,7 +40,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     lq, d = q.shape[1], q.shape[3]
     layout = Layout.create(lq, k.shape[1], d, q.dtype, cfg.block_sizes)
     cfg, qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
-    extras = extras or Extras()
+    extras = extras or SinksAndDropout()
     out, row_max, log_sum = forward_call(cfg, layout, qp, kp, vp, padded_masks, mask, bias,
                                          extras.sinks, extras.dropout_seeds)
     return out[:, :lq, :, :d], online_softmax.RowStats(row_max[:, :, :lq], log_sum[:, :, :lq])
@@ -59,7 +59,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, ex
     dq, dk, dv, dbias = backward_call(cfg, layout, qp, kp, vp, d_out,
                                       online_softmax.RowStats(*map(pad_rows, stats)),
                                       pad_rows(delta), padded_masks, mask, bias,
-                                      (extras or Extras()).dropout_seeds)
+                                      (extras or SinksAndDropout()).dropout_seeds)
     if dbias is not None:
         dbias = dbias[:, :, :lq, :lk]
     return dq[:, :lq, :, :d], dk[:, :lk, :, :d], dv[:, :lk, :, :d], dbias

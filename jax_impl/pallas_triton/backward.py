@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_impl import extras, masking, online_softmax
+from jax_impl import dropout_sinks, masking, online_softmax
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.layout import Layout
@@ -62,7 +62,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
             dp = common.dot(do, v_tile, cfg.precision, trans_b=True)
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
             keep = common.dropout_keep(cfg, seed, rows, cols)
-            drop = lambda x: extras.apply_dropout(x, keep, cfg.dropout_rate)
+            drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
             _, dqk = online_softmax.logits_gradient(p, drop(dp), delta_ref[g, queries], capped, cfg)
             dv += common.dot(drop(p).astype(do.dtype), do, cfg.precision, trans_a=True)
             dk += common.dot(dqk.astype(q.dtype), q, cfg.precision, trans_a=True)
@@ -107,7 +107,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
         dp = common.dot(do, v, cfg.precision, trans_b=True)
         keep = common.dropout_keep(cfg, seed, rows, cols)  # dP reaches P through dropout's mask
         ds, dqk = online_softmax.logits_gradient(
-            p, extras.apply_dropout(dp, keep, cfg.dropout_rate), delta, capped, cfg)
+            p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate), delta, capped, cfg)
         if dbias_ref is not None:
             dbias_ref[:, keys] = ds
         return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)

@@ -9,7 +9,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import ad, batching, mlir
 
-from jax_impl import extras, online_softmax
+from jax_impl import dropout_sinks, online_softmax
 
 
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
@@ -65,7 +65,7 @@ def out_struct(shape, dtype, like):
     return jax.ShapeDtypeStruct(shape, dtype, **({} if vma is None else {"vma": vma}))
 
 
-# --- Sinks and dropout (extras.py) ---------------------------------------------------------
+# --- Sinks and dropout (dropout_sinks.py) ---------------------------------------------------------
 # Both arrive as whole [Bs, Hs] arrays (Bs in {1, B}, Hs in {1, Hq}); a kernel reads its one
 # scalar per (batch, head).
 
@@ -84,7 +84,7 @@ def dropout_keep(cfg, seed, rows, cols):
     """The keep mask of absolute rows [bq, 1] x cols [1, bk], or None without dropout."""
     if not cfg.dropout_rate:
         return None
-    return extras.keep(seed, rows, cols, cfg.dropout_rate)
+    return dropout_sinks.keep(seed, rows, cols, cfg.dropout_rate)
 
 
 def compiler_params(num_warps: int, num_stages: int):

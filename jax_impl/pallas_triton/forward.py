@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_impl import extras, masking, online_softmax
+from jax_impl import dropout_sinks, masking, online_softmax
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.layout import Layout
@@ -48,11 +48,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
         if allowed is not None:
             s = s + poison
         rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
-        p_drop = extras.apply_dropout(p, common.dropout_keep(cfg, seed, rows, cols), cfg.dropout_rate)
+        p_drop = dropout_sinks.apply_dropout(p, common.dropout_keep(cfg, seed, rows, cols), cfg.dropout_rate)
         acc = rescale[:, None] * acc + common.dot(p_drop.astype(v.dtype), v, cfg.precision)
         return acc, row_max, row_sum
 
-    init = (jnp.zeros(q.shape, jnp.float32), *extras.initial_stats(sink, (block_q,)))
+    init = (jnp.zeros(q.shape, jnp.float32), *dropout_sinks.initial_stats(sink, (block_q,)))
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     acc, row_max, row_sum = masking.split_fori_loop(bounds, key_tile, init)
     out, stats = online_softmax.finalize(acc, row_max, row_sum)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from _flash_helpers import torch_arrays
-from jax_impl import masking, recompute_vjp
+from jax_impl import dropout_sinks, masking, recompute_vjp
 from jax_impl.config import AttentionConfig, BlockSizes
 
 TOL = 2e-5
@@ -54,7 +54,7 @@ def test_position_offset_shifts_the_band(implementation, causal, window, lengths
                                position_offset=jnp.asarray(offsets))
 
     def attend(q, k, v):
-        return recompute_vjp.attention(implementation, cfg, q, k, v, None, masks)[0]
+        return recompute_vjp.attention(implementation, cfg, q, k, v, None, masks, dropout_sinks.SinksAndDropout())[0]
 
     out, vjp = jax.vjp(attend, q, k, v)
     dq, dk, dv = vjp(jnp.asarray(ct))

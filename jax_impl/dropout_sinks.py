@@ -34,7 +34,7 @@ _GOLDEN, _PRIME = 0x9E3779B1, 0x27D4EB2F
 _BITS = 24
 
 
-class Extras(NamedTuple):
+class SinksAndDropout(NamedTuple):
     """Traced inputs beyond q, k, v, bias and the mask (None when unused)."""
 
     sinks: jax.Array | None = None          # [Bs, Hs] float32, Bs in {1, B}, Hs in {1, Hq}
