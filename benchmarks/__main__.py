@@ -6,7 +6,7 @@ configurations, after checking each result against the float64 oracle; writes a 
 table, CSV, JSON, Markdown and PNG plots to --out (default
 ./flash_attention_results/benchmarks/<device>/, the device being "cpu" or the GPU's name
 slugified, e.g. nvidia-h200). Exit code 2 for a bad command line, before any work starts.
-A suite with a runner (``--suite sharded``) measures compiled programs instead: its runner
+A suite with a runner (``--suite sharded``, ``--suite dropout``) measures on its own: its runner
 writes its own files to the same folder.
 """
 from __future__ import annotations
@@ -206,7 +206,7 @@ def run_runner(suite, args, device: str) -> int:
     """A suite whose runner module replaces the timing run (no implementations, no oracle)."""
     import importlib
     if args.impl or args.heads or args.repeats or args.time_budget is not None:
-        raise UsageError(f"--suite {suite.name} measures compiled programs: it takes only "
+        raise UsageError(f"--suite {suite.name} has its own runner: it takes only "
                          "--out, --update-reference, --device and one --seq-lens value")
     lengths = args.seq_lens or ()
     if len(lengths) > 1:

@@ -1,13 +1,16 @@
-"""Cost of attention dropout on the default path: dropout 0.1 beside 0.0, forward and
-forward+backward (issue 13's goal: <= 1.3x). Not yet a suite of ``benchmarks.suites`` (its
-rows have no dropout column); run ``python -m benchmarks.dropout_cost``.
+"""``python -m benchmarks --suite dropout``: what attention dropout costs on the default path.
 
-Variants are timed interleaved (median of the repeats), so load from other jobs on a shared
-machine hits every variant alike.
+Dropout 0.1 (one pattern shared over batch and heads, Flax's default; and one per batch row and
+head) beside dropout 0.0, forward and forward+backward, B=1 H=8 D=64 fp32 at one length.
+Variants run interleaved, repeat after repeat, and each repeat gives one ratio per variant
+against the dropout-free call timed next to it; the report gives the median of those per-pair
+ratios with their quartiles, so load from other work hits both sides of a ratio alike.
+Writes bench_dropout.json and bench_dropout.md.
 """
 from __future__ import annotations
 
-import argparse
+import json
+import pathlib
 import time
 
 import jax
@@ -16,42 +19,65 @@ import numpy as np
 
 from jax_impl.flash_attention import flash_attention
 
-VARIANTS = {"dropout 0.0": dict(dropout_rate=0.0),
+NAME = "bench_dropout"
+BASELINE = "dropout 0.0"
+VARIANTS = {BASELINE: dict(dropout_rate=0.0),
             "dropout 0.1": dict(dropout_rate=0.1),
-            "dropout 0.1, per batch and head": dict(dropout_rate=0.1, broadcast_dropout=False)}
+            "dropout 0.1, per batch row and head": dict(dropout_rate=0.1, broadcast_dropout=False)}
+MODES = ("fwd", "fwd+bwd")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", type=int, nargs=4, default=(1, 8, 2048, 64), metavar=("B", "H", "L", "D"))
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args(argv)
-    b, h, length, d = args.shape
+def _compiled(kw):
+    attend = lambda q, k, v, key: flash_attention(q, k, v, dropout_rng=key, **kw)
+    loss = lambda q, k, v, key: jnp.sum(attend(q, k, v, key) * q)
+    return {"fwd": jax.jit(attend), "fwd+bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+
+
+def measure(length: int, repeats: int, heads: int = 8, head_dim: int = 64) -> dict:
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((b, length, h, d)), jnp.float32) for _ in range(3))
+    q, k, v = (jnp.asarray(rng.standard_normal((1, length, heads, head_dim)), jnp.float32) for _ in range(3))
     key = jax.random.key(0)
-    fns = {}
-    for name, kw in VARIANTS.items():
-        attend = lambda q, k, v, key, kw=kw: flash_attention(q, k, v, dropout_rng=key, **kw)
-        fns[name] = {"fwd": jax.jit(attend),
-                     "fwd+bwd": jax.jit(jax.grad(lambda q, k, v, key, f=attend: jnp.sum(f(q, k, v, key) * q),
-                                                 argnums=(0, 1, 2)))}
-    times = {(n, m): [] for n in fns for m in ("fwd", "fwd+bwd")}
-    for fn in (f for modes in fns.values() for f in modes.values()):
-        jax.block_until_ready(fn(q, k, v, key))  # compile
-    for _ in range(args.repeats):
-        for name, modes in fns.items():
-            for mode, fn in modes.items():
+    fns = {name: _compiled(kw) for name, kw in VARIANTS.items()}
+    for modes in fns.values():
+        for fn in modes.values():
+            jax.block_until_ready(fn(q, k, v, key))  # compile
+    seconds = {(name, mode): [] for name in fns for mode in MODES}
+    for _ in range(repeats):
+        for mode in MODES:
+            for name in fns:
                 start = time.perf_counter()
-                jax.block_until_ready(fn(q, k, v, key))
-                times[name, mode].append(time.perf_counter() - start)
-    print(f"B={b} H={h} L={length} D={d} float32, {jax.default_backend()}, median of {args.repeats}")
-    for mode in ("fwd", "fwd+bwd"):
-        base = np.median(times["dropout 0.0", mode])
+                jax.block_until_ready(fns[name][mode](q, k, v, key))
+                seconds[name, mode].append(time.perf_counter() - start)
+    rows = []
+    for mode in MODES:
+        base = np.asarray(seconds[BASELINE, mode])
         for name in fns:
-            t = np.median(times[name, mode])
-            print(f"{mode:8s} {name:34s} {t * 1e3:9.1f} ms  x{t / base:.2f}")
+            ratios = np.asarray(seconds[name, mode]) / base
+            rows.append(dict(mode=mode, variant=name, median_ms=1e3 * float(np.median(seconds[name, mode])),
+                             ratio_median=float(np.median(ratios)),
+                             ratio_q1=float(np.percentile(ratios, 25)),
+                             ratio_q3=float(np.percentile(ratios, 75))))
+    return dict(shape=dict(batch=1, heads=heads, length=length, head_dim=head_dim, dtype="float32"),
+                backend=jax.default_backend(), repeats=repeats, rows=rows)
 
 
-if __name__ == "__main__":
-    main()
+def _markdown(result: dict) -> str:
+    s = result["shape"]
+    lines = [f"# Attention dropout cost ({result['backend']}, B={s['batch']} H={s['heads']} "
+             f"L={s['length']} D={s['head_dim']} fp32, {result['repeats']} interleaved repeats)", "",
+             "| mode | variant | median time | ratio to dropout 0.0 (median of per-repeat ratios) | quartiles |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['mode']} | {r['variant']} | {r['median_ms']:.1f} ms | {r['ratio_median']:.2f}x "
+                     f"| {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_suite(out_dir, device: str, length: int = 2048, repeats: int = 15) -> list[pathlib.Path]:
+    del device  # the default backend: whatever JAX runs on
+    out_dir = pathlib.Path(out_dir)
+    result = measure(length, repeats)
+    (out_dir / f"{NAME}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / f"{NAME}.md").write_text(_markdown(result))
+    print(_markdown(result))
+    return [out_dir / f"{NAME}.json", out_dir / f"{NAME}.md"]

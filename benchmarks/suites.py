@@ -125,7 +125,16 @@ def _sharded() -> Suite:
         (), runner="benchmarks.sharded")
 
 
-SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _sharded())}
+def _dropout() -> Suite:
+    return Suite(
+        "dropout",
+        "attention dropout 0.1 (shared pattern, and per batch row and head) beside 0.0 on the "
+        "default path, forward and forward+backward, B=1 H=8 L=2048 D=64 fp32: median of "
+        "interleaved per-repeat ratios with quartiles",
+        (), runner="benchmarks.dropout_cost")
+
+
+SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _sharded(), _dropout())}
 
 
 def get_suite(name: str) -> Suite:
