@@ -1,4 +1,4 @@
-"""python -m benchmarks [--suite quick|course|sweep|gpu|sharded] [--impl NAME|module:function ...]
+"""python -m benchmarks [--suite quick|course|sweep|gpu|sharded|dropout] [--impl NAME|module:function ...]
 [--out DIR | --update-reference] [--device cpu|cuda]
 
 Times every implementation of the registry (conformance.registry) on the suite's

@@ -1,5 +1,5 @@
-"""SDPA wrappers (math and the CPU flash kernel) against manual attention, the course's
-checks, and what SDPA itself does for a fully masked row."""
+"""SDPA wrappers (math and the CPU flash kernel) against manual attention, the
+reference checks, and what SDPA itself does for a fully masked row."""
 
 import numpy as np
 import pytest
