@@ -95,14 +95,12 @@ def initial_stats(sink, shape):
     return sink, jnp.where(sink > -jnp.inf, 1.0, 0.0).astype(jnp.float32)
 
 
-def sink_gradient(sinks, stats, delta):
-    """d sinks ``[Bs, Hs]`` from the row statistics ``[B, Hq, Lq]`` and delta = rowsum(dO * O)
-    - d(lse): out and lse depend on the sink only through P_sink = exp(sink - lse)."""
-    lse = jnp.where(stats.max == jnp.inf, -jnp.inf, stats.max + stats.log_sum)
+def sink_gradient(sinks, lse, delta):
+    """d sinks ``[B, Hq]`` (before summing over the sinks' broadcast axes) from the logsumexp
+    and delta = rowsum(dO * O) - d(lse), each ``[B, Hq, Lq]``: out and lse depend on the sink
+    only through P_sink = exp(sink - lse)."""
     p_sink = jnp.exp(sinks.astype(jnp.float32)[:, :, None] - lse)  # lse >= sink: <= 1
-    grad = -jnp.sum(p_sink * delta, axis=-1)                       # [B, Hq]
-    axes = tuple(a for a, n in enumerate(sinks.shape) if n == 1 and grad.shape[a] != 1)
-    return (jnp.sum(grad, axis=axes, keepdims=True) if axes else grad).astype(sinks.dtype)
+    return -jnp.sum(p_sink * delta, axis=-1)
 
 
 def dropout_mask(rng, shape, rate: float, *, broadcast_dropout: bool = True):

@@ -252,18 +252,7 @@ def _sinks(sinks, batch_shape, hq):
     sinks = jnp.asarray(sinks)
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
         raise TypeError(f"attention_sinks must be floating point; got {sinks.dtype}")
-    full = batch_shape + (hq,)
-    try:
-        if sinks.ndim > len(full):
-            raise ValueError
-        jnp.broadcast_shapes(sinks.shape, full)
-    except ValueError:
-        raise ValueError(f"attention_sinks.shape={sinks.shape} must broadcast to [batch..., Hq] = "
-                         f"{full}") from None
-    sinks = sinks.reshape((1,) * (len(full) - sinks.ndim) + sinks.shape)
-    batch_is_broadcast = all(n == 1 for n in sinks.shape[:-1])
-    target = ((1,) * len(batch_shape) if batch_is_broadcast else batch_shape) + sinks.shape[-1:]
-    return jnp.broadcast_to(sinks, target).reshape(-1, sinks.shape[-1])
+    return _per_batch_and_head("attention_sinks", sinks, batch_shape, hq, ())
 
 
 def _window(local_window_size):
@@ -295,9 +284,8 @@ def _lengths(name, lengths, batch_shape, seq_len):
             raise ValueError(f"{name} must lie in [0, {seq_len}]; got values in "
                              f"[{values.min()}, {values.max()}]")
         return jnp.asarray(values.reshape(b), jnp.int32)
-    if jnp.iinfo(lengths.dtype).max > jnp.iinfo(jnp.int32).max:
-        lengths = jnp.clip(lengths, 0, seq_len)  # before the int32 cast, which could wrap
-    return jnp.clip(lengths.reshape(b).astype(jnp.int32), 0, seq_len)
+    # Clamped before the int32 cast, which could wrap a traced int64 length.
+    return jnp.clip(lengths, 0, seq_len).reshape(b).astype(jnp.int32)
 
 
 def _concrete(x):
@@ -321,11 +309,7 @@ def _segment_ids(name, ids, batch_shape, seq_len):
 
 
 def _pairwise(name, x, full_shape, *, is_mask):
-    """A mask/bias broadcastable to [..., Hq, Lq, Lk] -> [Bx, Hx, Lq, Lk], Bx in {1, B}, Hx in {1, Hq}.
-
-    The sequence axes are materialised (the kernels read [Lq, Lk] tiles); batch and head axes
-    stay broadcast when they were.
-    """
+    """A mask/bias broadcastable to [..., Hq, Lq, Lk] -> [Bx, Hx, Lq, Lk] (_per_batch_and_head)."""
     if x is None:
         return None
     x = jnp.asarray(x)
@@ -334,19 +318,25 @@ def _pairwise(name, x, full_shape, *, is_mask):
                         "float mask as bias")
     if not is_mask and not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"bias.dtype={x.dtype} must be floating (it is added to the logits)")
+    return _per_batch_and_head(name, x, full_shape[:-3], full_shape[-3], full_shape[-2:])
+
+
+def _per_batch_and_head(name, x, batch_shape, hq, seq_shape):
+    """x broadcastable to ``[batch..., Hq, *seq_shape]`` -> ``[Bx, Hx, *seq_shape]``, Bx in
+    {1, B}, Hx in {1, Hq}: batch and head axes stay broadcast when they were, the sequence axes
+    are materialised (the kernels read [Lq, Lk] tiles)."""
+    full = batch_shape + (hq,) + seq_shape
     try:
-        np.broadcast_shapes(x.shape, full_shape)
-        if x.ndim > len(full_shape) or np.broadcast_shapes(x.shape, full_shape) != full_shape:
+        if x.ndim > len(full) or np.broadcast_shapes(x.shape, full) != full:
             raise ValueError
     except ValueError:
-        raise ValueError(f"{name}.shape={x.shape} must broadcast to [batch..., Hq, Lq, Lk] = "
-                         f"{full_shape}") from None
-    x = x.reshape((1,) * (len(full_shape) - x.ndim) + x.shape)
-    batch_ndim = len(full_shape) - 3
-    batch_is_broadcast = all(n == 1 for n in x.shape[:batch_ndim])
-    hx = x.shape[batch_ndim]
-    target = ((1,) * batch_ndim if batch_is_broadcast else full_shape[:batch_ndim]) + (hx,) + full_shape[-2:]
-    x = jnp.broadcast_to(x, target)
+        axes = ", ".join(("Hq", "Lq", "Lk")[:1 + len(seq_shape)])
+        raise ValueError(f"{name}.shape={x.shape} must broadcast to [batch..., {axes}] = "
+                         f"{full}") from None
+    x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
+    batch_ndim = len(batch_shape)
+    batch = (1,) * batch_ndim if all(n == 1 for n in x.shape[:batch_ndim]) else batch_shape
+    x = jnp.broadcast_to(x, batch + (x.shape[batch_ndim],) + seq_shape)
     return x.reshape((-1,) + x.shape[batch_ndim:])
 
 

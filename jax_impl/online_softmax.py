@@ -63,6 +63,14 @@ def row_poison(x):
     return jnp.where(bad_row, jnp.nan, 0.0)
 
 
+def excluded_nonfinite(q, k, v):
+    """The non-finite rule on one masked tile: q ``[..., Tq, D]``, k/v ``[..., Tk, D]`` (leading
+    axes broadcastable) -> (NaN-or-0 poison ``[..., Tq, Tk]`` to add to S, and q, k, v with
+    their non-finite entries as 0)."""
+    poison = row_poison(q)[..., :, None] + (row_poison(k) + row_poison(v))[..., None, :]
+    return (poison, *map(finite_or_zero, (q, k, v)))
+
+
 def online_step(row_max, row_sum, s, allowed):
     """Algorithm 1, lines 8-10: fold one key tile into the running (m, l) and return P.
 

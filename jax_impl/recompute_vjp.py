@@ -35,7 +35,8 @@ def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
 
 
 def _reduce_to(grad, shape):
-    """Sum a [B, Hq, Lq, Lk] gradient over the axes the bias was broadcast along."""
+    """Sum a gradient ([B, Hq, Lq, Lk] of the bias, [B, Hq] of the sinks) over the axes the
+    input was broadcast along."""
     axes = tuple(a for a, n in enumerate(shape) if n == 1 and grad.shape[a] != 1)
     return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad
 
@@ -53,8 +54,10 @@ def _attention_bwd(implementation, cfg, residuals, cotangents):
         dbias = _reduce_to(dbias, bias.shape).astype(bias.dtype)
     mask_cotangents = jax.tree.map(lambda _: None, masks)
     # Sinks need no kernel: their gradient follows from the row statistics and delta.
-    d_extras = jax.tree.map(lambda _: None, extras)._replace(
-        sinks=None if extras.sinks is None else dropout_sinks.sink_gradient(extras.sinks, stats, delta))
+    d_sinks = None if extras.sinks is None else _reduce_to(
+        dropout_sinks.sink_gradient(extras.sinks, online_softmax.logsumexp(stats), delta),
+        extras.sinks.shape).astype(extras.sinks.dtype)
+    d_extras = jax.tree.map(lambda _: None, extras)._replace(sinks=d_sinks)
     return dq, dk, dv, dbias, mask_cotangents, d_extras
 
 

@@ -8,7 +8,6 @@ tile.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -122,10 +121,10 @@ class _Tiles:
         allowed = masking.allowed(self.spec, rows, cols, self.q_len, self.kv_len, *segments,
                                   None if self.mask is None else self._pair_tile(self.mask, i, j),
                                   structural=masked, position_offset=self.offset)
-        if allowed is not None:
-            poison = (online_softmax.row_poison(q_tile)[..., :, None]
-                      + (online_softmax.row_poison(k_tile) + online_softmax.row_poison(v_tile))[:, :, None, None, :])
-            q_tile, k_tile, v_tile = map(online_softmax.finite_or_zero, (q_tile, k_tile, v_tile))
+        if allowed is not None:  # k/v [B, Hkv, bk, D] take the query group axis for the rule
+            poison, q_tile, k_tile, v_tile = online_softmax.excluded_nonfinite(
+                q_tile, k_tile[:, :, None], v_tile[:, :, None])
+            k_tile, v_tile = k_tile[:, :, 0], v_tile[:, :, 0]
         qk = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
                         preferred_element_type=jnp.float32)
         bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
@@ -203,6 +202,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     delta, row_max, log_sum = grouped(delta), grouped(stats.max), grouped(stats.log_sum)
     d_out = t.to_heads(_pad_axis(d_out, 1, t.lq_pad))
     stats_tile = lambda x, i: lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=3)
+    axes = vma.axes_of(q, k, v, bias, masks, stats, d_out, delta)  # as in forward
 
     def key_tile(j, grads):
         dq, dk, dv, dbias = grads
@@ -240,7 +240,6 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
         dv = lax.dynamic_update_slice_in_dim(dv, dv_tile.astype(v.dtype), j * block_k, axis=2)
         return dq, dk, dv, dbias
 
-    axes = vma.axes_of(q, k, v, bias, masks, stats, d_out, delta)  # as in forward
     grads = vma.like((jnp.zeros(t.q.shape, jnp.float32), jnp.zeros(t.k.shape, k.dtype),
                       jnp.zeros(t.v.shape, v.dtype),
                       None if bias is None else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32)),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -52,7 +51,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
                 position_offset=offset)
             k_tile, v_tile = k, v
             if allowed is not None:
-                poison, q, k_tile, v_tile = common.excluded_nonfinite(q, k, v)
+                poison, q, k_tile, v_tile = online_softmax.excluded_nonfinite(q, k, v)
             qk = common.dot(q, k_tile, cfg.precision, trans_b=True)   # [bq, bk]
             bias = None if bias_ref is None else bias_ref[per_head(bias_ref, g), queries, :]
             s, capped = online_softmax.logits(qk, cfg, bias)
@@ -98,7 +97,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
             structural=masked, position_offset=offset)
         q_tile, k, v = q, k_ref[keys, :], v_ref[keys, :]
         if allowed is not None:
-            poison, q_tile, k, v = common.excluded_nonfinite(q_tile, k, v)
+            poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
         qk = common.dot(q_tile, k, cfg.precision, trans_b=True)
         s, capped = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         if allowed is not None:

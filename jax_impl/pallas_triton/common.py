@@ -9,7 +9,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import ad, batching, mlir
 
-from jax_impl import dropout_sinks, online_softmax
+from jax_impl import dropout_sinks
 
 
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
@@ -22,14 +22,6 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     precision = precision if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
                            precision=precision, preferred_element_type=jnp.float32)
-
-
-def excluded_nonfinite(q, k, v):
-    """online_softmax's non-finite rule on one masked tile: q [bq, Dp], k/v [bk, Dp] ->
-    (NaN-or-0 poison [bq, bk] to add to S, and q, k, v with non-finite entries as 0)."""
-    poison = online_softmax.row_poison(q)[:, None] + (
-        online_softmax.row_poison(k) + online_softmax.row_poison(v))[None, :]
-    return (poison, *map(online_softmax.finite_or_zero, (q, k, v)))
 
 
 def broadcast_index(x, axis: int, index):

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_impl import dropout_sinks, masking, online_softmax
@@ -42,7 +40,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
             position_offset=offset)
         q_tile, k, v = q, k_ref[keys, :], v_ref[keys, :]
         if allowed is not None:
-            poison, q_tile, k, v = common.excluded_nonfinite(q_tile, k, v)
+            poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
         qk = common.dot(q_tile, k, cfg.precision, trans_b=True)       # [bq, bk]
         s, _ = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         if allowed is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from conformance import tolerance

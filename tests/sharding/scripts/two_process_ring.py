@@ -13,7 +13,6 @@ process_id, port = int(sys.argv[1]), int(sys.argv[2])
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
                            process_id=process_id)
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
