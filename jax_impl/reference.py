@@ -26,7 +26,7 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     groups = hq // hkv
     # online_softmax's non-finite rule, densely: compute with non-finite entries as 0 and give
     # NaN logits to the pairs whose query row or key row (K or V) holds one.
-    row_poison = lambda x: jnp.where(jnp.all(online_softmax.is_finite(x), axis=-1), 0.0, jnp.nan)
+    row_poison = online_softmax.row_poison
     q_poison = jnp.swapaxes(row_poison(q), 1, 2)                        # [B, Hq, Lq]
     kv_poison = jnp.repeat(jnp.swapaxes(row_poison(k) + row_poison(v), 1, 2), groups, axis=1)
     q, k, v = map(online_softmax.finite_or_zero, (q, k, v))
