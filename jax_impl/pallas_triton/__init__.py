@@ -38,7 +38,7 @@ def _padded_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInpu
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
     lq, d = q.shape[1], q.shape[3]
-    layout = Layout.create(lq, k.shape[1], d, q.dtype, cfg.block_sizes)
+    layout = Layout.create(lq, k.shape[1], d, q.dtype, cfg.block_sizes, cfg.mask.is_causal)
     cfg, qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
     extras = extras or SinksAndDropout()
     out, row_max, log_sum = forward_call(cfg, layout, qp, kp, vp, padded_masks, mask, bias,
@@ -49,7 +49,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
 def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, extras=None):
     """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] f32 or None)."""
     lq, d, lk = q.shape[1], q.shape[3], k.shape[1]
-    layout = Layout.create(lq, lk, d, q.dtype, cfg.block_sizes)
+    layout = Layout.create(lq, lk, d, q.dtype, cfg.block_sizes, cfg.mask.is_causal)
     cfg, qp, kp, vp, padded_masks, mask, bias = _padded_operands(cfg, layout, q, k, v, bias, masks)
     pad_rows = lambda x: layout.pad(x, 2, layout.lq_pad)
     axes = vma.axes_of(qp, d_out, stats, delta)

@@ -1,12 +1,20 @@
-"""Default tile sizes of the Pallas kernels, per head dim and dtype.
+"""Default tile sizes of the Pallas kernels, per head dim, dtype and causality, and their
+shared-memory footprint.
 
-Shared memory bounds the tiles: a [block, head_dim] tile of K and of V per pipeline stage,
-so wide heads and 4-byte inputs take smaller tiles. Short sequences clip the tiles to the
-next power of two (never below 16, Triton's dot minimum) instead of padding to a full tile.
+The tiles come from ``tuned_blocks.json`` (the winners of ``benchmarks/tune_blocks.py``, timed
+on a GPU) when it has an entry for the (head-dim class, dtype, causal) of a call, else from
+``rule_block_sizes``. The rule was chosen with the compile report (``python -m
+jax_impl.pallas_triton.compile_report``, table in benchmarks/results/compile_report.md):
+16-bit tiles whose every dot has M >= 64, so that Hopper runs it with ``wgmma``, that compile with
+no register spills and fit the shared-memory budget. Short sequences clip the tiles to the next
+power of two (never below 16, Triton's dot minimum) instead of padding to a full tile.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import json
+import pathlib
 
 import numpy as np
 
@@ -14,6 +22,10 @@ from jax_impl.config import BlockSizes
 
 MIN_BLOCK = 16
 MAX_HEAD_DIM = 256
+# Shared memory one thread block may use on sm_90 (H100/H200): 227 KiB.
+SHARED_MEMORY_BUDGET = 232448
+TUNED_BLOCKS_FILE = pathlib.Path(__file__).with_name("tuned_blocks.json")
+KERNELS = ("forward", "dkdv", "dq")
 
 
 def next_power_of_two(n: int) -> int:
@@ -24,19 +36,50 @@ def padded_head_dim(head_dim: int) -> int:
     return max(MIN_BLOCK, next_power_of_two(head_dim))
 
 
-def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
-    """The unclipped tiles for one (head_dim, dtype) class."""
-    d = padded_head_dim(head_dim)
-    wide = np.dtype(dtype).itemsize >= 4
-    if d <= 64 and not wide:
-        return BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4, num_warps_bwd=4, num_stages=3)
-    if d <= 128 and not wide:
-        return BlockSizes(128, 64, 32, 64, 64, 32, num_warps=8, num_warps_bwd=8, num_stages=2)
-    if d <= 64:  # fp32, small heads
+def head_dim_class(head_dim: int) -> int:
+    """64 (D <= 64), 128 or 256: the classes the tiles are chosen for."""
+    return max(64, padded_head_dim(head_dim))
+
+
+def rule_block_sizes(head_dim: int, dtype) -> BlockSizes:
+    """The unclipped tiles for one (head-dim class, dtype) when no tuned entry exists.
+
+    Dots' M: forward block_q (QK^T, PV); dK/dV block_q_dkv (QK^T, dO V^T) and block_k_dkv
+    (P^T dO, dS^T Q); dQ block_q_dq. 16-bit tiles keep all of them >= 64 (wgmma).
+    fp32 dots run on FMA units (precision HIGHEST, no TF32): small tiles spill least.
+    """
+    d = head_dim_class(head_dim)
+    if np.dtype(dtype).itemsize == 2:
+        if d == 64:
+            return BlockSizes(128, 128, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=3)
+        if d == 128:
+            return BlockSizes(128, 64, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=2)
+        return BlockSizes(64, 64, 64, 64, 64, 64, num_warps=4, num_warps_bwd=8, num_stages=1)
+    if d == 64:
         return BlockSizes(64, 64, 32, 64, 64, 32, num_warps=4, num_warps_bwd=4, num_stages=2)
-    if d <= 128:
+    if d == 128:
         return BlockSizes(64, 32, 32, 32, 32, 32, num_warps=4, num_warps_bwd=4, num_stages=2)
     return BlockSizes(32, 32, 16, 32, 32, 16, num_warps=4, num_warps_bwd=4, num_stages=1)
+
+
+def default_block_sizes(head_dim: int, dtype, causal: bool = False, table: dict | None = None) -> BlockSizes:
+    """The unclipped tiles for one call: the tuned entry if there is one, else the rule."""
+    table = tuned_block_sizes() if table is None else table
+    tuned = table.get((head_dim_class(head_dim), np.dtype(dtype).name, bool(causal)))
+    return tuned or rule_block_sizes(head_dim, dtype)
+
+
+def read_tuned_table(path) -> dict:
+    """{(head-dim class, dtype name, causal): BlockSizes} from a tuned_blocks.json."""
+    with open(path) as f:
+        entries = json.load(f)["entries"]
+    return {(e["head_dim"], np.dtype(e["dtype"]).name, bool(e["causal"])): BlockSizes(**e["block_sizes"])
+            for e in entries}
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_block_sizes() -> dict:
+    return read_tuned_table(TUNED_BLOCKS_FILE) if TUNED_BLOCKS_FILE.exists() else {}
 
 
 def clip_block(block: int, length: int) -> int:
@@ -44,8 +87,52 @@ def clip_block(block: int, length: int) -> int:
 
 
 def all_default_configs():
-    """Every BlockSizes the heuristic can return, with a (head_dim, dtype) that selects it."""
+    """Every BlockSizes the heuristic can return, with a (head_dim, dtype, causal) that selects it."""
     configs = {}
-    for head_dim, dtype in itertools.product((16, 64, 128, 256), ("float32", "bfloat16", "float16")):
-        configs.setdefault(default_block_sizes(head_dim, dtype), (head_dim, dtype))
+    for head_dim, dtype, causal in itertools.product(
+            (16, 64, 128, 256), ("float32", "bfloat16", "float16"), (False, True)):
+        configs.setdefault(default_block_sizes(head_dim, dtype, causal), (head_dim, dtype, causal))
     return configs
+
+
+# --- shared memory ---------------------------------------------------------------------------
+# Fitted to what Triton 3.8 allocates for these kernels on sm_90a (the compile report's
+# `shared`), as an upper bound: tests/jax_impl/test_compile_report.py checks it against every
+# default configuration and a few user ones. Per kernel, in elements of the input dtype:
+# tiles loaded once, one output tile for the epilogue, and `num_stages` copies of the tiles
+# the loop streams (num_stages=1: one copy, no pipelining).
+SCRATCH_ALLOWANCE = 4096  # bytes: reductions and layout conversions of fp32 / mma.sync code
+
+
+def shared_memory_estimate(kernel: str, head_dim: int, dtype, blocks: BlockSizes) -> int:
+    """Bytes of shared memory one program of ``kernel`` ("forward", "dkdv", "dq") needs."""
+    d, size = padded_head_dim(head_dim), np.dtype(dtype).itemsize
+    stages = max(1, blocks.num_stages)
+    if kernel == "forward":  # Q and the O epilogue; K and V streamed
+        bq, bk = blocks.block_q, blocks.block_k
+        tiles = 2 * bq * d + stages * 2 * bk * d
+        row_stats = 0
+    elif kernel == "dkdv":  # K, V and the dK, dV epilogues; Q, dO (+ 3 fp32 row vectors) streamed; P^T
+        bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
+        tiles = 4 * bk * d + stages * 2 * bq * d + bk * bq
+        row_stats = stages * 3 * bq * 4
+    elif kernel == "dq":  # Q, dO and the dQ epilogue; K and V streamed
+        bq, bk = blocks.block_q_dq, blocks.block_k_dq
+        tiles = 3 * bq * d + stages * 2 * bk * d
+        row_stats = 0
+    else:
+        raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+    return tiles * size + row_stats + SCRATCH_ALLOWANCE
+
+
+def check_shared_memory(head_dim: int, dtype, blocks: BlockSizes, requested: BlockSizes) -> None:
+    """Refuse ``requested`` (the user's block_sizes) when a kernel's tiles (``blocks``, clipped
+    to the sequence) overflow SHARED_MEMORY_BUDGET: Triton would fail at launch."""
+    for kernel in KERNELS:
+        need = shared_memory_estimate(kernel, head_dim, dtype, blocks)
+        if need > SHARED_MEMORY_BUDGET:
+            raise ValueError(
+                f"block_sizes={requested} needs about {need} bytes ({need / 1024:.0f} KiB) of shared "
+                f"memory in the {kernel} kernel at head_dim={head_dim}, dtype={np.dtype(dtype).name}; "
+                f"the budget is {SHARED_MEMORY_BUDGET} bytes ({SHARED_MEMORY_BUDGET // 1024} KiB per "
+                "block on H100/H200): use smaller tiles or fewer num_stages")

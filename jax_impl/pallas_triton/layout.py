@@ -27,14 +27,19 @@ class Layout:
     blocks: BlockSizes  # already clipped to the sequence lengths
 
     @classmethod
-    def create(cls, lq: int, lk: int, head_dim: int, dtype, blocks: BlockSizes | None):
-        blocks = blocks or heuristics.default_block_sizes(head_dim, dtype)
+    def create(cls, lq: int, lk: int, head_dim: int, dtype, blocks: BlockSizes | None,
+               causal: bool = False):
+        """The clipped tiles of one call; user ``blocks`` that overflow shared memory are refused."""
+        requested = blocks
+        blocks = blocks or heuristics.default_block_sizes(head_dim, dtype, causal)
         clip_q = lambda b: heuristics.clip_block(b, lq)
         clip_k = lambda b: heuristics.clip_block(b, lk)
         clipped = dataclasses.replace(
             blocks, block_q=clip_q(blocks.block_q), block_k=clip_k(blocks.block_k),
             block_q_dkv=clip_q(blocks.block_q_dkv), block_k_dkv=clip_k(blocks.block_k_dkv),
             block_q_dq=clip_q(blocks.block_q_dq), block_k_dq=clip_k(blocks.block_k_dq))
+        if requested is not None:
+            heuristics.check_shared_memory(head_dim, dtype, clipped, requested)
         return cls(lq, lk, head_dim, clipped)
 
     @property

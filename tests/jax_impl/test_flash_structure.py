@@ -115,9 +115,9 @@ HEURISTIC_CONFIGS = list(heuristics.all_default_configs().items())
 
 @pytest.mark.parametrize("features", FEATURES)
 @pytest.mark.parametrize("config, selector", HEURISTIC_CONFIGS,
-                         ids=[f"d{d}-{t}" for _, (d, t) in HEURISTIC_CONFIGS])
+                         ids=[f"d{d}-{t}{'-causal' if c else ''}" for _, (d, t, c) in HEURISTIC_CONFIGS])
 def test_every_heuristic_config_lowers_to_triton_for_cuda(config, selector, features):
-    head_dim, dtype = selector
+    head_dim, dtype, _ = selector
     length = 2 * max(config.block_q, config.block_k)  # long enough that no tile is clipped
     module = _export_gradients(head_dim, dtype, length, length + 3, FEATURES[features])
     kernels = re.findall(r'name = "(flash_attention_\w+)"', module)

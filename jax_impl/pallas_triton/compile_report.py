@@ -1,0 +1,292 @@
+"""What the Pallas kernels compile to on an H100/H200 (sm_90a), measured without a GPU.
+
+    python -m jax_impl.pallas_triton.compile_report [--out DIR] [--head-dim 64 ...]
+        [--dtype bfloat16 ...] [--block-sizes 128,64,64,128,128,64[,warps,warps_bwd,stages]]
+        [--causal both|yes|no]
+
+For each configuration: lower forward + backward of ``flash_attention`` for CUDA, take each
+Triton kernel's TTIR out of its XLA custom call, compile it with pip ``triton`` (an optional
+dependency, in the ``test`` extra) to PTX and an sm_90a cubin, and read ``ptxas -v``: registers,
+spill bytes, shared memory (beside ``heuristics.shared_memory_estimate``), and which MMA
+instruction the dots became (Hopper's ``wgmma`` or the older ``mma.sync``).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from jax_impl.config import BlockSizes
+from jax_impl.pallas_triton import heuristics
+
+KERNELS = ("flash_attention_forward", "flash_attention_backward_dkdv", "flash_attention_backward_dq")
+SHORT_NAMES = dict(zip(KERNELS, ("forward", "dkdv", "dq")))
+SEQ_LEN = 4096  # long enough that no default tile is clipped; the benchmarks' length
+MISSING_TRITON = ("the compile report needs pip `triton` (its NVIDIA backend compiles the kernels "
+                  "without a GPU): pip install 'triton==3.8.0' or the package's `test` extra")
+REGENERATE = "python -m jax_impl.pallas_triton.compile_report --out benchmarks/results/compile_report"
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernel:
+    name: str        # one of KERNELS
+    ttir: str        # Triton IR, as text
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass
+class KernelFacts:
+    head_dim: int
+    dtype: str
+    causal: bool
+    block_sizes: tuple       # BlockSizes fields, in order
+    kernel: str              # forward, dkdv or dq
+    num_warps: int
+    num_stages: int
+    dots: list               # [M, N, K, operand dtype] of each tt.dot in the TTIR
+    shared_estimate: int     # bytes, heuristics.shared_memory_estimate
+    ptxas_ok: bool = False
+    error: str = ""
+    registers: int | None = None
+    spill_stores: int | None = None   # bytes
+    spill_loads: int | None = None
+    shared: int | None = None         # bytes, Triton's allocation (the kernel's static smem)
+    wgmma: int = 0                    # wgmma.mma_async instructions in the PTX
+    mma_sync: int = 0                 # mma.sync instructions
+
+
+# --- TTIR extraction ------------------------------------------------------------------------
+
+def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal: bool,
+                   seq_len: int = SEQ_LEN) -> list[TritonKernel]:
+    """The three kernels of forward + backward at [1, seq_len, 2, head_dim], lowered for CUDA."""
+    from jax.interpreters.mlir import ir
+    from jax_impl.flash_attention import flash_attention
+
+    def loss(q, k, v):
+        out = flash_attention(q, k, v, is_causal=causal, implementation="pallas_triton",
+                              block_sizes=block_sizes)
+        return jnp.sum(out.astype(jnp.float32))
+
+    shape = jax.ShapeDtypeStruct((1, seq_len, 2, head_dim), jnp.dtype(dtype))
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(shape, shape, shape).lower(
+        lowering_platforms=("cuda",))
+    found = {}
+
+    def visit(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    child = child.operation
+                    if child.name == "stablehlo.custom_call" and "triton" in ir.StringAttr(
+                            child.attributes["call_target_name"]).value:
+                        config = child.attributes["mhlo.backend_config"]
+                        name = ir.StringAttr(config["name"]).value
+                        found[name] = TritonKernel(
+                            name, _ttir_text(ir.StringAttr(config["ir"]).value_bytes),
+                            ir.IntegerAttr(config["num_warps"]).value,
+                            ir.IntegerAttr(config["num_stages"]).value)
+                    visit(child)
+
+    visit(lowered.compiler_ir().operation)
+    return [found[name] for name in KERNELS]
+
+
+def _triton():
+    try:
+        import triton
+    except ImportError as e:
+        raise ImportError(MISSING_TRITON) from e
+    return triton
+
+
+def _target():
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("cuda", 90, 32)  # sm_90a: H100 / H200
+
+
+def _ttir_text(bytecode: bytes) -> str:
+    """Pallas stores the TTIR as MLIR bytecode; triton.compile reads it as text."""
+    _triton()
+    from triton._C.libtriton import ir as tir  # no public parser of bytecode
+    from triton.compiler import make_backend
+    context = tir.context()
+    tir.load_dialects(context)
+    make_backend(_target()).load_dialects(context)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.mlirbc")
+        with open(path, "wb") as f:
+            f.write(bytecode)
+        return str(tir.parse_mlir_module(path, context))
+
+
+_DOT = re.compile(r"tt\.dot .*?: tensor<(\d+)x(\d+)x(\w+)> \* tensor<\d+x(\d+)x\w+> -> tensor<")
+
+
+def dot_shapes(ttir: str) -> list[list]:
+    """[M, N, K, operand dtype] of every tt.dot (M x K times K x N)."""
+    return [[int(m), int(n), int(k), t] for m, k, t, n in _DOT.findall(ttir)]
+
+
+# --- compile and ptxas ----------------------------------------------------------------------
+
+def compile_kernel(kernel: TritonKernel) -> dict:
+    """Triton to PTX for sm_90a, then ptxas -v: the measured facts, or the error."""
+    triton = _triton()
+    facts = dict(ptxas_ok=False, error="")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, f"{kernel.name}.ttir")
+        with open(source, "w") as f:
+            f.write(kernel.ttir)
+        try:
+            compiled = triton.compile(source, target=_target(), options=dict(
+                num_warps=kernel.num_warps, num_stages=kernel.num_stages))
+        except Exception as e:  # a compile failure is a result of the report
+            facts["error"] = f"triton: {type(e).__name__}: {str(e).strip()[-300:]}"
+            return facts
+        ptx = compiled.asm["ptx"]
+        facts.update(shared=int(compiled.metadata.shared),
+                     wgmma=len(re.findall(r"\bwgmma\.mma_async\.", ptx)),
+                     mma_sync=len(re.findall(r"\bmma\.sync\.", ptx)))
+        ptx_path = os.path.join(tmp, "kernel.ptx")
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([_ptxas(triton), "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a",
+                              ptx_path, "-o", ptx_path + ".cubin"], capture_output=True, text=True)
+    facts.update(parse_ptxas(run.stderr + run.stdout))
+    facts["ptxas_ok"] = run.returncode == 0 and facts.get("registers") is not None
+    if not facts["ptxas_ok"]:
+        facts["error"] = f"ptxas exit {run.returncode}: {run.stderr.strip()[-300:]}"
+    return facts
+
+
+def _ptxas(triton) -> str:
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+    if knobs is not None:
+        return knobs.nvidia.ptxas.path
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def parse_ptxas(log: str) -> dict:
+    """Registers and spill bytes from ``ptxas -v`` output."""
+    facts = {}
+    if m := re.search(r"Used (\d+) registers", log):
+        facts["registers"] = int(m.group(1))
+    if m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log):
+        facts["spill_stores"], facts["spill_loads"] = int(m.group(1)), int(m.group(2))
+    return facts
+
+
+# --- the report -----------------------------------------------------------------------------
+
+def default_configs(causal_values=(False, True)) -> list[tuple[int, str, bool, BlockSizes]]:
+    """Every shipped default: D=64, 128, 256 in bf16, fp16 and fp32."""
+    return [(head_dim, dtype, causal, heuristics.default_block_sizes(head_dim, dtype, causal))
+            for dtype in ("bfloat16", "float16", "float32") for head_dim in (64, 128, 256)
+            for causal in causal_values]
+
+
+def report(configs, workers: int | None = None) -> list[KernelFacts]:
+    """Lower every configuration here, compile its kernels in a pool of processes."""
+    rows, jobs = [], []
+    for head_dim, dtype, causal, blocks in configs:
+        for kernel in triton_kernels(head_dim, dtype, blocks, causal):
+            rows.append(KernelFacts(
+                head_dim, str(jnp.dtype(dtype)), causal, dataclasses.astuple(blocks),
+                SHORT_NAMES[kernel.name], kernel.num_warps, kernel.num_stages,
+                dot_shapes(kernel.ttir),
+                heuristics.shared_memory_estimate(SHORT_NAMES[kernel.name], head_dim, dtype, blocks)))
+            jobs.append(kernel)
+    _triton()
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    # spawn: the workers need only triton, not a forked copy of JAX's threads
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for row, facts in zip(rows, pool.map(compile_kernel, jobs)):
+            for field, value in facts.items():
+                setattr(row, field, value)
+    return rows
+
+
+def _kib(n):
+    return "" if n is None else f"{n / 1024:.0f}"
+
+
+def markdown(rows: list[KernelFacts]) -> str:
+    lines = [
+        "# Compiled Pallas kernels on sm_90a (H100/H200), measured without a GPU",
+        "",
+        f"Regenerate: `{REGENERATE}` (needs pip `triton`; about a minute).",
+        f"Shapes: B=1, L={SEQ_LEN}, 2 heads, forward + backward of `flash_attention`. Shared memory "
+        f"budget: {heuristics.SHARED_MEMORY_BUDGET} bytes = "
+        f"{heuristics.SHARED_MEMORY_BUDGET // 1024} KiB per block (`heuristics.SHARED_MEMORY_BUDGET`).",
+        "Tiles: block_q, block_k, block_q_dkv, block_k_dkv, block_q_dq, block_k_dq / warps fwd, bwd / stages.",
+        "",
+        "| D | dtype | causal | tiles | kernel | dots M | regs | spill st/ld B | smem KiB | est. KiB | wgmma | mma.sync | ptxas |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tiles = ",".join(map(str, r.block_sizes[:6])) + "/" + "%d,%d/%d" % r.block_sizes[6:]
+        spills = "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
+        ms = ",".join(sorted({str(d[0]) for d in r.dots}, key=int))
+        lines.append(f"| {r.head_dim} | {r.dtype} | {'yes' if r.causal else 'no'} | {tiles} | {r.kernel} | "
+                     f"{ms} | {r.registers or ''} | {spills} | {_kib(r.shared)} | {_kib(r.shared_estimate)} | "
+                     f"{r.wgmma} | {r.mma_sync} | {'ok' if r.ptxas_ok else 'FAIL ' + r.error[:80]} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_block_sizes(text: str) -> BlockSizes:
+    values = [int(x) for x in text.split(",")]
+    if len(values) not in (6, 9):
+        raise argparse.ArgumentTypeError(
+            "--block-sizes takes 6 tile sizes, optionally followed by num_warps,num_warps_bwd,num_stages")
+    return BlockSizes(*values)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_impl.pallas_triton.compile_report",
+                                     description=__doc__.split("\n\n")[-1])
+    parser.add_argument("--head-dim", type=int, action="append", help="adds configurations (with --dtype)")
+    parser.add_argument("--dtype", action="append", help="bfloat16, float16 or float32")
+    parser.add_argument("--block-sizes", type=parse_block_sizes,
+                        help="user tiles for the --head-dim/--dtype configurations (default: the heuristic)")
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--no-defaults", action="store_true", help="only the configurations given")
+    parser.add_argument("--out", help="writes DIR.json and DIR.md (a path without extension)")
+    parser.add_argument("--workers", type=int)
+    args = parser.parse_args(argv)
+    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    configs = [] if args.no_defaults else default_configs(causal_values)
+    for head_dim in args.head_dim or []:
+        for dtype in args.dtype or ["bfloat16"]:
+            for causal in causal_values:
+                configs.append((head_dim, dtype, causal,
+                                args.block_sizes or heuristics.default_block_sizes(head_dim, dtype, causal)))
+    try:
+        rows = report(configs, args.workers)
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table = markdown(rows)
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + ".md", "w") as f:
+            f.write(table)
+        with open(args.out + ".json", "w") as f:
+            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    return 0 if all(r.ptxas_ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
