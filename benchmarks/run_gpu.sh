@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Run from the repository root on a GPU machine:
 #   1. correctness on the GPU first (python -m conformance, jax_impl's implementations),
-#   2. the gpu benchmark suite (every GPU implementation, each result also checked against
-#      the float64 oracle before it is timed),
+#   2. the tile sweep (python -m benchmarks.tune_blocks: a few candidate BlockSizes per head dim
+#      64/128 x causal, bf16, L=4096, fwd+bwd); its winners replace
+#      jax_impl/pallas_triton/tuned_blocks.json in this tree, so step 3 runs the tuned tiles,
+#   3. the gpu benchmark suite (every GPU implementation, each result also checked against
+#      the float64 oracle before it is timed), with what is left of TOTAL_BUDGET,
 # and pack everything under $OUT (default ./out) into few files:
 #   $OUT/gpu_results.tar.gz   every log, table, CSV, JSON and plot
 #   $OUT/bench_summary.md     the benchmark's Markdown report (also in the archive)
 #   $OUT/run_gpu.log          this script's log (exit codes, timings, tails of the logs)
+#   $OUT/tuned_blocks.json    the sweep's winners (commit it as jax_impl/pallas_triton/tuned_blocks.json)
+#   $OUT/tuning.md            every candidate's TFLOP/s beside its compiled facts
 # Knobs (environment): BENCH_DEVICE (cuda), BENCH_SUITE (gpu), BENCH_ARGS (extra arguments,
 # e.g. "--time-budget 300"), BENCH_TIMEOUT (seconds, 450), CONF_SUITE (quick), CONF_IMPLS
-# ("jax_impl.pallas_triton jax_impl.xla"), CONF_TIMEOUT (150), SKIP_CONFORMANCE (0), PYTHON (python3).
+# ("jax_impl.pallas_triton jax_impl.xla"), CONF_TIMEOUT (150), SKIP_CONFORMANCE (0), PYTHON (python3),
+# TUNE_TIMEOUT (120), SKIP_TUNING (0), TUNE_ARGS (extra arguments of benchmarks.tune_blocks),
+# TOTAL_BUDGET (420 s for the three steps: the benchmark's --time-budget is what is left, at least 120).
 set -u
 OUT=${OUT:-./out}
 PYTHON=${PYTHON:-python3}
@@ -42,15 +49,35 @@ if [ "${SKIP_CONFORMANCE:-0}" != "1" ]; then
   tail -n 40 "$WORK/conformance.log" >> "$LOG"
 fi
 
+tune_rc=skipped
+if [ "${SKIP_TUNING:-0}" != "1" ]; then
+  start=$SECONDS
+  mkdir -p "$WORK/tuning"
+  # shellcheck disable=SC2086
+  timeout "${TUNE_TIMEOUT:-120}" "$PYTHON" -m benchmarks.tune_blocks --out "$WORK/tuning/tuned_blocks.json" \
+    --report "$WORK/tuning/tuning.md" ${TUNE_ARGS:-} > "$WORK/tuning.log" 2>&1
+  tune_rc=$?
+  log "tile sweep exit $tune_rc in $((SECONDS - start)) s (124 = timed out)"
+  tail -n 30 "$WORK/tuning.log" >> "$LOG"
+  if [ "$tune_rc" = "0" ]; then
+    cp "$WORK/tuning/tuned_blocks.json" jax_impl/pallas_triton/tuned_blocks.json
+    cp "$WORK/tuning/tuned_blocks.json" "$WORK/tuning/tuning.md" "$OUT/"
+  fi
+fi
+
 start=$SECONDS
+budget=$(( ${TOTAL_BUDGET:-420} - SECONDS ))
+[ "$budget" -lt 120 ] && budget=120
+budget_arg=""
+[ "$SUITE" = "gpu" ] && budget_arg="--time-budget $budget"  # runner suites (sharded, dropout) take none
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-450}" "$PYTHON" -m benchmarks --suite "$SUITE" --device "$DEVICE" --out "$WORK/benchmarks" \
-  ${BENCH_ARGS:-} > "$WORK/benchmarks.log" 2>&1
+timeout "${BENCH_TIMEOUT:-$((budget + 90))}" "$PYTHON" -m benchmarks --suite "$SUITE" --device "$DEVICE" \
+  --out "$WORK/benchmarks" $budget_arg ${BENCH_ARGS:-} > "$WORK/benchmarks.log" 2>&1
 bench_rc=$?
 log "benchmarks exit $bench_rc in $((SECONDS - start)) s (124 = timed out)"
 tail -n 60 "$WORK/benchmarks.log" >> "$LOG"
 
-echo "conformance=$conf_rc benchmarks=$bench_rc" > "$WORK/exit_codes.txt"
+echo "conformance=$conf_rc tuning=$tune_rc benchmarks=$bench_rc" > "$WORK/exit_codes.txt"
 cp "$LOG" "$WORK/run_gpu.log"
 [ -f "$WORK/benchmarks/bench_$SUITE.md" ] && cp "$WORK/benchmarks/bench_$SUITE.md" "$OUT/bench_summary.md"
 tar -czf "$OUT/gpu_results.tar.gz" -C "$WORK" .

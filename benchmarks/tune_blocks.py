@@ -34,8 +34,8 @@ CAUSAL = (False, True)
 ALTERNATIVES = {
     64: (BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4, num_warps_bwd=4, num_stages=3),
          BlockSizes(128, 128, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=4)),
-    128: (BlockSizes(128, 64, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=3),
-          BlockSizes(128, 128, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=1)),
+    128: (BlockSizes(128, 64, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=2),
+          BlockSizes(128, 128, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=2)),
 }
 DRY_RUN_SEQ_LEN = 64
 

@@ -1,0 +1,137 @@
+"""The default tiles, compiled for sm_90a (H100/H200) without a GPU: they compile, fit shared
+memory, and their 16-bit dots run on Hopper's wgmma with no register spills; the shared-memory
+estimate bounds what Triton allocates; user tiles that overflow are refused before launch."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_impl import BlockSizes
+from jax_impl.flash_attention import flash_attention
+from jax_impl.pallas_triton import heuristics
+
+pytest.importorskip("triton", reason="pip triton (the `test` extra) compiles the kernels for sm_90a")
+from jax_impl.pallas_triton import compile_report  # noqa: E402
+
+# Tiles whose dots have M = 32 (block_q_dkv = block_k_dq = 32): the counter-case of the checks.
+NARROW = BlockSizes(64, 32, 32, 64, 64, 32, num_warps=4, num_warps_bwd=4, num_stages=2)
+# A user config close to the budget (the dK/dV kernel needs ~209 KiB).
+NEAR_BUDGET = BlockSizes(128, 128, 64, 128, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=2)
+
+
+def _default_configs():
+    """One (head_dim, dtype, causal, tiles) per distinct default (fp16 shares bf16's tiles),
+    causal first: its split key loop allocates the most shared memory and registers."""
+    seen, configs = set(), []
+    for head_dim, dtype, causal, blocks in compile_report.default_configs(causal_values=(True, False)):
+        key = (heuristics.head_dim_class(head_dim), np.dtype(dtype).itemsize, blocks)
+        if key not in seen:
+            seen.add(key)
+            configs.append((head_dim, dtype, causal, blocks))
+    return configs
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every kernel of the defaults and two user configs, compiled once per session."""
+    defaults = _default_configs()
+    users = [(64, "bfloat16", True, NARROW), (128, "bfloat16", True, NEAR_BUDGET)]
+    rows = compile_report.report(defaults + users)
+    is_default = lambda r: (r.head_dim, r.dtype, r.causal, r.block_sizes) in {
+        (d, str(jnp.dtype(t)), c, dataclasses.astuple(b)) for d, t, c, b in defaults}
+    return [r for r in rows if is_default(r)], [r for r in rows if not is_default(r)]
+
+
+def _label(r):
+    return f"D={r.head_dim} {r.dtype} causal={r.causal} {r.block_sizes} {r.kernel}"
+
+
+def _wgmma_only(r):
+    return r.wgmma > 0 and r.mma_sync == 0
+
+
+def _min_dot_m(r):
+    return min(m for m, *_ in r.dots)
+
+
+def test_every_default_config_compiles_for_sm90a_within_the_shared_memory_budget(compiled):
+    defaults, _ = compiled
+    kernels = {(r.head_dim, r.dtype, r.causal): set() for r in defaults}
+    for r in defaults:
+        kernels[(r.head_dim, r.dtype, r.causal)].add(r.kernel)
+        assert r.ptxas_ok, f"{_label(r)}: {r.error}"
+        assert r.shared <= heuristics.SHARED_MEMORY_BUDGET, f"{_label(r)}: {r.shared} bytes of shared memory"
+    assert {(d, c) for d, _, c in kernels} >= {(64, True), (128, True), (256, True)}
+    assert all(k == {"forward", "dkdv", "dq"} for k in kernels.values())
+
+
+def test_16bit_defaults_run_every_dot_on_wgmma_with_m_at_least_64(compiled):
+    defaults, users = compiled
+    sixteen = [r for r in defaults if r.dtype in ("bfloat16", "float16")]
+    assert {r.head_dim for r in sixteen} == {64, 128, 256}
+    for r in sixteen:
+        assert r.dots and all(t in ("bf16", "f16") for *_, t in r.dots), _label(r)
+        assert _min_dot_m(r) >= 64, f"{_label(r)}: a dot with M={_min_dot_m(r)} (dots {r.dots})"
+        assert _wgmma_only(r), f"{_label(r)}: {r.wgmma} wgmma, {r.mma_sync} mma.sync"
+    # The checks can fail: M=32 dots compile to mma.sync.
+    narrow = [r for r in users if r.block_sizes == dataclasses.astuple(NARROW)]
+    assert any(_min_dot_m(r) < 64 for r in narrow)
+    assert any(not _wgmma_only(r) for r in narrow)
+
+
+# Spills no 16-bit tiling with M >= 64 avoided (compile report; README, Limitations): the dK/dV
+# kernel keeps two fp32 [block_k_dkv, D] accumulators besides S, P, dP and dS.
+KNOWN_SPILL_BYTES = {(128, "dkdv"): 128}
+
+
+def test_16bit_defaults_do_not_spill_up_to_head_dim_128(compiled):
+    defaults, _ = compiled
+    checked = 0
+    for r in defaults:
+        if r.dtype != "float32" and r.head_dim <= 128:
+            allowed = KNOWN_SPILL_BYTES.get((r.head_dim, r.kernel), 0)
+            assert max(r.spill_stores, r.spill_loads) <= allowed, f"{_label(r)} spills"
+            checked += 1
+    assert checked == 6
+    # D=256 (16-bit backward) and fp32 (FMA dots: no TF32) spills are reported, not asserted.
+
+
+def test_shared_memory_estimate_bounds_what_triton_allocates(compiled):
+    defaults, users = compiled
+    for r in defaults + users:
+        assert r.shared <= r.shared_estimate, f"{_label(r)}: measured {r.shared} > estimate {r.shared_estimate}"
+        # ...and is not so loose that it refuses tiles that fit: for causal calls (both halves of
+        # the split key loop pipelined: the most Triton allocates) within 30%.
+        if r.causal:
+            assert r.shared_estimate <= 1.3 * r.shared, f"{_label(r)}: {r.shared_estimate} vs {r.shared}"
+
+
+def test_every_default_fits_the_budget_by_the_estimate():
+    for head_dim in (16, 64, 100, 128, 200, 256):
+        for dtype in ("float32", "bfloat16", "float16"):
+            for causal in (False, True):
+                blocks = heuristics.default_block_sizes(head_dim, dtype, causal)
+                heuristics.check_shared_memory(head_dim, dtype, blocks, blocks)
+
+
+def test_overflowing_user_block_sizes_are_refused_before_launch():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 512, 2, 256)), jnp.bfloat16)
+    too_big = BlockSizes(128, 128, 128, 128, 128, 128, num_stages=3)
+    call = lambda impl: jax.eval_shape(lambda q: flash_attention(
+        q, q, q, implementation=impl, block_sizes=too_big, interpret=impl == "pallas_triton"), q)
+    with pytest.raises(ValueError, match=r"block_sizes=BlockSizes\(block_q=128.*forward kernel.*"
+                                         r"the budget is 232448 bytes") as e:
+        call("pallas_triton")
+    estimate = heuristics.shared_memory_estimate("forward", 256, jnp.bfloat16, too_big)
+    assert f"needs about {estimate} bytes" in str(e.value)
+    # The xla path uses block_q/block_k only as chunk sizes: unaffected.
+    assert call("xla").shape == q.shape
+    # Short sequences clip the tiles: the same block_sizes fit at L=32 and are not refused.
+    short = q[:, :32]
+    assert jax.eval_shape(lambda q: flash_attention(q, q, q, implementation="pallas_triton",
+                                                    block_sizes=too_big, interpret=True), short).shape == short.shape
