@@ -15,7 +15,7 @@
 # Knobs (environment): BENCH_DEVICE (cuda), BENCH_SUITE (gpu), BENCH_ARGS (extra arguments,
 # e.g. "--time-budget 300"), BENCH_TIMEOUT (seconds, 450), CONF_SUITE (quick), CONF_IMPLS
 # ("jax_impl.pallas_triton jax_impl.xla"), CONF_TIMEOUT (150), SKIP_CONFORMANCE (0), PYTHON (python3),
-# TUNE_TIMEOUT (120), SKIP_TUNING (0), TUNE_ARGS (extra arguments of benchmarks.tune_blocks),
+# TUNE_TIMEOUT (150; the sweep's own --time-budget of 80 s cuts earlier), SKIP_TUNING (0), TUNE_ARGS (extra arguments of benchmarks.tune_blocks),
 # TOTAL_BUDGET (420 s for the three steps: the benchmark's --time-budget is what is left, at least 120).
 set -u
 OUT=${OUT:-./out}
@@ -54,7 +54,7 @@ if [ "${SKIP_TUNING:-0}" != "1" ]; then
   start=$SECONDS
   mkdir -p "$WORK/tuning"
   # shellcheck disable=SC2086
-  timeout "${TUNE_TIMEOUT:-120}" "$PYTHON" -m benchmarks.tune_blocks --out "$WORK/tuning/tuned_blocks.json" \
+  timeout "${TUNE_TIMEOUT:-150}" "$PYTHON" -m benchmarks.tune_blocks --out "$WORK/tuning/tuned_blocks.json" \
     --report "$WORK/tuning/tuning.md" ${TUNE_ARGS:-} > "$WORK/tuning.log" 2>&1
   tune_rc=$?
   log "tile sweep exit $tune_rc in $((SECONDS - start)) s (124 = timed out)"

@@ -69,3 +69,12 @@ def test_dry_run_sweeps_on_cpu_and_writes_a_table_the_heuristics_read(tmp_path, 
     assert heuristics.default_block_sizes(64, "bfloat16", causal=True) == winner
     assert report.read_text().count("| 64 | bfloat16 | yes |") == entries[0]["candidates"]
     assert "**yes**" in report.read_text()
+
+
+def test_a_spent_time_budget_skips_every_candidate_and_writes_no_table(tmp_path, capsys):
+    out = tmp_path / "tuned.json"
+    rc = tune_blocks.main(["--dry-run", "--head-dims", "64", "--causal", "yes", "--time-budget", "0",
+                           "--out", str(out), "--no-compile-facts"])
+    assert rc == 1 and not out.exists()
+    printed = capsys.readouterr()
+    assert "skipped" in printed.out and "no candidate ran correctly" in printed.err

@@ -19,7 +19,7 @@ from jax_impl.pallas_triton import compile_report  # noqa: E402
 
 # Tiles whose dots have M = 32 (block_q_dkv = block_k_dq = 32): the counter-case of the checks.
 NARROW = BlockSizes(64, 32, 32, 64, 64, 32, num_warps=4, num_warps_bwd=4, num_stages=2)
-# A user config close to the budget (the dK/dV kernel needs ~209 KiB).
+# A user config close to the budget (the dK/dV kernel needs ~209 KiB) that spills.
 NEAR_BUDGET = BlockSizes(128, 128, 64, 128, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=2)
 
 
@@ -89,7 +89,7 @@ KNOWN_SPILL_BYTES = {(128, "dkdv"): 128}
 
 
 def test_16bit_defaults_do_not_spill_up_to_head_dim_128(compiled):
-    defaults, _ = compiled
+    defaults, users = compiled
     checked = 0
     for r in defaults:
         if r.dtype != "float32" and r.head_dim <= 128:
@@ -97,6 +97,9 @@ def test_16bit_defaults_do_not_spill_up_to_head_dim_128(compiled):
             assert max(r.spill_stores, r.spill_loads) <= allowed, f"{_label(r)} spills"
             checked += 1
     assert checked == 6
+    # The check can fail: 128x128 key tiles at D=128 spill in the forward and, far more, in dK/dV.
+    near = {r.kernel: r for r in users if r.block_sizes == dataclasses.astuple(NEAR_BUDGET)}
+    assert near["forward"].spill_stores > 0 and near["dkdv"].spill_stores > KNOWN_SPILL_BYTES[(128, "dkdv")]
     # D=256 (16-bit backward) and fp32 (FMA dots: no TF32) spills are reported, not asserted.
 
 
