@@ -4,13 +4,18 @@ Residuals are q, k, v, the bias, the mask inputs and the per-row softmax statist
 (``online_softmax.RowStats``: the row max and the log of the row sum, kept apart so that the
 backward recomputes P exactly even when the logits are huge): nothing of size Lq * Lk beyond
 what the caller passed in. The backward recomputes the probabilities tile by tile.
+A bias nobody differentiates (custom_vjp's symbolic zeros tell the forward) gets no gradient:
+the backward runs with ``cfg.bias_gradient=False`` and writes no ``[B, Hq, Lq, Lk]`` dS.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_impl import dropout_sinks, masking, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
@@ -29,9 +34,31 @@ def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: m
     return out, online_softmax.logsumexp(stats)
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("q", "k", "v", "bias", "masks", "extras", "out", "stats"),
+                   meta_fields=("bias_gradient",))
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+    q: Any
+    k: Any
+    v: Any
+    bias: Any
+    masks: masking.MaskInputs
+    extras: dropout_sinks.SinksAndDropout
+    out: Any
+    stats: online_softmax.RowStats
+    # Static (pytree metadata), so the backward is traced knowing it: whether the bias was
+    # differentiated. A constant bias (an additive mask, ALiBi) costs no [B, Hq, Lq, Lk] dS.
+    bias_gradient: bool
+
+
 def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
+    # symbolic_zeros=True: every array arrives as a CustomVJPPrimal(value, perturbed).
+    bias_gradient = bias is not None and bias.perturbed
+    q, k, v, bias, masks, extras = custom_vjp_primal_tree_values((q, k, v, bias, masks, extras))
     out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
-    return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, extras, out, stats)
+    return ((out, online_softmax.logsumexp(stats)),
+            _Residuals(q, k, v, bias, masks, extras, out, stats, bias_gradient))
 
 
 def _reduce_to(grad, shape):
@@ -41,27 +68,31 @@ def _reduce_to(grad, shape):
     return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad
 
 
-def _attention_bwd(implementation, cfg, residuals, cotangents):
-    q, k, v, bias, masks, extras, out, stats = residuals
-    d_out, d_lse = cotangents
+def _attention_bwd(implementation, cfg, residuals: _Residuals, cotangents):
+    r = residuals
+    d_out, d_lse = cotangents  # either may be a SymbolicZero (an output nobody differentiates)
+    if isinstance(d_out, SymbolicZero):
+        d_out = jnp.zeros(r.out.shape, r.out.dtype)
     # delta_i = rowsum(dO_i * O_i); a cotangent of the logsumexp enters as dS += P * dlse.
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), r.out.astype(jnp.float32))
+    if not isinstance(d_lse, SymbolicZero):
         delta = delta - d_lse
-    dq, dk, dv, dbias = _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta,
-                                     extras)
-    if bias is not None:
-        dbias = _reduce_to(dbias, bias.shape).astype(bias.dtype)
-    mask_cotangents = jax.tree.map(lambda _: None, masks)
+    cfg = dataclasses.replace(cfg, bias_gradient=r.bias_gradient)
+    dq, dk, dv, dbias = _first_order(implementation, cfg, r.q, r.k, r.v, r.bias, r.masks, r.stats,
+                                     d_out, delta, r.extras)
+    if dbias is not None:  # None: a constant bias, whose cotangent is a symbolic zero
+        dbias = _reduce_to(dbias, r.bias.shape).astype(r.bias.dtype)
+    mask_cotangents = jax.tree.map(lambda _: None, r.masks)
     # Sinks need no kernel: their gradient follows from the row statistics and delta.
-    d_sinks = None if extras.sinks is None else _reduce_to(
-        dropout_sinks.sink_gradient(extras.sinks, online_softmax.logsumexp(stats), delta),
-        extras.sinks.shape).astype(extras.sinks.dtype)
-    d_extras = jax.tree.map(lambda _: None, extras)._replace(sinks=d_sinks)
+    sinks = r.extras.sinks
+    d_sinks = None if sinks is None else _reduce_to(
+        dropout_sinks.sink_gradient(sinks, online_softmax.logsumexp(r.stats), delta),
+        sinks.shape).astype(sinks.dtype)
+    d_extras = jax.tree.map(lambda _: None, r.extras)._replace(sinks=d_sinks)
     return dq, dk, dv, dbias, mask_cotangents, d_extras
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 # The implementations' own passes, each behind a custom VJP that refuses to be differentiated:

@@ -209,7 +209,8 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None):
 
 def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
     """-> (dq, dk, dv, dbias or None) of the local blocks; dK/dV accumulators travel with K and
-    V; dbias (float32, ``bias``'s shape: rows local, every key column) stays home."""
+    V; dbias (float32, ``bias``'s shape: rows local, every key column) stays home, and is None
+    when ``ring.cfg.bias_gradient`` is False (a constant bias)."""
     impl = implementations.get(ring.implementation)
     lq = q.shape[1]
     cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
@@ -222,6 +223,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
     row_stats = [online_softmax.RowStats(m, l)
                  for m, l in zip(split_rows(stats.max), split_rows(stats.log_sum))]
     axes = vma.axes_of(q, k, v, masks, bias, stats, d_out, delta, me)
+    with_dbias = bias is not None and ring.cfg.bias_gradient
 
     def step(s, carry):
         kv, dkv, dqs, dbias = carry
@@ -239,13 +241,13 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
 
                 def compute(qa, kc, vc, bp, pm, st, do, dl):
                     dq, dk, dv, db = impl.backward(ring.cfg, qa, kc, vc, bp, pm, st, do, dl)
-                    db = None if bp is None else reduce_to(db, bp.shape).astype(jnp.float32)
+                    db = reduce_to(db, bp.shape).astype(jnp.float32) if with_dbias else None
                     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), db
 
                 def skip(qa, kc, vc, bp, *_):
                     return vma.like((jnp.zeros(qa.shape, jnp.float32), jnp.zeros(kc.shape, jnp.float32),
                                      jnp.zeros(vc.shape, jnp.float32),
-                                     None if bp is None else jnp.zeros(bp.shape, jnp.float32)), axes)
+                                     jnp.zeros(bp.shape, jnp.float32) if with_dbias else None), axes)
 
                 dq, dk, dv, db = lax.cond(pair_active(ring, pm, cq, ck), compute, skip, qs[a], ks[c],
                                           vs[c], bp, pm, row_stats[a], dos[a], deltas[a])
@@ -260,7 +262,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
     zeros = lambda x: vma.like(jnp.zeros(x.shape, jnp.float32), axes)
     dqs = tuple(zeros(x) for x in qs)
     kv = (k, v, masks.kv_segment_ids)
-    dbias = None if bias is None else zeros(bias)
+    dbias = zeros(bias) if with_dbias else None
     _, (dk, dv), dqs, dbias = lax.fori_loop(0, ring.num_devices, step,
                                             (kv, (zeros(k), zeros(v)), dqs, dbias))
     return (jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
