@@ -9,16 +9,14 @@ the backward runs with ``cfg.bias_gradient=False`` and writes no ``[B, Hq, Lq, L
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_impl import dropout_sinks, masking, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
+from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals
 
 SECOND_ORDER_ERROR = (
     "flash_attention's blocked implementations (xla, pallas_triton) have a first-order VJP "
@@ -34,31 +32,12 @@ def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: m
     return out, online_softmax.logsumexp(stats)
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("q", "k", "v", "bias", "masks", "extras", "out", "stats"),
-                   meta_fields=("bias_gradient",))
-@dataclasses.dataclass(frozen=True)
-class _Residuals:
-    q: Any
-    k: Any
-    v: Any
-    bias: Any
-    masks: masking.MaskInputs
-    extras: dropout_sinks.SinksAndDropout
-    out: Any
-    stats: online_softmax.RowStats
-    # Static (pytree metadata), so the backward is traced knowing it: whether the bias was
-    # differentiated. A constant bias (an additive mask, ALiBi) costs no [B, Hq, Lq, Lk] dS.
-    bias_gradient: bool
-
-
 def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
     # symbolic_zeros=True: every array arrives as a CustomVJPPrimal(value, perturbed).
-    bias_gradient = bias is not None and bias.perturbed
-    q, k, v, bias, masks, extras = custom_vjp_primal_tree_values((q, k, v, bias, masks, extras))
+    backward_cfg, (q, k, v, bias, masks, extras) = from_primals(cfg, bias, (q, k, v, bias, masks, extras))
     out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
     return ((out, online_softmax.logsumexp(stats)),
-            _Residuals(q, k, v, bias, masks, extras, out, stats, bias_gradient))
+            Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))
 
 
 def _reduce_to(grad, shape):
@@ -68,27 +47,19 @@ def _reduce_to(grad, shape):
     return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad
 
 
-def _attention_bwd(implementation, cfg, residuals: _Residuals, cotangents):
-    r = residuals
-    d_out, d_lse = cotangents  # either may be a SymbolicZero (an output nobody differentiates)
-    if isinstance(d_out, SymbolicZero):
-        d_out = jnp.zeros(r.out.shape, r.out.dtype)
-    # delta_i = rowsum(dO_i * O_i); a cotangent of the logsumexp enters as dS += P * dlse.
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), r.out.astype(jnp.float32))
-    if not isinstance(d_lse, SymbolicZero):
-        delta = delta - d_lse
-    cfg = dataclasses.replace(cfg, bias_gradient=r.bias_gradient)
-    dq, dk, dv, dbias = _first_order(implementation, cfg, r.q, r.k, r.v, r.bias, r.masks, r.stats,
-                                     d_out, delta, r.extras)
+def _attention_bwd(implementation, cfg, residuals: Residuals, cotangents):
+    q, k, v, bias, masks, extras, out, stats = residuals.arrays
+    d_out, delta = delta_of(out, cotangents)
+    dq, dk, dv, dbias = _first_order(implementation, residuals.cfg, q, k, v, bias, masks, stats,
+                                     d_out, delta, extras)
     if dbias is not None:  # None: a constant bias, whose cotangent is a symbolic zero
-        dbias = _reduce_to(dbias, r.bias.shape).astype(r.bias.dtype)
-    mask_cotangents = jax.tree.map(lambda _: None, r.masks)
+        dbias = _reduce_to(dbias, bias.shape).astype(bias.dtype)
+    mask_cotangents = jax.tree.map(lambda _: None, masks)
     # Sinks need no kernel: their gradient follows from the row statistics and delta.
-    sinks = r.extras.sinks
-    d_sinks = None if sinks is None else _reduce_to(
-        dropout_sinks.sink_gradient(sinks, online_softmax.logsumexp(r.stats), delta),
-        sinks.shape).astype(sinks.dtype)
-    d_extras = jax.tree.map(lambda _: None, r.extras)._replace(sinks=d_sinks)
+    d_sinks = None if extras.sinks is None else _reduce_to(
+        dropout_sinks.sink_gradient(extras.sinks, online_softmax.logsumexp(stats), delta),
+        extras.sinks.shape).astype(extras.sinks.dtype)
+    d_extras = jax.tree.map(lambda _: None, extras)._replace(sinks=d_sinks)
     return dq, dk, dv, dbias, mask_cotangents, d_extras
 
 

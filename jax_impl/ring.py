@@ -39,6 +39,7 @@ from jax import lax
 
 from jax_impl import implementations, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
+from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals
 
 LAYOUTS = ("zigzag", "contiguous")
 # The local kernels that honour MaskInputs.position_offset.
@@ -270,18 +271,19 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
 
 
 def _ring_fwd(ring, q, k, v, bias, masks):
+    # symbolic_zeros=True: every array arrives as a CustomVJPPrimal(value, perturbed).
+    backward_cfg, (q, k, v, bias, masks) = from_primals(ring.cfg, bias, (q, k, v, bias, masks))
     out, stats = ring_forward(ring, q, k, v, masks, bias)
-    return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, out, stats)
+    return ((out, online_softmax.logsumexp(stats)),
+            Residuals((q, k, v, bias, masks, out, stats), backward_cfg))
 
 
-def _ring_bwd(ring, residuals, cotangents):
-    q, k, v, bias, masks, out, stats = residuals
-    d_out, d_lse = cotangents
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        delta = delta - d_lse
+def _ring_bwd(ring, residuals: Residuals, cotangents):
+    q, k, v, bias, masks, out, stats = residuals.arrays
+    d_out, delta = delta_of(out, cotangents)
+    ring = dataclasses.replace(ring, cfg=residuals.cfg)
     dq, dk, dv, dbias = ring_backward(ring, q, k, v, masks, stats, d_out, delta, bias)
-    dbias = None if bias is None else dbias.astype(bias.dtype)
+    dbias = None if dbias is None else dbias.astype(bias.dtype)  # None: a constant bias
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, masks)
 
 
@@ -291,4 +293,4 @@ def _ring_primal(ring, q, k, v, bias, masks):
 
 
 ring_vjp = jax.custom_vjp(_ring_primal, nondiff_argnums=(0,))
-ring_vjp.defvjp(_ring_fwd, _ring_bwd)
+ring_vjp.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)

@@ -141,3 +141,25 @@ def test_second_order_with_a_constant_bias_is_still_refused(implementation):
     inner = jax.grad(lambda q: loss(q, k, v, bias))
     with pytest.raises(NotImplementedError, match="first-order VJP.*implementation='reference'"):
         jax.grad(lambda q: jnp.sum(inner(q)))(q)
+
+
+def test_ring_attention_with_a_constant_bias_gets_no_score_sized_gradient():
+    """ring_attention's own custom VJP (one-device ring, in process): the same rule."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jax_impl.context_parallel import ring_attention
+    q, k, v, bias, cotangent = _inputs(8)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    seq, rows = P(None, "seq"), P(None, None, "seq", None)
+    ring = jax.shard_map(lambda q, k, v, bias: ring_attention(q, k, v, bias, axis_name="seq",
+                                                              is_causal=True),
+                         mesh=mesh, in_specs=(seq, seq, seq, rows), out_specs=seq)
+    loss = lambda q, k, v, bias: jnp.sum(ring(q, k, v, bias) * cotangent)
+    constant = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, bias).jaxpr
+    assert (B, H, LQ, LK) not in _intermediate_shapes(constant)
+    differentiated = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias).jaxpr
+    assert (B, H, LQ, LK) in _intermediate_shapes(differentiated)
+    oracle = torch_arrays(*(np.asarray(x) for x in (q, k, v, cotangent)), bias=np.asarray(bias),
+                          is_causal=True)
+    for name, got in zip(("dq", "dk", "dv"), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, bias)):
+        np.testing.assert_allclose(got, oracle[name], atol=2e-5, rtol=1e-4, err_msg=name)
