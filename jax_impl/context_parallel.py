@@ -84,7 +84,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     masks = masks._replace(mask=mask)
     description = ring.Ring(axis_name, num_devices, layout, call.implementation or implementation,
                             dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
-    out, lse = ring.ring_vjp(description, call.q, call.k, call.v, bias, masks)
+    q = fa.gpu_only_precision_guard(description.implementation, description.cfg, call.q)
+    out, lse = ring.ring_vjp(description, q, call.k, call.v, bias, masks)
     out = out.reshape(call.batch_shape + out.shape[1:])
     if not return_residual:
         return out

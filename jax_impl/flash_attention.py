@@ -22,8 +22,25 @@ from jax.typing import ArrayLike
 from jax_impl import dropout_sinks, implementations, masking, partitioned, recompute_vjp, reference
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.implementations import IMPLEMENTATIONS
+from jax_impl.pallas_triton import common
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+# ``precision=`` may also be one of these jax.lax.DotAlgorithmPresets (float32 inputs only): each
+# accumulates in float32 and lowers in Pallas Triton (TF32_TF32_F32_X3 as its tf32x3 dot) and
+# in XLA on a CUDA GPU.
+PRECISION_PRESETS = tuple(getattr(lax.DotAlgorithmPreset, name) for name in (
+    "F32_F32_F32", "TF32_TF32_F32", "TF32_TF32_F32_X3", "BF16_BF16_F32", "BF16_BF16_F32_X3",
+    "BF16_BF16_F32_X6", "BF16_BF16_F32_X9"))
+# Those XLA:CPU refuses (jax 0.10; it runs the other presets at full float32, ignoring them).
+GPU_ONLY_PRESETS = tuple(getattr(lax.DotAlgorithmPreset, name) for name in (
+    "TF32_TF32_F32", "TF32_TF32_F32_X3", "BF16_BF16_F32_X9"))
+GPU_ONLY_PRECISION_ERROR = (
+    "precision={precision} runs only on a CUDA GPU (the call is being lowered for {{platform!r}}): "
+    "XLA:CPU has no such dot, and the Pallas interpreter runs its dots through XLA. "
+    "On a CPU use lax.Precision.HIGHEST (the default) or one of "
+    + ", ".join(p.name for p in PRECISION_PRESETS if p not in GPU_ONLY_PRESETS)
+    + " (XLA:CPU computes them in full float32).")
 
 
 def flash_attention(
@@ -83,7 +100,10 @@ def flash_attention(
         (packed sequences).
       logits_soft_cap: c > 0: logits become ``c * tanh(logits / c)`` before the bias is added.
       block_sizes: tile sizes (``BlockSizes``); None: per-device heuristics.
-      precision: of float32 matmuls; default HIGHEST (full fp32, never silent TF32).
+      precision: of float32 matmuls: a ``lax.Precision`` (default HIGHEST: full fp32, never
+        silent TF32) or, for float32 inputs, one of ``PRECISION_PRESETS``
+        (``lax.DotAlgorithmPreset``: TF32_TF32_F32_X3 is 3xTF32 on the tensor cores; TF32
+        presets and BF16_BF16_F32_X9 run only on a CUDA GPU).
       interpret: run the Pallas kernel in the Pallas interpreter (any device; slow; for tests).
       attention_sinks: float, broadcastable to ``[..., Hq]``: one learnable logit per head that
         joins every row's softmax denominator and carries no value (gpt-oss); differentiable.
@@ -212,7 +232,7 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
     cfg = AttentionConfig(scale=float(scale), mask=spec,
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                           block_sizes=block_sizes, interpret=bool(interpret),
-                          precision=_precision(precision), dropout_rate=rate)
+                          precision=_precision(precision, query.dtype), dropout_rate=rate)
     flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])
     return _Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape,
                  extras)
@@ -340,23 +360,43 @@ def _per_batch_and_head(name, x, batch_shape, hq, seq_shape):
     return x.reshape((-1,) + x.shape[batch_ndim:])
 
 
-def _precision(precision):
+def _precision(precision, dtype):
+    presets = ", ".join(p.name for p in PRECISION_PRESETS)
     if precision is None:
         return lax.Precision.HIGHEST
     if isinstance(precision, (tuple, list)):
         if len(set(precision)) != 1:
             raise ValueError(f"{precision=}: a pair of different precisions is not supported")
         precision = precision[0]
+    if isinstance(precision, lax.DotAlgorithmPreset):
+        if precision not in PRECISION_PRESETS:
+            raise ValueError(f"precision={precision} is not supported: a jax.lax.DotAlgorithmPreset "
+                             f"must accumulate in float32 and be one of {presets}")
+        if dtype != jnp.float32:
+            raise ValueError(f"precision={precision} applies to float32 inputs only; {dtype} inputs "
+                             "always multiply natively with float32 accumulation: pass precision=None")
+        return precision
     if isinstance(precision, str):
         try:
             return lax.Precision(precision.upper() if precision.upper() in ("DEFAULT", "HIGH", "HIGHEST")
                                  else precision)
         except Exception:
-            raise ValueError(f"{precision=} must be a jax.lax.Precision or one of "
-                             "'default', 'high', 'highest'") from None
+            raise ValueError(f"{precision=} must be a jax.lax.Precision, one of 'default', 'high', "
+                             f"'highest', or (float32 inputs) a jax.lax.DotAlgorithmPreset among "
+                             f"{presets}") from None
     if not isinstance(precision, lax.Precision):
-        raise TypeError(f"{precision=} must be None, a jax.lax.Precision or its name")
+        raise TypeError(f"{precision=} must be None, a jax.lax.Precision or its name, or a "
+                        f"jax.lax.DotAlgorithmPreset among {presets}")
     return precision
+
+
+def gpu_only_precision_guard(implementation, cfg, q):
+    """q, marked so that lowering for a non-CUDA platform raises GPU_ONLY_PRECISION_ERROR when
+    the precision is a GPU-only preset and the dots go through XLA (xla, reference, the Pallas
+    interpreter); the compiled Pallas kernel has its own CUDA guard."""
+    if cfg.precision not in GPU_ONLY_PRESETS or (implementation == "pallas_triton" and not cfg.interpret):
+        return q
+    return common.requires_cuda(q, GPU_ONLY_PRECISION_ERROR.format(precision=cfg.precision.name))
 
 
 # --- Dispatch ------------------------------------------------------------------------------
@@ -388,6 +428,7 @@ def _attention(q, k, v, bias, masks, extras, *, implementation, cfg):
 
 
 def _run(implementation, cfg, q, k, v, bias, masks, extras):
+    q = gpu_only_precision_guard(implementation, cfg, q)
     if implementation == "reference":
         return reference.attention(q, k, v, bias, masks, cfg,
                                    logits_dtype=jnp.promote_types(q.dtype, jnp.float32),

@@ -154,8 +154,8 @@ def _specs(plan: ShardingPlan, named_shapes: dict, hq: int, b: int) -> dict:
 FORWARD_RESULTS = ("out", "max", "log_sum")
 
 
-def _backward_results(names):
-    return ("dq", "dk", "dv") + (("dbias",) if "bias" in names else ())
+def _backward_results(cfg, names):
+    return ("dq", "dk", "dv") + (("dbias",) if "bias" in names and cfg.bias_gradient else ())
 
 
 def _forward_body(implementation, cfg, names, *arrays):
@@ -216,13 +216,13 @@ def _shardings(mesh, plan, named, results):
 def _make_op(body, ring_body, results_of):
     def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
         plan, named = _local_plan(implementation, mesh, arg_shapes, names)
-        return _shardings(mesh, plan, named, results_of(names))[1]
+        return _shardings(mesh, plan, named, results_of(cfg, names))[1]
 
     def partition(implementation, cfg, names, mesh, arg_shapes, result_shape):
         plan, named = _local_plan(implementation, mesh, arg_shapes, names)
         for note in plan.notes:
             warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
-        args, results = _shardings(mesh, plan, named, results_of(names))
+        args, results = _shardings(mesh, plan, named, results_of(cfg, names))
         if plan.sequence:
             (axis,) = plan.sequence
             local = functools.partial(ring_body, axis, mesh.shape[axis], implementation, cfg, names)
@@ -231,7 +231,7 @@ def _make_op(body, ring_body, results_of):
         return mesh, local, results, args
 
     def rule(implementation, cfg, names, mesh, operand_types, result_types):
-        return sharding_rule(names, results_of(names), operand_types)
+        return sharding_rule(names, results_of(cfg, names), operand_types)
 
     op = custom_partitioning(body, static_argnums=(0, 1, 2))
     op.def_partition(partition=partition, infer_sharding_from_operands=infer,
@@ -259,7 +259,7 @@ def sharding_rule(names, results, operand_types):
     return (rule, {"g": groups}) if h == "(n g)" else rule
 
 
-_forward_op = _make_op(_forward_body, _ring_forward_body, lambda names: FORWARD_RESULTS)
+_forward_op = _make_op(_forward_body, _ring_forward_body, lambda cfg, names: FORWARD_RESULTS)
 _backward_op = _make_op(_backward_body, _ring_backward_body, _backward_results)
 
 
@@ -303,7 +303,7 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
                    delta=delta)
     names = tuple(named)
     grads = _folded(_backward_op, implementation, cfg, names)(*named.values())
-    return tuple(grads) + ((None,) if bias is None else ())
+    return tuple(grads) + ((None,) if bias is None or not cfg.bias_gradient else ())
 
 
 def explain(implementation: str, q, q_shape, k_shape, has_bias_or_mask: bool) -> str | None:

@@ -4,6 +4,8 @@ Residuals are q, k, v, the bias, the mask inputs and the per-row softmax statist
 (``online_softmax.RowStats``: the row max and the log of the row sum, kept apart so that the
 backward recomputes P exactly even when the logits are huge): nothing of size Lq * Lk beyond
 what the caller passed in. The backward recomputes the probabilities tile by tile.
+A bias nobody differentiates (custom_vjp's symbolic zeros tell the forward) gets no gradient:
+the backward runs with ``cfg.bias_gradient=False`` and writes no ``[B, Hq, Lq, Lk]`` dS.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 
 from jax_impl import dropout_sinks, masking, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
+from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals
 
 SECOND_ORDER_ERROR = (
     "flash_attention's blocked implementations (xla, pallas_triton) have a first-order VJP "
@@ -30,8 +33,11 @@ def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: m
 
 
 def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
+    # symbolic_zeros=True: every array arrives as a CustomVJPPrimal(value, perturbed).
+    backward_cfg, (q, k, v, bias, masks, extras) = from_primals(cfg, bias, (q, k, v, bias, masks, extras))
     out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
-    return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, extras, out, stats)
+    return ((out, online_softmax.logsumexp(stats)),
+            Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))
 
 
 def _reduce_to(grad, shape):
@@ -41,16 +47,12 @@ def _reduce_to(grad, shape):
     return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad
 
 
-def _attention_bwd(implementation, cfg, residuals, cotangents):
-    q, k, v, bias, masks, extras, out, stats = residuals
-    d_out, d_lse = cotangents
-    # delta_i = rowsum(dO_i * O_i); a cotangent of the logsumexp enters as dS += P * dlse.
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        delta = delta - d_lse
-    dq, dk, dv, dbias = _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta,
-                                     extras)
-    if bias is not None:
+def _attention_bwd(implementation, cfg, residuals: Residuals, cotangents):
+    q, k, v, bias, masks, extras, out, stats = residuals.arrays
+    d_out, delta = delta_of(out, cotangents)
+    dq, dk, dv, dbias = _first_order(implementation, residuals.cfg, q, k, v, bias, masks, stats,
+                                     d_out, delta, extras)
+    if dbias is not None:  # None: a constant bias, whose cotangent is a symbolic zero
         dbias = _reduce_to(dbias, bias.shape).astype(bias.dtype)
     mask_cotangents = jax.tree.map(lambda _: None, masks)
     # Sinks need no kernel: their gradient follows from the row statistics and delta.
@@ -61,7 +63,7 @@ def _attention_bwd(implementation, cfg, residuals, cotangents):
     return dq, dk, dv, dbias, mask_cotangents, d_extras
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 # The implementations' own passes, each behind a custom VJP that refuses to be differentiated:

@@ -39,6 +39,7 @@ from jax import lax
 
 from jax_impl import implementations, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
+from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals
 
 LAYOUTS = ("zigzag", "contiguous")
 # The local kernels that honour MaskInputs.position_offset.
@@ -209,7 +210,8 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None):
 
 def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
     """-> (dq, dk, dv, dbias or None) of the local blocks; dK/dV accumulators travel with K and
-    V; dbias (float32, ``bias``'s shape: rows local, every key column) stays home."""
+    V; dbias (float32, ``bias``'s shape: rows local, every key column) stays home, and is None
+    when ``ring.cfg.bias_gradient`` is False (a constant bias)."""
     impl = implementations.get(ring.implementation)
     lq = q.shape[1]
     cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
@@ -222,6 +224,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
     row_stats = [online_softmax.RowStats(m, l)
                  for m, l in zip(split_rows(stats.max), split_rows(stats.log_sum))]
     axes = vma.axes_of(q, k, v, masks, bias, stats, d_out, delta, me)
+    with_dbias = bias is not None and ring.cfg.bias_gradient
 
     def step(s, carry):
         kv, dkv, dqs, dbias = carry
@@ -239,13 +242,13 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
 
                 def compute(qa, kc, vc, bp, pm, st, do, dl):
                     dq, dk, dv, db = impl.backward(ring.cfg, qa, kc, vc, bp, pm, st, do, dl)
-                    db = None if bp is None else reduce_to(db, bp.shape).astype(jnp.float32)
+                    db = reduce_to(db, bp.shape).astype(jnp.float32) if with_dbias else None
                     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), db
 
                 def skip(qa, kc, vc, bp, *_):
                     return vma.like((jnp.zeros(qa.shape, jnp.float32), jnp.zeros(kc.shape, jnp.float32),
                                      jnp.zeros(vc.shape, jnp.float32),
-                                     None if bp is None else jnp.zeros(bp.shape, jnp.float32)), axes)
+                                     jnp.zeros(bp.shape, jnp.float32) if with_dbias else None), axes)
 
                 dq, dk, dv, db = lax.cond(pair_active(ring, pm, cq, ck), compute, skip, qs[a], ks[c],
                                           vs[c], bp, pm, row_stats[a], dos[a], deltas[a])
@@ -260,7 +263,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
     zeros = lambda x: vma.like(jnp.zeros(x.shape, jnp.float32), axes)
     dqs = tuple(zeros(x) for x in qs)
     kv = (k, v, masks.kv_segment_ids)
-    dbias = None if bias is None else zeros(bias)
+    dbias = zeros(bias) if with_dbias else None
     _, (dk, dv), dqs, dbias = lax.fori_loop(0, ring.num_devices, step,
                                             (kv, (zeros(k), zeros(v)), dqs, dbias))
     return (jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
@@ -268,18 +271,19 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
 
 
 def _ring_fwd(ring, q, k, v, bias, masks):
+    # symbolic_zeros=True: every array arrives as a CustomVJPPrimal(value, perturbed).
+    backward_cfg, (q, k, v, bias, masks) = from_primals(ring.cfg, bias, (q, k, v, bias, masks))
     out, stats = ring_forward(ring, q, k, v, masks, bias)
-    return (out, online_softmax.logsumexp(stats)), (q, k, v, bias, masks, out, stats)
+    return ((out, online_softmax.logsumexp(stats)),
+            Residuals((q, k, v, bias, masks, out, stats), backward_cfg))
 
 
-def _ring_bwd(ring, residuals, cotangents):
-    q, k, v, bias, masks, out, stats = residuals
-    d_out, d_lse = cotangents
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        delta = delta - d_lse
+def _ring_bwd(ring, residuals: Residuals, cotangents):
+    q, k, v, bias, masks, out, stats = residuals.arrays
+    d_out, delta = delta_of(out, cotangents)
+    ring = dataclasses.replace(ring, cfg=residuals.cfg)
     dq, dk, dv, dbias = ring_backward(ring, q, k, v, masks, stats, d_out, delta, bias)
-    dbias = None if bias is None else dbias.astype(bias.dtype)
+    dbias = None if dbias is None else dbias.astype(bias.dtype)  # None: a constant bias
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, masks)
 
 
@@ -289,4 +293,4 @@ def _ring_primal(ring, q, k, v, bias, masks):
 
 
 ring_vjp = jax.custom_vjp(_ring_primal, nondiff_argnums=(0,))
-ring_vjp.defvjp(_ring_fwd, _ring_bwd)
+ring_vjp.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)

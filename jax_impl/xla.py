@@ -242,7 +242,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
 
     grads = vma.like((jnp.zeros(t.q.shape, jnp.float32), jnp.zeros(t.k.shape, k.dtype),
                       jnp.zeros(t.v.shape, v.dtype),
-                      None if bias is None else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32)),
+                      None if bias is None or not cfg.bias_gradient
+                      else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32)),
                      axes)
     dq, dk, dv, dbias = lax.fori_loop(0, t.lk_pad // block_k, key_tile, grads)
     dq = t.from_heads(dq)[:, :lq].astype(q.dtype)

@@ -5,7 +5,7 @@
   (masking.q_block_range), for each of the G query heads that share this kv head (GQA:
   the group's contributions are summed here, K/V are never repeated).
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
-  It also writes dS, the gradient of the bias, when there is a bias.
+  It also writes dS, the gradient of the bias, when the bias is differentiated (cfg.bias_gradient).
 
 Both recompute P = exp(S - m - log l) from q, k and the saved row statistics; delta =
 rowsum(dO * O) (minus the cotangent of the logsumexp, if any) comes from the custom VJP.
@@ -161,11 +161,12 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     out_specs = [q_tile]
     out_shape = [common.out_struct(q.shape, q.dtype, q)]
-    if bias is not None:
+    with_dbias = bias is not None and cfg.bias_gradient  # False: a constant bias, no dS
+    if with_dbias:
         out_specs.append(pl.BlockSpec((None, None, bq, lk_pad), lambda i, b, h: (b, h, i, 0)))
         out_shape.append(common.out_struct((batch, hq, lq_pad, lk_pad), jnp.float32, q))
     results = pl.pallas_call(
-        functools.partial(_dq_kernel if bias is not None else _dq_kernel_no_bias, cfg=cfg,
+        functools.partial(_dq_kernel if with_dbias else _dq_kernel_no_dbias, cfg=cfg,
                           block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk),
         grid=(lq_pad // bq, batch, hq),
         in_specs=[q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
@@ -177,10 +178,10 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
     )(*inputs)
     dq = results[0]
-    dbias = results[1] if bias is not None else None
+    dbias = results[1] if with_dbias else None
     return dq, dk, dv, dbias
 
 
-def _dq_kernel_no_bias(*refs, **kwargs):
+def _dq_kernel_no_dbias(*refs, **kwargs):
     *inputs, dq_ref = refs
     return _dq_kernel(*inputs, dq_ref, None, **kwargs)

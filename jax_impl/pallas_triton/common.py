@@ -15,8 +15,10 @@ from jax_impl import dropout_sinks
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     """a @ b (optionally transposed) with float32 accumulation.
 
-    ``precision`` applies to float32 operands only (HIGHEST: full fp32, never silent TF32);
-    16-bit operands always use the tensor cores' native mode.
+    ``precision`` (a ``lax.Precision`` or a ``lax.DotAlgorithmPreset`` that flash_attention
+    validated) applies to float32 operands only (HIGHEST: full fp32, never silent TF32;
+    TF32_TF32_F32_X3 lowers to Triton's ``tf32x3``); 16-bit operands always use the tensor
+    cores' native mode.
     """
     contract = (0 if trans_a else 1, 1 if trans_b else 0)
     precision = precision if a.dtype == jnp.float32 else None
@@ -88,8 +90,8 @@ def compiler_params(num_warps: int, num_stages: int):
 # that `jax.export(..., platforms=["cuda"])` works on a CPU-only host and a CPU lowering
 # fails with a message that says what to use instead.
 _requires_cuda_p = jax.extend.core.Primitive("flash_attention_requires_cuda")
-_requires_cuda_p.def_impl(lambda x: x)
-_requires_cuda_p.def_abstract_eval(lambda x: x)
+_requires_cuda_p.def_impl(lambda x, **params: x)
+_requires_cuda_p.def_abstract_eval(lambda x, **params: x)
 
 PLATFORM_ERROR = (
     "implementation='pallas_triton' runs only on a CUDA GPU (the call is being lowered for "
@@ -98,19 +100,21 @@ PLATFORM_ERROR = (
     "the Pallas interpreter.")
 
 
-def _refuse_lowering(ctx, x):
+def _refuse_lowering(ctx, x, *, message):
     platform = getattr(ctx.module_context, "platforms", ["this platform"])
-    raise NotImplementedError(PLATFORM_ERROR.format(platform=tuple(platform)[0]))
+    raise NotImplementedError(message.format(platform=tuple(platform)[0]))
 
 
 mlir.register_lowering(_requires_cuda_p, _refuse_lowering)
 # An identity, so every transformation passes straight through (vmap, and the autodiff that
 # reaches it when JAX differentiates the custom VJP's backward and reports the real error).
-batching.primitive_batchers[_requires_cuda_p] = lambda args, dims: (_requires_cuda_p.bind(*args), dims[0])
-ad.deflinear(_requires_cuda_p, lambda cotangent: [cotangent])
-mlir.register_lowering(_requires_cuda_p, lambda ctx, x: [x], platform="cuda")
+batching.primitive_batchers[_requires_cuda_p] = lambda args, dims, **params: (
+    _requires_cuda_p.bind(*args, **params), dims[0])
+ad.deflinear(_requires_cuda_p, lambda cotangent, **params: [cotangent])
+mlir.register_lowering(_requires_cuda_p, lambda ctx, x, **params: [x], platform="cuda")
 
 
-def requires_cuda(x):
-    """Identity on CUDA; lowering it for any other platform raises PLATFORM_ERROR."""
-    return _requires_cuda_p.bind(x)
+def requires_cuda(x, message: str = PLATFORM_ERROR):
+    """Identity on CUDA; lowering it for any other platform raises ``message`` (its
+    ``{platform}`` filled in), by default PLATFORM_ERROR."""
+    return _requires_cuda_p.bind(x, message=message)

@@ -161,6 +161,28 @@ def test_fp32_dots_are_full_precision_not_tf32():
     assert "inputPrecision = tf32" in _triton_ir(jax.lax.Precision.DEFAULT)
 
 
+def test_precision_presets_reach_every_triton_dot():
+    presets = jax.lax.DotAlgorithmPreset
+    dots = _triton_ir(jax.lax.Precision.HIGHEST).count("= tt.dot ")
+    tf32x3 = _triton_ir(presets.TF32_TF32_F32_X3)  # 3xTF32 on the tensor cores
+    assert tf32x3.count("= tt.dot ") == tf32x3.count("inputPrecision = tf32x3") == dots
+    # BF16_BF16_F32_X6: each fp32 dot becomes six bfloat16 dots of split operands.
+    x6 = _triton_ir(presets.BF16_BF16_F32_X6)
+    assert len(re.findall(r"= tt\.dot .*xbf16>", x6)) == 6 * dots
+    assert "inputPrecision = tf32" not in x6
+
+
+def test_gpu_only_precision_lowers_for_cuda_through_xla():
+    """XLA:CPU refuses TF32 dots, but the xla implementation exported for CUDA carries the
+    3xTF32 algorithm on its dots (the CPU guard does not block the CUDA lowering)."""
+    q = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+    loss = lambda q: jnp.sum(flash_attention(q, q, q, implementation="xla", is_causal=True,
+                                             precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
+    module = export.export(jax.jit(jax.grad(loss)), **CUDA_EXPORT)(q).mlir_module()
+    algorithms = re.findall(r"algorithm = <lhs_precision_type = (\w+),.*?num_primitive_operations = (\d+)", module)
+    assert algorithms and set(algorithms) == {("tf32", "3")}
+
+
 def test_pallas_triton_refuses_to_lower_for_cpu_and_says_what_to_use():
     q = _random((1, 16, 1, 16), 0)
     with pytest.raises(NotImplementedError, match="implementation='xla'.*interpret=True"):

@@ -19,6 +19,11 @@ def test_batch_head_sharding_runs_locally(implementation, partitioner):
     assert local["warnings"] == []
     assert set(local["errors"]) == {"out", "dq", "dk", "dv", "dbias"}
     assert max(local["errors"].values()) < TOL, local["errors"]
+    # A constant bias: the backward op returns no dbias; still local and exact.
+    constant = result["batch_heads_constant_bias"]
+    assert constant["all_gathers"] == 0 and constant["warnings"] == []
+    assert set(constant["errors"]) == {"out", "dq", "dk", "dv"}
+    assert max(constant["errors"].values()) < TOL, constant["errors"]
 
     # head_dim sharded cannot be honoured: resharded, said so, still exact.
     gathered = result["head_dim"]

@@ -11,7 +11,8 @@ TOL = 2e-5  # float32 blocked attention vs float64 dense, unit-normal inputs, L 
 def _check(errors, names):
     assert set(errors) == set(names)
     for config, errs in errors.items():
-        expected = {"out", "dq", "dk", "dv"} | ({"dbias"} if "bias" in config else set())
+        differentiated_bias = "bias" in config and "constant" not in config
+        expected = {"out", "dq", "dk", "dv"} | ({"dbias"} if differentiated_bias else set())
         assert set(errs) == expected, config
         assert max(errs.values()) < TOL, (config, errs)
 
@@ -19,10 +20,11 @@ def _check(errors, names):
 def test_ring_xla_matches_float64_oracle():
     """Causal in both alignments, window, lengths (one row empty), segment ids, GQA, Lq != Lk,
     zigzag and contiguous layouts, bias (per head, broadcast) and dense mask: out, dq, dk, dv,
-    dbias against torch_ref.manual_attention in float64."""
+    dbias against torch_ref.manual_attention in float64; and a constant bias (no dbias)."""
     names = ("causal_top_left", "bottom_right_gqa_window_lengths_segments",
              "contiguous_window_kv_lengths", "bias_causal_gqa",
-             "bias_broadcast_mask_bottom_right_lengths", "contiguous_bias_mask_window")
+             "bias_broadcast_mask_bottom_right_lengths", "contiguous_bias_mask_window",
+             "constant_bias_causal")
     _check(run_script("ring_exact.py", "xla", *names), names)
 
 

@@ -10,15 +10,16 @@ TOL = 2e-5
 def test_sequence_sharded_jit_is_exact_and_gathers_nothing(implementation):
     """q, k, v (and segment ids) sharded P(None, "seq"); bias and mask sharded along their
     query rows with every key column, P(None, None, "seq", None). GQA, MQA, causal both
-    alignments, window, lengths; judged against torch_ref float64 (pallas: interpreter)."""
+    alignments, window, lengths, a constant (not differentiated) bias; judged against torch_ref
+    float64 (pallas: interpreter)."""
     results = run_script("partition_sequence.py", "exact", implementation)
-    assert len(results) == 4
+    assert len(results) == 5
     for config, r in results.items():
         assert r["all_gathers"] == 0, config
         assert r["permutes"] > 0, config  # the ring's ppermutes
         assert r["out_spec"] == "(None, 'seq')", config
         assert r["warnings"] == [], config
-        if "bias" in config:
+        if "bias" in config and "constant" not in config:
             assert r["dbias_spec"] == "(None, None, 'seq')", config  # rows sharded like the bias
             assert "dbias" in r["errors"], config
         assert max(r["errors"].values()) < TOL, (config, r["errors"])

@@ -37,6 +37,9 @@ CONFIGS = {
     "contiguous_bias_mask_window": (1, 32, 32, 2, 2, 16, "contiguous",
                                     dict(local_window_size=(9, 2)), None, False,
                                     {"bias": (1, 1), "mask": (1, 2)}),
+    # Not differentiated: the ring's backward computes no dbias.
+    "constant_bias_causal": (2, 32, 32, 2, 2, 16, "zigzag", dict(is_causal=True), None, False,
+                             {"bias": (2, 2)}),
 }
 
 
@@ -88,6 +91,10 @@ def run(name, implementation):
                                pairwise_rows(None if mask is None else jnp.asarray(mask)),
                                extra, *seg_args))
 
+    if "constant" in name:
+        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, bias), arrays["q"], arrays["k"], arrays["v"])
+        dq, dk, dv = vjp(arrays["ct"])
+        return max_errors(out, dict(q=dq, k=dk, v=dv), ref_out, ref_grads)
     out, vjp = jax.vjp(f, arrays["q"], arrays["k"], arrays["v"], bias)
     dq, dk, dv, dbias = vjp(arrays["ct"])
     grads = dict(q=dq, k=dk, v=dv) if bias is None else dict(q=dq, k=dk, v=dv, bias=dbias)

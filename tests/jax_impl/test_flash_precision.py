@@ -1,0 +1,76 @@
+"""precision=: lax.Precision or, for float32 inputs, a jax.lax.DotAlgorithmPreset; judged
+against the float64 oracle where the platform runs it, refused by name where it cannot."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _flash_helpers import torch_arrays
+from jax_impl.flash_attention import GPU_ONLY_PRESETS, PRECISION_PRESETS, flash_attention
+
+presets = jax.lax.DotAlgorithmPreset
+CPU_PRESETS = [p for p in PRECISION_PRESETS if p not in GPU_ONLY_PRESETS]
+# The error each preset may have on a GPU (input rounding: bf16 keeps 8 significant bits,
+# tf32 11; the split presets recover about fp32). XLA:CPU computes every CPU_PRESET in full
+# fp32, so on this machine they all meet the fp32 bound; the bounds matter on a GPU.
+TOLERANCE = {presets.F32_F32_F32: 2e-5, presets.BF16_BF16_F32: 5e-2,
+             presets.BF16_BF16_F32_X3: 1e-3, presets.BF16_BF16_F32_X6: 2e-5,
+             presets.TF32_TF32_F32: 5e-3, presets.TF32_TF32_F32_X3: 2e-5,
+             presets.BF16_BF16_F32_X9: 2e-5}
+IMPLEMENTATIONS = {"xla": {}, "pallas_triton": dict(interpret=True)}
+
+
+def _inputs(seed, shape=(1, 64, 2, 16)):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(shape).astype(np.float32) for _ in range(4))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("preset", CPU_PRESETS, ids=lambda p: p.name)
+def test_each_cpu_preset_matches_the_oracle(preset, implementation):
+    q, k, v, cotangent = _inputs(0)
+    attend = lambda q, k, v: flash_attention(q, k, v, is_causal=True, precision=preset,
+                                             implementation=implementation,
+                                             **IMPLEMENTATIONS[implementation])
+    out, vjp = jax.vjp(attend, q, k, v)
+    got = dict(zip(("out", "dq", "dk", "dv"), (out, *vjp(jnp.asarray(cotangent)))))
+    oracle = torch_arrays(q, k, v, cotangent, is_causal=True)
+    for name, value in got.items():
+        np.testing.assert_allclose(np.asarray(value, np.float64), oracle[name],
+                                   atol=TOLERANCE[preset], rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "reference", None])
+@pytest.mark.parametrize("preset", GPU_ONLY_PRESETS, ids=lambda p: p.name)
+def test_gpu_only_presets_on_cpu_say_where_they_run(preset, implementation):
+    q, k, v, _ = _inputs(1, (1, 16, 2, 16))
+    extra = IMPLEMENTATIONS.get(implementation, {})
+    with pytest.raises(NotImplementedError, match=rf"precision={preset.name} runs only on a CUDA GPU"
+                                                  r".*'cpu'.*BF16_BF16_F32_X6"):
+        flash_attention(q, k, v, precision=preset, implementation=implementation, **extra)
+
+
+@pytest.mark.parametrize("precision, dtype, match", [
+    ("tf32x3", jnp.float32, r"precision='tf32x3' must be a jax.lax.Precision.*TF32_TF32_F32_X3"),
+    (presets.BF16_BF16_BF16, jnp.float32, "must accumulate in float32"),
+    (presets.F16_F16_F32, jnp.float32, "must accumulate in float32 and be one of"),
+    (presets.DEFAULT, jnp.float32, "be one of F32_F32_F32"),
+    (presets.BF16_BF16_F32, jnp.bfloat16, "applies to float32 inputs only; bfloat16 inputs"),
+    (presets.TF32_TF32_F32_X3, jnp.float16, "applies to float32 inputs only"),
+])
+def test_unsupported_precision_is_refused_by_name(precision, dtype, match):
+    q = jnp.ones((1, 8, 1, 16), dtype)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, q, q, precision=precision)
+
+
+def test_highest_stays_the_default():
+    q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)
+    lowered = lambda **kw: jax.jit(lambda q: flash_attention(q, q, q, implementation="xla", **kw)).lower(q).as_text()
+    assert set(re.findall(r"precision = \[\w+, \w+\]", lowered())) == {"precision = [HIGHEST, HIGHEST]"}
+    # The check can fail: another precision shows in the lowered dots.
+    assert "precision = [DEFAULT, DEFAULT]" in lowered(precision=jax.lax.Precision.DEFAULT)
