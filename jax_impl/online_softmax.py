@@ -15,6 +15,8 @@ needs neither.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -110,14 +112,100 @@ def recomputed_probs(s, row_max, log_sum, allowed):
     return jnp.exp(jnp.where(allowed, shifted, -jnp.inf))
 
 
-def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig):
+def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool = True):
     """Algorithm 2, line 11: dS = P * (dP - delta), delta = rowsum(dO * O) - d(lse).
 
     Returns (dS: the gradient of the bias, d(q.k): the gradient of the raw product, with the
-    soft cap's derivative and the scale folded in).
+    soft cap's derivative and, if ``scaled``, the scale folded in; a kernel passes False and
+    scales its [block, D] dq/dk accumulator once instead of every logit).
     """
     ds = p * (dp - delta[..., None])
     dqk = ds
     if capped is not None:
         dqk = dqk * (1.0 - capped * capped)
-    return ds, dqk * cfg.scale
+    return ds, dqk * cfg.scale if scaled else dqk
+
+
+# --- Base 2 (the Pallas kernels) ----------------------------------------------------------------
+# exp2 is one hardware instruction (PTX ex2.approx); exp is a libdevice call (__nv_expf, about
+# ten instructions). So the GPU kernels compute P = 2^(S log2(e) - m2) and fold log2(e) into the
+# multiply that the logits need anyway. The xla path keeps the natural-log steps above.
+
+LOG2_E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Base2Softmax:
+    """The online softmax in base 2 on logits kept unmultiplied: ``S = t * unit``.
+
+    ``t`` is q.k (no soft cap, no bias: ``unit`` = scale), the soft cap's tanh (``unit`` = the
+    cap), or S itself with a bias (``unit`` = 1). The running row max is kept in t's units,
+    where it is exact (a max needs no multiply); the base-2 max is ``m2 = max * unit * log2(e)``,
+    a per-row value. Then without a bias each logit costs one multiply-add and one exp2:
+    ``2^(t * multiplier - m2)``. With a bias (``fold=False``) the max is subtracted before the
+    multiply, ``2^((t - max) * log2(e))``: a bias may put a row at -1e9, where m2 would lose
+    the digits that tell its logits apart, or at the float32 limit, where S * log2(e) overflows.
+    At the kernel boundary the statistics are the natural-log ``RowStats`` that every other
+    part of the library reads (``finalize``, ``probs``).
+    """
+
+    unit: float  # natural logits per unit of t (> 0)
+    fold: bool   # True: one multiply-add per logit; False: subtract the max first (a bias)
+
+    @classmethod
+    def create(cls, cfg: AttentionConfig, has_bias: bool) -> "Base2Softmax":
+        if has_bias:
+            return cls(1.0, False)
+        return cls(cfg.scale if cfg.logits_soft_cap is None else cfg.logits_soft_cap, True)
+
+    @property
+    def multiplier(self) -> float:
+        return self.unit * LOG2_E
+
+    def logits(self, qk, cfg: AttentionConfig, bias_tile=None):
+        """(t, tanh term of the soft cap or None) for one tile's raw products q.k."""
+        if not self.fold:
+            return logits(qk, cfg, bias_tile)
+        if cfg.logits_soft_cap is None:
+            return qk, None
+        capped = jnp.tanh(qk * (cfg.scale / cfg.logits_soft_cap))
+        return capped, capped
+
+    def to_units(self, natural_max):
+        """A natural-log row max (the sink's initial one) in t's units."""
+        return natural_max if self.unit == 1.0 else natural_max * (1.0 / self.unit)
+
+    def step(self, row_max, row_sum, t, allowed):
+        """``online_step`` in base 2 with ``row_max`` in t's units: (rescale, P, new max, new l)."""
+        if allowed is not None:  # None: every pair of the tile is allowed
+            t = jnp.where(allowed, t, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(t, axis=-1))
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows with no finite logit yet
+        c = self.multiplier
+        if self.fold:
+            m2 = safe_max * c
+            rescale = jnp.exp2(row_max * c - m2)      # 0 while row_max is -inf
+            p = jnp.exp2(t * c - m2[..., None])       # one multiply-add per logit
+        else:
+            rescale = jnp.exp2((row_max - safe_max) * c)
+            p = jnp.exp2((t - safe_max[..., None]) * c)
+        new_sum = rescale * row_sum + jnp.sum(p, axis=-1)
+        return rescale, p, new_max, new_sum
+
+    def finalize(self, acc, row_max, row_sum):
+        """``finalize`` for a row max in t's units: natural-log RowStats (max = max * unit)."""
+        return finalize(acc, row_max if self.unit == 1.0 else row_max * self.unit, row_sum)
+
+    def probs(self, t, stats: RowStats, allowed):
+        """Backward: ``recomputed_probs`` from the natural-log statistics, in base 2.
+
+        Without a bias, P = 2^(t * multiplier - (max + log_sum) * log2(e)): one multiply-add
+        per logit, the second term per row; its rounding is a few ulp of the logsumexp (as in
+        FlashAttention-2). With a bias the max is subtracted first, as in ``step``.
+        """
+        if allowed is not None:
+            t = jnp.where(allowed, t, -jnp.inf)
+        log2_sum = stats.log_sum * LOG2_E
+        if self.fold:
+            return jnp.exp2(t * self.multiplier - (stats.max * LOG2_E + log2_sum)[..., None])
+        return jnp.exp2((t - stats.max[..., None]) * LOG2_E - log2_sum[..., None])

@@ -7,7 +7,9 @@
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
   It also writes dS, the gradient of the bias, when there is a bias.
 
-Both recompute P = exp(S - m - log l) from q, k and the saved row statistics; delta =
+Both recompute P = exp(S - m - log l) from q, k and the saved row statistics, in base 2 with
+the scale folded in (online_softmax.Base2Softmax), and apply the scale of dq and dk once to
+the accumulator rather than to every logit; delta =
 rowsum(dO * O) (minus the cotangent of the logsumexp, if any) comes from the custom VJP.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
     cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
     bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
+    softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
     per_head = lambda ref, g: 0 if ref.shape[0] == 1 else g  # broadcast head axis of mask/bias
 
     def query_head(g, carry):
@@ -54,15 +57,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
                 poison, q, k_tile, v_tile = online_softmax.excluded_nonfinite(q, k, v)
             qk = common.dot(q, k_tile, cfg.precision, trans_b=True)   # [bq, bk]
             bias = None if bias_ref is None else bias_ref[per_head(bias_ref, g), queries, :]
-            s, capped = online_softmax.logits(qk, cfg, bias)
+            t, capped = softmax.logits(qk, cfg, bias)
             if allowed is not None:
-                s = s + poison
-            p = online_softmax.recomputed_probs(s, max_ref[g, queries], log_sum_ref[g, queries], allowed)
+                t = t + poison
+            stats = online_softmax.RowStats(max_ref[g, queries], log_sum_ref[g, queries])
+            p = softmax.probs(t, stats, allowed)
             dp = common.dot(do, v_tile, cfg.precision, trans_b=True)
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
             keep = common.dropout_keep(cfg, seed, rows, cols)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
-            _, dqk = online_softmax.logits_gradient(p, drop(dp), delta_ref[g, queries], capped, cfg)
+            _, dqk = online_softmax.logits_gradient(p, drop(dp), delta_ref[g, queries], capped, cfg,
+                                                    scaled=False)
             dv += common.dot(drop(p).astype(do.dtype), do, cfg.precision, trans_a=True)
             dk += common.dot(dqk.astype(q.dtype), q, cfg.precision, trans_a=True)
             return dk, dv
@@ -71,7 +76,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, query_head, (zeros, zeros))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)  # the scale once, not per logit
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -83,9 +88,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
     q, do = q_ref[...], do_ref[...]                                   # [bq, Dp]
-    row_max, log_sum, delta = max_ref[...], log_sum_ref[...], delta_ref[...]  # [bq]
+    stats, delta = online_softmax.RowStats(max_ref[...], log_sum_ref[...]), delta_ref[...]  # [bq]
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, dq, masked):
         keys = pl.ds(j * block_k, block_k)
@@ -99,14 +105,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
         if allowed is not None:
             poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
         qk = common.dot(q_tile, k, cfg.precision, trans_b=True)
-        s, capped = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        t, capped = softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         if allowed is not None:
-            s = s + poison
-        p = online_softmax.recomputed_probs(s, row_max, log_sum, allowed)
+            t = t + poison
+        p = softmax.probs(t, stats, allowed)
         dp = common.dot(do, v, cfg.precision, trans_b=True)
         keep = common.dropout_keep(cfg, seed, rows, cols)  # dP reaches P through dropout's mask
         ds, dqk = online_softmax.logits_gradient(
-            p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate), delta, capped, cfg)
+            p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate), delta, capped, cfg, scaled=False)
         if dbias_ref is not None:
             dbias_ref[:, keys] = ds
         return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)
@@ -115,7 +121,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
     if dbias_ref is not None:  # every tile of dbias must be written, zeros included
         bounds = (0, bounds[1], bounds[2], num_key_tiles)
     dq = masking.split_fori_loop(bounds, key_tile, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)  # the scale once, not per logit
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,

@@ -3,7 +3,8 @@
 Each program keeps its query tile in registers and walks the key tiles that the mask
 structure allows (masking.kv_block_range), with a running row max m, a running sum l in m's
 scale and an fp32 output accumulator, rescaled whenever m grows; O and the row statistics
-(m and log l) are written once at the end.
+(m and log l) are written once at the end. P is computed in base 2 with the scale folded in
+(online_softmax.Base2Softmax); the statistics written are the natural-log RowStats.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
     q = q_ref[...]                                                    # [bq, Dp]
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, carry, masked):
         acc, row_max, row_sum = carry
@@ -42,18 +44,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
         if allowed is not None:
             poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
         qk = common.dot(q_tile, k, cfg.precision, trans_b=True)       # [bq, bk]
-        s, _ = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        t, _ = softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         if allowed is not None:
-            s = s + poison
-        rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
+            t = t + poison
+        rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
         p_drop = dropout_sinks.apply_dropout(p, common.dropout_keep(cfg, seed, rows, cols), cfg.dropout_rate)
         acc = rescale[:, None] * acc + common.dot(p_drop.astype(v.dtype), v, cfg.precision)
         return acc, row_max, row_sum
 
-    init = (jnp.zeros(q.shape, jnp.float32), *dropout_sinks.initial_stats(sink, (block_q,)))
+    initial_max, initial_sum = dropout_sinks.initial_stats(sink, (block_q,))
+    init = (jnp.zeros(q.shape, jnp.float32), softmax.to_units(initial_max), initial_sum)
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     acc, row_max, row_sum = masking.split_fori_loop(bounds, key_tile, init)
-    out, stats = online_softmax.finalize(acc, row_max, row_sum)
+    out, stats = softmax.finalize(acc, row_max, row_sum)
     o_ref[...] = out.astype(o_ref.dtype)
     max_ref[...] = stats.max
     log_sum_ref[...] = stats.log_sum

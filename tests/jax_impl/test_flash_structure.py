@@ -13,6 +13,7 @@ from jax import export
 
 from jax_impl import BlockSizes, explain_implementation, masking, pallas_triton
 from jax_impl.config import AttentionConfig
+from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.flash_attention import flash_attention
 from jax_impl.pallas_triton import heuristics
 
@@ -136,21 +137,37 @@ def test_user_block_sizes_lower_for_cuda():
     assert "flash_attention_backward_dq" in _export_gradients(64, "float16", 100, 70, {}, blocks)
 
 
-def _triton_ir(precision):
-    cfg = AttentionConfig(scale=0.125, mask=masking.MaskSpec(is_causal=True), debug=True,
-                          precision=precision)
+def _triton_ir(precision, dtype=jnp.float32, head_dim=64, bias=False, **options):
+    """What Pallas prints (debug=True) while lowering the three kernels for CUDA: each kernel's
+    jaxpr, then its Triton IR (TTIR). ``bias``: also a bias, sinks and dropout seeds."""
+    cfg = AttentionConfig(scale=head_dim ** -0.5, mask=masking.MaskSpec(is_causal=True), debug=True,
+                          precision=precision, **options)
     masks = masking.MaskInputs(jnp.array([64], jnp.int32), jnp.array([64], jnp.int32),
                                None, None, None)
 
-    def fwd_bwd(q):
-        out, stats = pallas_triton.forward(cfg, q, q, q, None, masks)
+    extras = SinksAndDropout(jnp.ones((1, 1), jnp.float32), jnp.ones((1, 1), jnp.uint32)) if bias else None
+
+    def fwd_bwd(q, b):
+        b = b if bias else None
+        out, stats = pallas_triton.forward(cfg, q, q, q, b, masks, extras)
         delta = jnp.zeros(stats.max.shape, jnp.float32)
-        return pallas_triton.backward(cfg, q, q, q, None, masks, stats, out, delta)
+        return pallas_triton.backward(cfg, q, q, q, b, masks, stats, out, delta, extras)
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        export.export(jax.jit(fwd_bwd), **CUDA_EXPORT)(jax.ShapeDtypeStruct((1, 64, 1, 64), jnp.float32))
+        export.export(jax.jit(fwd_bwd), **CUDA_EXPORT)(
+            jax.ShapeDtypeStruct((1, 64, 1, head_dim), dtype), jax.ShapeDtypeStruct((1, 1, 64, 64), jnp.float32))
     return printed.getvalue()
+
+
+def _triton_modules(ir: str) -> dict:
+    """Kernel name -> its TTIR, from ``_triton_ir``'s printout (the jaxprs left out)."""
+    parts = re.split(r"\nThe (Triton module|kernel jaxpr) for pallas_call (\w+)", ir)
+    modules = {name: body for kind, name, body in zip(parts[1::3], parts[2::3], parts[3::3])
+               if kind == "Triton module"}
+    assert sorted(modules) == ["flash_attention_backward_dkdv", "flash_attention_backward_dq",
+                               "flash_attention_forward"], sorted(modules)
+    return modules
 
 
 def test_fp32_dots_are_full_precision_not_tf32():
@@ -159,6 +176,24 @@ def test_fp32_dots_are_full_precision_not_tf32():
     assert "inputPrecision = tf32" not in ir
     # The check can fail: asking for DEFAULT precision does produce TF32 dots.
     assert "inputPrecision = tf32" in _triton_ir(jax.lax.Precision.DEFAULT)
+
+
+# P = exp2(t * c - m2): jnp.exp2 lowers to Triton's math.exp2 or, for float32 on this JAX, to
+# libdevice's __nv_exp2f; both are one PTX ex2.approx. exp (__nv_expf or math.exp) costs a
+# range reduction of about ten instructions around the same ex2.approx.
+EXP2 = re.compile(r'math\.exp2 |symbol = "__nv_exp2f"')
+EXP = re.compile(r'math\.exp |symbol = "__nv_expf"')
+
+
+@pytest.mark.parametrize("features", [dict(), dict(bias=True, logits_soft_cap=20.0, dropout_rate=0.1)],
+                         ids=["plain", "bias-softcap-dropout-sinks"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_every_kernel_computes_p_with_exp2_never_exp(dtype, head_dim, features):
+    modules = _triton_modules(_triton_ir(jax.lax.Precision.HIGHEST, dtype, head_dim, **features))
+    for name, ttir in modules.items():
+        assert EXP2.search(ttir), f"{name}: no exp2"
+        assert not EXP.search(ttir), f"{name}: exp: {EXP.search(ttir).group(0)}"
 
 
 def test_pallas_triton_refuses_to_lower_for_cpu_and_says_what_to_use():
