@@ -65,11 +65,18 @@ def row_poison(x):
     return jnp.where(bad_row, jnp.nan, 0.0)
 
 
-def excluded_nonfinite(q, k, v):
+def per_row(x, transposed: bool = False):
+    """A per-query vector ``[..., Tq]`` broadcast against a tile: ``[..., Tq, 1]``, or against a
+    transposed tile (keys first, the dK/dV kernel's S^T) ``[..., 1, Tq]``."""
+    return x[..., None, :] if transposed else x[..., :, None]
+
+
+def excluded_nonfinite(q, k, v, *, transposed: bool = False):
     """The non-finite rule on one masked tile: q ``[..., Tq, D]``, k/v ``[..., Tk, D]`` (leading
-    axes broadcastable) -> (NaN-or-0 poison ``[..., Tq, Tk]`` to add to S, and q, k, v with
-    their non-finite entries as 0)."""
-    poison = row_poison(q)[..., :, None] + (row_poison(k) + row_poison(v))[..., None, :]
+    axes broadcastable) -> (NaN-or-0 poison ``[..., Tq, Tk]`` (``[..., Tk, Tq]`` if transposed)
+    to add to S, and q, k, v with their non-finite entries as 0)."""
+    key_poison = row_poison(k) + row_poison(v)
+    poison = per_row(row_poison(q), transposed) + per_row(key_poison, not transposed)
     return (poison, *map(finite_or_zero, (q, k, v)))
 
 
@@ -112,14 +119,16 @@ def recomputed_probs(s, row_max, log_sum, allowed):
     return jnp.exp(jnp.where(allowed, shifted, -jnp.inf))
 
 
-def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool = True):
+def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool = True,
+                    transposed: bool = False):
     """Algorithm 2, line 11: dS = P * (dP - delta), delta = rowsum(dO * O) - d(lse).
 
     Returns (dS: the gradient of the bias, d(q.k): the gradient of the raw product, with the
     soft cap's derivative and, if ``scaled``, the scale folded in; a kernel passes False and
-    scales its [block, D] dq/dk accumulator once instead of every logit).
+    scales its [block, D] dq/dk accumulator once instead of every logit). ``transposed``: the
+    tiles are (key, query), delta still one value per query.
     """
-    ds = p * (dp - delta[..., None])
+    ds = p * (dp - per_row(delta, transposed))
     dqk = ds
     if capped is not None:
         dqk = dqk * (1.0 - capped * capped)
@@ -196,16 +205,18 @@ class Base2Softmax:
         """``finalize`` for a row max in t's units: natural-log RowStats (max = max * unit)."""
         return finalize(acc, row_max if self.unit == 1.0 else row_max * self.unit, row_sum)
 
-    def probs(self, t, stats: RowStats, allowed):
+    def probs(self, t, stats: RowStats, allowed, *, transposed: bool = False):
         """Backward: ``recomputed_probs`` from the natural-log statistics, in base 2.
 
         Without a bias, P = 2^(t * multiplier - (max + log_sum) * log2(e)): one multiply-add
         per logit, the second term per row; its rounding is a few ulp of the logsumexp (as in
         FlashAttention-2). With a bias the max is subtracted first, as in ``step``.
+        ``transposed``: t is a (key, query) tile, the statistics one value per query.
         """
         if allowed is not None:
             t = jnp.where(allowed, t, -jnp.inf)
         log2_sum = stats.log_sum * LOG2_E
+        row = lambda x: per_row(x, transposed)
         if self.fold:
-            return jnp.exp2(t * self.multiplier - (stats.max * LOG2_E + log2_sum)[..., None])
-        return jnp.exp2((t - stats.max[..., None]) * LOG2_E - log2_sum[..., None])
+            return jnp.exp2(t * self.multiplier - row(stats.max * LOG2_E + log2_sum))
+        return jnp.exp2((t - row(stats.max)) * LOG2_E - row(log2_sum))

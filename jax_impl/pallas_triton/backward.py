@@ -29,15 +29,19 @@ from jax_impl.pallas_triton.layout import Layout
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                  offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dk_ref, dv_ref, *,
                  cfg: AttentionConfig, block_q: int, block_k: int, groups: int):
+    """Works on the transposed tiles S^T = K Q^T ``[bk, bq]``, so that dV += P^T dO and
+    dK += dS^T Q are plain dots: no transpose of the computed P or dS."""
     j, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
     k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
-    cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+    cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[:, None]  # keys: [bk, 1]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
     bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
     per_head = lambda ref, g: 0 if ref.shape[0] == 1 else g  # broadcast head axis of mask/bias
+    # A [bq, bk] tile of the mask or bias, loaded transposed to [bk, bq].
+    pair_tile = lambda ref, g, queries: None if ref is None else ref[per_head(ref, g), queries, :].T
 
     def query_head(g, carry):
         seed = common.per_head(seeds_ref, b, kv_head * groups + g)
@@ -46,30 +50,30 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
             dk, dv = carry
             queries = pl.ds(i * block_q, block_q)
             q, do = q_ref[queries, g, :], do_ref[queries, g, :]       # [bq, Dp]
-            rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
+            rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, :]  # queries: [1, bq]
+            # Segment equality is symmetric: (kv ids, q ids) gives the [bk, bq] orientation.
             allowed = masking.allowed(
-                cfg.mask, rows, cols, q_len, kv_len,
-                None if q_seg_ref is None else q_seg_ref[queries], kv_seg,
-                None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :], structural=masked,
-                position_offset=offset)
+                cfg.mask, rows, cols, q_len, kv_len, kv_seg,
+                None if q_seg_ref is None else q_seg_ref[queries],
+                pair_tile(mask_ref, g, queries), structural=masked, position_offset=offset)
             k_tile, v_tile = k, v
             if allowed is not None:
-                poison, q, k_tile, v_tile = online_softmax.excluded_nonfinite(q, k, v)
-            qk = common.dot(q, k_tile, cfg.precision, trans_b=True)   # [bq, bk]
-            bias = None if bias_ref is None else bias_ref[per_head(bias_ref, g), queries, :]
-            t, capped = softmax.logits(qk, cfg, bias)
+                poison, q, k_tile, v_tile = online_softmax.excluded_nonfinite(q, k, v, transposed=True)
+            qk = common.dot(k_tile, q, cfg.precision, trans_b=True)   # S^T: [bk, bq]
+            t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref, g, queries))
             if allowed is not None:
                 t = t + poison
             stats = online_softmax.RowStats(max_ref[g, queries], log_sum_ref[g, queries])
-            p = softmax.probs(t, stats, allowed)
-            dp = common.dot(do, v_tile, cfg.precision, trans_b=True)
-            # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
+            p = softmax.probs(t, stats, allowed, transposed=True)     # P^T
+            dp = common.dot(v_tile, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
+            # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask (the same
+            # (query, key) hash, evaluated transposed).
             keep = common.dropout_keep(cfg, seed, rows, cols)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
             _, dqk = online_softmax.logits_gradient(p, drop(dp), delta_ref[g, queries], capped, cfg,
-                                                    scaled=False)
-            dv += common.dot(drop(p).astype(do.dtype), do, cfg.precision, trans_a=True)
-            dk += common.dot(dqk.astype(q.dtype), q, cfg.precision, trans_a=True)
+                                                    scaled=False, transposed=True)
+            dv += common.dot(drop(p).astype(do.dtype), do, cfg.precision)
+            dk += common.dot(dqk.astype(q.dtype), q, cfg.precision)
             return dk, dv
 
         return masking.split_fori_loop(bounds, query_tile, carry)

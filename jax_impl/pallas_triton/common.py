@@ -73,7 +73,9 @@ def per_head(ref, b, h):
 
 
 def dropout_keep(cfg, seed, rows, cols):
-    """The keep mask of absolute rows [bq, 1] x cols [1, bk], or None without dropout."""
+    """The keep mask of absolute query indices ``rows`` x key indices ``cols`` ([bq, 1] x [1, bk],
+    or [1, bq] x [bk, 1] for a transposed tile: the same hash, so the same pattern), or None
+    without dropout."""
     if not cfg.dropout_rate:
         return None
     return dropout_sinks.keep(seed, rows, cols, cfg.dropout_rate)

@@ -196,6 +196,37 @@ def test_every_kernel_computes_p_with_exp2_never_exp(dtype, head_dim, features):
         assert not EXP.search(ttir), f"{name}: exp: {EXP.search(ttir).group(0)}"
 
 
+def _transposed_values_after_exp2(ttir: str):
+    """The operands of the tt.trans ops that depend on an exp2, i.e. on P or dS."""
+    defs = dict(re.findall(r"^\s*(%\w+)(?::\d+)? = (.*)$", ttir, re.MULTILINE))
+    memo = {}
+
+    def after_exp2(value):
+        if value not in memo:
+            memo[value] = False  # a cycle (loop-carried value) adds nothing
+            line = defs.get(value, "")
+            memo[value] = bool(EXP2.search(line)) or any(
+                after_exp2(v) for v in re.findall(r"%\w+", line.split(" : ")[0]))
+        return memo[value]
+
+    return [v for v in re.findall(r"tt\.trans (%\w+)", ttir) if after_exp2(v)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_dkdv_kernel_transposes_no_computed_tile(dtype):
+    """dK/dV works on S^T = K Q^T: dV += P^T dO and dK += dS^T Q need no transpose of P or dS
+    (a transposed operand that is a loaded Q or dO tile is free: Triton reads it from shared
+    memory in the other order)."""
+    modules = _triton_modules(_triton_ir(jax.lax.Precision.HIGHEST, dtype, 64, bias=True))
+    dkdv = modules["flash_attention_backward_dkdv"]
+    assert "tt.trans" in dkdv  # the loaded Q and dO (and bias) tiles
+    assert _transposed_values_after_exp2(dkdv) == []
+    # The check can fail (the kernel's former dot(P, dO, trans_a=True) failed it): a
+    # transpose of a value computed from an exp2 is found.
+    fake = "%1 = tt.extern_elementwise %0 {symbol = \"__nv_exp2f\"}\n%2 = tt.trans %1 {order}\n"
+    assert _transposed_values_after_exp2(fake) == ["%1"]
+
+
 def test_pallas_triton_refuses_to_lower_for_cpu_and_says_what_to_use():
     q = _random((1, 16, 1, 16), 0)
     with pytest.raises(NotImplementedError, match="implementation='xla'.*interpret=True"):
