@@ -28,10 +28,10 @@ from jax_impl.pallas_triton.layout import Layout
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                  offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dk_ref, dv_ref, *,
-                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int):
+                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int, order: common.TileOrder):
     """Works on the transposed tiles S^T = K Q^T ``[bk, bq]``, so that dV += P^T dO and
     dK += dS^T Q are plain dots: no transpose of the computed P or dS."""
-    j, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    j, b, kv_head = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
     k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
@@ -86,8 +86,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dq_ref, dbias_ref, *,
-               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int):
-    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int,
+               order: common.TileOrder):
+    i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     seed = common.per_head(seeds_ref, b, h)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
@@ -148,14 +149,16 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     kv_tile = pl.BlockSpec((None, bk, None, d_pad), lambda j, b, h: (b, j, h, 0))
     q_group = pl.BlockSpec((None, lq_pad, groups, d_pad), lambda j, b, h: (b, 0, h, 0))
     stats_group = pl.BlockSpec((None, groups, lq_pad), lambda j, b, h: (b, h, 0))
+    order = common.TileOrder(lk_pad // bk, masking.later_key_tiles_heavier(cfg.mask))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups),
+        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups, order=order),
         grid=(lk_pad // bk, batch, hkv),
-        in_specs=[q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
-                  None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
-                  None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-                  pair(mask), pair(bias), common.per_head_spec(seeds)],
-        out_specs=[kv_tile, kv_tile],
+        in_specs=list(map(order.spec, [
+            q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
+            None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
+            None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+            pair(mask), pair(bias), common.per_head_spec(seeds)])),
+        out_specs=[order.spec(kv_tile)] * 2,
         out_shape=[common.out_struct(k.shape, k.dtype, q), common.out_struct(v.shape, v.dtype, q)],
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dkdv",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
@@ -174,15 +177,17 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     if bias is not None:
         out_specs.append(pl.BlockSpec((None, None, bq, lk_pad), lambda i, b, h: (b, h, i, 0)))
         out_shape.append(common.out_struct((batch, hq, lq_pad, lk_pad), jnp.float32, q))
+    order = common.TileOrder(lq_pad // bq, masking.later_query_tiles_heavier(cfg.mask))
     results = pl.pallas_call(
         functools.partial(_dq_kernel if bias is not None else _dq_kernel_no_bias, cfg=cfg,
-                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk),
+                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk, order=order),
         grid=(lq_pad // bq, batch, hq),
-        in_specs=[q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
-                  None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                  None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
-                  pair(mask), pair(bias), common.per_head_spec(seeds)],
-        out_specs=out_specs, out_shape=out_shape,
+        in_specs=list(map(order.spec, [
+            q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
+            None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+            None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
+            pair(mask), pair(bias), common.per_head_spec(seeds)])),
+        out_specs=list(map(order.spec, out_specs)), out_shape=out_shape,
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dq",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
     )(*inputs)

@@ -21,8 +21,8 @@ from jax_impl.pallas_triton.layout import Layout
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_seg_ref, kv_seg_ref,
                     mask_ref, bias_ref, sinks_ref, seeds_ref, o_ref, max_ref, log_sum_ref, *,
-                    cfg: AttentionConfig, block_q: int, block_k: int):
-    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+                    cfg: AttentionConfig, block_q: int, block_k: int, order: common.TileOrder):
+    i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     sink, seed = common.per_head(sinks_ref, b, h), common.per_head(seeds_ref, b, h)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
@@ -91,9 +91,11 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
     out_specs = [pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
                  stats_spec, stats_spec]
     out_shape = [common.out_struct(q.shape, q.dtype, q), stats_shape, stats_shape]
-    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k)
+    order = common.TileOrder(lq_pad // block_q, masking.later_query_tiles_heavier(cfg.mask))
+    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k, order=order)
     return pl.pallas_call(
-        kernel, grid=(lq_pad // block_q, batch, hq), in_specs=in_specs, out_specs=out_specs,
+        kernel, grid=(lq_pad // block_q, batch, hq), in_specs=list(map(order.spec, in_specs)),
+        out_specs=list(map(order.spec, out_specs)),
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
     )(q, k, v, masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,

@@ -227,6 +227,47 @@ def test_dkdv_kernel_transposes_no_computed_tile(dtype):
     assert _transposed_values_after_exp2(fake) == ["%1"]
 
 
+def _first_program_tiles(spec: masking.MaskSpec, length=256, head_dim=64):
+    """Kernel name -> the sequence tile (block index along L of its first tiled operand: q for
+    the forward and dQ, k for dK/dV) that the grid's program 0 takes, read from the index maps
+    of the pallas_calls that the kernels are built with."""
+    cfg = AttentionConfig(scale=0.125, mask=spec, interpret=True, block_sizes=BlockSizes(
+        64, 64, 64, 64, 64, 64))
+    masks = masking.MaskInputs(jnp.array([length], jnp.int32), jnp.array([length], jnp.int32),
+                               None, None, None)
+
+    def fwd_bwd(q):
+        out, stats = pallas_triton.forward(cfg, q, q, q, None, masks)
+        return pallas_triton.backward(cfg, q, q, q, None, masks, stats, out, stats.max)
+
+    jaxpr = jax.make_jaxpr(fwd_bwd)(jax.ShapeDtypeStruct((1, length, 1, head_dim), jnp.bfloat16))
+    tiles = {}
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            operand = 1 if eqn.params["name"].endswith("dkdv") else 0  # k, or q
+            index_map = eqn.params["grid_mapping"].block_mappings[operand].index_map_jaxpr
+            blocks = jax.core.eval_jaxpr(index_map.jaxpr, index_map.consts, 0, 0, 0)
+            tiles[eqn.params["name"]] = int(blocks[1])
+    return tiles
+
+
+@pytest.mark.parametrize("spec, query_last, key_last", [
+    (masking.MaskSpec(is_causal=True), True, False),
+    (masking.MaskSpec(is_causal=True, bottom_right=True, window_left=32), True, False),
+    (masking.MaskSpec(window_left=32), False, True),
+    (masking.MaskSpec(), False, False),
+], ids=["causal", "causal-window", "left-window", "none"])
+def test_programs_take_the_heaviest_tiles_first(spec, query_last, key_last):
+    """Causal: the last query tile sees the most keys, so program 0 of the forward and dQ grids
+    takes it; key tile 0 is seen by the most queries, so dK/dV keeps its order. A band bounded
+    below only is the mirror image. Without a band every tile costs the same: no reordering."""
+    last = 256 // 64 - 1
+    assert _first_program_tiles(spec) == {
+        "flash_attention_forward": last if query_last else 0,
+        "flash_attention_backward_dq": last if query_last else 0,
+        "flash_attention_backward_dkdv": last if key_last else 0}
+
+
 def test_pallas_triton_refuses_to_lower_for_cpu_and_says_what_to_use():
     q = _random((1, 16, 1, 16), 0)
     with pytest.raises(NotImplementedError, match="implementation='xla'.*interpret=True"):
