@@ -60,3 +60,4 @@ class AttentionConfig:
     debug: bool = False  # Pallas prints each kernel's jaxpr and Triton IR when lowering
     # Attention dropout on P (dropout_sinks.py); the seeds are a traced input (SinksAndDropout.dropout_seeds).
     dropout_rate: float = 0.0
+    bias_gradient: bool = True  # False: the bias is a constant; backward computes no dbias

@@ -5,7 +5,8 @@
   (masking.q_block_range), for each of the G query heads that share this kv head (GQA:
   the group's contributions are summed here, K/V are never repeated).
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
-  It also writes dS, the gradient of the bias, when there is a bias.
+  It also writes dS, the gradient of the bias, when there is a bias and cfg.bias_gradient;
+  only then must it visit every key tile (to write dbias's zeros), else it skips like the forward.
 
 Both recompute P = exp(S - m - log l) from q, k and the saved row statistics, in base 2 with
 the scale folded in (online_softmax.Base2Softmax), and apply the scale of dq and dk once to
@@ -124,14 +125,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
 
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     if dbias_ref is not None:  # every tile of dbias must be written, zeros included
-        bounds = (0, bounds[1], bounds[2], num_key_tiles)
+        bounds = (0, bounds[1], bounds[2], num_key_tiles)  # (absent unless cfg.bias_gradient)
     dq = masking.split_fori_loop(bounds, key_tile, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)  # the scale once, not per logit
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
                   masks: masking.MaskInputs, mask, bias, seeds=None):
-    """Padded operands -> (dq, dk, dv, dbias [B, Hq, Lq_pad, Lk_pad] or None)."""
+    """Padded operands -> (dq, dk, dv, dbias [B, Hq, Lq_pad, Lk_pad], or None without a bias or
+    with ``cfg.bias_gradient`` False)."""
     batch, lq_pad, hq, d_pad = q.shape
     lk_pad, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -174,12 +176,13 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     out_specs = [q_tile]
     out_shape = [common.out_struct(q.shape, q.dtype, q)]
-    if bias is not None:
+    write_dbias = bias is not None and cfg.bias_gradient
+    if write_dbias:
         out_specs.append(pl.BlockSpec((None, None, bq, lk_pad), lambda i, b, h: (b, h, i, 0)))
         out_shape.append(common.out_struct((batch, hq, lq_pad, lk_pad), jnp.float32, q))
     order = common.TileOrder(lq_pad // bq, masking.later_query_tiles_heavier(cfg.mask))
     results = pl.pallas_call(
-        functools.partial(_dq_kernel if bias is not None else _dq_kernel_no_bias, cfg=cfg,
+        functools.partial(_dq_kernel if write_dbias else _dq_kernel_no_dbias, cfg=cfg,
                           block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk, order=order),
         grid=(lq_pad // bq, batch, hq),
         in_specs=list(map(order.spec, [
@@ -192,10 +195,10 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
     )(*inputs)
     dq = results[0]
-    dbias = results[1] if bias is not None else None
+    dbias = results[1] if write_dbias else None
     return dq, dk, dv, dbias
 
 
-def _dq_kernel_no_bias(*refs, **kwargs):
+def _dq_kernel_no_dbias(*refs, **kwargs):
     *inputs, dq_ref = refs
     return _dq_kernel(*inputs, dq_ref, None, **kwargs)
