@@ -148,14 +148,15 @@ class Base2Softmax:
     """The online softmax in base 2 on logits kept unmultiplied: ``S = t * unit``.
 
     ``t`` is q.k (no soft cap, no bias: ``unit`` = scale), the soft cap's tanh (``unit`` = the
-    cap), or S itself with a bias (``unit`` = 1). The running row max is kept in t's units,
-    where it is exact (a max needs no multiply); the base-2 max is ``m2 = max * unit * log2(e)``,
-    a per-row value. Then without a bias each logit costs one multiply-add and one exp2:
-    ``2^(t * multiplier - m2)``. With a bias (``fold=False``) the max is subtracted before the
-    multiply, ``2^((t - max) * log2(e))``: a bias may put a row at -1e9, where m2 would lose
-    the digits that tell its logits apart, or at the float32 limit, where S * log2(e) overflows.
-    At the kernel boundary the statistics are the natural-log ``RowStats`` that every other
-    part of the library reads (``finalize``, ``probs``).
+    cap), or S itself with a bias (``unit`` = 1). The running row max is the natural-log one
+    (the max of t times unit: a per-row multiply), and the base-2 reference is
+    ``m2 = max * log2(e)``, the same rounded value in the forward and, from the saved
+    ``RowStats.max``, in the backward. Without a bias each logit then costs one multiply-add and
+    one exp2, ``2^(t * multiplier - m2)``, multiplier = unit * log2(e). With a bias
+    (``fold=False``) the max is subtracted before the multiply, ``2^((t - max) * log2(e))``: a
+    bias may put a row at -1e9, where m2 would lose the digits that tell its logits apart, or
+    at the float32 limit, where S * log2(e) overflows. The statistics are the natural-log
+    ``RowStats`` that every other part of the library reads.
     """
 
     unit: float  # natural logits per unit of t (> 0)
@@ -180,43 +181,31 @@ class Base2Softmax:
         capped = jnp.tanh(qk * (cfg.scale / cfg.logits_soft_cap))
         return capped, capped
 
-    def to_units(self, natural_max):
-        """A natural-log row max (the sink's initial one) in t's units."""
-        return natural_max if self.unit == 1.0 else natural_max * (1.0 / self.unit)
+    def _shifted(self, t, row_max):
+        """log2 of P up to the row sum: t * multiplier - m2 (one multiply-add), or with a bias
+        (t - max) * log2(e). ``row_max``: natural, broadcast like t, finite or +inf."""
+        if self.fold:
+            return t * self.multiplier - row_max * LOG2_E
+        return (t - row_max) * LOG2_E
 
     def step(self, row_max, row_sum, t, allowed):
-        """``online_step`` in base 2 with ``row_max`` in t's units: (rescale, P, new max, new l)."""
+        """``online_step`` in base 2 (``row_max`` natural): (rescale, P, new max, new l)."""
         if allowed is not None:  # None: every pair of the tile is allowed
             t = jnp.where(allowed, t, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(t, axis=-1))
+        tile_max = jnp.max(t, axis=-1)
+        new_max = jnp.maximum(row_max, tile_max if self.unit == 1.0 else tile_max * self.unit)
         safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows with no finite logit yet
-        c = self.multiplier
-        if self.fold:
-            m2 = safe_max * c
-            rescale = jnp.exp2(row_max * c - m2)      # 0 while row_max is -inf
-            p = jnp.exp2(t * c - m2[..., None])       # one multiply-add per logit
-        else:
-            rescale = jnp.exp2((row_max - safe_max) * c)
-            p = jnp.exp2((t - safe_max[..., None]) * c)
+        rescale = jnp.exp2((row_max - safe_max) * LOG2_E if not self.fold  # 0 while row_max is -inf
+                           else row_max * LOG2_E - safe_max * LOG2_E)
+        p = jnp.exp2(self._shifted(t, safe_max[..., None]))
         new_sum = rescale * row_sum + jnp.sum(p, axis=-1)
         return rescale, p, new_max, new_sum
 
-    def finalize(self, acc, row_max, row_sum):
-        """``finalize`` for a row max in t's units: natural-log RowStats (max = max * unit)."""
-        return finalize(acc, row_max if self.unit == 1.0 else row_max * self.unit, row_sum)
-
     def probs(self, t, stats: RowStats, allowed, *, transposed: bool = False):
-        """Backward: ``recomputed_probs`` from the natural-log statistics, in base 2.
-
-        Without a bias, P = 2^(t * multiplier - (max + log_sum) * log2(e)): one multiply-add
-        per logit, the second term per row; its rounding is a few ulp of the logsumexp (as in
-        FlashAttention-2). With a bias the max is subtracted first, as in ``step``.
-        ``transposed``: t is a (key, query) tile, the statistics one value per query.
-        """
+        """Backward: ``recomputed_probs`` from the natural-log statistics, in base 2:
+        P = 2^(shifted - log_sum * log2(e)), with the forward's m2 exactly (so P is the
+        forward's at any logit magnitude). ``transposed``: t is a (key, query) tile."""
         if allowed is not None:
             t = jnp.where(allowed, t, -jnp.inf)
-        log2_sum = stats.log_sum * LOG2_E
         row = lambda x: per_row(x, transposed)
-        if self.fold:
-            return jnp.exp2(t * self.multiplier - row(stats.max * LOG2_E + log2_sum))
-        return jnp.exp2((t - row(stats.max)) * LOG2_E - row(log2_sum))
+        return jnp.exp2(self._shifted(t, row(stats.max)) - row(stats.log_sum * LOG2_E))

@@ -52,11 +52,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
         acc = rescale[:, None] * acc + common.dot(p_drop.astype(v.dtype), v, cfg.precision)
         return acc, row_max, row_sum
 
-    initial_max, initial_sum = dropout_sinks.initial_stats(sink, (block_q,))
-    init = (jnp.zeros(q.shape, jnp.float32), softmax.to_units(initial_max), initial_sum)
+    init = (jnp.zeros(q.shape, jnp.float32), *dropout_sinks.initial_stats(sink, (block_q,)))
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     acc, row_max, row_sum = masking.split_fori_loop(bounds, key_tile, init)
-    out, stats = softmax.finalize(acc, row_max, row_sum)
+    out, stats = online_softmax.finalize(acc, row_max, row_sum)
     o_ref[...] = out.astype(o_ref.dtype)
     max_ref[...] = stats.max
     log_sum_ref[...] = stats.log_sum
