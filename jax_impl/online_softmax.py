@@ -195,8 +195,11 @@ class Base2Softmax:
         tile_max = jnp.max(t, axis=-1)
         new_max = jnp.maximum(row_max, tile_max if self.unit == 1.0 else tile_max * self.unit)
         safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows with no finite logit yet
-        rescale = jnp.exp2((row_max - safe_max) * LOG2_E if not self.fold  # 0 while row_max is -inf
-                           else row_max * LOG2_E - safe_max * LOG2_E)
+        # 0 while row_max is -inf. Folded: the old and new m2 exactly as the P of the row saw them.
+        if self.fold:
+            rescale = jnp.exp2(row_max * LOG2_E - safe_max * LOG2_E)
+        else:
+            rescale = jnp.exp2((row_max - safe_max) * LOG2_E)
         p = jnp.exp2(self._shifted(t, safe_max[..., None]))
         new_sum = rescale * row_sum + jnp.sum(p, axis=-1)
         return rescale, p, new_max, new_sum
