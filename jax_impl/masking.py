@@ -203,6 +203,19 @@ def split_fori_loop(bounds, body, carry):
     return lax.fori_loop(full_hi, hi, lambda i, c: body(i, c, True), carry)
 
 
+def later_query_tiles_heavier(spec: MaskSpec) -> bool:
+    """Whether a later query tile can see more key tiles than an earlier one (the band is
+    bounded above: causal or a right window; with a left window too, the first tiles are the
+    ones cut short at key 0). The forward and dQ kernels then take their tiles last first."""
+    return spec.is_causal or spec.window_right is not None
+
+
+def later_key_tiles_heavier(spec: MaskSpec) -> bool:
+    """Whether a later key tile is seen by more query tiles (the band bounded below only):
+    the dK/dV kernel then takes its tiles last first. A causal band is heaviest at key 0."""
+    return spec.window_left is not None and not later_query_tiles_heavier(spec)
+
+
 def dense_allowed(spec: MaskSpec, lq: int, lk: int, q_len, kv_len,
                   q_segment_ids=None, kv_segment_ids=None, mask=None):
     """The whole ``[B, Hm, Lq, Lk]`` boolean pattern (Hm = 1 unless a per-head mask is given).

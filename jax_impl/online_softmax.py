@@ -15,6 +15,8 @@ needs neither.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -63,11 +65,18 @@ def row_poison(x):
     return jnp.where(bad_row, jnp.nan, 0.0)
 
 
-def excluded_nonfinite(q, k, v):
+def per_row(x, transposed: bool = False):
+    """A per-query vector ``[..., Tq]`` broadcast against a tile: ``[..., Tq, 1]``, or against a
+    transposed tile (keys first, the dK/dV kernel's S^T) ``[..., 1, Tq]``."""
+    return x[..., None, :] if transposed else x[..., :, None]
+
+
+def excluded_nonfinite(q, k, v, *, transposed: bool = False):
     """The non-finite rule on one masked tile: q ``[..., Tq, D]``, k/v ``[..., Tk, D]`` (leading
-    axes broadcastable) -> (NaN-or-0 poison ``[..., Tq, Tk]`` to add to S, and q, k, v with
-    their non-finite entries as 0)."""
-    poison = row_poison(q)[..., :, None] + (row_poison(k) + row_poison(v))[..., None, :]
+    axes broadcastable) -> (NaN-or-0 poison ``[..., Tq, Tk]`` (``[..., Tk, Tq]`` if transposed)
+    to add to S, and q, k, v with their non-finite entries as 0)."""
+    key_poison = row_poison(k) + row_poison(v)
+    poison = per_row(row_poison(q), transposed) + per_row(key_poison, not transposed)
     return (poison, *map(finite_or_zero, (q, k, v)))
 
 
@@ -110,14 +119,96 @@ def recomputed_probs(s, row_max, log_sum, allowed):
     return jnp.exp(jnp.where(allowed, shifted, -jnp.inf))
 
 
-def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig):
+def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool = True,
+                    transposed: bool = False):
     """Algorithm 2, line 11: dS = P * (dP - delta), delta = rowsum(dO * O) - d(lse).
 
     Returns (dS: the gradient of the bias, d(q.k): the gradient of the raw product, with the
-    soft cap's derivative and the scale folded in).
+    soft cap's derivative and, if ``scaled``, the scale folded in; a kernel passes False and
+    scales its [block, D] dq/dk accumulator once instead of every logit). ``transposed``: the
+    tiles are (key, query), delta still one value per query.
     """
-    ds = p * (dp - delta[..., None])
+    ds = p * (dp - per_row(delta, transposed))
     dqk = ds
     if capped is not None:
         dqk = dqk * (1.0 - capped * capped)
-    return ds, dqk * cfg.scale
+    return ds, dqk * cfg.scale if scaled else dqk
+
+
+# --- Base 2 (the Pallas kernels) ----------------------------------------------------------------
+# exp2 is one hardware instruction (PTX ex2.approx); exp is a libdevice call (__nv_expf, about
+# ten instructions). So the GPU kernels compute P = 2^(S log2(e) - m2) and fold log2(e) into the
+# multiply that the logits need anyway. The xla path keeps the natural-log steps above.
+
+LOG2_E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Base2Softmax:
+    """The online softmax in base 2 on logits kept unmultiplied: ``S = t * unit``.
+
+    ``t`` is q.k (no soft cap, no bias: ``unit`` = scale), the soft cap's tanh (``unit`` = the
+    cap), or S itself with a bias (``unit`` = 1). The running row max is the natural-log one
+    (the max of t times unit: a per-row multiply), and the base-2 reference is
+    ``m2 = max * log2(e)``, the same rounded value in the forward and, from the saved
+    ``RowStats.max``, in the backward. Without a bias each logit then costs one multiply-add and
+    one exp2, ``2^(t * multiplier - m2)``, multiplier = unit * log2(e). With a bias
+    (``fold=False``) the max is subtracted before the multiply, ``2^((t - max) * log2(e))``: a
+    bias may put a row at -1e9, where m2 would lose the digits that tell its logits apart, or
+    at the float32 limit, where S * log2(e) overflows. The statistics are the natural-log
+    ``RowStats`` that every other part of the library reads.
+    """
+
+    unit: float  # natural logits per unit of t (> 0)
+    fold: bool   # True: one multiply-add per logit; False: subtract the max first (a bias)
+
+    @classmethod
+    def create(cls, cfg: AttentionConfig, has_bias: bool) -> "Base2Softmax":
+        if has_bias:
+            return cls(1.0, False)
+        return cls(cfg.scale if cfg.logits_soft_cap is None else cfg.logits_soft_cap, True)
+
+    @property
+    def multiplier(self) -> float:
+        return self.unit * LOG2_E
+
+    def logits(self, qk, cfg: AttentionConfig, bias_tile=None):
+        """(t, tanh term of the soft cap or None) for one tile's raw products q.k."""
+        if not self.fold:
+            return logits(qk, cfg, bias_tile)
+        if cfg.logits_soft_cap is None:
+            return qk, None
+        capped = jnp.tanh(qk * (cfg.scale / cfg.logits_soft_cap))
+        return capped, capped
+
+    def _shifted(self, t, row_max):
+        """log2 of P up to the row sum: t * multiplier - m2 (one multiply-add), or with a bias
+        (t - max) * log2(e). ``row_max``: natural, broadcast like t, finite or +inf."""
+        if self.fold:
+            return t * self.multiplier - row_max * LOG2_E
+        return (t - row_max) * LOG2_E
+
+    def step(self, row_max, row_sum, t, allowed):
+        """``online_step`` in base 2 (``row_max`` natural): (rescale, P, new max, new l)."""
+        if allowed is not None:  # None: every pair of the tile is allowed
+            t = jnp.where(allowed, t, -jnp.inf)
+        tile_max = jnp.max(t, axis=-1)
+        new_max = jnp.maximum(row_max, tile_max if self.unit == 1.0 else tile_max * self.unit)
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows with no finite logit yet
+        # 0 while row_max is -inf. Folded: the old and new m2 exactly as the P of the row saw them.
+        if self.fold:
+            rescale = jnp.exp2(row_max * LOG2_E - safe_max * LOG2_E)
+        else:
+            rescale = jnp.exp2((row_max - safe_max) * LOG2_E)
+        p = jnp.exp2(self._shifted(t, safe_max[..., None]))
+        new_sum = rescale * row_sum + jnp.sum(p, axis=-1)
+        return rescale, p, new_max, new_sum
+
+    def probs(self, t, stats: RowStats, allowed, *, transposed: bool = False):
+        """Backward: ``recomputed_probs`` from the natural-log statistics, in base 2:
+        P = 2^(shifted - log_sum * log2(e)), with the forward's m2 exactly (so P is the
+        forward's at any logit magnitude). ``transposed``: t is a (key, query) tile."""
+        if allowed is not None:
+            t = jnp.where(allowed, t, -jnp.inf)
+        row = lambda x: per_row(x, transposed)
+        return jnp.exp2(self._shifted(t, row(stats.max)) - row(stats.log_sum * LOG2_E))

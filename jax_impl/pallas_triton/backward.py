@@ -5,9 +5,12 @@
   (masking.q_block_range), for each of the G query heads that share this kv head (GQA:
   the group's contributions are summed here, K/V are never repeated).
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
-  It also writes dS, the gradient of the bias, when the bias is differentiated (cfg.bias_gradient).
+  It also writes dS, the gradient of the bias, when there is a bias and cfg.bias_gradient;
+  only then must it visit every key tile (to write dbias's zeros), else it skips like the forward.
 
-Both recompute P = exp(S - m - log l) from q, k and the saved row statistics; delta =
+Both recompute P = exp(S - m - log l) from q, k and the saved row statistics, in base 2 with
+the scale folded in (online_softmax.Base2Softmax), and apply the scale of dq and dk once to
+the accumulator rather than to every logit; delta =
 rowsum(dO * O) (minus the cotangent of the logsumexp, if any) comes from the custom VJP.
 """
 from __future__ import annotations
@@ -26,15 +29,20 @@ from jax_impl.pallas_triton.layout import Layout
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                  offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dk_ref, dv_ref, *,
-                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int):
-    j, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int, order: common.TileOrder):
+    """Works on the transposed tiles S^T = K Q^T ``[bk, bq]``, so that dV += P^T dO and
+    dK += dS^T Q are plain dots: no transpose of the computed P or dS."""
+    j, b, kv_head = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
     k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
-    cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+    cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[:, None]  # keys: [bk, 1]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
     bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
+    softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
     per_head = lambda ref, g: 0 if ref.shape[0] == 1 else g  # broadcast head axis of mask/bias
+    # A [bq, bk] tile of the mask or bias, loaded transposed to [bk, bq].
+    pair_tile = lambda ref, g, queries: None if ref is None else ref[per_head(ref, g), queries, :].T
 
     def query_head(g, carry):
         seed = common.per_head(seeds_ref, b, kv_head * groups + g)
@@ -43,49 +51,53 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
             dk, dv = carry
             queries = pl.ds(i * block_q, block_q)
             q, do = q_ref[queries, g, :], do_ref[queries, g, :]       # [bq, Dp]
-            rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
+            rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, :]  # queries: [1, bq]
+            # Segment equality is symmetric: (kv ids, q ids) gives the [bk, bq] orientation.
             allowed = masking.allowed(
-                cfg.mask, rows, cols, q_len, kv_len,
-                None if q_seg_ref is None else q_seg_ref[queries], kv_seg,
-                None if mask_ref is None else mask_ref[per_head(mask_ref, g), queries, :], structural=masked,
-                position_offset=offset)
+                cfg.mask, rows, cols, q_len, kv_len, kv_seg,
+                None if q_seg_ref is None else q_seg_ref[queries],
+                pair_tile(mask_ref, g, queries), structural=masked, position_offset=offset)
             k_tile, v_tile = k, v
             if allowed is not None:
-                poison, q, k_tile, v_tile = online_softmax.excluded_nonfinite(q, k, v)
-            qk = common.dot(q, k_tile, cfg.precision, trans_b=True)   # [bq, bk]
-            bias = None if bias_ref is None else bias_ref[per_head(bias_ref, g), queries, :]
-            s, capped = online_softmax.logits(qk, cfg, bias)
+                poison, q, k_tile, v_tile = online_softmax.excluded_nonfinite(q, k, v, transposed=True)
+            qk = common.dot(k_tile, q, cfg.precision, trans_b=True)   # S^T: [bk, bq]
+            t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref, g, queries))
             if allowed is not None:
-                s = s + poison
-            p = online_softmax.recomputed_probs(s, max_ref[g, queries], log_sum_ref[g, queries], allowed)
-            dp = common.dot(do, v_tile, cfg.precision, trans_b=True)
-            # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
+                t = t + poison
+            stats = online_softmax.RowStats(max_ref[g, queries], log_sum_ref[g, queries])
+            p = softmax.probs(t, stats, allowed, transposed=True)     # P^T
+            dp = common.dot(v_tile, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
+            # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask (the same
+            # (query, key) hash, evaluated transposed).
             keep = common.dropout_keep(cfg, seed, rows, cols)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
-            _, dqk = online_softmax.logits_gradient(p, drop(dp), delta_ref[g, queries], capped, cfg)
-            dv += common.dot(drop(p).astype(do.dtype), do, cfg.precision, trans_a=True)
-            dk += common.dot(dqk.astype(q.dtype), q, cfg.precision, trans_a=True)
+            _, dqk = online_softmax.logits_gradient(p, drop(dp), delta_ref[g, queries], capped, cfg,
+                                                    scaled=False, transposed=True)
+            dv += common.dot(drop(p).astype(do.dtype), do, cfg.precision)
+            dk += common.dot(dqk.astype(q.dtype), q, cfg.precision)
             return dk, dv
 
         return masking.split_fori_loop(bounds, query_tile, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, query_head, (zeros, zeros))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)  # the scale once, not per logit
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dq_ref, dbias_ref, *,
-               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int):
-    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int,
+               order: common.TileOrder):
+    i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     seed = common.per_head(seeds_ref, b, h)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
     q, do = q_ref[...], do_ref[...]                                   # [bq, Dp]
-    row_max, log_sum, delta = max_ref[...], log_sum_ref[...], delta_ref[...]  # [bq]
+    stats, delta = online_softmax.RowStats(max_ref[...], log_sum_ref[...]), delta_ref[...]  # [bq]
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, dq, masked):
         keys = pl.ds(j * block_k, block_k)
@@ -99,28 +111,29 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
         if allowed is not None:
             poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
         qk = common.dot(q_tile, k, cfg.precision, trans_b=True)
-        s, capped = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        t, capped = softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         if allowed is not None:
-            s = s + poison
-        p = online_softmax.recomputed_probs(s, row_max, log_sum, allowed)
+            t = t + poison
+        p = softmax.probs(t, stats, allowed)
         dp = common.dot(do, v, cfg.precision, trans_b=True)
         keep = common.dropout_keep(cfg, seed, rows, cols)  # dP reaches P through dropout's mask
         ds, dqk = online_softmax.logits_gradient(
-            p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate), delta, capped, cfg)
+            p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate), delta, capped, cfg, scaled=False)
         if dbias_ref is not None:
             dbias_ref[:, keys] = ds
         return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)
 
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     if dbias_ref is not None:  # every tile of dbias must be written, zeros included
-        bounds = (0, bounds[1], bounds[2], num_key_tiles)
+        bounds = (0, bounds[1], bounds[2], num_key_tiles)  # (absent unless cfg.bias_gradient)
     dq = masking.split_fori_loop(bounds, key_tile, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)  # the scale once, not per logit
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
                   masks: masking.MaskInputs, mask, bias, seeds=None):
-    """Padded operands -> (dq, dk, dv, dbias [B, Hq, Lq_pad, Lk_pad] or None)."""
+    """Padded operands -> (dq, dk, dv, dbias [B, Hq, Lq_pad, Lk_pad], or None without a bias or
+    with ``cfg.bias_gradient`` False)."""
     batch, lq_pad, hq, d_pad = q.shape
     lk_pad, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -138,14 +151,16 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     kv_tile = pl.BlockSpec((None, bk, None, d_pad), lambda j, b, h: (b, j, h, 0))
     q_group = pl.BlockSpec((None, lq_pad, groups, d_pad), lambda j, b, h: (b, 0, h, 0))
     stats_group = pl.BlockSpec((None, groups, lq_pad), lambda j, b, h: (b, h, 0))
+    order = common.TileOrder(lk_pad // bk, masking.later_key_tiles_heavier(cfg.mask))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups),
+        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups, order=order),
         grid=(lk_pad // bk, batch, hkv),
-        in_specs=[q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
-                  None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
-                  None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-                  pair(mask), pair(bias), common.per_head_spec(seeds)],
-        out_specs=[kv_tile, kv_tile],
+        in_specs=list(map(order.spec, [
+            q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
+            None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
+            None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+            pair(mask), pair(bias), common.per_head_spec(seeds)])),
+        out_specs=[order.spec(kv_tile)] * 2,
         out_shape=[common.out_struct(k.shape, k.dtype, q), common.out_struct(v.shape, v.dtype, q)],
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dkdv",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
@@ -161,24 +176,26 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     out_specs = [q_tile]
     out_shape = [common.out_struct(q.shape, q.dtype, q)]
-    with_dbias = bias is not None and cfg.bias_gradient  # False: a constant bias, no dS
-    if with_dbias:
+    write_dbias = bias is not None and cfg.bias_gradient
+    if write_dbias:
         out_specs.append(pl.BlockSpec((None, None, bq, lk_pad), lambda i, b, h: (b, h, i, 0)))
         out_shape.append(common.out_struct((batch, hq, lq_pad, lk_pad), jnp.float32, q))
+    order = common.TileOrder(lq_pad // bq, masking.later_query_tiles_heavier(cfg.mask))
     results = pl.pallas_call(
-        functools.partial(_dq_kernel if with_dbias else _dq_kernel_no_dbias, cfg=cfg,
-                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk),
+        functools.partial(_dq_kernel if write_dbias else _dq_kernel_no_dbias, cfg=cfg,
+                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk, order=order),
         grid=(lq_pad // bq, batch, hq),
-        in_specs=[q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
-                  None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                  None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
-                  pair(mask), pair(bias), common.per_head_spec(seeds)],
-        out_specs=out_specs, out_shape=out_shape,
+        in_specs=list(map(order.spec, [
+            q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
+            None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+            None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
+            pair(mask), pair(bias), common.per_head_spec(seeds)])),
+        out_specs=list(map(order.spec, out_specs)), out_shape=out_shape,
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dq",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
     )(*inputs)
     dq = results[0]
-    dbias = results[1] if with_dbias else None
+    dbias = results[1] if write_dbias else None
     return dq, dk, dv, dbias
 
 

@@ -1,6 +1,8 @@
 """Pieces every kernel uses: the dot, block indices of broadcast operands, the platform guard."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -24,6 +26,26 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     precision = precision if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
                            precision=precision, preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileOrder:
+    """Which tile the program at position ``p`` of the grid's first axis takes: ``p``, or with
+    ``heavy_last`` (work grows with the tile index: masking.later_*_tiles_heavier) the tile
+    ``num_tiles - 1 - p``, so that the longest programs start first and the short ones fill
+    the tail of the launch instead of one long program running alone at its end."""
+
+    num_tiles: int
+    heavy_last: bool
+
+    def tile(self, program):
+        return self.num_tiles - 1 - program if self.heavy_last else program
+
+    def spec(self, spec):
+        """A BlockSpec of the grid (tile, ...) as one of the grid (program, ...); None stays None."""
+        if spec is None:
+            return None
+        return pl.BlockSpec(spec.block_shape, lambda p, *rest: spec.index_map(self.tile(p), *rest))
 
 
 def broadcast_index(x, axis: int, index):
@@ -75,7 +97,9 @@ def per_head(ref, b, h):
 
 
 def dropout_keep(cfg, seed, rows, cols):
-    """The keep mask of absolute rows [bq, 1] x cols [1, bk], or None without dropout."""
+    """The keep mask of absolute query indices ``rows`` x key indices ``cols`` ([bq, 1] x [1, bk],
+    or [1, bq] x [bk, 1] for a transposed tile: the same hash, so the same pattern), or None
+    without dropout."""
     if not cfg.dropout_rate:
         return None
     return dropout_sinks.keep(seed, rows, cols, cfg.dropout_rate)

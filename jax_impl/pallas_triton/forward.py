@@ -3,7 +3,8 @@
 Each program keeps its query tile in registers and walks the key tiles that the mask
 structure allows (masking.kv_block_range), with a running row max m, a running sum l in m's
 scale and an fp32 output accumulator, rescaled whenever m grows; O and the row statistics
-(m and log l) are written once at the end.
+(m and log l) are written once at the end. P is computed in base 2 with the scale folded in
+(online_softmax.Base2Softmax); the statistics written are the natural-log RowStats.
 """
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ from jax_impl.pallas_triton.layout import Layout
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_seg_ref, kv_seg_ref,
                     mask_ref, bias_ref, sinks_ref, seeds_ref, o_ref, max_ref, log_sum_ref, *,
-                    cfg: AttentionConfig, block_q: int, block_k: int):
-    i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+                    cfg: AttentionConfig, block_q: int, block_k: int, order: common.TileOrder):
+    i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     sink, seed = common.per_head(sinks_ref, b, h), common.per_head(seeds_ref, b, h)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
     q = q_ref[...]                                                    # [bq, Dp]
     rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, carry, masked):
         acc, row_max, row_sum = carry
@@ -42,10 +44,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
         if allowed is not None:
             poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
         qk = common.dot(q_tile, k, cfg.precision, trans_b=True)       # [bq, bk]
-        s, _ = online_softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        t, _ = softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
         if allowed is not None:
-            s = s + poison
-        rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
+            t = t + poison
+        rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
         p_drop = dropout_sinks.apply_dropout(p, common.dropout_keep(cfg, seed, rows, cols), cfg.dropout_rate)
         acc = rescale[:, None] * acc + common.dot(p_drop.astype(v.dtype), v, cfg.precision)
         return acc, row_max, row_sum
@@ -88,9 +90,11 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
     out_specs = [pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
                  stats_spec, stats_spec]
     out_shape = [common.out_struct(q.shape, q.dtype, q), stats_shape, stats_shape]
-    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k)
+    order = common.TileOrder(lq_pad // block_q, masking.later_query_tiles_heavier(cfg.mask))
+    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k, order=order)
     return pl.pallas_call(
-        kernel, grid=(lq_pad // block_q, batch, hq), in_specs=in_specs, out_specs=out_specs,
+        kernel, grid=(lq_pad // block_q, batch, hq), in_specs=list(map(order.spec, in_specs)),
+        out_specs=list(map(order.spec, out_specs)),
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
     )(q, k, v, masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from conformance import tolerance
 from conformance.cases import Case
-from jax_impl import BlockSizes
-from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run
+from jax_impl import BlockSizes, masking, pallas_triton
+from jax_impl.config import AttentionConfig
+from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run, torch_arrays
 
 PROBLEMS = [
     Case("plain-fp32", q_len=37, kv_len=37, kv_heads=2),
@@ -69,3 +72,39 @@ def test_oracle_is_not_trivially_passed():
     wrong = run(problem, jnp.float32, "xla", scale=1.0)
     verdict = tolerance.judge("out", wrong["out"], reference["out"], plain["out"], "float32")
     assert not verdict.passed
+
+
+@pytest.mark.parametrize("bias_gradient", [False, True])
+def test_pallas_backward_with_a_constant_bias_writes_no_dbias(bias_gradient):
+    """cfg.bias_gradient=False (the bias is not differentiated): the dQ kernel writes no dS, so
+    it keeps skipping the key tiles the causal band excludes, and dq, dk, dv stay exact."""
+    rng = np.random.default_rng(21)
+    b, length, heads, d = 1, 70, 2, 16
+    q, k, v, ct = (rng.standard_normal((b, length, heads, d)).astype(np.float32) for _ in range(4))
+    bias = rng.standard_normal((b, heads, length, length)).astype(np.float32)
+    cfg = AttentionConfig(scale=d ** -0.5, mask=masking.MaskSpec(is_causal=True), interpret=True,
+                          block_sizes=BlockSizes(16, 16, 16, 16, 16, 16), bias_gradient=bias_gradient)
+    lengths = jnp.full((b,), length, jnp.int32)
+    masks = masking.MaskInputs(lengths, lengths, None, None, None)
+
+    def backward(q, k, v, bias, ct):
+        out, stats = pallas_triton.forward(cfg, q, k, v, bias, masks)
+        delta = jnp.sum(out * ct, axis=-1).transpose(0, 2, 1)          # [B, Hq, Lq]
+        return pallas_triton.backward(cfg, q, k, v, bias, masks, stats, ct, delta)
+
+    dq, dk, dv, dbias = backward(q, k, v, bias, ct)
+    reference = torch_arrays(q, k, v, ct, bias=bias, is_causal=True)
+    plain = torch_arrays(q, k, v, ct, dtype=np.float32, bias=bias, is_causal=True)
+    results = {"dq": dq, "dk": dk, "dv": dv}
+    if bias_gradient:
+        results["dbias"] = dbias
+    else:
+        assert dbias is None
+    for name, value in results.items():
+        verdict = tolerance.judge(name, np.asarray(value, np.float64), reference[name], plain[name], "float32")
+        assert verdict.passed, verdict
+    # The dQ kernel has a dS output only when dbias is wanted.
+    jaxpr = jax.make_jaxpr(backward)(q, k, v, bias, ct)
+    dq_call, = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"
+                and e.params["name"] == "flash_attention_backward_dq"]
+    assert len(dq_call.outvars) == (2 if bias_gradient else 1)

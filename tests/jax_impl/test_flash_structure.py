@@ -13,6 +13,7 @@ from jax import export
 
 from jax_impl import BlockSizes, explain_implementation, masking, pallas_triton
 from jax_impl.config import AttentionConfig
+from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.flash_attention import flash_attention
 from jax_impl.pallas_triton import heuristics
 
@@ -136,21 +137,37 @@ def test_user_block_sizes_lower_for_cuda():
     assert "flash_attention_backward_dq" in _export_gradients(64, "float16", 100, 70, {}, blocks)
 
 
-def _triton_ir(precision):
-    cfg = AttentionConfig(scale=0.125, mask=masking.MaskSpec(is_causal=True), debug=True,
-                          precision=precision)
+def _triton_ir(precision, dtype=jnp.float32, head_dim=64, bias=False, **options):
+    """What Pallas prints (debug=True) while lowering the three kernels for CUDA: each kernel's
+    jaxpr, then its Triton IR (TTIR). ``bias``: also a bias, sinks and dropout seeds."""
+    cfg = AttentionConfig(scale=head_dim ** -0.5, mask=masking.MaskSpec(is_causal=True), debug=True,
+                          precision=precision, **options)
     masks = masking.MaskInputs(jnp.array([64], jnp.int32), jnp.array([64], jnp.int32),
                                None, None, None)
 
-    def fwd_bwd(q):
-        out, stats = pallas_triton.forward(cfg, q, q, q, None, masks)
+    extras = SinksAndDropout(jnp.ones((1, 1), jnp.float32), jnp.ones((1, 1), jnp.uint32)) if bias else None
+
+    def fwd_bwd(q, b):
+        b = b if bias else None
+        out, stats = pallas_triton.forward(cfg, q, q, q, b, masks, extras)
         delta = jnp.zeros(stats.max.shape, jnp.float32)
-        return pallas_triton.backward(cfg, q, q, q, None, masks, stats, out, delta)
+        return pallas_triton.backward(cfg, q, q, q, b, masks, stats, out, delta, extras)
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        export.export(jax.jit(fwd_bwd), **CUDA_EXPORT)(jax.ShapeDtypeStruct((1, 64, 1, 64), jnp.float32))
+        export.export(jax.jit(fwd_bwd), **CUDA_EXPORT)(
+            jax.ShapeDtypeStruct((1, 64, 1, head_dim), dtype), jax.ShapeDtypeStruct((1, 1, 64, 64), jnp.float32))
     return printed.getvalue()
+
+
+def _triton_modules(ir: str) -> dict:
+    """Kernel name -> its TTIR, from ``_triton_ir``'s printout (the jaxprs left out)."""
+    parts = re.split(r"\nThe (Triton module|kernel jaxpr) for pallas_call (\w+)", ir)
+    modules = {name: body for kind, name, body in zip(parts[1::3], parts[2::3], parts[3::3])
+               if kind == "Triton module"}
+    assert sorted(modules) == ["flash_attention_backward_dkdv", "flash_attention_backward_dq",
+                               "flash_attention_forward"], sorted(modules)
+    return modules
 
 
 def test_fp32_dots_are_full_precision_not_tf32():
@@ -181,6 +198,96 @@ def test_gpu_only_precision_lowers_for_cuda_through_xla():
     module = export.export(jax.jit(jax.grad(loss)), **CUDA_EXPORT)(q).mlir_module()
     algorithms = re.findall(r"algorithm = <lhs_precision_type = (\w+),.*?num_primitive_operations = (\d+)", module)
     assert algorithms and set(algorithms) == {("tf32", "3")}
+
+
+# P = exp2(t * c - m2): jnp.exp2 lowers to Triton's math.exp2 or, for float32 on this JAX, to
+# libdevice's __nv_exp2f; both are one PTX ex2.approx. exp (__nv_expf or math.exp) costs a
+# range reduction of about ten instructions around the same ex2.approx.
+EXP2 = re.compile(r'math\.exp2 |symbol = "__nv_exp2f"')
+EXP = re.compile(r'math\.exp |symbol = "__nv_expf"')
+
+
+@pytest.mark.parametrize("features", [dict(), dict(bias=True, logits_soft_cap=20.0, dropout_rate=0.1)],
+                         ids=["plain", "bias-softcap-dropout-sinks"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_every_kernel_computes_p_with_exp2_never_exp(dtype, head_dim, features):
+    modules = _triton_modules(_triton_ir(jax.lax.Precision.HIGHEST, dtype, head_dim, **features))
+    for name, ttir in modules.items():
+        assert EXP2.search(ttir), f"{name}: no exp2"
+        assert not EXP.search(ttir), f"{name}: exp: {EXP.search(ttir).group(0)}"
+
+
+def _transposed_values_after_exp2(ttir: str):
+    """The operands of the tt.trans ops that depend on an exp2, i.e. on P or dS."""
+    defs = dict(re.findall(r"^\s*(%\w+)(?::\d+)? = (.*)$", ttir, re.MULTILINE))
+    memo = {}
+
+    def after_exp2(value):
+        if value not in memo:
+            memo[value] = False  # a cycle (loop-carried value) adds nothing
+            line = defs.get(value, "")
+            memo[value] = bool(EXP2.search(line)) or any(
+                after_exp2(v) for v in re.findall(r"%\w+", line.split(" : ")[0]))
+        return memo[value]
+
+    return [v for v in re.findall(r"tt\.trans (%\w+)", ttir) if after_exp2(v)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_dkdv_kernel_transposes_no_computed_tile(dtype):
+    """dK/dV works on S^T = K Q^T: dV += P^T dO and dK += dS^T Q need no transpose of P or dS
+    (a transposed operand that is a loaded Q or dO tile is free: Triton reads it from shared
+    memory in the other order)."""
+    modules = _triton_modules(_triton_ir(jax.lax.Precision.HIGHEST, dtype, 64, bias=True))
+    dkdv = modules["flash_attention_backward_dkdv"]
+    assert "tt.trans" in dkdv  # the loaded Q and dO (and bias) tiles
+    assert _transposed_values_after_exp2(dkdv) == []
+    # The check can fail (the kernel's former dot(P, dO, trans_a=True) failed it): a
+    # transpose of a value computed from an exp2 is found.
+    fake = "%1 = tt.extern_elementwise %0 {symbol = \"__nv_exp2f\"}\n%2 = tt.trans %1 {order}\n"
+    assert _transposed_values_after_exp2(fake) == ["%1"]
+
+
+def _first_program_tiles(spec: masking.MaskSpec, length=256, head_dim=64):
+    """Kernel name -> the sequence tile (block index along L of its first tiled operand: q for
+    the forward and dQ, k for dK/dV) that the grid's program 0 takes, read from the index maps
+    of the pallas_calls that the kernels are built with."""
+    cfg = AttentionConfig(scale=0.125, mask=spec, interpret=True, block_sizes=BlockSizes(
+        64, 64, 64, 64, 64, 64))
+    masks = masking.MaskInputs(jnp.array([length], jnp.int32), jnp.array([length], jnp.int32),
+                               None, None, None)
+
+    def fwd_bwd(q):
+        out, stats = pallas_triton.forward(cfg, q, q, q, None, masks)
+        return pallas_triton.backward(cfg, q, q, q, None, masks, stats, out, stats.max)
+
+    jaxpr = jax.make_jaxpr(fwd_bwd)(jax.ShapeDtypeStruct((1, length, 1, head_dim), jnp.bfloat16))
+    tiles = {}
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            operand = 1 if eqn.params["name"].endswith("dkdv") else 0  # k, or q
+            index_map = eqn.params["grid_mapping"].block_mappings[operand].index_map_jaxpr
+            blocks = jax.core.eval_jaxpr(index_map.jaxpr, index_map.consts, 0, 0, 0)
+            tiles[eqn.params["name"]] = int(blocks[1])
+    return tiles
+
+
+@pytest.mark.parametrize("spec, query_last, key_last", [
+    (masking.MaskSpec(is_causal=True), True, False),
+    (masking.MaskSpec(is_causal=True, bottom_right=True, window_left=32), True, False),
+    (masking.MaskSpec(window_left=32), False, True),
+    (masking.MaskSpec(), False, False),
+], ids=["causal", "causal-window", "left-window", "none"])
+def test_programs_take_the_heaviest_tiles_first(spec, query_last, key_last):
+    """Causal: the last query tile sees the most keys, so program 0 of the forward and dQ grids
+    takes it; key tile 0 is seen by the most queries, so dK/dV keeps its order. A band bounded
+    below only is the mirror image. Without a band every tile costs the same: no reordering."""
+    last = 256 // 64 - 1
+    assert _first_program_tiles(spec) == {
+        "flash_attention_forward": last if query_last else 0,
+        "flash_attention_backward_dq": last if query_last else 0,
+        "flash_attention_backward_dkdv": last if key_last else 0}
 
 
 def test_pallas_triton_refuses_to_lower_for_cpu_and_says_what_to_use():
