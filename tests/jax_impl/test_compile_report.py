@@ -19,8 +19,9 @@ from jax_impl.pallas_triton import heuristics
 pytest.importorskip("triton", reason="pip triton (the `test` extra) compiles the kernels for sm_90a")
 from jax_impl.pallas_triton import compile_report  # noqa: E402
 
-# Tiles whose dots have M = 32 (block_q_dkv = block_k_dq = 32): the counter-case of the checks.
-NARROW = BlockSizes(64, 32, 32, 64, 64, 32, num_warps=4, num_warps_bwd=4, num_stages=2)
+# Tiles whose dK/dV dots have M = 32 (block_k_dkv = 32: S^T = K Q^T is [block_k_dkv, block_q_dkv]):
+# the counter-case of the checks.
+NARROW = BlockSizes(64, 32, 64, 32, 64, 32, num_warps=4, num_warps_bwd=4, num_stages=2)
 # A user config close to the budget (the dK/dV kernel needs ~209 KiB) that spills.
 NEAR_BUDGET = BlockSizes(128, 128, 64, 128, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=2)
 
@@ -85,23 +86,17 @@ def test_16bit_defaults_run_every_dot_on_wgmma_with_m_at_least_64(compiled):
     assert any(not _wgmma_only(r) for r in narrow)
 
 
-# Spills no 16-bit tiling with M >= 64 avoided (compile report; README, Limitations): the dK/dV
-# kernel keeps two fp32 [block_k_dkv, D] accumulators besides S, P, dP and dS.
-KNOWN_SPILL_BYTES = {(128, "dkdv"): 128}
-
-
 def test_16bit_defaults_do_not_spill_up_to_head_dim_128(compiled):
     defaults, users = compiled
     checked = 0
     for r in defaults:
         if r.dtype != "float32" and r.head_dim <= 128:
-            allowed = KNOWN_SPILL_BYTES.get((r.head_dim, r.kernel), 0)
-            assert max(r.spill_stores, r.spill_loads) <= allowed, f"{_label(r)} spills"
+            assert max(r.spill_stores, r.spill_loads) == 0, f"{_label(r)} spills"
             checked += 1
     assert checked == 6
-    # The check can fail: 128x128 key tiles at D=128 spill in the forward and, far more, in dK/dV.
+    # The check can fail: 128x128 key tiles at D=128 spill in the forward and in dK/dV.
     near = {r.kernel: r for r in users if r.block_sizes == dataclasses.astuple(NEAR_BUDGET)}
-    assert near["forward"].spill_stores > 0 and near["dkdv"].spill_stores > KNOWN_SPILL_BYTES[(128, "dkdv")]
+    assert near["forward"].spill_stores > 0 and near["dkdv"].spill_stores > 0
     # D=256 (16-bit backward) and fp32 (FMA dots: no TF32) spills are reported, not asserted.
 
 
@@ -110,8 +105,9 @@ def test_shared_memory_estimate_bounds_what_triton_allocates(compiled):
     for r in defaults + users:
         assert r.shared <= r.shared_estimate, f"{_label(r)}: measured {r.shared} > estimate {r.shared_estimate}"
         # ...and is not so loose that it refuses tiles that fit: for causal calls (both halves of
-        # the split key loop pipelined: the most Triton allocates) within 30%.
-        if r.causal:
+        # the split key loop pipelined: the most Triton allocates) within 30%. The formula models
+        # wgmma's operand staging; mma.sync tiles (M < 64) stage less and are only bounded.
+        if r.causal and _wgmma_only(r):
             assert r.shared_estimate <= 1.3 * r.shared, f"{_label(r)}: {r.shared_estimate} vs {r.shared}"
 
 
