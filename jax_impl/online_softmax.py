@@ -83,10 +83,13 @@ def online_step(row_max, row_sum, s, allowed, scale: float = 1.0):
     """
     if allowed is not None:  # None: every pair of the tile is allowed
         s = jnp.where(allowed, s, -jnp.inf)
-    new_max = jnp.maximum(row_max, scale * jnp.max(s, axis=-1))
+    tile_max = jnp.max(s, axis=-1)
+    if scale != 1.0:  # the multiply fuses into the exponent's pass below
+        s, tile_max = scale * s, scale * tile_max
+    new_max = jnp.maximum(row_max, tile_max)
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
     rescale = jnp.exp(row_max - safe_max)        # 0 while row_max is -inf
-    p = jnp.exp(scale * s - safe_max[..., None])  # 0 where not allowed
+    p = jnp.exp(s - safe_max[..., None])         # 0 where not allowed
     new_sum = rescale * row_sum + jnp.sum(p, axis=-1)
     return rescale, p, new_max, new_sum
 
