@@ -1,4 +1,4 @@
-"""python -m benchmarks [--suite quick|course|sweep|gpu|sharded|dropout] [--impl NAME|module:function ...]
+"""python -m benchmarks [--suite quick|course|sweep|gpu|sharded|dropout|cpu] [--impl NAME|module:function ...]
 [--out DIR | --update-reference] [--device cpu|cuda]
 
 Times every implementation of the registry (conformance.registry) on the suite's
@@ -6,7 +6,7 @@ configurations, after checking each result against the float64 oracle; writes a 
 table, CSV, JSON, Markdown and PNG plots to --out (default
 ./flash_attention_results/benchmarks/<device>/, the device being "cpu" or the GPU's name
 slugified, e.g. nvidia-h200). Exit code 2 for a bad command line, before any work starts.
-A suite with a runner (``--suite sharded``, ``--suite dropout``) measures on its own: its runner
+A suite with a runner (``--suite sharded``, ``--suite dropout``, ``--suite cpu``) measures on its own: its runner
 writes its own files to the same folder.
 """
 from __future__ import annotations

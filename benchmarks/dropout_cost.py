@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import measure as measure_mod
 from jax_impl.flash_attention import flash_attention
 
 NAME = "bench_dropout"
@@ -41,22 +41,11 @@ def measure(length: int, repeats: int, heads: int = 8, head_dim: int = 64) -> di
     for modes in fns.values():
         for fn in modes.values():
             jax.block_until_ready(fn(q, k, v, key))  # compile
-    seconds = {(name, mode): [] for name in fns for mode in MODES}
-    for _ in range(repeats):
-        for mode in MODES:
-            for name in fns:
-                start = time.perf_counter()
-                jax.block_until_ready(fns[name][mode](q, k, v, key))
-                seconds[name, mode].append(time.perf_counter() - start)
     rows = []
     for mode in MODES:
-        base = np.asarray(seconds[BASELINE, mode])
-        for name in fns:
-            ratios = np.asarray(seconds[name, mode]) / base
-            rows.append(dict(mode=mode, variant=name, median_ms=1e3 * float(np.median(seconds[name, mode])),
-                             ratio_median=float(np.median(ratios)),
-                             ratio_q1=float(np.percentile(ratios, 25)),
-                             ratio_q3=float(np.percentile(ratios, 75))))
+        calls = {name: (lambda fn=fns[name][mode]: jax.block_until_ready(fn(q, k, v, key))) for name in fns}
+        summary = measure_mod.interleaved_ratios(calls, BASELINE, repeats)
+        rows += [dict(mode=mode, variant=name, **figures) for name, figures in summary.items()]
     return dict(shape=dict(batch=1, heads=heads, length=length, head_dim=head_dim, dtype="float32"),
                 backend=jax.default_backend(), repeats=repeats, rows=rows)
 

@@ -342,3 +342,29 @@ def add_speedups(rows: list[Row], baseline: str = "torch.manual") -> None:
     for r in rows:
         b = base.get(r.config_key)
         r.speedup_vs_manual = (b.median_ms / r.median_ms) if (b and r.status == OK and r.median_ms) else None
+
+
+# --- interleaved per-pair ratios ----------------------------------------------------------------
+
+def interleaved_ratios(calls: dict, baseline: str, repeats: int) -> dict:
+    """Time each of ``calls`` (name -> a blocking function of no arguments) once per repeat, in
+    order, and divide by the ``baseline`` call of the same repeat: load from other work then
+    hits both sides of a ratio alike. Call each once beforehand to compile/warm up.
+
+    -> name -> {median_ms, ratio_median, ratio_q1, ratio_q3} (the quartiles of the per-repeat
+    ratios; the baseline's ratios are all 1).
+    """
+    seconds = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            seconds[name].append(time.perf_counter() - start)
+    base = np.asarray(seconds[baseline])
+    summary = {}
+    for name, times in seconds.items():
+        ratios = np.asarray(times) / base
+        summary[name] = dict(median_ms=1e3 * float(np.median(times)), ratio_median=float(np.median(ratios)),
+                             ratio_q1=float(np.percentile(ratios, 25)),
+                             ratio_q3=float(np.percentile(ratios, 75)))
+    return summary

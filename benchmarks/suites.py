@@ -134,7 +134,16 @@ def _dropout() -> Suite:
         (), runner="benchmarks.dropout_cost")
 
 
-SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _sharded(), _dropout())}
+def _cpu() -> Suite:
+    return Suite(
+        "cpu",
+        "the default CPU path (xla) against torch SDPA in the same dtype: fp32 and bf16, causal "
+        "and not, L=2048 and 8192, B=1 H=8 D=64, forward and forward+backward: median of "
+        "interleaved per-pair ratios with quartiles",
+        (), runner="benchmarks.cpu_speed")
+
+
+SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _sharded(), _dropout(), _cpu())}
 
 
 def get_suite(name: str) -> Suite:

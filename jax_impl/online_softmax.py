@@ -80,16 +80,22 @@ def excluded_nonfinite(q, k, v, *, transposed: bool = False):
     return (poison, *map(finite_or_zero, (q, k, v)))
 
 
-def online_step(row_max, row_sum, s, allowed):
+def online_step(row_max, row_sum, s, allowed, scale: float = 1.0):
     """Algorithm 1, lines 8-10: fold one key tile into the running (m, l) and return P.
 
     Rows that have seen no finite allowed logit keep m = -inf; they use 0 as the reference
     point so that no inf - inf appears, and their P is exactly 0.
+    The logits are ``scale * s`` (scale > 0): given unscaled, the scale joins the exponent's
+    multiply-add instead of costing a pass over the tile, with the same result, as
+    ``max(scale * s) == scale * max(s)`` exactly (rounding is monotonic).
     Returns (rescale factor for the old accumulator, P, new m, new l).
     """
     if allowed is not None:  # None: every pair of the tile is allowed
         s = jnp.where(allowed, s, -jnp.inf)
-    new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
+    tile_max = jnp.max(s, axis=-1)
+    if scale != 1.0:  # the multiply fuses into the exponent's pass below
+        s, tile_max = scale * s, scale * tile_max
+    new_max = jnp.maximum(row_max, tile_max)
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
     rescale = jnp.exp(row_max - safe_max)        # 0 while row_max is -inf
     p = jnp.exp(s - safe_max[..., None])         # 0 where not allowed

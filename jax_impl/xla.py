@@ -1,13 +1,17 @@
 """Blocked attention in plain JAX: the same online-softmax algorithm as the Pallas kernels.
 
-Memory is linear in the sequence length: the largest temporary is one
-``[B, Hq, block_q, block_k]`` logits tile. Loops are ``fori_loop``s with bounds from
-``masking.kv_block_range``/``q_block_range``, so tiles the causal/window/length structure rules
-out are skipped. The forward saves only (out, row statistics); the backward recomputes P tile by
-tile.
+Memory is linear in the sequence length: the largest temporary is one logits tile
+``[B, heads of one step, block_q, block_k]``: the heads run one block after another
+(``kv_heads_per_step``), so that each step's tiles stay in the CPU's caches. Loops are
+``fori_loop``s with bounds from ``masking.kv_block_range``/``q_block_range``, so tiles the
+causal/window/length structure rules out are skipped. The forward saves only (out, row
+statistics); the backward recomputes P tile by tile.
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -19,6 +23,57 @@ from jax_impl.config import AttentionConfig
 # fastest of 256..1024 on the 2-core CPU (B=1, H=8, L=2048, D=64 fp32 forward).
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 256
+
+
+# (batch row, query head) pairs one loop step covers: the heads run one block after another
+# (lax.map), so a step's [pairs, block_q, block_k] tiles stay in the caches. 1 measured fastest
+# of 1, 2 and 8 (B=1 H=8 L=2048 D=64 fp32, single-thread CPU time against torch SDPA; forward
+# 1.42x vs 1.58x vs 1.68x, forward+backward 1.82x vs 1.85x vs 2.4x; benchmarks/README.md,
+# "CPU: where the time goes").
+HEADS_PER_STEP = 1
+
+
+def kv_heads_per_step(batch: int, kv_heads: int, groups: int) -> int:
+    """The largest divisor of ``kv_heads`` whose step covers at most ``HEADS_PER_STEP``
+    (batch row, query head) pairs; at least one kv head with its query group."""
+    fits = [n for n in range(1, kv_heads + 1)
+            if kv_heads % n == 0 and batch * groups * n <= HEADS_PER_STEP]
+    return max(fits, default=1)
+
+
+def _split_heads(x, axis: int, blocks: int):  # [..., H, ...] -> [blocks, ..., H / blocks, ...]
+    shape = x.shape[:axis] + (blocks, x.shape[axis] // blocks) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _merge_heads(x, axis: int):  # [blocks, ..., H / blocks, ...] -> [..., H, ...]
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _over_head_blocks(fn, q, k, operands, head_axes):
+    """``fn(*operands)`` as one call per block of consecutive kv heads with their query heads,
+    in a ``lax.map``; returns its outputs stacked ``[blocks, ...]`` (``_merge_heads`` undoes it),
+    or ``None`` when one block holds every head (then call ``fn`` directly).
+
+    ``head_axes``: each operand's head axis (a pytree prefix of ``operands``); an operand whose
+    axis is None, or whose head axis has size 1 (broadcast over heads), is shared by every block.
+    """
+    b, _, hq, _ = q.shape
+    hkv = k.shape[2]
+    blocks = hkv // kv_heads_per_step(b, hkv, hq // hkv)
+    if blocks == 1:
+        return None
+    leaves, tree = jax.tree.flatten(operands, is_leaf=lambda x: x is None)
+    axes = tree.flatten_up_to(head_axes)
+    split = [x is not None and a is not None and x.shape[a] > 1 for x, a in zip(leaves, axes)]
+    stacked = [_split_heads(x, a, blocks) for x, a, s in zip(leaves, axes, split) if s]
+
+    def step(block):
+        block = iter(block)
+        return fn(*tree.unflatten([next(block) if s else x for x, s in zip(leaves, split)]))
+
+    return lax.map(step, stacked)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -104,9 +159,12 @@ class _Tiles:
         heads = (self.hkv, self.groups) if x.shape[1] > 1 else (1, 1)
         return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
 
-    def logits(self, q_tile, k_tile, v_tile, i, j, masked: bool):
+    def logits(self, q_tile, k_tile, v_tile, i, j, masked: bool, unscaled: bool = False):
         """(S, soft-cap term, allowed or None, (q, k, v) for the tile's products), all
         ``[B, Hkv, G, bq, bk]`` for query tile i and key tile j.
+
+        ``unscaled`` (only without soft cap and bias): S is q.k before the scale, for
+        ``online_step(..., scale=cfg.scale)``.
 
         ``masked=False``: the tile lies inside the band for every batch row (kv_range/q_range),
         so the structural rules are not evaluated. Where a mask applies, the tiles' non-finite
@@ -128,7 +186,7 @@ class _Tiles:
         qk = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
                         preferred_element_type=jnp.float32)
         bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
-        s, capped = online_softmax.logits(qk, self.cfg, bias)
+        s, capped = (qk, None) if unscaled else online_softmax.logits(qk, self.cfg, bias)
         if allowed is not None:
             s = s + poison
         return s, capped, allowed, (q_tile, k_tile, v_tile)
@@ -153,13 +211,33 @@ def _across_batch(bounds):
     return lo, full_lo, jnp.clip(jnp.min(full_hi), full_lo, hi), hi
 
 
+# Head axes of the per-head inputs besides q, k, v (_over_head_blocks): the dense mask
+# [Bm, Hm, Lq, Lk]; sinks and dropout seeds [Bs, Hs].
+_MASK_HEAD_AXES = masking.MaskInputs(None, None, None, None, 1, None)
+_EXTRAS_HEAD_AXES = dropout_sinks.SinksAndDropout(sinks=1, dropout_seeds=1)
+
+
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """-> (out ``[B, Lq, Hq, D]`` in q's dtype, RowStats of ``[B, Hq, Lq]`` float32)."""
+    extras = extras or dropout_sinks.SinksAndDropout()
+    stacked = _over_head_blocks(functools.partial(_forward, cfg), q, k, (q, k, v, bias, masks, extras),
+                                (2, 2, 2, 1, _MASK_HEAD_AXES, _EXTRAS_HEAD_AXES))
+    if stacked is None:
+        return _forward(cfg, q, k, v, bias, masks, extras)
+    out, stats = stacked
+    return _merge_heads(out, 2), online_softmax.RowStats(*(_merge_heads(x, 1) for x in stats))
+
+
+def _forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras):
     b, lq, hq, d = q.shape
     block_q, block_k = chunk_sizes(cfg, lq, k.shape[1])
     t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k, extras)
     stats_shape = (b, t.hkv, t.groups, block_q)
     axes = vma.axes_of(q, k, v, bias, masks)  # inside shard_map, loop carries vary like these
+
+    # Plain logits: the scale joins the exponent (online_step) instead of a pass of its own.
+    unscaled = cfg.logits_soft_cap is None and bias is None
+    s_scale = cfg.scale if unscaled else 1.0
 
     def query_tile(i, outputs):
         out, stats = outputs
@@ -168,8 +246,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
         def key_tile(j, carry, masked):
             acc, row_max, row_sum = carry
             s, _, allowed, (_, _, v_tile) = t.logits(q_tile, t.kv_tile(t.k, j), t.kv_tile(t.v, j),
-                                                     i, j, masked)
-            rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
+                                                     i, j, masked, unscaled)
+            rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed,
+                                                                      s_scale)
             p_drop = dropout_sinks.apply_dropout(p, t.keep(i, j), cfg.dropout_rate)  # the sum keeps p
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_drop.astype(v.dtype), v_tile,
                             precision=cfg.precision, preferred_element_type=jnp.float32)
@@ -192,6 +271,20 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
              extras=None):
+    """-> (dq, dk, dv, dbias ``[B, Hq, Lq, Lk]`` float32 | None), one block of heads at a time."""
+    extras = extras or dropout_sinks.SinksAndDropout()
+    stacked = _over_head_blocks(
+        functools.partial(_backward, cfg), q, k, (q, k, v, bias, masks, stats, d_out, delta, extras),
+        (2, 2, 2, 1, _MASK_HEAD_AXES, online_softmax.RowStats(1, 1), 2, 1, _EXTRAS_HEAD_AXES))
+    if stacked is None:
+        return _backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
+    dq, dk, dv, dbias = stacked
+    return (*(_merge_heads(x, 2) for x in (dq, dk, dv)),
+            None if dbias is None else _merge_heads(dbias, 1))
+
+
+def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
+              extras):
     """Algorithm 2 of FlashAttention-2: outer loop over key tiles (dK, dV in registers),
     inner loop over query tiles, dQ accumulated in place. -> (dq, dk, dv, dbias | None)."""
     b, lq, hq, d = q.shape

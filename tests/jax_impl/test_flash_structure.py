@@ -70,6 +70,24 @@ def test_xla_memory_grows_linearly_dense_quadratically(backward):
     assert blocked[-1] * 8 < dense[-1]
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads,per_step", [(1, 8, 8, 1), (1, 8, 2, 4), (2, 4, 4, 2)])
+def test_xla_loop_steps_cover_one_kv_head_block(batch, heads, kv_heads, per_step):
+    """The CPU path runs the heads one block after another: every logits tile (the q.k^T
+    product in the lowered program, forward and backward) covers ``per_step`` (batch row,
+    query head) pairs, not all B * Hq of them (the caches hold one step's tiles)."""
+    length, d = 1024, 32
+    q, k = (jax.ShapeDtypeStruct((batch, length, h, d), jnp.float32) for h in (heads, kv_heads))
+    attend = lambda q, k, v: flash_attention(q, k, v, implementation="xla")
+    grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * q), argnums=(0, 1, 2))
+    for fn in (attend, grads):
+        hlo = jax.jit(fn).lower(q, k, k).as_text()
+        # the logits tile: a dot_general to [..., block_q, block_k] = [..., 512, 256] float32
+        tiles = re.findall(r"stablehlo.dot_general [^\n]*-> tensor<((?:\d+x)*)512x256xf32>", hlo)
+        assert tiles, "no [512, 256] logits tile found: the test reads the wrong program"
+        pairs = {int(np.prod([int(n) for n in t.rstrip("x").split("x") if n] or [1])) for t in tiles}
+        assert pairs == {per_step}, f"logits tiles cover {pairs} (batch, head) pairs per step"
+
+
 FEATURES = {
     "plain": dict(),
     "everything": dict(mask=True, bias=True, segments=True, lengths=True, is_causal=True,

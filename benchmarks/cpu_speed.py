@@ -1,0 +1,128 @@
+"""``python -m benchmarks --suite cpu``: the default CPU path against torch's SDPA.
+
+jax_impl's ``implementation="xla"`` beside ``torch.nn.functional.scaled_dot_product_attention``
+(on a CPU its flash kernel) in the same dtype: fp32 and bf16, causal and not, L=2048 and 8192,
+B=1 H=8 D=64, forward and forward+backward. The two calls alternate, repeat after repeat, and
+each repeat gives one time ratio (jax_impl / torch); the report gives the median of those
+per-pair ratios with their quartiles (``measure.interleaved_ratios``), the load average at the
+start and end, and each output's largest difference from torch's (a sanity check, not the
+oracle). Writes bench_cpu.json and bench_cpu.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import measure as measure_mod
+from jax_impl.flash_attention import flash_attention
+
+NAME = "bench_cpu"
+JAX, TORCH = "jax_impl.xla", "torch.sdpa"
+DTYPES = ("float32", "bfloat16")
+CAUSAL = (False, True)
+MODES = ("fwd", "fwd+bwd")
+LENGTHS = (2048, 8192)
+BATCH, HEADS, HEAD_DIM = 1, 8, 64
+
+
+def repeats_for(length: int) -> int:
+    """Fewer pairs at long lengths, where one forward+backward pair takes seconds."""
+    return 9 if length <= 2048 else 5
+
+
+def _jax_calls(q, k, v, causal: bool) -> dict:
+    attend = jax.jit(lambda q, k, v: flash_attention(q, k, v, is_causal=causal, implementation="xla"))
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * q.astype(jnp.float32)),
+                             argnums=(0, 1, 2)))
+    return {"fwd": lambda: jax.block_until_ready(attend(q, k, v)),
+            "fwd+bwd": lambda: jax.block_until_ready(grads(q, k, v))}
+
+
+def _torch_calls(q, k, v, causal: bool) -> dict:
+    import torch
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, H, L, D]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def forward():
+        with torch.no_grad():
+            return sdpa(q, k, v, is_causal=causal)
+
+    def forward_backward():
+        out = sdpa(*leaves, is_causal=causal)
+        return torch.autograd.grad((out.float() * leaves[0].float()).sum(), leaves)
+
+    return {"fwd": forward, "fwd+bwd": forward_backward}
+
+
+def measure(dtype: str, causal: bool, length: int, repeats: int) -> list[dict]:
+    import torch
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((BATCH, length, HEADS, HEAD_DIM)).astype(np.float32) for _ in range(3)]
+    jax_calls = _jax_calls(*(jnp.asarray(x, dtype) for x in arrays), causal)
+    torch_calls = _torch_calls(*(torch.from_numpy(x).to(getattr(torch, dtype)) for x in arrays), causal)
+    rows = []
+    for mode in MODES:
+        calls = {JAX: jax_calls[mode], TORCH: torch_calls[mode]}
+        for call in calls.values():
+            call()  # compile, warm up
+        outputs = {name: call() for name, call in calls.items()}
+        summary = measure_mod.interleaved_ratios(calls, TORCH, repeats)
+        rows.append(dict(dtype=dtype, causal=causal, length=length, mode=mode, repeats=repeats,
+                         jax_ms=summary[JAX]["median_ms"], torch_ms=summary[TORCH]["median_ms"],
+                         ratio_median=summary[JAX]["ratio_median"], ratio_q1=summary[JAX]["ratio_q1"],
+                         ratio_q3=summary[JAX]["ratio_q3"],
+                         max_abs_diff_vs_torch=_max_difference(outputs[JAX], outputs[TORCH], mode)))
+    return rows
+
+
+def _max_difference(jax_out, torch_out, mode: str) -> float:
+    """The largest absolute difference between the two outputs (dq, dk, dv for fwd+bwd)."""
+    pairs = zip(jax_out, torch_out) if mode == "fwd+bwd" else [(jax_out, torch_out)]
+    worst = 0.0
+    for a, t in pairs:
+        t = t.detach().float().numpy()
+        t = np.swapaxes(t, 1, 2) if t.ndim == 4 else t  # torch [B, H, L, D] -> [B, L, H, D]
+        worst = max(worst, float(np.max(np.abs(np.asarray(a, np.float32) - t))))
+    return worst
+
+
+def _markdown(result: dict) -> str:
+    lines = [f"# jax_impl.xla against torch SDPA ({result['backend']}, B={BATCH} H={HEADS} D={HEAD_DIM})", "",
+             f"Median of interleaved per-pair time ratios (jax_impl / torch, same dtype) with quartiles; "
+             f"load average {result['load_average_start'][0]:.1f} at the start, "
+             f"{result['load_average_end'][0]:.1f} at the end; torch {result['torch_version']}, "
+             f"{result['torch_threads']} threads; jax {result['jax_version']}.", "",
+             "| dtype | causal | L | mode | jax_impl.xla | torch SDPA | ratio (median) | quartiles | pairs "
+             "| max abs diff vs torch |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['length']} | {r['mode']} "
+                     f"| {r['jax_ms']:.1f} ms | {r['torch_ms']:.1f} ms | {r['ratio_median']:.2f}x "
+                     f"| {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {r['repeats']} "
+                     f"| {r['max_abs_diff_vs_torch']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_suite(out_dir, device: str, length: int | None = None) -> list[pathlib.Path]:
+    """One ``length`` (``--seq-lens``) replaces the suite's 2048 and 8192."""
+    import torch
+    del device  # the default backend: whatever JAX runs on
+    out_dir = pathlib.Path(out_dir)
+    lengths = (length,) if length else LENGTHS
+    result = dict(backend=jax.default_backend(), jax_version=jax.__version__, torch_version=torch.__version__,
+                  torch_threads=torch.get_num_threads(), load_average_start=os.getloadavg(), rows=[])
+    for dtype in DTYPES:
+        for causal in CAUSAL:
+            for n in lengths:
+                result["rows"] += measure(dtype, causal, n, repeats_for(n))
+    result["load_average_end"] = os.getloadavg()
+    (out_dir / f"{NAME}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / f"{NAME}.md").write_text(_markdown(result))
+    print(_markdown(result))
+    return [out_dir / f"{NAME}.json", out_dir / f"{NAME}.md"]
