@@ -29,7 +29,7 @@ DEFAULT_BLOCK_K = 256
 # (lax.map), so a step's [pairs, block_q, block_k] tiles stay in the caches. 1 measured fastest
 # of 1, 2 and 8 (B=1 H=8 L=2048 D=64 fp32, single-thread CPU time against torch SDPA; forward
 # 1.42x vs 1.58x vs 1.68x, forward+backward 1.82x vs 1.85x vs 2.4x; benchmarks/README.md,
-# "CPU: where the time goes").
+# "CPU: where the time goes"). With 2 threads, 1, 2 and 8 were within each other's spread.
 HEADS_PER_STEP = 1
 
 
