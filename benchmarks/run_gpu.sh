@@ -3,7 +3,8 @@
 #   1. correctness on the GPU first (python -m conformance, jax_impl's implementations),
 #   2. the tile sweep (python -m benchmarks.tune_blocks: a few candidate BlockSizes per head dim
 #      64/128 x causal, bf16, L=4096, fwd+bwd); its winners replace
-#      jax_impl/pallas_triton/tuned_blocks.json in this tree, so step 3 runs the tuned tiles,
+#      jax_impl/pallas_triton/tuned_blocks.json while step 3 runs (the tracked file is restored
+#      on exit; the winners stay in $OUT/tuned_blocks.json),
 #   3. the gpu benchmark suite (every GPU implementation, each result also checked against
 #      the float64 oracle before it is timed), with what is left of TOTAL_BUDGET,
 # and pack everything under $OUT (default ./out) into few files:
@@ -60,7 +61,12 @@ if [ "${SKIP_TUNING:-0}" != "1" ]; then
   log "tile sweep exit $tune_rc in $((SECONDS - start)) s (124 = timed out)"
   tail -n 30 "$WORK/tuning.log" >> "$LOG"
   if [ "$tune_rc" = "0" ]; then
-    cp "$WORK/tuning/tuned_blocks.json" jax_impl/pallas_triton/tuned_blocks.json
+    # The benchmark step runs the tuned tiles; the tracked table is put back when the script
+    # exits (commit $OUT/tuned_blocks.json by hand to keep the winners).
+    tuned=jax_impl/pallas_triton/tuned_blocks.json
+    cp "$tuned" "$OUT/.tuned_blocks.committed.json"
+    trap 'mv "$OUT/.tuned_blocks.committed.json" "$tuned"' EXIT
+    cp "$WORK/tuning/tuned_blocks.json" "$tuned"
     cp "$WORK/tuning/tuned_blocks.json" "$WORK/tuning/tuning.md" "$OUT/"
   fi
 fi
