@@ -5,8 +5,10 @@
 #      64/128 x causal, bf16, L=4096, fwd+bwd); its winners replace
 #      jax_impl/pallas_triton/tuned_blocks.json while step 3 runs (the tracked file is restored
 #      on exit; the winners stay in $OUT/tuned_blocks.json),
-#   3. the gpu benchmark suite (every GPU implementation, each result also checked against
+#   3. the gpu benchmark suite (its GPU implementations, each result also checked against
 #      the float64 oracle before it is timed), with what is left of TOTAL_BUDGET,
+#   4. JAX's Hopper kernel (jax.pallas.mgpu, Mosaic GPU) at L=4096/8192, in a process of its
+#      own so that a crash there cannot cost step 3's results (skipped when time is short),
 # and pack everything under $OUT (default ./out) into few files:
 #   $OUT/gpu_results.tar.gz   every log, table, CSV, JSON and plot
 #   $OUT/bench_summary.md     the benchmark's Markdown report (also in the archive)
@@ -14,10 +16,12 @@
 #   $OUT/tuned_blocks.json    the sweep's winners (commit it as jax_impl/pallas_triton/tuned_blocks.json)
 #   $OUT/tuning.md            every candidate's TFLOP/s beside its compiled facts
 # Knobs (environment): BENCH_DEVICE (cuda), BENCH_SUITE (gpu), BENCH_ARGS (extra arguments,
-# e.g. "--time-budget 300"), BENCH_TIMEOUT (seconds, 450), CONF_SUITE (quick), CONF_IMPLS
-# ("jax_impl.pallas_triton jax_impl.xla"), CONF_TIMEOUT (150), SKIP_CONFORMANCE (0), PYTHON (python3),
-# TUNE_TIMEOUT (150; the sweep's own --time-budget of 80 s cuts earlier), SKIP_TUNING (0), TUNE_ARGS (extra arguments of benchmarks.tune_blocks),
-# TOTAL_BUDGET (420 s for the three steps: the benchmark's --time-budget is what is left, at least 120).
+# e.g. "--time-budget 300"), BENCH_TIMEOUT (its --time-budget + 60 s), CONF_SUITE (quick), CONF_IMPLS
+# ("jax_impl.pallas_triton jax_impl.xla"), CONF_TIMEOUT (80), SKIP_CONFORMANCE (0), PYTHON (python3),
+# TUNE_TIMEOUT (110; the sweep's own --time-budget of 70 s cuts earlier), SKIP_TUNING (0), TUNE_ARGS
+# (extra arguments of benchmarks.tune_blocks), PEER_BUDGET (45 s for step 4; 0 skips it),
+# TOTAL_BUDGET (450 s for steps 1-3: the benchmark's --time-budget is what is left, at least 120).
+# The whole script then ends within about TOTAL_BUDGET + 60 + PEER_BUDGET + 60 s (about 10 minutes).
 set -u
 OUT=${OUT:-./out}
 PYTHON=${PYTHON:-python3}
@@ -43,7 +47,7 @@ if [ "${SKIP_CONFORMANCE:-0}" != "1" ]; then
   impl_args=""
   for i in $CONF_IMPLS; do impl_args="$impl_args --impl $i"; done
   start=$SECONDS
-  timeout "${CONF_TIMEOUT:-150}" "$PYTHON" -m conformance --suite "$CONF_SUITE" --device "$DEVICE" $impl_args \
+  timeout "${CONF_TIMEOUT:-80}" "$PYTHON" -m conformance --suite "$CONF_SUITE" --device "$DEVICE" $impl_args \
     --out "$WORK/conformance" > "$WORK/conformance.log" 2>&1
   conf_rc=$?
   log "conformance exit $conf_rc in $((SECONDS - start)) s (124 = timed out; 1 = a jax_impl failure)"
@@ -55,8 +59,9 @@ if [ "${SKIP_TUNING:-0}" != "1" ]; then
   start=$SECONDS
   mkdir -p "$WORK/tuning"
   # shellcheck disable=SC2086
-  timeout "${TUNE_TIMEOUT:-150}" "$PYTHON" -m benchmarks.tune_blocks --out "$WORK/tuning/tuned_blocks.json" \
-    --report "$WORK/tuning/tuning.md" ${TUNE_ARGS:-} > "$WORK/tuning.log" 2>&1
+  # compiled facts come from the compile report here (pip triton) after the run: tuning.json keeps every row
+  timeout "${TUNE_TIMEOUT:-110}" "$PYTHON" -m benchmarks.tune_blocks --out "$WORK/tuning/tuned_blocks.json" \
+    --report "$WORK/tuning/tuning.md" --time-budget 70 --no-compile-facts ${TUNE_ARGS:-} > "$WORK/tuning.log" 2>&1
   tune_rc=$?
   log "tile sweep exit $tune_rc in $((SECONDS - start)) s (124 = timed out)"
   tail -n 30 "$WORK/tuning.log" >> "$LOG"
@@ -67,25 +72,38 @@ if [ "${SKIP_TUNING:-0}" != "1" ]; then
     cp "$tuned" "$OUT/.tuned_blocks.committed.json"
     trap 'mv "$OUT/.tuned_blocks.committed.json" "$tuned"' EXIT
     cp "$WORK/tuning/tuned_blocks.json" "$tuned"
-    cp "$WORK/tuning/tuned_blocks.json" "$WORK/tuning/tuning.md" "$OUT/"
+    cp "$WORK/tuning/tuned_blocks.json" "$WORK/tuning/tuning.md" "$WORK/tuning/tuning.json" "$OUT/"
   fi
 fi
 
 start=$SECONDS
-budget=$(( ${TOTAL_BUDGET:-420} - SECONDS ))
+budget=$(( ${TOTAL_BUDGET:-450} - SECONDS ))
 [ "$budget" -lt 120 ] && budget=120
 budget_arg=""
 [ "$SUITE" = "gpu" ] && budget_arg="--time-budget $budget"  # runner suites (sharded, dropout) take none
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-$((budget + 90))}" "$PYTHON" -m benchmarks --suite "$SUITE" --device "$DEVICE" \
+timeout "${BENCH_TIMEOUT:-$((budget + 60))}" "$PYTHON" -m benchmarks --suite "$SUITE" --device "$DEVICE" \
   --out "$WORK/benchmarks" $budget_arg ${BENCH_ARGS:-} > "$WORK/benchmarks.log" 2>&1
 bench_rc=$?
 log "benchmarks exit $bench_rc in $((SECONDS - start)) s (124 = timed out)"
 tail -n 60 "$WORK/benchmarks.log" >> "$LOG"
 
-echo "conformance=$conf_rc tuning=$tune_rc benchmarks=$bench_rc" > "$WORK/exit_codes.txt"
+peer_rc=skipped
+peer_budget=${PEER_BUDGET:-45}
+if [ "$SUITE" = "gpu" ] && [ "$peer_budget" -gt 0 ] && [ "$SECONDS" -lt $(( ${TOTAL_BUDGET:-450} + 60 )) ]; then
+  start=$SECONDS
+  timeout $((peer_budget + 60)) "$PYTHON" -m benchmarks --suite gpu --device "$DEVICE" --impl jax.pallas.mgpu \
+    --seq-lens 4096,8192 --time-budget "$peer_budget" --out "$WORK/benchmarks_mgpu" > "$WORK/benchmarks_mgpu.log" 2>&1
+  peer_rc=$?
+  log "Mosaic GPU peer exit $peer_rc in $((SECONDS - start)) s"
+  tail -n 30 "$WORK/benchmarks_mgpu.log" >> "$LOG"
+  [ -f "$WORK/benchmarks_mgpu/bench_gpu.json" ] && cp "$WORK/benchmarks_mgpu/bench_gpu.json" "$OUT/bench_mgpu.json"
+fi
+
+echo "conformance=$conf_rc tuning=$tune_rc benchmarks=$bench_rc mgpu=$peer_rc" > "$WORK/exit_codes.txt"
 cp "$LOG" "$WORK/run_gpu.log"
 [ -f "$WORK/benchmarks/bench_$SUITE.md" ] && cp "$WORK/benchmarks/bench_$SUITE.md" "$OUT/bench_summary.md"
+[ -f "$WORK/benchmarks/bench_$SUITE.json" ] && cp "$WORK/benchmarks/bench_$SUITE.json" "$OUT/bench_$SUITE.json"
 tar -czf "$OUT/gpu_results.tar.gz" -C "$WORK" .
 log "wrote $(ls "$OUT" | tr '\n' ' ')"
 rm -rf "$WORK"

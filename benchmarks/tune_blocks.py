@@ -23,6 +23,7 @@ import datetime
 import json
 import sys
 import time
+from pathlib import Path
 
 from jax_impl.config import BlockSizes
 from jax_impl.pallas_triton import heuristics
@@ -198,6 +199,8 @@ def main(argv=None) -> int:
     if args.report:
         with open(args.report, "w") as f:
             f.write(table)
+        with open(Path(args.report).with_suffix(".json"), "w") as f:  # every candidate, for re-rendering
+            json.dump(dict(seq_len=seq_len, heads=heads, device=device_name, rows=rows), f, indent=1)
     return 0
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 
 from conformance.adapters.base import Adapter, JaxFunctionAdapter
-from conformance.adapters.jax_side import (JaxDenseAdapter, JaxImplAdapter, JaxNNAdapter, PallasMhaAdapter,
+from conformance.adapters.jax_side import (JaxDenseAdapter, JaxImplAdapter, JaxNNAdapter, MosaicMhaAdapter, PallasMhaAdapter,
                                            jax_nn_attention, jax_nn_reason, tokamax_attention, tokamax_reason)
 from conformance.adapters.torch_side import FlashAttnAdapter, TorchManualAdapter, TorchSdpaAdapter
 from conformance.plugins import PluginError, load_plugin
@@ -63,6 +63,8 @@ def adapters(device: str = "cpu") -> dict[str, Adapter]:
         *jax_nn,
         PallasMhaAdapter("jax.pallas.mha", "jax", device, ("jax",), devices=("cuda",),
                          description="jax.experimental.pallas.ops.gpu.attention.mha"),
+        MosaicMhaAdapter("jax.pallas.mgpu", "jax", device, ("jax",), devices=("cuda",),
+                         description="jax.experimental.pallas.ops.gpu.attention_mgpu.attention (Hopper)"),
         JaxFunctionAdapter("tokamax", "jax", device, ("tokamax",), fn=tokamax_attention, reason_fn=tokamax_reason,
                            description="tokamax.dot_product_attention"),
         TorchManualAdapter("torch.manual", "torch", device, ("torch",),

@@ -1,4 +1,5 @@
-"""JAX implementations: jax_impl's, dense JAX, jax.nn, JAX's Pallas ``mha`` and tokamax."""
+"""JAX implementations: jax_impl's, dense JAX, jax.nn, JAX's Pallas ``mha`` (Triton) and Hopper
+attention (Mosaic GPU), and tokamax."""
 from __future__ import annotations
 
 import dataclasses
@@ -149,6 +150,44 @@ class PallasMhaAdapter(Adapter):
             raise
         except Exception as e:
             raise NotSupported(f"Pallas mha: {type(e).__name__}: {str(e)[:300]}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMhaAdapter(Adapter):
+    """jax.experimental.pallas.ops.gpu.attention_mgpu.attention: JAX's Hopper kernel (Mosaic GPU,
+    wgmma + TMA, warp-specialized), [B, L, H, D], 16-bit, D % 64 == 0; no backward when causal."""
+
+    explicit_scale = "the kernel applies no scale: the adapter multiplies q by 1/sqrt(D) first"
+    tiles = dict(block_q=64, block_kv=128, max_concurrent_steps=2,
+                 block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+    def _reason(self, case):
+        if case.dtype not in ("float16", "bfloat16"):
+            return "Mosaic GPU attention takes fp16/bf16 only"
+        if case.mask != "none" or case.bias or case.lengths or case.window or case.soft_cap \
+                or case.segments:
+            return "Mosaic GPU attention has no mask, bias, lengths, window, soft cap or segments"
+        if case.causal == "bottom_right" and case.q_len != case.kv_len:
+            return "Mosaic GPU attention's causal is top-left only"
+        if case.head_dim % 64:
+            return f"Mosaic GPU attention needs head_dim % 64 == 0, got {case.head_dim}"
+        if case.kv_len % self.tiles["block_kv"] or case.q_len % self.tiles["block_q"]:
+            return "Mosaic GPU attention needs lengths that are multiples of its blocks (64 queries, 128 keys)"
+        return None
+
+    def _prepare(self, inputs, *, backward):
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+        c = inputs.case
+        config = attention_mgpu.TuningConfig(causal=c.causal is not None, **self.tiles)
+
+        def attn(q, k, v, bias, mask, **_):
+            return attention_mgpu.attention((q * c.effective_scale).astype(q.dtype), k, v, config)
+        try:
+            return JaxPrepared(attn, inputs, backward=backward, device=self.device)
+        except NotSupported:
+            raise
+        except Exception as e:  # its own checks (causal backward, shared memory, CUDA version)
+            raise NotSupported(f"Mosaic GPU attention: {type(e).__name__}: {str(e)[:300]}") from e
 
 
 def _parse_absl_flags_once() -> None:
