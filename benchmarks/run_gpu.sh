@@ -2,7 +2,7 @@
 # Run from the repository root on a GPU machine:
 #   1. correctness on the GPU first (python -m conformance, jax_impl's implementations),
 #   2. the tile sweep (python -m benchmarks.tune_blocks: a few candidate BlockSizes per head dim
-#      64/128 x causal, bf16, L=4096, fwd+bwd); its winners replace
+#      64/128 x causal, bf16, L=8192, fwd+bwd); its winners replace
 #      jax_impl/pallas_triton/tuned_blocks.json while step 3 runs (the tracked file is restored
 #      on exit; the winners stay in $OUT/tuned_blocks.json),
 #   3. the gpu benchmark suite (its GPU implementations, each result also checked against

@@ -6,6 +6,7 @@ import os
 import platform
 import site
 import sys
+import tempfile
 from pathlib import Path
 
 from conformance import tolerance
@@ -17,10 +18,10 @@ from conformance.probes import EXPECTED, QUESTIONS, ProbeRow
 
 def without_machine_paths(text: str) -> str:
     """``text`` with this machine's folders replaced by portable names (repository-relative,
-    ``<site-packages>``, ``<python>``, ``~``): reports are shared and committed."""
+    ``<site-packages>``, ``<python>``, ``<tmp>``, ``~``): reports are shared and committed."""
     folders = {str(REPO_ROOT) + os.sep: "", os.getcwd() + os.sep: "./", str(Path.home()): "~"}
     folders.update({p: "<site-packages>" for p in site.getsitepackages() + [site.getusersitepackages()]})
-    folders.update({sys.prefix: "<python>", sys.base_prefix: "<python>"})
+    folders.update({sys.prefix: "<python>", sys.base_prefix: "<python>", tempfile.gettempdir() + os.sep: "<tmp>/"})
     for folder in sorted(folders, key=len, reverse=True):  # the most specific first
         if len(folder) > 1:
             text = text.replace(folder, folders[folder])

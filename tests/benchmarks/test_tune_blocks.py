@@ -30,7 +30,7 @@ def use_table(monkeypatch):
 
 def test_fastest_correct_candidate_becomes_the_default(tmp_path, use_table):
     rule = heuristics.rule_block_sizes(64, "bfloat16")
-    fast, wrong = tune_blocks.ALTERNATIVES[64]
+    fast, wrong = tune_blocks.ALTERNATIVES[64][:2]
     rows = [_row(64, True, rule, 2.0), _row(64, True, fast, 1.5), _row(64, True, wrong, 0.5, status="WRONG")]
     path = tmp_path / "tuned_blocks.json"
     tune_blocks.write_table(path, rows, 4096, 8, "a GPU")
@@ -69,6 +69,17 @@ def test_dry_run_sweeps_on_cpu_and_writes_a_table_the_heuristics_read(tmp_path, 
     assert heuristics.default_block_sizes(64, "bfloat16", causal=True) == winner
     assert report.read_text().count("| 64 | bfloat16 | yes |") == entries[0]["candidates"]
     assert "**yes**" in report.read_text()
+    # every row is kept beside the report, and --from-rows renders the same table from it (a GPU
+    # machine without pip triton times; compiled facts are added where triton is)
+    rendered = tmp_path / "rendered.md"
+    facts = {}
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(tune_blocks, "compile_facts", lambda rows: facts)
+    try:
+        assert tune_blocks.main(["--from-rows", str(report.with_suffix(".json")), "--report", str(rendered)]) == 0
+    finally:
+        monkey.undo()
+    assert rendered.read_text() == report.read_text()
 
 
 def test_a_spent_time_budget_skips_every_candidate_and_writes_no_table(tmp_path, capsys):

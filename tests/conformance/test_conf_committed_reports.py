@@ -18,3 +18,15 @@ def test_there_are_committed_reports():
 def test_a_committed_report_holds_no_machine_paths(report):
     found = MACHINE_PATH.findall(report.read_text())
     assert not found, found[:3]
+
+
+def test_report_writers_replace_this_machines_folders(tmp_path):
+    """A report's command line names --out folders; the temporary folder is one (it leaked into
+    the first GPU report before the writers replaced it)."""
+    import os
+    import tempfile
+    from conformance.report import without_machine_paths
+    command = f"python -m benchmarks --out {tempfile.gettempdir()}{os.sep}run1/benchmarks --out {Path.home()}/x"
+    cleaned = without_machine_paths(command)
+    assert not MACHINE_PATH.findall(cleaned), cleaned
+    assert "<tmp>/run1/benchmarks" in cleaned

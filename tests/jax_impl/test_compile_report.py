@@ -88,12 +88,14 @@ def test_16bit_defaults_run_every_dot_on_wgmma_with_m_at_least_64(compiled):
 
 def test_16bit_defaults_do_not_spill_up_to_head_dim_128(compiled):
     defaults, users = compiled
-    checked = 0
+    checked = set()
     for r in defaults:
         if r.dtype != "float32" and r.head_dim <= 128:
             assert max(r.spill_stores, r.spill_loads) == 0, f"{_label(r)} spills"
-            checked += 1
-    assert checked == 6
+            checked.add((r.head_dim, r.block_sizes, r.kernel))
+    expected = {(d, dataclasses.astuple(b), k) for d, dt, _, b in _default_configs()
+                if np.dtype(dt).itemsize == 2 and d <= 128 for k in heuristics.KERNELS}
+    assert checked == expected and {d for d, _, _ in expected} == {64, 128}
     # The check can fail: 128x128 key tiles at D=128 spill in the forward and in dK/dV.
     near = {r.kernel: r for r in users if r.block_sizes == dataclasses.astuple(NEAR_BUDGET)}
     assert near["forward"].spill_stores > 0 and near["dkdv"].spill_stores > 0
