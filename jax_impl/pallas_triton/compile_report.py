@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -66,6 +67,48 @@ class KernelFacts:
     mma_sync: int = 0                 # mma.sync instructions
 
 
+# --- Lowering for CUDA on a host without a GPU -----------------------------------------------
+# jax >= 0.11's Pallas Triton lowering asks which GPU it targets: with no GPU here an abstract
+# mesh names one (an H100: sm_90, as the compile below), and the jitted function's arguments
+# are placed on this host's device so that the self-partitioning op (custom_partitioning needs
+# concrete devices) still lowers. jax 0.10 reads no target and needs neither.
+TARGET_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
+
+
+def _needs_target() -> bool:
+    import importlib.util
+    asks = importlib.util.find_spec("jax._src.pallas.triton.gpu_info") is not None  # jax >= 0.11
+    return asks and not any(d.platform == "gpu" for d in jax.devices())
+
+
+def jit_for_cuda(fn):
+    """``jax.jit(fn)``, lowerable for CUDA here (inside ``cuda_target()``) on jax 0.10-0.12."""
+    if not _needs_target():
+        return jax.jit(fn)
+    return jax.jit(fn, in_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+@contextlib.contextmanager
+def cuda_target():
+    """Around ``jax.export(..., platforms=["cuda"])`` or ``.lower(lowering_platforms=("cuda",))``
+    of a ``jit_for_cuda`` function."""
+    if not _needs_target():
+        yield
+        return
+    device = jax.sharding.AbstractDevice(device_kind=TARGET_DEVICE_KIND, num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
+        yield
+
+
+def export_for_cuda(fn, *args):
+    """``jax.export`` of ``jit(fn)`` for CUDA, here: the Exported (its ``mlir_module()`` holds
+    the kernels' Triton calls)."""
+    from jax import export
+    with cuda_target():
+        return export.export(jit_for_cuda(fn), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+
+
 # --- TTIR extraction ------------------------------------------------------------------------
 
 def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal: bool,
@@ -80,8 +123,9 @@ def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal:
         return jnp.sum(out.astype(jnp.float32))
 
     shape = jax.ShapeDtypeStruct((1, seq_len, 2, head_dim), jnp.dtype(dtype))
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(shape, shape, shape).lower(
-        lowering_platforms=("cuda",))
+    with cuda_target():
+        lowered = jit_for_cuda(jax.grad(loss, argnums=(0, 1, 2))).trace(shape, shape, shape).lower(
+            lowering_platforms=("cuda",))
     found = {}
 
     def visit(op):

@@ -9,16 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 from jax_impl import BlockSizes, explain_implementation, masking, pallas_triton
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.flash_attention import flash_attention
 from jax_impl.pallas_triton import heuristics
+from jax_impl.pallas_triton.compile_report import export_for_cuda
 
-CUDA_EXPORT = dict(platforms=["cuda"],
-                   disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
 
 
 def _random(shape, seed, dtype=jnp.float32):
@@ -125,7 +123,7 @@ def _export_gradients(head_dim, dtype, lq, lk, features, block_sizes=None):
                               **static, **extra)
         return jnp.sum(out.astype(jnp.float32))
 
-    exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), **CUDA_EXPORT)(*shapes)
+    exported = export_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), *shapes)
     return exported.mlir_module()
 
 
@@ -173,8 +171,8 @@ def _triton_ir(precision, dtype=jnp.float32, head_dim=64, bias=False, **options)
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        export.export(jax.jit(fwd_bwd), **CUDA_EXPORT)(
-            jax.ShapeDtypeStruct((1, 64, 1, head_dim), dtype), jax.ShapeDtypeStruct((1, 1, 64, 64), jnp.float32))
+        export_for_cuda(
+            fwd_bwd, jax.ShapeDtypeStruct((1, 64, 1, head_dim), dtype), jax.ShapeDtypeStruct((1, 1, 64, 64), jnp.float32))
     return printed.getvalue()
 
 
@@ -213,7 +211,7 @@ def test_gpu_only_precision_lowers_for_cuda_through_xla():
     q = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
     loss = lambda q: jnp.sum(flash_attention(q, q, q, implementation="xla", is_causal=True,
                                              precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
-    module = export.export(jax.jit(jax.grad(loss)), **CUDA_EXPORT)(q).mlir_module()
+    module = export_for_cuda(jax.grad(loss), q).mlir_module()
     algorithms = re.findall(r"algorithm = <lhs_precision_type = (\w+),.*?num_primitive_operations = (\d+)", module)
     assert algorithms and set(algorithms) == {("tf32", "3")}
 
@@ -331,7 +329,7 @@ def test_explain_implementation_names_the_choice_and_every_reason():
 
 def test_default_path_on_cuda_lowers_the_pallas_kernels():
     sd = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
-    exported = export.export(jax.jit(lambda q, k, v: flash_attention(q, k, v)), **CUDA_EXPORT)(sd, sd, sd)
+    exported = export_for_cuda(lambda q, k, v: flash_attention(q, k, v), sd, sd, sd)
     assert "flash_attention_forward" in exported.mlir_module()
     cpu = jax.jit(lambda q, k, v: flash_attention(q, k, v)).lower(sd, sd, sd).as_text()
     assert "flash_attention_forward" not in cpu

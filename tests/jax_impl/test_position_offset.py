@@ -70,7 +70,7 @@ def test_ring_with_pallas_kernels_lowers_to_triton_for_cuda():
     """ring_attention's local step with implementation="pallas_triton" (compiled, not the
     interpreter) inside jax.shard_map with the default check_vma=True, forward and backward,
     exported for CUDA: the three kernels lower with the position offset and bias columns."""
-    from jax import export
+    from jax_impl.pallas_triton.compile_report import export_for_cuda
     from jax.sharding import Mesh, PartitionSpec as P
 
     from jax_impl.context_parallel import ring_attention
@@ -88,9 +88,7 @@ def test_ring_with_pallas_kernels_lowers_to_triton_for_cuda():
     sd = jax.ShapeDtypeStruct
     shapes = [sd((2, 64, 4, 64), jnp.bfloat16), sd((2, 96, 2, 64), jnp.bfloat16),
               sd((2, 96, 2, 64), jnp.bfloat16), sd((1, 4, 64, 96), jnp.float32)]
-    exported = export.export(
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+    exported = export_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), *shapes)
     kernels = set(re.findall(r'name = "(flash_attention_\w+)"', exported.mlir_module()))
     assert kernels == {"flash_attention_forward", "flash_attention_backward_dkdv",
                        "flash_attention_backward_dq"}
