@@ -1,8 +1,9 @@
 """Blocked attention in plain JAX: the same online-softmax algorithm as the Pallas kernels.
 
 Memory is linear in the sequence length: the largest temporary is one logits tile
-``[B, heads of one step, block_q, block_k]``: the heads run one block after another
-(``kv_heads_per_step``), so that each step's tiles stay in the CPU's caches. Loops are
+``[B, heads of one step, block_q, block_k]`` per chain: the heads run one block after another
+(``kv_heads_per_step``), so that each step's tiles stay in the CPU's caches, in one
+independent chain of blocks per host thread (``_over_head_blocks``). Loops are
 ``fori_loop``s with bounds from ``masking.kv_block_range``/``q_block_range``, so tiles the
 causal/window/length structure rules out are skipped. The forward saves only (out, row
 statistics); the backward recomputes P tile by tile.
@@ -10,6 +11,7 @@ statistics); the backward recomputes P tile by tile.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +20,16 @@ from jax import lax
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 
-# Chunk sizes for the XLA path: large tiles keep the CPU's matmuls efficient while the
-# temporaries stay linear in L (B * Hq * 512 * 256 * 4 bytes per tile). 512x256 measured
-# fastest of 256..1024 on the 2-core CPU (B=1, H=8, L=2048, D=64 fp32 forward).
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 256
+# Chunk sizes (block_q, block_k) of the XLA path, from measurements on the 2-core CPU against
+# torch SDPA (B=1 H=8 D=64 fp32; benchmarks/README.md, "CPU: where the time goes"). XLA:CPU's
+# matmul is efficient only on large products (a 512x256 tile's q.k^T ran at ~60 GFLOP/s where a
+# 256x2048 one ran at 120-170), so a call with no causal or window band takes rows of up to 2048
+# keys (a 256 x 2048 float32 tile is 2 MiB, one core's L2): forward+backward 2.6x -> 1.6x torch
+# at L=2048 and 8192. Banded calls keep 256-key tiles, so that the tiles outside the band are
+# skipped (2048-key rows ran causal calls 1.5-2x slower). The temporaries stay one tile per
+# step whatever L is: memory linear in L.
+DENSE_BLOCKS = (256, 2048)
+BANDED_BLOCKS = (512, 256)
 
 
 # (batch row, query head) pairs one loop step covers: the heads run one block after another
@@ -73,7 +80,28 @@ def _over_head_blocks(fn, q, k, operands, head_axes):
         block = iter(block)
         return fn(*tree.unflatten([next(block) if s else x for x, s in zip(leaves, split)]))
 
-    return lax.map(step, stacked)
+    # Independent chains of blocks, one per host thread: XLA:CPU runs independent loops
+    # concurrently (its thunk executor launches whatever is ready), where one loop's small
+    # per-tile ops keep fewer threads busy. Short sequences keep one chain: a head's work
+    # there (under a millisecond) does not repay compiling the loop once per chain.
+    threads = host_threads() if q.shape[1] * k.shape[1] >= CHAIN_MIN_PAIRS else 1
+    chains = max(c for c in range(1, min(blocks, threads) + 1) if blocks % c == 0)
+    if chains == 1:
+        return lax.map(step, stacked)
+    parts = [lax.map(step, [x.reshape(chains, blocks // chains, *x.shape[1:])[c] for x in stacked])
+             for c in range(chains)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+
+CHAIN_MIN_PAIRS = 512 * 512  # (query, key) pairs per head from which heads run in chains
+
+
+def host_threads() -> int:
+    """Threads XLA:CPU may use here (this process's CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _round_up(n: int, m: int) -> int:
@@ -81,8 +109,12 @@ def _round_up(n: int, m: int) -> int:
 
 
 def chunk_sizes(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
-    block_q = cfg.block_sizes.block_q if cfg.block_sizes else DEFAULT_BLOCK_Q
-    block_k = cfg.block_sizes.block_k if cfg.block_sizes else DEFAULT_BLOCK_K
+    if cfg.block_sizes:
+        block_q, block_k = cfg.block_sizes.block_q, cfg.block_sizes.block_k
+    else:
+        spec = cfg.mask
+        banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
+        block_q, block_k = BANDED_BLOCKS if banded else DENSE_BLOCKS
     return min(block_q, lq), min(block_k, lk)
 
 
@@ -109,6 +141,9 @@ class _Tiles:
         self.q = self.to_heads(_pad_axis(q, 1, self.lq_pad))            # [B, Hkv, G, Lq_pad, D]
         self.k = jnp.swapaxes(_pad_axis(k, 1, self.lk_pad), 1, 2)        # [B, Hkv, Lk_pad, D]
         self.v = jnp.swapaxes(_pad_axis(v, 1, self.lk_pad), 1, 2)
+        # K^T and V^T, the right operands of S = Q K^T and dP = dO V^T: transposed once here, so
+        # that no tile's product transposes a copy of its operand (XLA:CPU's dot would).
+        self.k_t, self.v_t = (jnp.swapaxes(x, 2, 3) for x in (self.k, self.v))  # [B, Hkv, D, Lk_pad]
         self.bias = None if bias is None else _pad_axis(_pad_axis(bias, 2, self.lq_pad), 3, self.lk_pad)
         self.q_len = masks.q_len[:, None, None, None, None]     # [B, 1, 1, 1, 1]
         self.kv_len = masks.kv_len[:, None, None, None, None]
@@ -153,6 +188,9 @@ class _Tiles:
     def kv_tile(self, x, j):  # [B, Hkv, Lk_pad, D] -> [B, Hkv, block_k, D]
         return lax.dynamic_slice_in_dim(x, j * self.block_k, self.block_k, axis=2)
 
+    def kv_tile_t(self, x, j):  # [B, Hkv, D, Lk_pad] -> [B, Hkv, D, block_k]
+        return lax.dynamic_slice_in_dim(x, j * self.block_k, self.block_k, axis=3)
+
     def _pair_tile(self, x, i, j):  # [X, H, Lq_pad, Lk_pad] -> [X, Hkv|1, G|1, bq, bk]
         tile = lax.dynamic_slice(x, (0, 0, i * self.block_q, j * self.block_k),
                                  (x.shape[0], x.shape[1], self.block_q, self.block_k))
@@ -160,7 +198,7 @@ class _Tiles:
         return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
 
     def logits(self, q_tile, k_tile, v_tile, i, j, masked: bool, unscaled: bool = False):
-        """(S, soft-cap term, allowed or None, (q, k, v) for the tile's products), all
+        """(S, soft-cap term, allowed or None, (q, k, v, V^T) for the tile's products), S
         ``[B, Hkv, G, bq, bk]`` for query tile i and key tile j.
 
         ``unscaled`` (only without soft cap and bias): S is q.k before the scale, for
@@ -179,17 +217,19 @@ class _Tiles:
         allowed = masking.allowed(self.spec, rows, cols, self.q_len, self.kv_len, *segments,
                                   None if self.mask is None else self._pair_tile(self.mask, i, j),
                                   structural=masked, position_offset=self.offset)
+        k_t, v_t = self.kv_tile_t(self.k_t, j), self.kv_tile_t(self.v_t, j)
         if allowed is not None:  # k/v [B, Hkv, bk, D] take the query group axis for the rule
             poison, q_tile, k_tile, v_tile = online_softmax.excluded_nonfinite(
                 q_tile, k_tile[:, :, None], v_tile[:, :, None])
             k_tile, v_tile = k_tile[:, :, 0], v_tile[:, :, 0]
-        qk = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, precision=self.cfg.precision,
+            k_t, v_t = online_softmax.finite_or_zero(k_t), online_softmax.finite_or_zero(v_t)
+        qk = jnp.einsum("bhgqd,bhdk->bhgqk", q_tile, k_t, precision=self.cfg.precision,
                         preferred_element_type=jnp.float32)
         bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
         s, capped = (qk, None) if unscaled else online_softmax.logits(qk, self.cfg, bias)
         if allowed is not None:
             s = s + poison
-        return s, capped, allowed, (q_tile, k_tile, v_tile)
+        return s, capped, allowed, (q_tile, k_tile, v_tile, v_t)
 
     def kv_range(self, i):
         """Key tiles for query tile i, (lo, full_lo, full_hi, hi): the union over the batch of
@@ -245,7 +285,7 @@ def _forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, ext
 
         def key_tile(j, carry, masked):
             acc, row_max, row_sum = carry
-            s, _, allowed, (_, _, v_tile) = t.logits(q_tile, t.kv_tile(t.k, j), t.kv_tile(t.v, j),
+            s, _, allowed, (_, _, v_tile, _) = t.logits(q_tile, t.kv_tile(t.k, j), t.kv_tile(t.v, j),
                                                      i, j, masked, unscaled)
             rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed,
                                                                       s_scale)
@@ -294,6 +334,10 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
     grouped = lambda x: _pad_axis(x, -1, t.lq_pad).reshape(b, t.hkv, t.groups, t.lq_pad)
     delta, row_max, log_sum = grouped(delta), grouped(stats.max), grouped(stats.log_sum)
     d_out = t.to_heads(_pad_axis(d_out, 1, t.lq_pad))
+    # Q^T and dO^T, the left operands of dK^T = Q^T dS and dV^T = dO^T P: with them every
+    # product takes the [bq, bk] tiles as they are (no transposed copy of P or dS per tile).
+    q_t, d_out_t = jnp.swapaxes(t.q, 3, 4), jnp.swapaxes(d_out, 3, 4)  # [B, Hkv, G, D, Lq_pad]
+    q_tile_t = lambda x, i: lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=4)
     stats_tile = lambda x, i: lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=3)
     axes = vma.axes_of(q, k, v, bias, masks, stats, d_out, delta)  # as in forward
 
@@ -304,19 +348,22 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
         def query_tile(i, carry, masked):
             dq, dk_acc, dv_acc, dbias = carry
             do_tile = t.q_tile(d_out, i)
-            s, capped, allowed, (q_tile, k_tile, v_tile) = t.logits(t.q_tile(t.q, i), k_raw, v_raw,
+            s, capped, allowed, (q_tile, k_tile, _, v_t) = t.logits(t.q_tile(t.q, i), k_raw, v_raw,
                                                                      i, j, masked)
             p = online_softmax.recomputed_probs(s, stats_tile(row_max, i), stats_tile(log_sum, i),
                                                 allowed)
-            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile, precision=cfg.precision,
+            dp = jnp.einsum("bhgqd,bhdk->bhgqk", do_tile, v_t, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
             keep = t.keep(i, j)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
             ds, dqk = online_softmax.logits_gradient(p, drop(dp), stats_tile(delta, i), capped, cfg)
-            dv_acc += jnp.einsum("bhgqk,bhgqd->bhkd", drop(p).astype(v.dtype), do_tile,
+            q_t_tile = q_tile_t(q_t, i)
+            if allowed is not None:  # the non-finite rule, as logits() applied it to q_tile
+                q_t_tile = online_softmax.finite_or_zero(q_t_tile)
+            dv_acc += jnp.einsum("bhgdq,bhgqk->bhdk", q_tile_t(d_out_t, i), drop(p).astype(v.dtype),
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
-            dk_acc += jnp.einsum("bhgqk,bhgqd->bhkd", dqk.astype(q.dtype), q_tile,
+            dk_acc += jnp.einsum("bhgdq,bhgqk->bhdk", q_t_tile, dqk.astype(q.dtype),
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
             dq_tile = jnp.einsum("bhgqk,bhkd->bhgqd", dqk.astype(k.dtype), k_tile,
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
@@ -326,15 +373,15 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
                 dbias = lax.dynamic_update_slice(dbias, ds, (0, 0, i * block_q, j * block_k))
             return dq, dk_acc, dv_acc, dbias
 
-        zeros = vma.like(jnp.zeros((b, t.hkv, block_k, d), jnp.float32), axes)
+        zeros = vma.like(jnp.zeros((b, t.hkv, d, block_k), jnp.float32), axes)  # dK^T, dV^T tiles
         dq, dk_tile, dv_tile, dbias = masking.split_fori_loop(t.q_range(j), query_tile,
                                                               (dq, zeros, zeros, dbias))
-        dk = lax.dynamic_update_slice_in_dim(dk, dk_tile.astype(k.dtype), j * block_k, axis=2)
-        dv = lax.dynamic_update_slice_in_dim(dv, dv_tile.astype(v.dtype), j * block_k, axis=2)
+        dk = lax.dynamic_update_slice_in_dim(dk, dk_tile.astype(k.dtype), j * block_k, axis=3)
+        dv = lax.dynamic_update_slice_in_dim(dv, dv_tile.astype(v.dtype), j * block_k, axis=3)
         return dq, dk, dv, dbias
 
-    grads = vma.like((jnp.zeros(t.q.shape, jnp.float32), jnp.zeros(t.k.shape, k.dtype),
-                      jnp.zeros(t.v.shape, v.dtype),
+    grads = vma.like((jnp.zeros(t.q.shape, jnp.float32), jnp.zeros(t.k_t.shape, k.dtype),
+                      jnp.zeros(t.v_t.shape, v.dtype),
                       None if bias is None or not cfg.bias_gradient
                       else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32)),
                      axes)
@@ -342,4 +389,5 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
     dq = t.from_heads(dq)[:, :lq].astype(q.dtype)
     if dbias is not None:
         dbias = dbias[:, :, :lq, :lk]
-    return dq, jnp.swapaxes(dk, 1, 2)[:, :lk], jnp.swapaxes(dv, 1, 2)[:, :lk], dbias
+    dk, dv = (jnp.moveaxis(x, 3, 1)[:, :lk] for x in (dk, dv))  # [B, Hkv, D, Lk_pad] -> [B, Lk, Hkv, D]
+    return dq, dk, dv, dbias

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_impl import BlockSizes, explain_implementation, masking, pallas_triton
+from jax_impl import BlockSizes, explain_implementation, masking, pallas_triton, xla
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.flash_attention import flash_attention
@@ -77,13 +77,54 @@ def test_xla_loop_steps_cover_one_kv_head_block(batch, heads, kv_heads, per_step
     q, k = (jax.ShapeDtypeStruct((batch, length, h, d), jnp.float32) for h in (heads, kv_heads))
     attend = lambda q, k, v: flash_attention(q, k, v, implementation="xla")
     grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * q), argnums=(0, 1, 2))
+    block_q, block_k = (min(n, length) for n in xla.DENSE_BLOCKS)
     for fn in (attend, grads):
         hlo = jax.jit(fn).lower(q, k, k).as_text()
-        # the logits tile: a dot_general to [..., block_q, block_k] = [..., 512, 256] float32
-        tiles = re.findall(r"stablehlo.dot_general [^\n]*-> tensor<((?:\d+x)*)512x256xf32>", hlo)
-        assert tiles, "no [512, 256] logits tile found: the test reads the wrong program"
+        # the logits tile: a dot_general to [..., block_q, block_k] float32
+        tiles = re.findall(rf"stablehlo.dot_general [^\n]*-> tensor<((?:\d+x)*){block_q}x{block_k}xf32>", hlo)
+        assert tiles, f"no [{block_q}, {block_k}] logits tile found: the test reads the wrong program"
         pairs = {int(np.prod([int(n) for n in t.rstrip("x").split("x") if n] or [1])) for t in tiles}
         assert pairs == {per_step}, f"logits tiles cover {pairs} (batch, head) pairs per step"
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["dense", "causal"])
+def test_xla_tile_products_transpose_no_tile(is_causal):
+    """The CPU path's products take their tiles as they are: Q^T, K^T, V^T and dO^T are
+    transposed once per call, so the compiled program (forward and backward) copies or
+    transposes nothing of a logits tile's size (XLA:CPU's dot would copy P^T and dS^T for
+    dV = P^T dO and dK = dS^T Q, and K^T for S = Q K^T, at every tile)."""
+    length, d = 1024, 64
+    shape = jax.ShapeDtypeStruct((1, length, 1, d), jnp.float32)  # every input smaller than a tile
+    attend = lambda q, k, v: flash_attention(q, k, v, is_causal=is_causal, implementation="xla")
+    grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * q), argnums=(0, 1, 2))
+    block_q, block_k = (min(n, length) for n in (xla.BANDED_BLOCKS if is_causal else xla.DENSE_BLOCKS))
+    for fn in (attend, grads):
+        hlo = jax.jit(fn).lower(shape, shape, shape).compile().as_text()
+        dots = re.findall(r"= f32\[([\d,]+)\]\S* dot\(", hlo)
+        assert any(int(np.prod([int(n) for n in s.split(",")])) == block_q * block_k for s in dots), \
+            "no logits-tile product found: the test reads the wrong program"
+        moved = [m.group(0)[:120] for m in re.finditer(r"= \w+\[([\d,]*)\]\S* (copy|transpose)\([^\n]*", hlo)
+                 if int(np.prod([int(n) for n in m.group(1).split(",") if n] or [1])) >= block_q * block_k]
+        assert not moved, moved[:3]
+
+
+def test_head_blocks_run_as_independent_chains(monkeypatch):
+    """With 2 host threads, 8 blocks of heads run as 2 independent loops of 4 (XLA:CPU runs
+    independent loops concurrently), and the blocks' results come back in order; sequences
+    shorter than CHAIN_MIN_PAIRS keep one loop."""
+    monkeypatch.setattr(xla, "host_threads", lambda: 2)
+    monkeypatch.setattr(xla, "CHAIN_MIN_PAIRS", 16 * 16)
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 8, 4)), jnp.float32)
+    fn = lambda x: x * 2.0 + x[:, :1]  # per block: [1, 16, 1, 4]
+    jaxpr = jax.make_jaxpr(lambda q: xla._over_head_blocks(fn, q, q, (q,), (2,)))(q)
+    loops = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(loops) == 2 and all(e.params["length"] == 4 for e in loops)
+    stacked = xla._over_head_blocks(fn, q, q, (q,), (2,))
+    expected = jnp.stack([fn(q[:, :, h:h + 1]) for h in range(8)])
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(expected))
+    monkeypatch.setattr(xla, "CHAIN_MIN_PAIRS", 16 * 16 + 1)
+    jaxpr = jax.make_jaxpr(lambda q: xla._over_head_blocks(fn, q, q, (q,), (2,)))(q)
+    assert [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"] == [8]
 
 
 FEATURES = {
