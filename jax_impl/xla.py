@@ -38,6 +38,7 @@ BANDED_BLOCKS = (512, 256)
 # 1.42x vs 1.58x vs 1.68x, forward+backward 1.82x vs 1.85x vs 2.4x; benchmarks/README.md,
 # "CPU: where the time goes"). With 2 threads, 1, 2 and 8 were within each other's spread.
 HEADS_PER_STEP = 1
+CHAIN_MIN_PAIRS = 512 * 512  # (query, key) pairs per head from which heads run in chains (_over_head_blocks)
 
 
 def kv_heads_per_step(batch: int, kv_heads: int, groups: int) -> int:
@@ -91,9 +92,6 @@ def _over_head_blocks(fn, q, k, operands, head_axes):
     parts = [lax.map(step, [x.reshape(chains, blocks // chains, *x.shape[1:])[c] for x in stacked])
              for c in range(chains)]
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-
-
-CHAIN_MIN_PAIRS = 512 * 512  # (query, key) pairs per head from which heads run in chains
 
 
 def host_threads() -> int:

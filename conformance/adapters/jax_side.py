@@ -3,6 +3,7 @@ attention (Mosaic GPU), and tokamax."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from conformance.adapters.base import Adapter, JaxFunctionAdapter
 from conformance.cases import Case
@@ -102,17 +103,23 @@ def jax_nn_attention(q, k, v, bias=None, mask=None, *, local_window_size=None, *
     return jax.nn.dot_product_attention(q, k, v, bias, mask, **kw)
 
 
+def _prepared_or_not_supported(library: str, prepare):
+    """``prepare()``; a peer library's own refusal (any exception) becomes NotSupported naming it."""
+    try:
+        return prepare()
+    except NotSupported:
+        raise
+    except Exception as e:
+        raise NotSupported(f"{library}: {type(e).__name__}: {str(e)[:300]}") from e
+
+
 @dataclasses.dataclass(frozen=True)
 class JaxNNAdapter(JaxFunctionAdapter):
     def _prepare(self, inputs, *, backward):
-        try:
-            return super()._prepare(inputs, backward=backward)
-        except NotSupported:
-            raise
-        except Exception as e:  # cuDNN's own constraint checks
-            if dict(self.fixed_kwargs).get("implementation") == "cudnn":
-                raise NotSupported(f"jax.nn cuDNN: {type(e).__name__}: {str(e)[:300]}") from e
-            raise
+        prepare = functools.partial(super()._prepare, inputs, backward=backward)
+        if dict(self.fixed_kwargs).get("implementation") == "cudnn":  # cuDNN's own constraint checks
+            return _prepared_or_not_supported("jax.nn cuDNN", prepare)
+        return prepare()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +151,8 @@ class PallasMhaAdapter(Adapter):
         def attn(q, k, v, bias, mask, *, q_segment_ids=None, **_):
             # sm_scale passed explicitly: mha's default is 1.0, not 1/sqrt(D)
             return mha(q, k, v, q_segment_ids, sm_scale=c.effective_scale, causal=c.causal is not None)
-        try:
-            return JaxPrepared(attn, inputs, backward=backward, device=self.device)
-        except NotSupported:
-            raise
-        except Exception as e:
-            raise NotSupported(f"Pallas mha: {type(e).__name__}: {str(e)[:300]}") from e
+        return _prepared_or_not_supported(
+            "Pallas mha", lambda: JaxPrepared(attn, inputs, backward=backward, device=self.device))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,12 +185,9 @@ class MosaicMhaAdapter(Adapter):
 
         def attn(q, k, v, bias, mask, **_):
             return attention_mgpu.attention((q * c.effective_scale).astype(q.dtype), k, v, config)
-        try:
-            return JaxPrepared(attn, inputs, backward=backward, device=self.device)
-        except NotSupported:
-            raise
-        except Exception as e:  # its own checks (causal backward, shared memory, CUDA version)
-            raise NotSupported(f"Mosaic GPU attention: {type(e).__name__}: {str(e)[:300]}") from e
+        # its own checks (causal backward, shared memory, CUDA version) say what it cannot run
+        return _prepared_or_not_supported(
+            "Mosaic GPU attention", lambda: JaxPrepared(attn, inputs, backward=backward, device=self.device))
 
 
 def _parse_absl_flags_once() -> None:
