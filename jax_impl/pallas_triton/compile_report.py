@@ -88,23 +88,37 @@ def jit_for_cuda(fn):
     return jax.jit(fn, in_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
+def _target_mesh(axis_name: str):
+    device = jax.sharding.AbstractDevice(device_kind=TARGET_DEVICE_KIND, num_cores=132, platform="gpu")
+    return jax.sharding.AbstractMesh((1,), (axis_name,), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=device)
+
+
 @contextlib.contextmanager
-def cuda_target():
+def cuda_target(axis_name: str = "_"):
     """Around ``jax.export(..., platforms=["cuda"])`` or ``.lower(lowering_platforms=("cuda",))``
     of a ``jit_for_cuda`` function."""
     if not _needs_target():
         yield
         return
-    device = jax.sharding.AbstractDevice(device_kind=TARGET_DEVICE_KIND, num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
+    with jax.sharding.use_abstract_mesh(_target_mesh(axis_name)):
         yield
 
 
-def export_for_cuda(fn, *args):
+def cuda_mesh(axis_name: str):
+    """A one-device mesh for a ``shard_map`` inside a function lowered for CUDA here (with
+    ``export_for_cuda(..., axis_name=axis_name)``): this host's device on jax 0.10, the target
+    GPU's abstract mesh on jax >= 0.11 (shard_map's mesh must be the one the target names)."""
+    if not _needs_target():
+        return jax.sharding.Mesh(jax.devices()[:1], (axis_name,))
+    return _target_mesh(axis_name)
+
+
+def export_for_cuda(fn, *args, axis_name: str = "_"):
     """``jax.export`` of ``jit(fn)`` for CUDA, here: the Exported (its ``mlir_module()`` holds
-    the kernels' Triton calls)."""
+    the kernels' Triton calls). ``axis_name``: that of ``cuda_mesh`` when ``fn`` maps over it."""
     from jax import export
-    with cuda_target():
+    with cuda_target(axis_name):
         return export.export(jit_for_cuda(fn), platforms=["cuda"], disabled_checks=[
             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
 
@@ -172,7 +186,20 @@ def _ttir_text(bytecode: bytes) -> str:
         path = os.path.join(tmp, "kernel.mlirbc")
         with open(path, "wb") as f:
             f.write(bytecode)
-        return str(tir.parse_mlir_module(path, context))
+        try:
+            return str(tir.parse_mlir_module(path, context))
+        except RuntimeError as e:  # the Triton dialect moves between releases
+            import jaxlib
+            import triton
+            raise RuntimeError(
+                f"the Triton IR that jaxlib {jaxlib.__version__} emits does not parse in pip triton "
+                f"{triton.__version__}; pairs that parse: {TRITON_FOR_JAXLIB} (jaxlib minor -> triton; "
+                "the `test` extra picks by Python version)") from e
+
+
+# pip triton whose dialect reads the TTIR of each jaxlib (measured: 0.10.2 and 0.11.2 parse in
+# 3.8, not 3.9; 0.12.0.1 in 3.9, not 3.8).
+TRITON_FOR_JAXLIB = {"0.10": "3.8", "0.11": "3.8", "0.12": "3.9"}
 
 
 _DOT = re.compile(r"tt\.dot .*?: tensor<(\d+)x(\d+)x(\w+)> \* tensor<\d+x(\d+)x\w+> -> tensor<")
@@ -217,6 +244,13 @@ def compile_kernel(kernel: TritonKernel) -> dict:
 
 
 def _ptxas(triton) -> str:
+    """The ptxas that Triton itself runs for sm_90 (3.9 bundles two, and its PTX for sm_90
+    needs the newer one)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(90).path
+    except (ImportError, AttributeError):
+        pass
     knobs = getattr(triton, "knobs", None)  # triton >= 3.4
     if knobs is not None:
         return knobs.nvidia.ptxas.path

@@ -6,6 +6,7 @@ session (~50 s of CPU with a cold Triton cache)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +39,18 @@ def _default_configs():
     return configs
 
 
+def _rule_configs():
+    """The rule's 16-bit tiles up to D=128 where a tuned entry replaces them (the spill check
+    holds the rule to 0 spills; a tuned entry is there because the GPU timed it faster)."""
+    return [(d, dt, c, heuristics.rule_block_sizes(d, dt)) for d, dt, c, b in _default_configs()
+            if np.dtype(dt).itemsize == 2 and d <= 128 and b != heuristics.rule_block_sizes(d, dt)]
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """Every kernel of the defaults and two user configs, compiled once per session."""
     defaults = _default_configs()
-    users = [(64, "bfloat16", True, NARROW), (128, "bfloat16", True, NEAR_BUDGET)]
+    users = [(64, "bfloat16", True, NARROW), (128, "bfloat16", True, NEAR_BUDGET)] + _rule_configs()
     rows = compile_report.report(defaults + users)
     is_default = lambda r: (r.head_dim, r.dtype, r.causal, r.block_sizes) in {
         (d, str(jnp.dtype(t)), c, dataclasses.astuple(b)) for d, t, c, b in defaults}
@@ -86,16 +94,19 @@ def test_16bit_defaults_run_every_dot_on_wgmma_with_m_at_least_64(compiled):
     assert any(not _wgmma_only(r) for r in narrow)
 
 
-def test_16bit_defaults_do_not_spill_up_to_head_dim_128(compiled):
+def test_16bit_rule_tiles_do_not_spill_up_to_head_dim_128(compiled):
     defaults, users = compiled
+    rule = lambda r: r.block_sizes == dataclasses.astuple(heuristics.rule_block_sizes(r.head_dim, r.dtype))
     checked = set()
-    for r in defaults:
-        if r.dtype != "float32" and r.head_dim <= 128:
+    for r in defaults + users:
+        if r.dtype != "float32" and r.head_dim <= 128 and rule(r):
             assert max(r.spill_stores, r.spill_loads) == 0, f"{_label(r)} spills"
-            checked.add((r.head_dim, r.block_sizes, r.kernel))
-    expected = {(d, dataclasses.astuple(b), k) for d, dt, _, b in _default_configs()
+            checked.add((r.head_dim, r.dtype, r.causal, r.kernel))
+    expected = {(d, str(jnp.dtype(dt)), c, k) for d, dt, c, _ in _default_configs()
                 if np.dtype(dt).itemsize == 2 and d <= 128 for k in heuristics.KERNELS}
-    assert checked == expected and {d for d, _, _ in expected} == {64, 128}
+    assert checked == expected and {d for d, *_ in expected} == {64, 128}
+    # Tuned entries (tuned_blocks.json) are judged by the GPU's timing, not held to this: under
+    # triton 3.9 / ptxas 13.4 the D=64 causal forward winner spills 68 B at 255 registers.
     # The check can fail: 128x128 key tiles at D=128 spill in the forward and in dK/dV.
     near = {r.kernel: r for r in users if r.block_sizes == dataclasses.astuple(NEAR_BUDGET)}
     assert near["forward"].spill_stores > 0 and near["dkdv"].spill_stores > 0
@@ -138,3 +149,13 @@ def test_overflowing_user_block_sizes_are_refused_before_launch():
     short = q[:, :32]
     assert jax.eval_shape(lambda q: flash_attention(q, q, q, implementation="pallas_triton",
                                                     block_sizes=too_big, interpret=True), short).shape == short.shape
+
+
+def test_triton_ir_that_does_not_parse_names_both_versions():
+    """jaxlib's Triton IR read by a triton whose dialect differs (jax 0.12 with triton 3.8, say)
+    is an error naming jaxlib's and triton's versions and the pairs that parse."""
+    import jaxlib
+    import triton
+    with pytest.raises(RuntimeError, match=rf"jaxlib {re.escape(jaxlib.__version__)} .* triton "
+                                           rf"{re.escape(triton.__version__)}; pairs that parse"):
+        compile_report._ttir_text(b"ML\xefR not a Triton module")

@@ -70,12 +70,12 @@ def test_ring_with_pallas_kernels_lowers_to_triton_for_cuda():
     """ring_attention's local step with implementation="pallas_triton" (compiled, not the
     interpreter) inside jax.shard_map with the default check_vma=True, forward and backward,
     exported for CUDA: the three kernels lower with the position offset and bias columns."""
-    from jax_impl.pallas_triton.compile_report import export_for_cuda
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax_impl.pallas_triton.compile_report import cuda_mesh, export_for_cuda
+    from jax.sharding import PartitionSpec as P
 
     from jax_impl.context_parallel import ring_attention
 
-    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    mesh = cuda_mesh("seq")
     seq, rows = P(None, "seq"), P(None, None, "seq", None)
 
     def loss(q, k, v, bias):
@@ -88,7 +88,7 @@ def test_ring_with_pallas_kernels_lowers_to_triton_for_cuda():
     sd = jax.ShapeDtypeStruct
     shapes = [sd((2, 64, 4, 64), jnp.bfloat16), sd((2, 96, 2, 64), jnp.bfloat16),
               sd((2, 96, 2, 64), jnp.bfloat16), sd((1, 4, 64, 96), jnp.float32)]
-    exported = export_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), *shapes)
+    exported = export_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), *shapes, axis_name="seq")
     kernels = set(re.findall(r'name = "(flash_attention_\w+)"', exported.mlir_module()))
     assert kernels == {"flash_attention_forward", "flash_attention_backward_dkdv",
                        "flash_attention_backward_dq"}
