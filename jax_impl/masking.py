@@ -42,6 +42,11 @@ class MaskSpec:
     has_q_lengths: bool = False   # query_seq_lengths given (else every query is valid)
     has_kv_lengths: bool = False  # key_value_seq_lengths given
 
+    @property
+    def has_band(self) -> bool:
+        """Whether ``diagonal_band`` bounds either side: tiles outside the band can be skipped."""
+        return self.is_causal or self.window_left is not None or self.window_right is not None
+
 
 def diagonal_band(spec: MaskSpec, q_len, kv_len, position_offset=None):
     """(d_lo, d_hi) with ``d_lo <= j - i <= d_hi``; an unbounded side is None.

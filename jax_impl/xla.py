@@ -110,9 +110,7 @@ def chunk_sizes(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
     if cfg.block_sizes:
         block_q, block_k = cfg.block_sizes.block_q, cfg.block_sizes.block_k
     else:
-        spec = cfg.mask
-        banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
-        block_q, block_k = BANDED_BLOCKS if banded else DENSE_BLOCKS
+        block_q, block_k = BANDED_BLOCKS if cfg.mask.has_band else DENSE_BLOCKS
     return min(block_q, lq), min(block_k, lk)
 
 

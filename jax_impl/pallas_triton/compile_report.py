@@ -174,6 +174,11 @@ def _target():
     return GPUTarget("cuda", 90, 32)  # sm_90a: H100 / H200
 
 
+# pip triton whose dialect reads the TTIR of each jaxlib (measured: 0.10.2 and 0.11.2 parse in
+# 3.8, not 3.9; 0.12.0.1 in 3.9, not 3.8).
+TRITON_FOR_JAXLIB = {"0.10": "3.8", "0.11": "3.8", "0.12": "3.9"}
+
+
 def _ttir_text(bytecode: bytes) -> str:
     """Pallas stores the TTIR as MLIR bytecode; triton.compile reads it as text."""
     _triton()
@@ -195,11 +200,6 @@ def _ttir_text(bytecode: bytes) -> str:
                 f"the Triton IR that jaxlib {jaxlib.__version__} emits does not parse in pip triton "
                 f"{triton.__version__}; pairs that parse: {TRITON_FOR_JAXLIB} (jaxlib minor -> triton; "
                 "the `test` extra picks by Python version)") from e
-
-
-# pip triton whose dialect reads the TTIR of each jaxlib (measured: 0.10.2 and 0.11.2 parse in
-# 3.8, not 3.9; 0.12.0.1 in 3.9, not 3.8).
-TRITON_FOR_JAXLIB = {"0.10": "3.8", "0.11": "3.8", "0.12": "3.9"}
 
 
 _DOT = re.compile(r"tt\.dot .*?: tensor<(\d+)x(\d+)x(\w+)> \* tensor<\d+x(\d+)x\w+> -> tensor<")
@@ -234,7 +234,7 @@ def compile_kernel(kernel: TritonKernel) -> dict:
         with open(ptx_path, "w") as f:
             f.write(ptx)
         # -v prints the resource use; --regAllocOptLevel=2 as Triton 3.8 itself passes it
-        run = subprocess.run([_ptxas(triton), "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a",
+        run = subprocess.run([_ptxas(), "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a",
                               ptx_path, "-o", ptx_path + ".cubin"], capture_output=True, text=True)
     facts.update(parse_ptxas(run.stderr + run.stdout))
     facts["ptxas_ok"] = run.returncode == 0 and facts.get("registers") is not None
@@ -243,18 +243,11 @@ def compile_kernel(kernel: TritonKernel) -> dict:
     return facts
 
 
-def _ptxas(triton) -> str:
+def _ptxas() -> str:
     """The ptxas that Triton itself runs for sm_90 (3.9 bundles two, and its PTX for sm_90
-    needs the newer one)."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        return get_ptxas(90).path
-    except (ImportError, AttributeError):
-        pass
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
-    if knobs is not None:
-        return knobs.nvidia.ptxas.path
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    needs the newer one); every triton that reads jaxlib's IR (TRITON_FOR_JAXLIB) has it."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    return get_ptxas(90).path
 
 
 def parse_ptxas(log: str) -> dict:
