@@ -67,8 +67,9 @@ def diagonal_band(spec: MaskSpec, q_len, kv_len, position_offset=None):
 
 
 def with_padding(spec: MaskSpec, *, queries_padded: bool, keys_padded: bool) -> MaskSpec:
-    """The spec a blocked implementation uses after padding to whole tiles: padded queries and
-    keys sit at or past the lengths, so padding switches the length rule on."""
+    """The spec a blocked implementation uses when its last tiles reach past the sequences
+    (padded, or read through masked loads): those queries and keys sit at or past the lengths,
+    so the length rule is switched on."""
     return dataclasses.replace(spec, has_q_lengths=spec.has_q_lengths or queries_padded,
                                has_kv_lengths=spec.has_kv_lengths or keys_padded)
 

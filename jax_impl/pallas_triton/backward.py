@@ -24,25 +24,31 @@ from jax.experimental import pallas as pl
 from jax_impl import dropout_sinks, masking, online_softmax
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common
-from jax_impl.pallas_triton.layout import Layout
+from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                  offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dk_ref, dv_ref, *,
-                 cfg: AttentionConfig, block_q: int, block_k: int, groups: int, order: common.TileOrder):
+                 cfg: AttentionConfig, layout: Layout, groups: int, order: common.TileOrder):
     """Works on the transposed tiles S^T = K Q^T ``[bk, bq]``, so that dV += P^T dO and
     dK += dS^T Q are plain dots: no transpose of the computed P or dS."""
+    block_q, block_k = layout.blocks.block_q_dkv, layout.blocks.block_k_dkv
     j, b, kv_head = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
-    k, v = k_ref[...], v_ref[...]                                     # [bk, Dp]
-    cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[:, None]  # keys: [bk, 1]
-    kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+    key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+    key_ok, feature_ok = within(key_positions, layout.lk), layout.features_within()
+    k, v = load(k_ref, key_ok, feature_ok), load(v_ref, key_ok, feature_ok)  # [bk, Dp]
+    cols = key_positions[:, None]                                     # keys: [bk, 1]
+    kv_seg = None if kv_seg_ref is None else load(kv_seg_ref, key_ok)
     bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
-    per_head = lambda ref, g: 0 if ref.shape[0] == 1 else g  # broadcast head axis of mask/bias
+    # The head of a mask/bias tile (its head axis may be broadcast; an array index, not a Python
+    # int, which the interpreter's masked load cannot take).
+    per_head = lambda ref, g: jnp.int32(0) if ref.shape[0] == 1 else g
     # A [bq, bk] tile of the mask or bias, loaded transposed to [bk, bq].
-    pair_tile = lambda ref, g, queries: None if ref is None else ref[per_head(ref, g), queries, :].T
+    pair_tile = lambda ref, g, queries, query_ok: None if ref is None else load(
+        ref.at[per_head(ref, g), queries, :], query_ok, key_ok).T
 
     def query_head(g, carry):
         seed = common.per_head(seeds_ref, b, kv_head * groups + g)
@@ -50,28 +56,33 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
         def query_tile(i, carry, masked):
             dk, dv = carry
             queries = pl.ds(i * block_q, block_q)
-            q, do = q_ref[queries, g, :], do_ref[queries, g, :]       # [bq, Dp]
-            rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, :]  # queries: [1, bq]
+            query_positions = i * block_q + jnp.arange(block_q, dtype=jnp.int32)  # [bq]
+            # An interior tile (masked=False) lies below q_len <= Lq: no load of it needs a mask.
+            query_ok = within(query_positions, layout.lq) if masked else None
+            q, do = (load(ref.at[queries, g, :], query_ok, feature_ok) for ref in (q_ref, do_ref))
+            rows = query_positions[None, :]                           # queries: [1, bq]
+            per_query = lambda ref: load(ref.at[g, queries], query_ok)  # [bq]
             # Segment equality is symmetric: (kv ids, q ids) gives the [bk, bq] orientation.
             allowed = masking.allowed(
                 cfg.mask, rows, cols, q_len, kv_len, kv_seg,
-                None if q_seg_ref is None else q_seg_ref[queries],
-                pair_tile(mask_ref, g, queries), structural=masked, position_offset=offset)
+                None if q_seg_ref is None else load(q_seg_ref.at[queries], query_ok),
+                pair_tile(mask_ref, g, queries, query_ok), structural=masked,
+                position_offset=offset)
             k_tile, v_tile = k, v
             if allowed is not None:
                 poison, q, k_tile, v_tile = online_softmax.excluded_nonfinite(q, k, v, transposed=True)
             qk = common.dot(k_tile, q, cfg.precision, trans_b=True)   # S^T: [bk, bq]
-            t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref, g, queries))
+            t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref, g, queries, query_ok))
             if allowed is not None:
                 t = t + poison
-            stats = online_softmax.RowStats(max_ref[g, queries], log_sum_ref[g, queries])
+            stats = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref))
             p = softmax.probs(t, stats, allowed, transposed=True)     # P^T
             dp = common.dot(v_tile, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask (the same
             # (query, key) hash, evaluated transposed).
             keep = common.dropout_keep(cfg, seed, rows, cols)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
-            _, dqk = online_softmax.logits_gradient(p, drop(dp), delta_ref[g, queries], capped, cfg,
+            _, dqk = online_softmax.logits_gradient(p, drop(dp), per_query(delta_ref), capped, cfg,
                                                     scaled=False, transposed=True)
             dv += common.dot(drop(p).astype(do.dtype), do, cfg.precision)
             dk += common.dot(dqk.astype(q.dtype), q, cfg.precision)
@@ -81,37 +92,44 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, query_head, (zeros, zeros))
-    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)  # the scale once, not per logit
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    store(dk_ref, (dk * cfg.scale).astype(dk_ref.dtype), key_ok, feature_ok)  # the scale once
+    store(dv_ref, dv.astype(dv_ref.dtype), key_ok, feature_ok)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dq_ref, dbias_ref, *,
-               cfg: AttentionConfig, block_q: int, block_k: int, num_key_tiles: int,
-               order: common.TileOrder):
+               cfg: AttentionConfig, layout: Layout, order: common.TileOrder):
+    block_q, block_k = layout.blocks.block_q_dq, layout.blocks.block_k_dq
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     seed = common.per_head(seeds_ref, b, h)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
-    q, do = q_ref[...], do_ref[...]                                   # [bq, Dp]
-    stats, delta = online_softmax.RowStats(max_ref[...], log_sum_ref[...]), delta_ref[...]  # [bq]
-    rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
-    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    queries = i * block_q + jnp.arange(block_q, dtype=jnp.int32)     # [bq]
+    query_ok, feature_ok = within(queries, layout.lq), layout.features_within()
+    q, do = load(q_ref, query_ok, feature_ok), load(do_ref, query_ok, feature_ok)  # [bq, Dp]
+    per_query = lambda ref: load(ref, query_ok)                       # [bq]
+    stats, delta = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref)), per_query(delta_ref)
+    rows = queries[:, None]
+    q_seg = None if q_seg_ref is None else per_query(q_seg_ref)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, dq, masked):
         keys = pl.ds(j * block_k, block_k)
-        cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+        key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+        # An interior tile (masked=False) lies below kv_len <= Lk: no load of it needs a mask.
+        key_ok = within(key_positions, layout.lk) if masked else None
+        cols = key_positions[None, :]
+        pair_tile = lambda ref: None if ref is None else load(ref.at[:, keys], query_ok, key_ok)
         allowed = masking.allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
-            None if kv_seg_ref is None else kv_seg_ref[keys],
-            None if mask_ref is None else mask_ref[:, keys],
-            structural=masked, position_offset=offset)
-        q_tile, k, v = q, k_ref[keys, :], v_ref[keys, :]
+            None if kv_seg_ref is None else load(kv_seg_ref.at[keys], key_ok),
+            pair_tile(mask_ref), structural=masked, position_offset=offset)
+        q_tile = q
+        k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
         if allowed is not None:
             poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
         qk = common.dot(q_tile, k, cfg.precision, trans_b=True)
-        t, capped = softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref))
         if allowed is not None:
             t = t + poison
         p = softmax.probs(t, stats, allowed)
@@ -120,23 +138,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
         ds, dqk = online_softmax.logits_gradient(
             p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate), delta, capped, cfg, scaled=False)
         if dbias_ref is not None:
-            dbias_ref[:, keys] = ds
+            store(dbias_ref.at[:, keys], ds, query_ok, key_ok)
         return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)
 
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     if dbias_ref is not None:  # every tile of dbias must be written, zeros included
-        bounds = (0, bounds[1], bounds[2], num_key_tiles)  # (absent unless cfg.bias_gradient)
+        bounds = (0, bounds[1], bounds[2], tiles(layout.lk, block_k))  # (only if cfg.bias_gradient)
     dq = masking.split_fori_loop(bounds, key_tile, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)  # the scale once, not per logit
+    store(dq_ref, (dq * cfg.scale).astype(dq_ref.dtype), query_ok, feature_ok)  # the scale once
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
                   masks: masking.MaskInputs, mask, bias, seeds=None):
-    """Padded operands -> (dq, dk, dv, dbias [B, Hq, Lq_pad, Lk_pad], or None without a bias or
-    with ``cfg.bias_gradient`` False)."""
-    batch, lq_pad, hq, d_pad = q.shape
-    lk_pad, hkv = k.shape[1], k.shape[2]
-    groups = hq // hkv
+    """Operands as the forward's -> (dq, dk, dv, dbias [B, Hq, Lq, Lk], or None without a bias or
+    with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py)."""
+    batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
+    lq_pad, lk_pad, d_pad, groups = layout.lq_pad, layout.lk_pad, layout.d_pad, hq // hkv
     blocks = layout.blocks
     lengths = [pl.BlockSpec((batch,), lambda *_: (0,))] * 2 + [
         common.per_row_spec(masks.position_offset, batch)]
@@ -151,10 +168,10 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     kv_tile = pl.BlockSpec((None, bk, None, d_pad), lambda j, b, h: (b, j, h, 0))
     q_group = pl.BlockSpec((None, lq_pad, groups, d_pad), lambda j, b, h: (b, 0, h, 0))
     stats_group = pl.BlockSpec((None, groups, lq_pad), lambda j, b, h: (b, h, 0))
-    order = common.TileOrder(lk_pad // bk, masking.later_key_tiles_heavier(cfg.mask))
+    order = common.TileOrder(tiles(layout.lk, bk), masking.later_key_tiles_heavier(cfg.mask))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, groups=groups, order=order),
-        grid=(lk_pad // bk, batch, hkv),
+        functools.partial(_dkdv_kernel, cfg=cfg, layout=layout, groups=groups, order=order),
+        grid=(order.num_tiles, batch, hkv),
         in_specs=list(map(order.spec, [
             q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
             None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
@@ -179,12 +196,12 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     write_dbias = bias is not None and cfg.bias_gradient
     if write_dbias:
         out_specs.append(pl.BlockSpec((None, None, bq, lk_pad), lambda i, b, h: (b, h, i, 0)))
-        out_shape.append(common.out_struct((batch, hq, lq_pad, lk_pad), jnp.float32, q))
-    order = common.TileOrder(lq_pad // bq, masking.later_query_tiles_heavier(cfg.mask))
+        out_shape.append(common.out_struct((batch, hq, layout.lq, layout.lk), jnp.float32, q))
+    order = common.TileOrder(tiles(layout.lq, bq), masking.later_query_tiles_heavier(cfg.mask))
     results = pl.pallas_call(
         functools.partial(_dq_kernel if write_dbias else _dq_kernel_no_dbias, cfg=cfg,
-                          block_q=bq, block_k=bk, num_key_tiles=lk_pad // bk, order=order),
-        grid=(lq_pad // bq, batch, hq),
+                          layout=layout, order=order),
+        grid=(order.num_tiles, batch, hq),
         in_specs=list(map(order.spec, [
             q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
             None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),

@@ -16,35 +16,42 @@ from jax.experimental import pallas as pl
 from jax_impl import dropout_sinks, masking, online_softmax
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common
-from jax_impl.pallas_triton.layout import Layout
+from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_seg_ref, kv_seg_ref,
                     mask_ref, bias_ref, sinks_ref, seeds_ref, o_ref, max_ref, log_sum_ref, *,
-                    cfg: AttentionConfig, block_q: int, block_k: int, order: common.TileOrder):
+                    cfg: AttentionConfig, layout: Layout, order: common.TileOrder):
+    block_q, block_k = layout.blocks.block_q, layout.blocks.block_k
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     sink, seed = common.per_head(sinks_ref, b, h), common.per_head(seeds_ref, b, h)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
-    q = q_ref[...]                                                    # [bq, Dp]
-    rows = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[:, None]
-    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    queries = i * block_q + jnp.arange(block_q, dtype=jnp.int32)     # [bq]
+    query_ok, feature_ok = within(queries, layout.lq), layout.features_within()
+    q = load(q_ref, query_ok, feature_ok)                             # [bq, Dp]
+    rows = queries[:, None]
+    q_seg = None if q_seg_ref is None else load(q_seg_ref, query_ok)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, carry, masked):
         acc, row_max, row_sum = carry
         keys = pl.ds(j * block_k, block_k)
-        cols = (j * block_k + jnp.arange(block_k, dtype=jnp.int32))[None, :]
+        key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+        # An interior tile (masked=False) lies below kv_len <= Lk: no load of it needs a mask.
+        key_ok = within(key_positions, layout.lk) if masked else None
+        cols = key_positions[None, :]
+        pair_tile = lambda ref: None if ref is None else load(ref.at[:, keys], query_ok, key_ok)
         allowed = masking.allowed(
             cfg.mask, rows, cols, q_len, kv_len, q_seg,
-            None if kv_seg_ref is None else kv_seg_ref[keys],
-            None if mask_ref is None else mask_ref[:, keys], structural=masked,
-            position_offset=offset)
-        q_tile, k, v = q, k_ref[keys, :], v_ref[keys, :]
+            None if kv_seg_ref is None else load(kv_seg_ref.at[keys], key_ok),
+            pair_tile(mask_ref), structural=masked, position_offset=offset)
+        q_tile = q
+        k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
         if allowed is not None:
             poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
         qk = common.dot(q_tile, k, cfg.precision, trans_b=True)       # [bq, bk]
-        t, _ = softmax.logits(qk, cfg, None if bias_ref is None else bias_ref[:, keys])
+        t, _ = softmax.logits(qk, cfg, pair_tile(bias_ref))
         if allowed is not None:
             t = t + poison
         rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
@@ -56,18 +63,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     acc, row_max, row_sum = masking.split_fori_loop(bounds, key_tile, init)
     out, stats = online_softmax.finalize(acc, row_max, row_sum)
-    o_ref[...] = out.astype(o_ref.dtype)
-    max_ref[...] = stats.max
-    log_sum_ref[...] = stats.log_sum
+    store(o_ref, out.astype(o_ref.dtype), query_ok, feature_ok)
+    store(max_ref, stats.max, query_ok)
+    store(log_sum_ref, stats.log_sum, query_ok)
 
 
 def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.MaskInputs,
                  mask, bias, sinks=None, seeds=None):
-    """Padded operands -> (out [B, Lq_pad, Hq, Dp], row max and log-sum [B, Hq, Lq_pad])."""
-    batch, lq_pad, hq, d_pad = q.shape
-    lk_pad, hkv = k.shape[1], k.shape[2]
-    groups = hq // hkv
-    block_q, block_k = layout.blocks.block_q, layout.blocks.block_k
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], row max and log-sum
+    [B, Hq, Lq]); tiles may reach past Lq, Lk and D (layout.py)."""
+    batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
+    lk_pad, d_pad, groups = layout.lk_pad, layout.d_pad, hq // hkv
+    block_q = layout.blocks.block_q
     pair = lambda x: None if x is None else pl.BlockSpec(  # a [X, H, Lq, Lk] mask or bias
         (None, None, block_q, lk_pad), lambda i, b, h: (
             common.broadcast_index(x, 0, b), common.broadcast_index(x, 1, h), i, 0))
@@ -86,14 +93,14 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         common.per_head_spec(seeds),
     ]
     stats_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-    stats_shape = common.out_struct((batch, hq, lq_pad), jnp.float32, q)
+    stats_shape = common.out_struct((batch, hq, layout.lq), jnp.float32, q)
     out_specs = [pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
                  stats_spec, stats_spec]
     out_shape = [common.out_struct(q.shape, q.dtype, q), stats_shape, stats_shape]
-    order = common.TileOrder(lq_pad // block_q, masking.later_query_tiles_heavier(cfg.mask))
-    kernel = functools.partial(_forward_kernel, cfg=cfg, block_q=block_q, block_k=block_k, order=order)
+    order = common.TileOrder(tiles(layout.lq, block_q), masking.later_query_tiles_heavier(cfg.mask))
+    kernel = functools.partial(_forward_kernel, cfg=cfg, layout=layout, order=order)
     return pl.pallas_call(
-        kernel, grid=(lq_pad // block_q, batch, hq), in_specs=list(map(order.spec, in_specs)),
+        kernel, grid=(order.num_tiles, batch, hq), in_specs=list(map(order.spec, in_specs)),
         out_specs=list(map(order.spec, out_specs)),
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),

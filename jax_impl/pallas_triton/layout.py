@@ -1,15 +1,22 @@
-"""Padding and tile geometry shared by the forward and backward kernels.
+"""Tile geometry shared by the forward and backward kernels, and the loads and stores at its
+edges.
 
-Triton tiles are powers of two, so the wrapper pads sequence lengths up to a whole number of
-tiles and the head dim up to a power of two, with zeros. Padded keys and queries are excluded
-by the mask's length rule (they sit at or past q_len / kv_len), padded head-dim columns add
-zero to every dot product; outputs are sliced back. Users never see a divisibility rule.
+Triton tiles are powers of two; sequence lengths and the head dim need not be. The last tile
+of a sequence and the head-dim tail reach past the arrays: the kernels read those positions
+as zeros (masked loads) and never write them (masked stores), so no operand is copied into a
+padded buffer and no output is sliced out of one. Positions past a sequence are excluded by
+the mask's length rule (they sit at or past q_len / kv_len: masking.with_padding switches the
+rule on), zero head-dim columns add zero to every dot product. Users never see a divisibility
+rule. Where the extents are whole tiles the loads and stores carry no mask at all.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 from jax_impl.config import BlockSizes
 from jax_impl.pallas_triton import heuristics
@@ -42,8 +49,10 @@ class Layout:
             heuristics.check_shared_memory(head_dim, dtype, clipped, requested)
         return cls(lq, lk, head_dim, clipped)
 
+    # The extents that whole tiles cover (tiles are powers of two: the largest divides by all):
+    # the block of an operand that a kernel reads whole, and whether a sequence has a tail.
     @property
-    def lq_pad(self) -> int:  # tiles are powers of two: the largest divides by all
+    def lq_pad(self) -> int:
         b = self.blocks
         return _round_up(self.lq, max(b.block_q, b.block_q_dkv, b.block_q_dq))
 
@@ -56,13 +65,41 @@ class Layout:
     def d_pad(self) -> int:
         return heuristics.padded_head_dim(self.head_dim)
 
-    def pad(self, x, seq_axis: int | None, seq_len: int | None, head_axis: int | None = None):
-        """Zero-pad one sequence axis to ``seq_len`` and, if given, one head-dim axis to d_pad."""
-        if x is None:
-            return None
-        widths = [(0, 0)] * x.ndim
-        if seq_axis is not None:
-            widths[seq_axis] = (0, seq_len - x.shape[seq_axis])
-        if head_axis is not None:
-            widths[head_axis] = (0, self.d_pad - x.shape[head_axis])
-        return x if all(w == (0, 0) for w in widths) else jnp.pad(x, widths)
+    def features_within(self):
+        """``[Dp]`` True on the real head-dim columns, or None when the head dim is a power of two."""
+        return within(jnp.arange(self.d_pad, dtype=jnp.int32), self.head_dim)
+
+
+def tiles(length: int, block: int) -> int:
+    """Tiles of ``block`` that cover ``length`` (the last one may reach past it)."""
+    return -(-length // block)
+
+
+def within(positions, length: int):
+    """``positions < length`` for one tile's positions ``[T]`` (``start + arange(T)``, ``start``
+    a multiple of T), or None when ``length`` is a whole number of such tiles: then no tile
+    reaches past it and the load or store that uses this needs no mask."""
+    return None if length % positions.shape[0] == 0 else positions < length
+
+
+def _outer_and(shape, valid):
+    """The ``shape`` mask that is True where every axis's validity vector is (None: whole axis)."""
+    parts = [v.reshape([-1 if a == axis else 1 for a in range(len(shape))])
+             for axis, v in enumerate(valid) if v is not None]
+    return None if not parts else jnp.broadcast_to(functools.reduce(operator.and_, parts), shape)
+
+
+def load(ref, *valid):
+    """``ref[...]`` (a ref or a view ``ref.at[...]``) with one validity vector (or None) per
+    axis: positions that any axis marks invalid read as 0 instead of past the array's end."""
+    mask = _outer_and(ref.shape, valid)
+    return ref[...] if mask is None else plgpu.load(ref, mask=mask, other=0)
+
+
+def store(ref, value, *valid):
+    """``ref[...] = value``, writing only the positions that every axis marks valid."""
+    mask = _outer_and(ref.shape, valid)
+    if mask is None:
+        ref[...] = value
+    else:
+        plgpu.store(ref, value, mask=mask)

@@ -194,12 +194,12 @@ def test_user_block_sizes_lower_for_cuda():
     assert "flash_attention_backward_dq" in _export_gradients(64, "float16", 100, 70, {}, blocks)
 
 
-def _triton_ir(precision, dtype=jnp.float32, head_dim=64, bias=False, **options):
+def _triton_ir(precision, dtype=jnp.float32, head_dim=64, bias=False, length=64, **options):
     """What Pallas prints (debug=True) while lowering the three kernels for CUDA: each kernel's
     jaxpr, then its Triton IR (TTIR). ``bias``: also a bias, sinks and dropout seeds."""
     cfg = AttentionConfig(scale=head_dim ** -0.5, mask=masking.MaskSpec(is_causal=True), debug=True,
                           precision=precision, **options)
-    masks = masking.MaskInputs(jnp.array([64], jnp.int32), jnp.array([64], jnp.int32),
+    masks = masking.MaskInputs(jnp.array([length], jnp.int32), jnp.array([length], jnp.int32),
                                None, None, None)
 
     extras = SinksAndDropout(jnp.ones((1, 1), jnp.float32), jnp.ones((1, 1), jnp.uint32)) if bias else None
@@ -213,7 +213,8 @@ def _triton_ir(precision, dtype=jnp.float32, head_dim=64, bias=False, **options)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         export_for_cuda(
-            fwd_bwd, jax.ShapeDtypeStruct((1, 64, 1, head_dim), dtype), jax.ShapeDtypeStruct((1, 1, 64, 64), jnp.float32))
+            fwd_bwd, jax.ShapeDtypeStruct((1, length, 1, head_dim), dtype),
+            jax.ShapeDtypeStruct((1, 1, length, length), jnp.float32))
     return printed.getvalue()
 
 
@@ -273,6 +274,41 @@ def test_every_kernel_computes_p_with_exp2_never_exp(dtype, head_dim, features):
     for name, ttir in modules.items():
         assert EXP2.search(ttir), f"{name}: no exp2"
         assert not EXP.search(ttir), f"{name}: exp: {EXP.search(ttir).group(0)}"
+
+
+@pytest.mark.parametrize("length, head_dim", [(100, 24), (100, 64), (128, 64)],
+                         ids=["odd-length-and-head-dim", "odd-length", "whole-tiles"])
+def test_tiles_past_the_arrays_are_masked_loads_and_stores(length, head_dim):
+    """Where the last tiles reach past the sequence or the head dim, the tile loads and stores
+    of the three kernels carry a mask (they read zeros there and write nothing; an unmasked one
+    would read or write another head's rows on a GPU, which the interpreter's NaN padding and the
+    non-finite rule hide): every store, every load of a q/k/v/dO tile when the head dim has a
+    tail, some loads when only the length has one (interior tiles end below it: no mask).
+    Whole tiles: no mask at all."""
+    modules = _triton_modules(_triton_ir(jax.lax.Precision.HIGHEST, jnp.bfloat16, head_dim,
+                                         bias=True, length=length))
+    for name, ttir in modules.items():
+        # tt.load %ptr[, %mask, %other] / tt.store %ptr, %value[, %mask] : tensor<SHAPE x!tt.ptr<T>>
+        accesses = [(op, operands.count("%") == 3, shape) for op, operands, shape in
+                    re.findall(r"tt\.(load|store) ([^:]*): tensor<([0-9x]+)x!tt\.ptr", ttir)]
+        stores = [masked for op, masked, _ in accesses if op == "store"]
+        loads = [masked for op, masked, _ in accesses if op == "load"]
+        feature_tiles = [masked for op, masked, shape in accesses
+                         if op == "load" and shape.endswith("x32")]  # [T, 32]: q/k/v/dO at D=24
+        assert stores and (len(feature_tiles) >= 2 or head_dim == 64), name
+        if length % 128 == 0 and head_dim == 64:
+            assert not any(loads) and not any(stores), name
+        else:
+            assert all(stores) and any(loads), name
+            assert all(feature_tiles), name
+
+
+def test_odd_shapes_reach_the_kernels_without_padding_copies():
+    """The user's q, k, v, dO, bias and segment ids go to the kernels as they are, and their
+    outputs come back as they are: no pad and no slice anywhere in the lowered program."""
+    module = _export_gradients(40, "bfloat16", 100, 77, dict(bias=True, segments=True, is_causal=True))
+    assert "flash_attention_backward_dq" in module
+    assert not re.findall(r"stablehlo\.(pad|slice|dynamic_slice)\b", module)
 
 
 def _transposed_values_after_exp2(ttir: str):
