@@ -2,13 +2,14 @@
 
     python -m jax_impl.pallas_triton.compile_report [--out DIR] [--head-dim 64 ...]
         [--dtype bfloat16 ...] [--block-sizes 128,64,64,128,128,64[,warps,warps_bwd,stages]]
-        [--causal both|yes|no]
+        [--causal both|yes|no] [--seq-len 4096]
 
 For each configuration: lower forward + backward of ``flash_attention`` for CUDA, take each
 Triton kernel's TTIR out of its XLA custom call, compile it with pip ``triton`` (an optional
 dependency, in the ``test`` extra) to PTX and an sm_90a cubin, and read ``ptxas -v``: registers,
 spill bytes, shared memory (beside ``heuristics.shared_memory_estimate``), and which MMA
-instruction the dots became (Hopper's ``wgmma`` or the older ``mma.sync``).
+instruction the dots became (Hopper's ``wgmma`` or the older ``mma.sync``). A ``--seq-len`` or
+head dim that is not a whole number of tiles compiles the masked edges (layout.py).
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class KernelFacts:
     shared: int | None = None         # bytes, Triton's allocation (the kernel's static smem)
     wgmma: int = 0                    # wgmma.mma_async instructions in the PTX
     mma_sync: int = 0                 # mma.sync instructions
+    seq_len: int = SEQ_LEN            # Lq = Lk of the lowered call
 
 
 # --- Lowering for CUDA on a host without a GPU -----------------------------------------------
@@ -269,17 +271,18 @@ def default_configs(causal_values=(False, True)) -> list[tuple[int, str, bool, B
             for causal in causal_values]
 
 
-def report(configs, workers: int | None = None) -> list[KernelFacts]:
-    """Lower every configuration here, compile its kernels in a pool of processes."""
+def report(configs, workers: int | None = None, seq_len: int = SEQ_LEN) -> list[KernelFacts]:
+    """Lower every configuration here at ``seq_len``, compile its kernels in a pool of processes."""
     rows, jobs = [], []
     refused = []
     for head_dim, dtype, causal, blocks in configs:
         facts = lambda kernel, **kw: KernelFacts(
             head_dim, str(jnp.dtype(dtype)), causal, dataclasses.astuple(blocks), kernel,
             blocks.num_warps if kernel == "forward" else blocks.num_warps_bwd, blocks.num_stages,
-            shared_estimate=heuristics.shared_memory_estimate(kernel, head_dim, dtype, blocks), **kw)
+            shared_estimate=heuristics.shared_memory_estimate(kernel, head_dim, dtype, blocks),
+            seq_len=seq_len, **kw)
         try:
-            kernels = triton_kernels(head_dim, dtype, blocks, causal)
+            kernels = triton_kernels(head_dim, dtype, blocks, causal, seq_len)
         except ValueError as e:  # block_sizes over the shared-memory budget: refused before lowering
             refused += [facts(kernel, dots=[], error=f"refused: {e}") for kernel in heuristics.KERNELS]
             continue
@@ -305,7 +308,8 @@ def markdown(rows: list[KernelFacts]) -> str:
         "# Compiled Pallas kernels on sm_90a (H100/H200), measured without a GPU",
         "",
         f"Regenerate: `{REGENERATE}` (needs pip `triton`; ~5 minutes on 2 cores).",
-        f"Shapes: B=1, L={SEQ_LEN}, 2 heads, forward + backward of `flash_attention`. Shared memory "
+        f"Shapes: B=1, L={rows[0].seq_len if rows else SEQ_LEN}, 2 heads, forward + backward of "
+        "`flash_attention`. Shared memory "
         f"budget: {heuristics.SHARED_MEMORY_BUDGET} bytes = "
         f"{heuristics.SHARED_MEMORY_BUDGET // 1024} KiB per block (`heuristics.SHARED_MEMORY_BUDGET`).",
         "Tiles: block_q, block_k, block_q_dkv, block_k_dkv, block_q_dq, block_k_dq / warps fwd, bwd / stages.",
@@ -340,6 +344,8 @@ def main(argv=None) -> int:
                         help="user tiles for the --head-dim/--dtype configurations (default: the heuristic)")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--no-defaults", action="store_true", help="only the configurations given")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN,
+                        help=f"Lq = Lk of the lowered calls (default {SEQ_LEN})")
     parser.add_argument("--out", help="writes DIR.json and DIR.md (a path without extension)")
     parser.add_argument("--workers", type=int)
     args = parser.parse_args(argv)
@@ -351,7 +357,7 @@ def main(argv=None) -> int:
                 configs.append((head_dim, dtype, causal,
                                 args.block_sizes or heuristics.default_block_sizes(head_dim, dtype, causal)))
     try:
-        rows = report(configs, args.workers)
+        rows = report(configs, args.workers, args.seq_len)
     except ImportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
