@@ -20,7 +20,7 @@ def _kernel_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInpu
     manual axes (common.out_struct)."""
     q, k, v, bias, masks = vma.like((q, k, v, bias, masks), vma.axes_of(q, k, v, bias, masks))
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
-        cfg.mask, queries_padded=layout.lq_pad != layout.lq, keys_padded=layout.lk_pad != layout.lk))
+        cfg.mask, queries_padded=layout.lq_tiled != layout.lq, keys_padded=layout.lk_tiled != layout.lk))
     if not cfg.interpret:
         q = common.requires_cuda(q)
     mask = None if masks.mask is None else masks.mask.astype(jnp.int8)

@@ -153,7 +153,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     """Operands as the forward's -> (dq, dk, dv, dbias [B, Hq, Lq, Lk], or None without a bias or
     with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py)."""
     batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
-    lq_pad, lk_pad, d_pad, groups = layout.lq_pad, layout.lk_pad, layout.d_pad, hq // hkv
+    lq_tiled, lk_tiled, d_tile, groups = layout.lq_tiled, layout.lk_tiled, layout.d_tile, hq // hkv
     blocks = layout.blocks
     lengths = [pl.BlockSpec((batch,), lambda *_: (0,))] * 2 + [
         common.per_row_spec(masks.position_offset, batch)]
@@ -163,18 +163,18 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
     pair = lambda x: None if x is None else pl.BlockSpec(
-        (None, groups if x.shape[1] > 1 else 1, lq_pad, bk),
+        (None, groups if x.shape[1] > 1 else 1, lq_tiled, bk),
         lambda j, b, h: (common.broadcast_index(x, 0, b), common.broadcast_index(x, 1, h), 0, j))
-    kv_tile = pl.BlockSpec((None, bk, None, d_pad), lambda j, b, h: (b, j, h, 0))
-    q_group = pl.BlockSpec((None, lq_pad, groups, d_pad), lambda j, b, h: (b, 0, h, 0))
-    stats_group = pl.BlockSpec((None, groups, lq_pad), lambda j, b, h: (b, h, 0))
+    kv_tile = pl.BlockSpec((None, bk, None, d_tile), lambda j, b, h: (b, j, h, 0))
+    q_group = pl.BlockSpec((None, lq_tiled, groups, d_tile), lambda j, b, h: (b, 0, h, 0))
+    stats_group = pl.BlockSpec((None, groups, lq_tiled), lambda j, b, h: (b, h, 0))
     order = common.TileOrder(tiles(layout.lk, bk), masking.later_key_tiles_heavier(cfg.mask))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg, layout=layout, groups=groups, order=order),
         grid=(order.num_tiles, batch, hkv),
         in_specs=list(map(order.spec, [
             q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
-            None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_pad), lambda j, b, h: (b, 0)),
+            None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_tiled), lambda j, b, h: (b, 0)),
             None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
             pair(mask), pair(bias), common.per_head_spec(seeds)])),
         out_specs=[order.spec(kv_tile)] * 2,
@@ -186,16 +186,16 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     # dQ (and dbias): grid (query tile, batch, q head).
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
     pair = lambda x: None if x is None else pl.BlockSpec(
-        (None, None, bq, lk_pad),
+        (None, None, bq, lk_tiled),
         lambda i, b, h: (common.broadcast_index(x, 0, b), common.broadcast_index(x, 1, h), i, 0))
-    q_tile = pl.BlockSpec((None, bq, None, d_pad), lambda i, b, h: (b, i, h, 0))
-    kv_all = pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0))
+    q_tile = pl.BlockSpec((None, bq, None, d_tile), lambda i, b, h: (b, i, h, 0))
+    kv_all = pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     out_specs = [q_tile]
     out_shape = [common.out_struct(q.shape, q.dtype, q)]
     write_dbias = bias is not None and cfg.bias_gradient
     if write_dbias:
-        out_specs.append(pl.BlockSpec((None, None, bq, lk_pad), lambda i, b, h: (b, h, i, 0)))
+        out_specs.append(pl.BlockSpec((None, None, bq, lk_tiled), lambda i, b, h: (b, h, i, 0)))
         out_shape.append(common.out_struct((batch, hq, layout.lq, layout.lk), jnp.float32, q))
     order = common.TileOrder(tiles(layout.lq, bq), masking.later_query_tiles_heavier(cfg.mask))
     results = pl.pallas_call(
@@ -205,7 +205,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         in_specs=list(map(order.spec, [
             q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
             None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-            None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
+            None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
             pair(mask), pair(bias), common.per_head_spec(seeds)])),
         out_specs=list(map(order.spec, out_specs)), out_shape=out_shape,
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dq",

@@ -73,20 +73,20 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], row max and log-sum
     [B, Hq, Lq]); tiles may reach past Lq, Lk and D (layout.py)."""
     batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
-    lk_pad, d_pad, groups = layout.lk_pad, layout.d_pad, hq // hkv
+    lk_tiled, d_tile, groups = layout.lk_tiled, layout.d_tile, hq // hkv
     block_q = layout.blocks.block_q
     pair = lambda x: None if x is None else pl.BlockSpec(  # a [X, H, Lq, Lk] mask or bias
-        (None, None, block_q, lk_pad), lambda i, b, h: (
+        (None, None, block_q, lk_tiled), lambda i, b, h: (
             common.broadcast_index(x, 0, b), common.broadcast_index(x, 1, h), i, 0))
     in_specs = [
-        pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0)),
-        pl.BlockSpec((None, lk_pad, None, d_pad), lambda i, b, h: (b, 0, h // groups, 0)),
+        pl.BlockSpec((None, block_q, None, d_tile), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0)),
+        pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0)),
         pl.BlockSpec((batch,), lambda i, b, h: (0,)),
         pl.BlockSpec((batch,), lambda i, b, h: (0,)),
         common.per_row_spec(masks.position_offset, batch),
         None if masks.q_segment_ids is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
-        None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0)),
+        None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
         pair(mask),
         pair(bias),
         common.per_head_spec(sinks),
@@ -94,7 +94,7 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
     ]
     stats_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
     stats_shape = common.out_struct((batch, hq, layout.lq), jnp.float32, q)
-    out_specs = [pl.BlockSpec((None, block_q, None, d_pad), lambda i, b, h: (b, i, h, 0)),
+    out_specs = [pl.BlockSpec((None, block_q, None, d_tile), lambda i, b, h: (b, i, h, 0)),
                  stats_spec, stats_spec]
     out_shape = [common.out_struct(q.shape, q.dtype, q), stats_shape, stats_shape]
     order = common.TileOrder(tiles(layout.lq, block_q), masking.later_query_tiles_heavier(cfg.mask))

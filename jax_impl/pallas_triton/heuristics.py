@@ -32,13 +32,14 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def padded_head_dim(head_dim: int) -> int:
+def head_dim_tile(head_dim: int) -> int:
+    """Dp: the width of the kernels' head-dim tiles (a power of two, masked past head_dim)."""
     return max(MIN_BLOCK, next_power_of_two(head_dim))
 
 
 def head_dim_class(head_dim: int) -> int:
     """64 (D <= 64), 128 or 256: the classes the tiles are chosen for."""
-    return max(64, padded_head_dim(head_dim))
+    return max(64, head_dim_tile(head_dim))
 
 
 def rule_block_sizes(head_dim: int, dtype) -> BlockSizes:
@@ -106,7 +107,7 @@ SCRATCH_ALLOWANCE = 4096  # bytes: reductions and layout conversions of fp32 / m
 
 def shared_memory_estimate(kernel: str, head_dim: int, dtype, blocks: BlockSizes) -> int:
     """Bytes of shared memory one program of ``kernel`` ("forward", "dkdv", "dq") needs."""
-    d, size = padded_head_dim(head_dim), np.dtype(dtype).itemsize
+    d, size = head_dim_tile(head_dim), np.dtype(dtype).itemsize
     stages = max(1, blocks.num_stages)
     if kernel == "forward":  # Q and the O epilogue; K and V streamed
         bq, bk = blocks.block_q, blocks.block_k

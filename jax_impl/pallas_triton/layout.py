@@ -52,22 +52,22 @@ class Layout:
     # The extents that whole tiles cover (tiles are powers of two: the largest divides by all):
     # the block of an operand that a kernel reads whole, and whether a sequence has a tail.
     @property
-    def lq_pad(self) -> int:
+    def lq_tiled(self) -> int:
         b = self.blocks
         return _round_up(self.lq, max(b.block_q, b.block_q_dkv, b.block_q_dq))
 
     @property
-    def lk_pad(self) -> int:
+    def lk_tiled(self) -> int:
         b = self.blocks
         return _round_up(self.lk, max(b.block_k, b.block_k_dkv, b.block_k_dq))
 
     @property
-    def d_pad(self) -> int:
-        return heuristics.padded_head_dim(self.head_dim)
+    def d_tile(self) -> int:
+        return heuristics.head_dim_tile(self.head_dim)
 
     def features_within(self):
         """``[Dp]`` True on the real head-dim columns, or None when the head dim is a power of two."""
-        return within(jnp.arange(self.d_pad, dtype=jnp.int32), self.head_dim)
+        return within(jnp.arange(self.d_tile, dtype=jnp.int32), self.head_dim)
 
 
 def tiles(length: int, block: int) -> int:
