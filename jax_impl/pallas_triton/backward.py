@@ -12,6 +12,7 @@ Both recompute P = exp(S - m - log l) from q, k and the saved row statistics, in
 the scale folded in (online_softmax.Base2Softmax), and apply the scale of dq and dk once to
 the accumulator rather than to every logit; delta =
 rowsum(dO * O) (minus the cotangent of the logsumexp, if any) comes from the custom VJP.
+As in the forward, loads and stores past Lq, Lk and D are masked (layout.py).
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ structure allows (masking.kv_block_range), with a running row max m, a running s
 scale and an fp32 output accumulator, rescaled whenever m grows; O and the row statistics
 (m and log l) are written once at the end. P is computed in base 2 with the scale folded in
 (online_softmax.Base2Softmax); the statistics written are the natural-log RowStats.
+The last tiles may reach past Lq, Lk and D: their loads and stores are masked (layout.py).
 """
 from __future__ import annotations
 
