@@ -280,11 +280,12 @@ def test_every_kernel_computes_p_with_exp2_never_exp(dtype, head_dim, features):
                          ids=["odd-length-and-head-dim", "odd-length", "whole-tiles"])
 def test_tiles_past_the_arrays_are_masked_loads_and_stores(length, head_dim):
     """Where the last tiles reach past the sequence or the head dim, the tile loads and stores
-    of the three kernels carry a mask (they read zeros there and write nothing; an unmasked one
-    would read or write another head's rows on a GPU, which the interpreter's NaN padding and the
-    non-finite rule hide): every store, every load of a q/k/v/dO tile when the head dim has a
-    tail, some loads when only the length has one (interior tiles end below it: no mask).
-    Whole tiles: no mask at all."""
+    of the three kernels carry a mask (they read zeros there and write nothing): every store,
+    every load of a q/k/v/dO tile when the head dim has a tail, some loads when only the length
+    has one (interior tiles end below it: no mask). Whole tiles: no mask at all. An unmasked
+    store would overwrite another head's rows on a GPU, which the interpreter cannot show (its
+    padded copy takes the write); an unmasked load reads the interpreter's NaN padding, which
+    the interpret-mode correctness tests do see."""
     modules = _triton_modules(_triton_ir(jax.lax.Precision.HIGHEST, jnp.bfloat16, head_dim,
                                          bias=True, length=length))
     for name, ttir in modules.items():
