@@ -22,10 +22,6 @@ from jax_impl.config import BlockSizes
 from jax_impl.pallas_triton import heuristics
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     lq: int
@@ -54,12 +50,14 @@ class Layout:
     @property
     def lq_tiled(self) -> int:
         b = self.blocks
-        return _round_up(self.lq, max(b.block_q, b.block_q_dkv, b.block_q_dq))
+        largest = max(b.block_q, b.block_q_dkv, b.block_q_dq)
+        return tiles(self.lq, largest) * largest
 
     @property
     def lk_tiled(self) -> int:
         b = self.blocks
-        return _round_up(self.lk, max(b.block_k, b.block_k_dkv, b.block_k_dq))
+        largest = max(b.block_k, b.block_k_dkv, b.block_k_dq)
+        return tiles(self.lk, largest) * largest
 
     @property
     def d_tile(self) -> int:
