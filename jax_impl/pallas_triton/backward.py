@@ -110,37 +110,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
     q, do = load(q_ref, query_ok, feature_ok), load(do_ref, query_ok, feature_ok)  # [bq, Dp]
     per_query = lambda ref: load(ref, query_ok)                       # [bq]
     stats, delta = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref)), per_query(delta_ref)
-    rows = queries[:, None]
-    q_seg = None if q_seg_ref is None else per_query(q_seg_ref)
+    query = common.QueryTile(q, queries[:, None], query_ok,
+                             None if q_seg_ref is None else per_query(q_seg_ref), q_len, kv_len, offset)
+    refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, dq, masked):
-        keys = pl.ds(j * block_k, block_k)
-        key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-        # An interior tile (masked=False) lies below kv_len <= Lk: no load of it needs a mask.
-        key_ok = within(key_positions, layout.lk) if masked else None
-        cols = key_positions[None, :]
-        pair_tile = lambda ref: None if ref is None else load(ref.at[:, keys], query_ok, key_ok)
-        allowed = masking.allowed(
-            cfg.mask, rows, cols, q_len, kv_len, q_seg,
-            None if kv_seg_ref is None else load(kv_seg_ref.at[keys], key_ok),
-            pair_tile(mask_ref), structural=masked, position_offset=offset)
-        q_tile = q
-        k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
-        if allowed is not None:
-            poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
-        qk = common.dot(q_tile, k, cfg.precision, trans_b=True)
-        t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref))
-        if allowed is not None:
-            t = t + poison
-        p = softmax.probs(t, stats, allowed)
-        dp = common.dot(do, v, cfg.precision, trans_b=True)
-        keep = common.dropout_keep(cfg, seed, rows, cols)  # dP reaches P through dropout's mask
-        ds, dqk = online_softmax.logits_gradient(
-            p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate), delta, capped, cfg, scaled=False)
+        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked)
+        p = softmax.probs(tile.t, stats, tile.allowed)
+        dp = common.dot(do, tile.v, cfg.precision, trans_b=True)
+        keep = common.dropout_keep(cfg, seed, query.rows, tile.cols)  # dP reaches P through it
+        ds, dqk = online_softmax.logits_gradient(p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate),
+                                                 delta, tile.capped, cfg, scaled=False)
         if dbias_ref is not None:
-            store(dbias_ref.at[:, keys], ds, query_ok, key_ok)
-        return dq + common.dot(dqk.astype(k.dtype), k, cfg.precision)
+            store(dbias_ref.at[:, pl.ds(j * block_k, block_k)], ds, query_ok, tile.ok)
+        return dq + common.dot(dqk.astype(tile.k.dtype), tile.k, cfg.precision)
 
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     if dbias_ref is not None:  # every tile of dbias must be written, zeros included

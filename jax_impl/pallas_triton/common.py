@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.extend
@@ -11,7 +12,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import ad, batching, mlir
 
-from jax_impl import dropout_sinks
+from jax_impl import dropout_sinks, masking, online_softmax
+from jax_impl.pallas_triton.layout import load, within
 
 
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
@@ -26,6 +28,55 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     precision = precision if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
                            precision=precision, preferred_element_type=jnp.float32)
+
+
+class QueryTile(NamedTuple):
+    """What the key loop of the forward and dQ kernels reads of its program's query tile."""
+    q: jax.Array                    # [bq, Dp]
+    rows: jax.Array                 # [bq, 1] query positions
+    ok: jax.Array | None            # [bq] inside Lq (layout.within), None: all are
+    segment_ids: jax.Array | None   # [bq]
+    q_len: jax.Array
+    kv_len: jax.Array
+    offset: jax.Array | None        # position offset (ring), or None
+
+
+class KeyTile(NamedTuple):
+    cols: jax.Array                 # [1, bk] key positions
+    ok: jax.Array | None            # [bk] inside Lk, None: all are (or an interior tile)
+    allowed: jax.Array | None       # [bq, bk] the mask rule, None: every pair
+    t: jax.Array                    # [bq, bk] logits in base 2 (online_softmax.Base2Softmax)
+    capped: jax.Array | None        # what softmax.logits returns for the soft cap's gradient
+    k: jax.Array                    # [bk, Dp] (non-finite entries as 0 on masked tiles)
+    v: jax.Array
+
+
+def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: int,
+                    masked: bool) -> KeyTile:
+    """Key tile ``j`` of the forward and dQ kernels: its loads (masked at the edges), the mask
+    rule and the logits. ``refs``: (k, v, kv segment ids, mask, bias); the last three may be
+    None."""
+    k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref = refs
+    keys = pl.ds(j * block_k, block_k)
+    key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+    # An interior tile (masked=False) lies below kv_len <= Lk: no load of it needs a mask.
+    key_ok = within(key_positions, layout.lk) if masked else None
+    cols = key_positions[None, :]
+    pair_tile = lambda ref: None if ref is None else load(ref.at[:, keys], query.ok, key_ok)
+    allowed = masking.allowed(
+        cfg.mask, query.rows, cols, query.q_len, query.kv_len, query.segment_ids,
+        None if kv_seg_ref is None else load(kv_seg_ref.at[keys], key_ok),
+        pair_tile(mask_ref), structural=masked, position_offset=query.offset)
+    feature_ok = layout.features_within()
+    q = query.q
+    k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
+    if allowed is not None:
+        poison, q, k, v = online_softmax.excluded_nonfinite(q, k, v)
+    qk = dot(q, k, cfg.precision, trans_b=True)                      # [bq, bk]
+    t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref))
+    if allowed is not None:
+        t = t + poison
+    return KeyTile(cols, key_ok, allowed, t, capped, k, v)
 
 
 @dataclasses.dataclass(frozen=True)

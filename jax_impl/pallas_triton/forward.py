@@ -33,31 +33,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
     q = load(q_ref, query_ok, feature_ok)                             # [bq, Dp]
     rows = queries[:, None]
     q_seg = None if q_seg_ref is None else load(q_seg_ref, query_ok)
+    query = common.QueryTile(q, rows, query_ok, q_seg, q_len, kv_len, offset)
+    refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, carry, masked):
         acc, row_max, row_sum = carry
-        keys = pl.ds(j * block_k, block_k)
-        key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-        # An interior tile (masked=False) lies below kv_len <= Lk: no load of it needs a mask.
-        key_ok = within(key_positions, layout.lk) if masked else None
-        cols = key_positions[None, :]
-        pair_tile = lambda ref: None if ref is None else load(ref.at[:, keys], query_ok, key_ok)
-        allowed = masking.allowed(
-            cfg.mask, rows, cols, q_len, kv_len, q_seg,
-            None if kv_seg_ref is None else load(kv_seg_ref.at[keys], key_ok),
-            pair_tile(mask_ref), structural=masked, position_offset=offset)
-        q_tile = q
-        k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
-        if allowed is not None:
-            poison, q_tile, k, v = online_softmax.excluded_nonfinite(q_tile, k, v)
-        qk = common.dot(q_tile, k, cfg.precision, trans_b=True)       # [bq, bk]
-        t, _ = softmax.logits(qk, cfg, pair_tile(bias_ref))
-        if allowed is not None:
-            t = t + poison
-        rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
-        p_drop = dropout_sinks.apply_dropout(p, common.dropout_keep(cfg, seed, rows, cols), cfg.dropout_rate)
-        acc = rescale[:, None] * acc + common.dot(p_drop.astype(v.dtype), v, cfg.precision)
+        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked)
+        rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, tile.t, tile.allowed)
+        keep = common.dropout_keep(cfg, seed, rows, tile.cols)
+        p_drop = dropout_sinks.apply_dropout(p, keep, cfg.dropout_rate)
+        acc = rescale[:, None] * acc + common.dot(p_drop.astype(tile.v.dtype), tile.v, cfg.precision)
         return acc, row_max, row_sum
 
     init = (jnp.zeros(q.shape, jnp.float32), *dropout_sinks.initial_stats(sink, (block_q,)))
