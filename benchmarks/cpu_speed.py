@@ -1,9 +1,10 @@
 """``python -m benchmarks --suite cpu``: the default CPU path against torch's SDPA.
 
-jax_impl's ``implementation="xla"`` beside ``torch.nn.functional.scaled_dot_product_attention``
-(on a CPU its flash kernel) in the same dtype: fp32 and bf16, causal and not, L=2048 and 8192,
-B=1 H=8 D=64, forward and forward+backward. The two calls alternate, repeat after repeat, and
-each repeat gives one time ratio (jax_impl / torch); the report gives the median of those
+jax_impl's default on a CPU (``implementation="cpu"``, the fused C++ kernel) and its xla path
+beside ``torch.nn.functional.scaled_dot_product_attention`` (on a CPU its flash kernel) in the
+same dtype: fp32 and bf16, causal and not, L=2048 and 8192, B=1 H=8 D=64, forward and
+forward+backward. The three calls alternate, repeat after repeat, and each repeat gives one time
+ratio per implementation (jax_impl / torch); the report gives the median of those
 per-pair ratios with their quartiles (``measure.interleaved_ratios``), the load average at the
 start and end, and each output's largest difference from torch's (a sanity check, not the
 oracle). Writes bench_cpu.json and bench_cpu.md.
@@ -22,7 +23,8 @@ from benchmarks import measure as measure_mod
 from jax_impl.flash_attention import flash_attention
 
 NAME = "bench_cpu"
-JAX, TORCH = "jax_impl.xla", "torch.sdpa"
+IMPLEMENTATIONS = ("cpu", "xla")
+TORCH = "torch.sdpa"
 DTYPES = ("float32", "bfloat16")
 CAUSAL = (False, True)
 MODES = ("fwd", "fwd+bwd")
@@ -35,8 +37,8 @@ def repeats_for(length: int) -> int:
     return 9 if length <= 2048 else 5
 
 
-def _jax_calls(q, k, v, causal: bool) -> dict:
-    attend = jax.jit(lambda q, k, v: flash_attention(q, k, v, is_causal=causal, implementation="xla"))
+def _jax_calls(q, k, v, causal: bool, implementation: str) -> dict:
+    attend = jax.jit(lambda q, k, v: flash_attention(q, k, v, is_causal=causal, implementation=implementation))
     grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * q.astype(jnp.float32)),
                              argnums=(0, 1, 2)))
     return {"fwd": lambda: jax.block_until_ready(attend(q, k, v)),
@@ -64,20 +66,25 @@ def measure(dtype: str, causal: bool, length: int, repeats: int) -> list[dict]:
     import torch
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal((BATCH, length, HEADS, HEAD_DIM)).astype(np.float32) for _ in range(3)]
-    jax_calls = _jax_calls(*(jnp.asarray(x, dtype) for x in arrays), causal)
+    jax_calls = {impl: _jax_calls(*(jnp.asarray(x, dtype) for x in arrays), causal, impl)
+                 for impl in IMPLEMENTATIONS}
     torch_calls = _torch_calls(*(torch.from_numpy(x).to(getattr(torch, dtype)) for x in arrays), causal)
     rows = []
     for mode in MODES:
-        calls = {JAX: jax_calls[mode], TORCH: torch_calls[mode]}
+        calls = {**{f"jax_impl.{impl}": jax_calls[impl][mode] for impl in IMPLEMENTATIONS},
+                 TORCH: torch_calls[mode]}
         for call in calls.values():
             call()  # compile, warm up
         outputs = {name: call() for name, call in calls.items()}
         summary = measure_mod.interleaved_ratios(calls, TORCH, repeats)
-        rows.append(dict(dtype=dtype, causal=causal, length=length, mode=mode, repeats=repeats,
-                         jax_ms=summary[JAX]["median_ms"], torch_ms=summary[TORCH]["median_ms"],
-                         ratio_median=summary[JAX]["ratio_median"], ratio_q1=summary[JAX]["ratio_q1"],
-                         ratio_q3=summary[JAX]["ratio_q3"],
-                         max_abs_diff_vs_torch=_max_difference(outputs[JAX], outputs[TORCH], mode)))
+        for impl in IMPLEMENTATIONS:
+            name = f"jax_impl.{impl}"
+            rows.append(dict(implementation=impl, dtype=dtype, causal=causal, length=length, mode=mode,
+                             repeats=repeats, jax_ms=summary[name]["median_ms"],
+                             torch_ms=summary[TORCH]["median_ms"],
+                             ratio_median=summary[name]["ratio_median"], ratio_q1=summary[name]["ratio_q1"],
+                             ratio_q3=summary[name]["ratio_q3"],
+                             max_abs_diff_vs_torch=_max_difference(outputs[name], outputs[TORCH], mode)))
     return rows
 
 
@@ -93,16 +100,16 @@ def _max_difference(jax_out, torch_out, mode: str) -> float:
 
 
 def _markdown(result: dict) -> str:
-    lines = [f"# jax_impl.xla against torch SDPA ({result['backend']}, B={BATCH} H={HEADS} D={HEAD_DIM})", "",
+    lines = [f"# jax_impl (cpu kernel, xla path) against torch SDPA ({result['backend']}, B={BATCH} H={HEADS} D={HEAD_DIM})", "",
              f"Median of interleaved per-pair time ratios (jax_impl / torch, same dtype) with quartiles; "
              f"load average {result['load_average_start'][0]:.1f} at the start, "
              f"{result['load_average_end'][0]:.1f} at the end; torch {result['torch_version']}, "
              f"{result['torch_threads']} threads; jax {result['jax_version']}.", "",
-             "| dtype | causal | L | mode | jax_impl.xla | torch SDPA | ratio (median) | quartiles | pairs "
-             "| max abs diff vs torch |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| implementation | dtype | causal | L | mode | jax_impl | torch SDPA | ratio (median) "
+             "| quartiles | pairs | max abs diff vs torch |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
-        lines.append(f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['length']} | {r['mode']} "
+        lines.append(f"| {r['implementation']} | {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['length']} | {r['mode']} "
                      f"| {r['jax_ms']:.1f} ms | {r['torch_ms']:.1f} ms | {r['ratio_median']:.2f}x "
                      f"| {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {r['repeats']} "
                      f"| {r['max_abs_diff_vs_torch']:.1e} |")

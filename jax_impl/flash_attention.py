@@ -89,9 +89,11 @@ def flash_attention(
         take no part (their output rows are 0).
       local_window_size: ``w`` or ``(left, right)`` (None = unbounded side): key j allowed when
         ``i - left <= j <= i + right``, measured from the same diagonal as causal.
-      implementation: "pallas_triton" (the GPU kernel), "xla" (the same blocked algorithm in plain
-        JAX, linear memory, any device), "reference" (dense; for checking), or None: pallas_triton
-        on a CUDA GPU where eligible, xla elsewhere; ``explain_implementation`` says why.
+      implementation: "pallas_triton" (the GPU kernel), "cpu" (the fused C++ CPU kernel; no
+        bias, dense mask, soft cap, dropout or sinks, head_dim a multiple of 16), "xla" (the same
+        blocked algorithm in plain JAX, linear memory, any device), "reference" (dense; for
+        checking), or None: pallas_triton on a CUDA GPU and cpu on a CPU where eligible, xla
+        elsewhere; ``explain_implementation`` says why.
 
     Additions:
       causal_alignment: "top_left" or "bottom_right" (the last valid query aligns with the last
@@ -233,6 +235,13 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                           block_sizes=block_sizes, interpret=bool(interpret),
                           precision=_precision(precision, query.dtype), dropout_rate=rate)
+    if implementation == "cpu":
+        reason = implementations.unsupported(
+            "cpu", head_dim=head_dim, platform="cpu",
+            features=implementations.CallFeatures(cfg, bias is not None, masks.mask is not None,
+                                                  extras.sinks is not None))
+        if reason:
+            raise ValueError(f"implementation='cpu' cannot run this call: {reason}")
     flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])
     return _Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape,
                  extras)
@@ -420,11 +429,19 @@ def _attention(q, k, v, bias, masks, extras, *, implementation, cfg):
     run = lambda impl: lambda *args: _run(impl, cfg, *args)
     if implementation is not None:
         return run(implementation)(q, k, v, bias, masks, extras)
-    if _head_dim_unsupported("pallas_triton", q.shape[-1]):
-        return run("xla")(q, k, v, bias, masks, extras)
+    features = _features(cfg, bias, masks, extras)
     # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
-    return lax.platform_dependent(q, k, v, bias, masks, extras, cuda=run("pallas_triton"),
-                                  default=run("xla"))
+    per_platform = {platform: run(name) for platform, name in (("cuda", "pallas_triton"), ("cpu", "cpu"))
+                    if implementations.unsupported(name, head_dim=q.shape[-1], platform=platform,
+                                                   features=features) is None}
+    if not per_platform:
+        return run("xla")(q, k, v, bias, masks, extras)
+    return lax.platform_dependent(q, k, v, bias, masks, extras, **per_platform, default=run("xla"))
+
+
+def _features(cfg, bias, masks, extras) -> implementations.CallFeatures:
+    return implementations.CallFeatures(cfg, has_bias=bias is not None, has_mask=masks.mask is not None,
+                                        has_sinks=extras.sinks is not None)
 
 
 def _run(implementation, cfg, q, k, v, bias, masks, extras):
@@ -458,8 +475,9 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     platform = platform or jax.default_backend()
     strategy = lambda chosen: partitioned.explain(  # --- sharded inputs (partitioned.py)
         chosen, query, call.q.shape, call.k.shape, bias is not None or mask is not None)
+    features = _features(call.cfg, call.bias, call.masks, call.extras)
     reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,
-                                      interpret=call.cfg.interpret)
+                                      interpret=call.cfg.interpret, features=features)
                for name, impl in IMPLEMENTATIONS.items()}
     if call.implementation is not None:
         chosen = call.implementation

@@ -16,10 +16,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jax_impl import pallas_triton, xla
+from typing import NamedTuple
+
+from jax_impl import cpu_kernel, pallas_triton, xla
+from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
 
 CUDA_PLATFORMS = ("cuda", "gpu")
+
+
+class CallFeatures(NamedTuple):
+    """What of a call, beyond head_dim and platform, an implementation may not take."""
+
+    cfg: AttentionConfig
+    has_bias: bool
+    has_mask: bool
+    has_sinks: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,15 +42,25 @@ class Implementation:
     backward: Callable | None = None
     max_head_dim: int | None = None
     needs_cuda: bool = False          # unless interpret=True (the Pallas interpreter)
+    needs_cpu: bool = False
     automatic: bool = True            # may be chosen by implementation=None
+    # Why it cannot take a call's features (bias, mask, dropout ...), or None; None: takes all.
+    call_unsupported: Callable[..., str | None] | None = None
 
-    def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False) -> str | None:
-        """Why this implementation cannot run such a call, or None if it can."""
+    def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False,
+                    features: CallFeatures | None = None) -> str | None:
+        """Why this implementation cannot run such a call, or None if it can. Without
+        ``features`` only head_dim and the platform are judged."""
         if self.max_head_dim is not None and head_dim > self.max_head_dim:
             return f"head_dim={head_dim} exceeds the kernel's maximum of {self.max_head_dim}"
         if self.needs_cuda and not interpret and platform not in CUDA_PLATFORMS:
             return (f"the Triton kernel needs a CUDA GPU; platform is {platform!r} "
                     "(interpret=True runs it anywhere)")
+        if self.needs_cpu and platform != "cpu":
+            return f"the fused C++ kernel runs on the CPU; platform is {platform!r}"
+        if self.call_unsupported is not None:
+            return self.call_unsupported(head_dim=head_dim,
+                                         **({} if features is None else features._asdict()))
         return None
 
 
@@ -46,6 +68,10 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True),
+    "cpu": Implementation(
+        "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use): no bias, mask, "
+        "soft cap, dropout or sinks", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
+        call_unsupported=cpu_kernel.unsupported),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
         xla.forward, xla.backward),
@@ -64,6 +90,9 @@ def get(name: str) -> Implementation:
                          f"{tuple(IMPLEMENTATIONS)} or None") from None
 
 
-def unsupported(name: str, *, head_dim: int, platform: str, interpret: bool = False) -> str | None:
-    """Why implementation ``name`` cannot run a call with this head_dim on ``platform``, or None."""
-    return get(name).unsupported(head_dim=head_dim, platform=platform, interpret=interpret)
+def unsupported(name: str, *, head_dim: int, platform: str, interpret: bool = False,
+                features: CallFeatures | None = None) -> str | None:
+    """Why implementation ``name`` cannot run a call with this head_dim on ``platform`` (and
+    these ``features``, if given), or None."""
+    return get(name).unsupported(head_dim=head_dim, platform=platform, interpret=interpret,
+                                 features=features)

@@ -43,7 +43,7 @@ from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals
 
 LAYOUTS = ("zigzag", "contiguous")
 # The local kernels that honour MaskInputs.position_offset.
-RING_IMPLEMENTATIONS = ("xla", "pallas_triton")
+RING_IMPLEMENTATIONS = ("xla", "pallas_triton", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)

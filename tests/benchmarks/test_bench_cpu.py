@@ -1,4 +1,5 @@
-"""python -m benchmarks --suite cpu: jax_impl.xla against torch SDPA, ratios with their spread."""
+"""python -m benchmarks --suite cpu: jax_impl's cpu kernel and xla path against torch SDPA,
+ratios with their spread."""
 import json
 
 from benchmarks.__main__ import main
@@ -7,13 +8,14 @@ from benchmarks.__main__ import main
 def test_cpu_suite_writes_ratios_against_torch_for_every_configuration(tmp_path):
     assert main(["--suite", "cpu", "--device", "cpu", "--seq-lens", "64", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_cpu.json").read_text())
-    rows = {(r["dtype"], r["causal"], r["length"], r["mode"]): r for r in report["rows"]}
-    assert set(rows) == {(dt, c, 64, m) for dt in ("float32", "bfloat16") for c in (False, True)
-                         for m in ("fwd", "fwd+bwd")}
-    for (dtype, _, _, _), row in rows.items():
+    rows = {(r["implementation"], r["dtype"], r["causal"], r["length"], r["mode"]): r for r in report["rows"]}
+    assert set(rows) == {(impl, dt, c, 64, m) for impl in ("cpu", "xla") for dt in ("float32", "bfloat16")
+                         for c in (False, True) for m in ("fwd", "fwd+bwd")}
+    for (_, dtype, _, _, _), row in rows.items():
         assert 0 < row["ratio_q1"] <= row["ratio_median"] <= row["ratio_q3"]
         assert row["jax_ms"] > 0 and row["torch_ms"] > 0 and row["repeats"] >= 5
         # the same attention as torch computes: a wrong call (no causal mask, no scale) is off by O(1)
         assert row["max_abs_diff_vs_torch"] < (1e-4 if dtype == "float32" else 0.1)
     assert len(report["load_average_start"]) == 3 and len(report["load_average_end"]) == 3
-    assert "| bfloat16 | yes | 64 | fwd+bwd |" in (tmp_path / "bench_cpu.md").read_text()
+    markdown = (tmp_path / "bench_cpu.md").read_text()
+    assert "| cpu | bfloat16 | yes | 64 | fwd+bwd |" in markdown and "| xla | float32 | no | 64 | fwd |" in markdown

@@ -2,8 +2,9 @@
 
 A seeded generator draws shapes, dtypes, masks, -inf / huge negative biases, lengths (also past
 the sequence, always traced), windows, segments, both causal alignments, soft caps, GQA and
-non-finite values at excluded positions. Every drawn call runs on the xla implementation; every
-``PALLAS_EVERY``-th also on pallas_triton (interpret), whose compile time dominates. Each
+non-finite values at excluded positions. Every drawn call runs on the xla implementation and,
+where it takes the call, on the CPU kernel; every ``PALLAS_EVERY``-th also on pallas_triton
+(interpret), whose compile time dominates. Each
 must be finite (no NaN reaches an allowed pair here) and within conformance's tolerance.
 Set ``FLASH_PROPERTY_SEED`` to draw a different sample.
 """
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from conformance import tolerance
+from jax_impl import explain_implementation
 from _flash_helpers import run_arrays, torch_arrays
 
 NUM_CASES = 300
@@ -82,6 +84,8 @@ def test_random_call_matches_the_float64_oracle(index):
     reference = torch_arrays(q, k, v, ct, **clamped)
     plain = torch_arrays(q, k, v, ct, dtype=NUMPY_DTYPES[dtype], **clamped)
     implementations = ["xla"] + (["pallas_triton"] if index % PALLAS_EVERY == 0 else [])
+    if explain_implementation(q, k, v, platform="cpu", **kw).chosen == "cpu":  # what it takes
+        implementations.append("cpu")
     for implementation in implementations:
         results = run_arrays(q, k, v, ct, implementation, jit_lengths=True, **kw)
         _judge(results, reference, plain, dtype)

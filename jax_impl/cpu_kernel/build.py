@@ -1,0 +1,85 @@
+"""Compiles ``flash_cpu.cc`` on first use and registers its handlers with XLA.
+
+The library is built for the machine it runs on (``-march=native``: AVX-512, AVX2 or the
+baseline, whatever the compiler finds), once per source, compiler flags, jaxlib and CPU, into
+a cache directory (``$JAX_FLASH_ATTENTION_CACHE``, else ``~/.cache/jax_flash_attention``).
+Concurrent processes (pytest-xdist) build into temporary names and rename atomically. Without
+a C++ compiler nothing is built: ``unavailable()`` says why and the xla path runs instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+SOURCE = Path(__file__).with_name("flash_cpu.cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
+TARGETS = {"jax_flash_attention_cpu_forward": "FlashForwardCpu",
+           "jax_flash_attention_cpu_backward": "FlashBackwardCpu"}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _cpu_id() -> str:
+    try:  # the instruction-set flags decide what -march=native emits
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAX_FLASH_ATTENTION_CACHE") or Path.home() / ".cache" / "jax_flash_attention"
+    return Path(root)
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+                 jaxlib.__version__.encode(), _cpu_id().encode()):
+        key.update(part)
+    return _cache_dir() / f"flash_cpu_{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        command = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"{compiler} exited with {result.returncode} ({last[-300:]})")
+        os.replace(partial, target)  # atomic: another process may have raced us to the same file
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable() -> str | None:
+    """None once the kernels are built and registered; else why they cannot be."""
+    if os.environ.get("JAX_FLASH_ATTENTION_NO_CPU_KERNEL"):
+        return "JAX_FLASH_ATTENTION_NO_CPU_KERNEL is set"
+    compiler = _compiler()
+    if compiler is None:
+        return "no C++ compiler (g++, c++, clang++ or $CXX) to build the CPU kernel"
+    target = _library_path(compiler)
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        library = ctypes.cdll.LoadLibrary(str(target))
+    except (OSError, RuntimeError) as error:
+        return f"building the CPU kernel failed: {error}"
+    for name, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return None

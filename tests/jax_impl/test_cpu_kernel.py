@@ -1,0 +1,150 @@
+"""The fused C++ CPU kernel (implementation="cpu", the default on a CPU): judged against
+torch_ref in float64 (conformance's oracle and tolerance), at tile edges, with every mask it
+takes, and for what it must leave to the xla path.
+
+test_flash_properties.py also runs it on every drawn call it can take.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conformance.cases import Case
+from jax_impl import BlockSizes, explain_implementation, flash_attention
+from _flash_helpers import assert_judged_correct, baseline, oracle, run
+
+BASE = Case("cpu", batch=2, q_heads=4, kv_heads=2, q_len=77, kv_len=300, head_dim=32)
+
+CASES = [
+    BASE,
+    dataclasses.replace(BASE, causal="top_left", q_len=300),
+    dataclasses.replace(BASE, causal="bottom_right", lengths=True),
+    dataclasses.replace(BASE, window=(40, 7), q_len=200, kv_len=200),
+    dataclasses.replace(BASE, window=(None, 0), lengths=True, kv_heads=1),  # MQA, causal by window
+    dataclasses.replace(BASE, segments=True, q_len=130, kv_len=130),
+    dataclasses.replace(BASE, head_dim=128, causal="top_left", q_len=65, kv_len=129, batch=1),
+    dataclasses.replace(BASE, head_dim=16, q_len=1, kv_len=1),
+    dataclasses.replace(BASE, dtype="bfloat16", causal="top_left", lengths=True),
+    dataclasses.replace(BASE, dtype="float16", segments=True, window=(20, 20)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.dtype}-{c.causal}-{c.window}-"
+                         f"{c.lengths}-{c.segments}-{c.q_len}x{c.kv_len}-D{c.head_dim}-kv{c.kv_heads}")
+def test_matches_the_float64_oracle(case):
+    assert explain_implementation(*_shaped(case), platform="cpu").chosen == "cpu"
+    assert_judged_correct(run(case, jnp.dtype(case.dtype), "cpu"), oracle(case), baseline(case), case.dtype)
+
+
+def test_small_tiles_match_the_default_tiles():
+    """Many query and key tiles (16 x 64), every edge masked differently, same answer."""
+    case = dataclasses.replace(BASE, causal="bottom_right", lengths=True, q_len=150, kv_len=200)
+    small = run(case, jnp.float32, "cpu", block_sizes=BlockSizes(block_q=16, block_k=64))
+    assert_judged_correct(small, oracle(case), baseline(case), "float32")
+
+
+def _shaped(case):
+    q = jnp.zeros((case.batch, case.q_len, case.q_heads, case.head_dim), case.dtype)
+    k = jnp.zeros((case.batch, case.kv_len, case.kv_heads, case.head_dim), case.dtype)
+    return q, k, k
+
+
+def _inputs(seed, b=1, lq=70, lk=90, h=2, d=16):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            for shape in ((b, lq, h, d), (b, lk, h, d), (b, lk, h, d))]
+
+
+def test_nonfinite_values_where_no_row_may_attend_stay_out():
+    """NaN/inf in keys past the length and in queries past theirs: outputs and gradients of
+    the valid rows are finite and equal the call without them."""
+    q, k, v = _inputs(1)
+    lengths = dict(query_seq_lengths=jnp.array([50]), key_value_seq_lengths=jnp.array([60]))
+    poison = lambda x, n, value: x.at[:, n:].set(value)
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, is_causal=True, **lengths)[:, :50] ** 2)
+    clean = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    dirty = jax.grad(loss, argnums=(0, 1, 2))(poison(q, 50, jnp.nan), poison(k, 60, jnp.inf),
+                                              poison(v, 60, jnp.nan))
+    for a, b, n in zip(clean, dirty, (50, 60, 60)):
+        assert np.all(np.isfinite(b[:, :n]))
+        np.testing.assert_allclose(b[:, :n], a[:, :n], rtol=1e-6, atol=1e-6)
+
+
+def test_nan_at_an_allowed_key_reaches_the_rows_that_see_it():
+    q, k, v = _inputs(2)
+    out = flash_attention(q, k, v.at[0, 30, 0, 3].set(jnp.nan), is_causal=True)
+    rows_nan = np.isnan(np.asarray(out[0, :, 0])).any(axis=-1)
+    np.testing.assert_array_equal(rows_nan, np.arange(70) >= 30)
+    assert np.all(np.isfinite(out[0, :, 1]))  # the other head never sees that key
+
+
+def test_empty_rows_give_zero_output_and_gradient():
+    q, k, v = _inputs(3, b=2)
+    kw = dict(query_seq_lengths=jnp.array([70, 70]), key_value_seq_lengths=jnp.array([0, 90]))
+    out, lse = flash_attention(q, k, v, return_residual=True, **kw)
+    assert np.all(out[0] == 0) and np.all(np.isneginf(lse[0]))
+    dq = jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, **kw) ** 2))(q)
+    assert np.all(dq[0] == 0) and np.any(dq[1] != 0)
+
+
+def test_vmap_matches_one_call_per_example():
+    q, k, v = (x[None].repeat(3, 0) * jnp.arange(1.0, 4.0)[:, None, None, None, None]
+               for x in _inputs(4))
+    mapped = jax.vmap(lambda q, k, v: flash_attention(q, k, v, is_causal=True))(q, k, v)
+    for i in range(3):
+        np.testing.assert_allclose(mapped[i], flash_attention(q[i], k[i], v[i], is_causal=True),
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_default_on_cpu_is_the_custom_call_and_other_features_take_xla():
+    q, k, v = _inputs(5)
+    hlo = lambda **kw: jax.jit(lambda q, k, v: flash_attention(q, k, v, **kw)).lower(q, k, v).as_text()
+    assert "jax_flash_attention_cpu_forward" in hlo(is_causal=True)
+    bias = jnp.zeros((70, 90))
+    assert "jax_flash_attention_cpu" not in hlo(bias=bias)
+    assert "bias" in explain_implementation(q, k, v, bias, platform="cpu").reasons["cpu"]
+    with pytest.raises(ValueError, match="implementation='cpu'.*logits_soft_cap"):
+        flash_attention(q, k, v, logits_soft_cap=5.0, implementation="cpu")
+    with pytest.raises(ValueError, match="head_dim=24 is not a multiple of 16"):
+        flash_attention(*(x[..., :24] for x in _inputs(6, d=32)), implementation="cpu")
+    with pytest.raises(ValueError, match="block_k=32 is not a multiple of 64"):
+        flash_attention(q, k, v, implementation="cpu", block_sizes=BlockSizes(block_k=32))
+
+
+def test_no_score_sized_temporary():
+    """Compiled forward+backward temporaries at L=4096: far below one [L, L] float32 (64 MiB)."""
+    q, k, v = (jnp.zeros((1, 4096, 1, 64), jnp.float32) for _ in range(3))
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, is_causal=True))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 8 * 2**20
+
+
+@pytest.mark.parametrize("env, reason", [
+    ({"JAX_FLASH_ATTENTION_NO_CPU_KERNEL": "1"}, "JAX_FLASH_ATTENTION_NO_CPU_KERNEL is set"),
+    ({"CXX": "false"}, "building the CPU kernel failed"),
+])
+def test_without_the_kernel_calls_run_on_xla(tmp_path, env, reason):
+    """No kernel (switched off, or a compiler that fails): the reason is given and the same
+    call runs on the xla path with the same result."""
+    script = (
+        "import jax.numpy as jnp, numpy as np\n"
+        "from jax_impl import flash_attention, explain_implementation\n"
+        "x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40, 2, 16)), jnp.float32)\n"
+        "choice = explain_implementation(x, x, x, platform='cpu')\n"
+        "print(choice.chosen, '|', choice.reasons['cpu'])\n"
+        "a = flash_attention(x, x, x, is_causal=True)\n"
+        "b = flash_attention(x, x, x, is_causal=True, implementation='reference')\n"
+        "print(float(jnp.max(jnp.abs(a - b))))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "JAX_FLASH_ATTENTION_CACHE": str(tmp_path), **env})
+    assert result.returncode == 0, result.stderr
+    choice, error = result.stdout.strip().splitlines()
+    assert choice.startswith("xla |") and reason in choice
+    assert float(error) < 1e-5
