@@ -393,8 +393,10 @@ def test_pallas_triton_refuses_to_lower_for_cpu_and_says_what_to_use():
 def test_explain_implementation_names_the_choice_and_every_reason():
     q = _random((1, 16, 2, 64), 0)
     on_cpu = explain_implementation(q, q, q, platform="cpu")
-    assert on_cpu.chosen == "xla"
+    assert on_cpu.chosen == "cpu" and "cpu is eligible" in on_cpu.reasons["xla"]
     assert "CUDA" in on_cpu.reasons["pallas_triton"]
+    with_bias = explain_implementation(q, q, q, jnp.zeros((16, 16)), platform="cpu")
+    assert with_bias.chosen == "xla" and "bias" in with_bias.reasons["cpu"]
     on_gpu = explain_implementation(q, q, q, platform="cuda")
     assert on_gpu.chosen == "pallas_triton" and on_gpu.reasons["pallas_triton"] is None
     assert on_gpu.reasons["xla"] and on_gpu.reasons["reference"]
