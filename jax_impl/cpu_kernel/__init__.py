@@ -23,7 +23,7 @@ __all__ = ["forward", "backward", "unsupported", "unavailable"]
 HEAD_DIM_MULTIPLE = 16  # the kernels' products run in rows of SIMD vectors of up to 16 floats
 # Tiles (query rows, keys) of the forward and backward, measured on the 2-core AVX-512 machine
 # (benchmarks/README.md, "CPU: the fused kernel").
-FORWARD_BLOCKS = (64, 256)   # block_k: a multiple of 64 (the K^T panels)
+FORWARD_BLOCKS = (96, 128)   # block_k: a multiple of 64 (the K^T panels)
 BACKWARD_BLOCKS = (64, 128)
 PANEL = 64  # flash_cpu.cc's PW: K^T is read in panels of 64 keys
 _UNBOUNDED = 1 << 30  # a band side with no bound (positions stay below 2**30)

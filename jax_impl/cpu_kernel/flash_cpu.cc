@@ -49,23 +49,24 @@ constexpr float LOG2_E = 1.4426950408889634f;
 constexpr float LN_2 = 0.6931471805599453f;
 constexpr float NEG_INF = -INFINITY;
 
-// 2^x for x <= 0.5 (every use: logits minus a row max), exact 0 below 2^-126, NaN kept.
+// 2^x for x <= 0.5 (every use: logits minus a row max): exactly 0 below 2^-125, NaN kept.
 // Cephes exp2f: x = i + f, |f| <= 1/2, 2^f by a degree-6 polynomial (about 2 ulp).
-inline vf exp2v(vf x) {
-  vf xc = x < -127.0f ? splat(-127.0f) : x;  // a NaN compares false and stays NaN
-  vi i = __builtin_convertvector(xc - 0.5f, vi);  // round to nearest for xc <= 0.5
-  vf f = xc - __builtin_convertvector(i, vf);
+inline vf exp2_fraction(vf f) {
   vf p = splat(1.535336188319500e-4f);
   p = p * f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  return p * f + 1.0f;
+}
+inline vf exp2v(vf x) {
+  vf xc = x < -125.0f ? splat(-125.0f) : x;  // a NaN compares false and stays NaN
+  vi i = __builtin_convertvector(xc - 0.5f, vi);  // round to nearest for xc <= 0.5
+  vf p = exp2_fraction(xc - __builtin_convertvector(i, vf));
   vi bits = (i + 127) << 23;
   vf two_i; std::memcpy(&two_i, &bits, sizeof two_i);
-  vf r = p * two_i;
-  return x < -126.0f ? splat(0.0f) : r;
+  return x < -125.0f ? splat(0.0f) : p * two_i;
 }
 
 // C[m, nv*W] (+)= sum_k A[r*ar + k*ak] * B[k*ldb + c], m <= MR rows, nv <= NV vectors.
@@ -186,12 +187,29 @@ struct Problem {
     return q_seg == nullptr && i1 <= qlen(b) && j1 <= kvlen(b) && j0 - (i1 - 1) >= d_lo[b] &&
            (j1 - 1) - i0 <= d_hi[b];
   }
-  bool allowed(int64_t b, int64_t i, int64_t j) const {
-    int64_t d = j - i;
-    return i < qlen(b) && j < kvlen(b) && d >= d_lo[b] && d <= d_hi[b] &&
-           (q_seg == nullptr || q_seg[b * Lq + i] == kv_seg[b * Lk + j]);
-  }
 };
+
+// The mask on the logits of query row i against keys [j0, j0 + n): -inf where rules 1-4 forbid
+// the pair, NaN at an allowed pair whose query row or key row (k or v) holds a non-finite value
+// when `sanitize` (the tile's operands were cleaned: online_softmax's non-finite rule). Rules 1-3
+// allow one interval of keys per row, filled without a per-element test.
+void MaskRow(const Problem& P, int64_t b, int64_t i, int64_t j0, int64_t n, float* row,
+             bool sanitize, bool q_bad, const uint8_t* k_bad, const uint8_t* v_bad) {
+  int64_t lo = 0, hi = 0;
+  if (i < P.qlen(b)) {
+    lo = std::clamp<int64_t>(i + int64_t{P.d_lo[b]} - j0, 0, n);
+    hi = std::clamp<int64_t>(std::min<int64_t>(P.kvlen(b), i + int64_t{P.d_hi[b]} + 1) - j0, lo, n);
+  }
+  std::fill(row, row + lo, NEG_INF);
+  std::fill(row + hi, row + n, NEG_INF);
+  if (P.q_seg == nullptr && !sanitize) return;
+  const int32_t* kv_seg = P.q_seg == nullptr ? nullptr : P.kv_seg + b * P.Lk + j0;
+  const int32_t q_seg = P.q_seg == nullptr ? 0 : P.q_seg[b * P.Lq + i];
+  for (int64_t c = lo; c < hi; ++c) {
+    if (kv_seg != nullptr && kv_seg[c] != q_seg) row[c] = NEG_INF;
+    else if (sanitize && (q_bad || (k_bad && k_bad[c]) || (v_bad && v_bad[c]))) row[c] = NAN;
+  }
+}
 
 // Copies n rows of D floats (row stride `stride`) into dst [n, D], non-finite entries as 0 when
 // `sanitize`; returns whether any row held a non-finite value (and sets bad[r] unless null).
@@ -311,7 +329,7 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
     int64_t lo, hi;
     P.key_range(b, i0, std::min(i1, P.qlen(b)), &lo, &hi);
     lo = lo / bk * bk;
-    bool q_any_bad = AnyBadRow(qa_raw, q_stride, m, D, s.q_bad.data());
+    int q_any_bad = -1;  // checked at the first masked tile (unmasked tiles need no check)
     for (int64_t j0 = lo; j0 < hi; j0 += bk) {
       int64_t j1 = std::min(hi, j0 + bk), n = j1 - j0, nw = round_up(n, W);
       const float* k_panels = kth + (j0 / PW) * D * PW;
@@ -320,7 +338,8 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       bool masked = !P.whole(b, i0, i1, j0, j1);
       bool k_bad = masked && AnyBadColumn(k_panels, D, n, s.k_bad.data());
       bool v_bad = masked && AnyBadRow(v_rows, D, n, D, s.v_bad.data());
-      bool sanitize = masked && (q_any_bad || k_bad || v_bad);
+      if (masked && q_any_bad < 0) q_any_bad = AnyBadRow(qa_raw, q_stride, m, D, s.q_bad.data());
+      bool sanitize = masked && (q_any_bad > 0 || k_bad || v_bad);
       const float* qa = qa_raw;
       int64_t qa_r = q_stride;
       if (sanitize) {
@@ -333,12 +352,8 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       Gemm(m, nw, D, qa, qa_r, 1, k_panels, PW, D * PW, t, ldt, false);  // t = q k^T
       if (masked) {
         for (int64_t r = 0; r < m; ++r)
-          for (int64_t c = 0; c < n; ++c) {
-            float& x = t[r * ldt + c];
-            if (!P.allowed(b, i0 + r, j0 + c)) x = NEG_INF;
-            else if (sanitize && (s.q_bad[r] || (k_bad && s.k_bad[c]) || (v_bad && s.v_bad[c])))
-              x = NAN;
-          }
+          MaskRow(P, b, i0 + r, j0, n, t + r * ldt, sanitize, sanitize && s.q_bad[r],
+                  k_bad ? s.k_bad.data() : nullptr, v_bad ? s.v_bad.data() : nullptr);
       }
       // Online softmax in base 2: p = 2^(t * scale * log2(e) - m2), m2 = max * log2(e), with
       // the running max natural (as every implementation saves it).
@@ -430,12 +445,9 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
           for (int64_t r = 0; r < m; ++r) {
             float* tr = t + r * ldt;
             float* dpr = dp + r * ldt;
-            if (masked) {
-              for (int64_t c = 0; c < n; ++c) {
-                if (!P.allowed(b, i0 + r, j0 + c)) tr[c] = NEG_INF;
-                else if (sanitize && (s.q_bad[r] || s.k_bad[c] || s.v_bad[c])) tr[c] = NAN;
-              }
-            }
+            if (masked)
+              MaskRow(P, b, i0 + r, j0, n, tr, sanitize, sanitize && s.q_bad[r], s.k_bad.data(),
+                      s.v_bad.data());
             // P = 2^(t * scale * log2(e) - m2 - log_sum * log2(e)) with the forward's m2;
             // dS = P (dP - delta). P stays in t, dS in dp.
             const float shift = -(row_max[row0 + i0 + r] * LOG2_E) - log_sum[row0 + i0 + r] * LOG2_E;
