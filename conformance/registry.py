@@ -48,7 +48,8 @@ def adapters(device: str = "cpu") -> dict[str, Adapter]:
     """name -> Adapter bound to ``device``, in report order."""
     jax_impl = [JaxImplAdapter(f"jax_impl.{impl}", "jax", device, ("jax",), implementation=impl,
                                description=f"jax_impl.flash_attention(implementation={impl!r}){note}")
-                for impl, note in (("xla", ""), ("pallas_triton", ", interpret=True on CPU"), ("reference", ""))]
+                for impl, note in (("cpu", ""), ("xla", ""), ("pallas_triton", ", interpret=True on CPU"),
+                                  ("reference", ""))]
     jax_nn = [JaxNNAdapter(f"jax.nn.{impl}", "jax", device, ("jax",), devices=devices, fn=jax_nn_attention,
                            fixed_kwargs=(("implementation", impl),), reason_fn=jax_nn_reason,
                            description=f"jax.nn.dot_product_attention(implementation={impl!r})")

@@ -10,11 +10,18 @@ from conformance.cases import Case
 from conformance.runs import JaxPrepared, NotSupported
 
 
-def _jax_impl_unsupported(implementation: str, head_dim: int, device: str) -> str | None:
-    """jax_impl's own eligibility rule (its implementation table), for the harness's device;
-    on CPU the harness runs the Pallas kernel in the interpreter."""
-    from jax_impl.implementations import unsupported
-    return unsupported(implementation, head_dim=head_dim, platform=device, interpret=device == "cpu")
+def _jax_impl_unsupported(implementation: str, case: Case, device: str) -> str | None:
+    """jax_impl's own eligibility rule (its implementation table) for the case's features, on
+    the harness's device; on CPU the harness runs the Pallas kernel in the interpreter."""
+    from jax_impl.config import AttentionConfig
+    from jax_impl.implementations import CallFeatures, unsupported
+    from jax_impl.masking import MaskSpec
+    cfg = AttentionConfig(scale=1.0, mask=MaskSpec(), logits_soft_cap=case.soft_cap,
+                          dropout_rate=case.dropout)
+    features = CallFeatures(cfg, has_bias=case.bias, has_mask=case.mask != "none",
+                            has_sinks=case.sinks)
+    return unsupported(implementation, head_dim=case.head_dim, platform=device,
+                       interpret=device == "cpu", features=features)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +36,7 @@ class JaxImplAdapter(Adapter):
         return self.implementation == "pallas_triton" and self.device == "cpu"
 
     def _reason(self, case):
-        reason = _jax_impl_unsupported(self.implementation, case.head_dim, self.device)
+        reason = _jax_impl_unsupported(self.implementation, case, self.device)
         if reason is None and self.interpret and not case.interpret_ok:
             reason = "too large for the Pallas interpreter on CPU (runs on a GPU)"
         return reason

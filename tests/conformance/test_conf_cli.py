@@ -135,8 +135,9 @@ def test_exit_code_rule(impl, status, conforms, decides):
     assert bool(must_pass_failures(results, probes)) == decides
 
 
-def test_jax_impl_xla_follows_the_semantics_in_every_probe():
-    rows = run_probes([get_adapter("jax_impl.xla", "cpu")])
+@pytest.mark.parametrize("impl", ["jax_impl.xla", "jax_impl.cpu"])
+def test_jax_impl_follows_the_semantics_in_every_probe(impl):
+    rows = run_probes([get_adapter(impl, "cpu")])
     assert len(rows) == 6 and all(r.conforms for r in rows), [(r.probe, r.observation) for r in rows]
 
 

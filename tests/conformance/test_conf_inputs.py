@@ -77,7 +77,7 @@ def test_quick_suite_covers_the_required_features():
 
 
 def test_registry_names_and_unsupported_reasons():
-    for name in ("jax_impl.xla", "jax_impl.pallas_triton", "jax_impl.reference", "jax.dense", "jax.nn.xla",
+    for name in ("jax_impl.cpu", "jax_impl.xla", "jax_impl.pallas_triton", "jax_impl.reference", "jax.dense", "jax.nn.xla",
                  "jax.nn.cudnn", "jax.pallas.mha", "tokamax", "torch.manual", "torch.sdpa.auto",
                  "torch.sdpa.math", "torch.sdpa.flash", "torch.sdpa.efficient", "torch.sdpa.cudnn", "flash_attn"):
         assert name in adapters("cpu")
@@ -88,3 +88,6 @@ def test_registry_names_and_unsupported_reasons():
     assert get_adapter("jax.pallas.mha", "cuda")._reason(Case("gqa", q_heads=4, kv_heads=2)) is not None
     assert "soft cap" in get_adapter("torch.sdpa.math", "cpu").unsupported(Case("cap", soft_cap=5.0))
     assert get_adapter("jax_impl.xla", "cpu").unsupported(segments) is None
+    assert get_adapter("jax_impl.cpu", "cpu").unsupported(segments) is None
+    assert "bias" in get_adapter("jax_impl.cpu", "cpu").unsupported(Case("bias", bias=True))
+    assert "CPU" in get_adapter("jax_impl.cpu", "cuda").unsupported(segments)

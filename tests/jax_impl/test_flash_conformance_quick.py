@@ -1,6 +1,7 @@
 """The conformance suite's quick cases, for jax_impl's blocked implementations, in CI.
 
-The same path as ``python3 -m conformance --impl jax_impl.xla --impl jax_impl.pallas_triton``:
+The same path as ``python3 -m conformance --impl jax_impl.cpu --impl jax_impl.xla --impl
+jax_impl.pallas_triton``:
 the harness runs each case through the adapter and judges every output and gradient against
 torch_ref in float64. A case must pass (or be declared not supported with a reason).
 """
@@ -14,7 +15,7 @@ from conformance import harness, registry
 from conformance.cases import SUITES, make_inputs
 from conformance.oracle import references
 
-IMPLEMENTATIONS = ("jax_impl.xla", "jax_impl.pallas_triton")
+IMPLEMENTATIONS = ("jax_impl.cpu", "jax_impl.xla", "jax_impl.pallas_triton")
 
 
 @functools.lru_cache(maxsize=None)
