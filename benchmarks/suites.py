@@ -62,7 +62,7 @@ def grid(seq_lens, *, batch=1, heads=8, head_dims=(64,), dtypes=("float32",), ca
             for m in modes for dt in dtypes for d in head_dims for c in causal for n in seq_lens]
 
 
-QUICK_CPU_IMPLS = ("jax_impl.xla", "jax.dense", "jax.nn.xla", "torch.manual", "torch.sdpa.auto")
+QUICK_CPU_IMPLS = ("jax_impl.cpu", "jax_impl.xla", "jax.dense", "jax.nn.xla", "torch.manual", "torch.sdpa.auto")
 
 
 def _quick() -> Suite:

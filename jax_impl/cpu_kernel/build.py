@@ -1,7 +1,7 @@
 """Compiles ``flash_cpu.cc`` on first use and registers its handlers with XLA.
 
-The library is built for the machine it runs on (``-march=native``: AVX-512, AVX2 or the
-baseline, whatever the compiler finds), once per source, compiler flags, jaxlib and CPU, into
+The library is built for the machine it runs on (``-march=native``: 16-float SIMD vectors
+with AVX-512, 8 with AVX, 4 otherwise, whatever the compiler finds), once per source, compiler flags, jaxlib and CPU, into
 a cache directory (``$JAX_FLASH_ATTENTION_CACHE``, else ``~/.cache/jax_flash_attention``).
 Concurrent processes (pytest-xdist) build into temporary names and rename atomically. Without
 a C++ compiler nothing is built: ``unavailable()`` says why and the xla path runs instead.
@@ -22,7 +22,10 @@ import jax
 import jaxlib
 
 SOURCE = Path(__file__).with_name("flash_cpu.cc")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
+# -march: the machine's own instruction set unless $JAX_FLASH_ATTENTION_CPU_MARCH names another
+# (the tests build the AVX2 and SSE2 paths this way on an AVX-512 machine).
+MARCH = os.environ.get("JAX_FLASH_ATTENTION_CPU_MARCH", "native")
+FLAGS = ("-O3", f"-march={MARCH}", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
 TARGETS = {"jax_flash_attention_cpu_forward": "FlashForwardCpu",
            "jax_flash_attention_cpu_backward": "FlashBackwardCpu"}
 

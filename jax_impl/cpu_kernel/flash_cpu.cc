@@ -1,18 +1,20 @@
 // FlashAttention forward and backward for the CPU, as XLA FFI custom calls (jax_impl/cpu_kernel).
 //
 // The same algorithm as the Pallas kernels and the xla path (FlashAttention-2, the online
-// softmax in base 2 with scale * log2(e) folded into one multiply-add per logit), fused into one
-// pass per query tile (forward) or per (batch row, kv head) (backward), so that no tile leaves
-// the caches between its products. Every product is one register-blocked microkernel
-// (`Gemm`): C[M, N] (+)= A[M, K] B[K, N], A read one scalar at a time through two strides (so
-// P^T and dS^T need no transposed copy), B read in rows of SIMD vectors.
+// softmax in base 2 with scale * log2(e) folded into one multiply-add per logit), fused so that
+// a tile never leaves the caches between its products: the forward works one (batch row, head,
+// query tile) at a time, the backward one (batch row, kv head, chunk of key tiles). Every
+// product is one register-blocked microkernel (`Gemm`): C[M, N] (+)= A[M, K] B[K, N], A read one
+// scalar at a time through two strides (so P^T and dS^T need no transposed copy), B in rows of
+// SIMD vectors.
 //
-// Layouts are the library's: q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D], float32; row statistics
-// and delta [B, Hq, Lq]. The mask is the band d_lo[b] <= j - i <= d_hi[b] inside
-// i < q_len[b], j < kv_len[b], and segment ids when given (masking.py's rules 1-4).
-// Non-finite values follow online_softmax's rule: on a tile that evaluates a mask, q, k, v enter
-// the products with their non-finite entries as 0 and a pair whose query row or key row (k or
-// v) holds one gets a NaN logit.
+// Layouts (float32): the forward takes q [B, Lq, Hq, D] as the library holds it, K^T in panels
+// of 64 keys and v head-major; the backward takes every array head-major [B, H, L, D]. XLA makes
+// these copies once per call (__init__.py). Row statistics and delta are [B, Hq, Lq]. The mask
+// is the band d_lo[b] <= j - i <= d_hi[b] inside i < q_len[b], j < kv_len[b], and segment ids
+// when given (masking.py's rules 1-4). Non-finite values follow online_softmax's rule: on a tile
+// that evaluates a mask, q, k, v enter the products with their non-finite entries as 0 and a
+// pair whose query row or key row (k or v) holds one gets a NaN logit.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -46,7 +48,6 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return x - vf{}; }  // x - 0 folds to a broadcast (x + 0 would not: -0)
 
 constexpr float LOG2_E = 1.4426950408889634f;
-constexpr float LN_2 = 0.6931471805599453f;
 constexpr float NEG_INF = -INFINITY;
 
 // 2^x for x <= 0.5 (every use: logits minus a row max): exactly 0 below 2^-125, NaN kept.
@@ -545,18 +546,19 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
 
 }  // namespace
 
+namespace {
+// What both handlers take first: XLA's thread pool, q, k (the forward's K^T panels), v, and the
+// mask operands q_len, kv_len, d_lo, d_hi, q_seg, kv_seg.
+auto BindAttention() {
+  using F32 = ffi::Buffer<ffi::F32>;
+  using S32 = ffi::Buffer<ffi::S32>;
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<F32>().Arg<F32>().Arg<F32>()
+      .Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>();
+}
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashForwardCpu, ForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              BindAttention()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("block_k")
@@ -565,18 +567,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashForwardCpu, ForwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+// After the common operands: d_out, row_max, log_sum, delta.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashBackwardCpu, BackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              BindAttention()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

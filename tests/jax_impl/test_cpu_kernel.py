@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import subprocess
 import sys
 
@@ -148,3 +149,27 @@ def test_without_the_kernel_calls_run_on_xla(tmp_path, env, reason):
     choice, error = result.stdout.strip().splitlines()
     assert choice.startswith("xla |") and reason in choice
     assert float(error) < 1e-5
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 instruction sets")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 (8 floats), SSE2 (4 floats)
+def test_narrower_simd_builds_agree(tmp_path, march):
+    """The kernel built for AVX2 or SSE2 (other vector widths and microkernel shapes than this
+    machine's) gives the dense reference's outputs and gradients."""
+    script = (
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from jax_impl import flash_attention, explain_implementation\n"
+        "rng = np.random.default_rng(0)\n"
+        "q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in "
+        "((2, 77, 4, 32), (2, 150, 2, 32), (2, 150, 2, 32)))\n"
+        "assert explain_implementation(q, k, v, platform='cpu').chosen == 'cpu'\n"
+        "kw = dict(is_causal=True, causal_alignment='bottom_right', key_value_seq_lengths=jnp.array([150, 90]))\n"
+        "f = lambda impl: (flash_attention(q, k, v, implementation=impl, **kw), jax.grad(lambda q, k, v: "
+        "jnp.sum(jnp.sin(flash_attention(q, k, v, implementation=impl, **kw))), argnums=(0, 1, 2))(q, k, v))\n"
+        "a, b = f('cpu'), f('reference')\n"
+        "print(max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))\n")
+    env = {**os.environ, "JAX_FLASH_ATTENTION_CACHE": str(tmp_path), "JAX_FLASH_ATTENTION_CPU_MARCH": march}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip().splitlines()[-1]) < 1e-4
+    assert list(tmp_path.glob("flash_cpu_*.so")), "the kernel was built for this -march"
