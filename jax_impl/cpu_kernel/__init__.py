@@ -17,6 +17,7 @@ import numpy as np
 from jax_impl import masking, online_softmax
 from jax_impl.config import AttentionConfig
 from jax_impl.cpu_kernel.build import unavailable
+from jax_impl.xla import host_threads
 
 __all__ = ["forward", "backward", "unsupported", "unavailable"]
 
@@ -111,7 +112,6 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     """-> (dq, dk, dv in the inputs' dtypes, None): FlashAttention-2's backward, one item per
     (batch row, kv head, key chunk); with fewer (batch row, kv head) pairs than threads the key
     tiles are dealt to chunks, each with its own float32 dq summed here."""
-    from jax_impl.xla import host_threads
     _registered()
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
