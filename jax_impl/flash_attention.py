@@ -236,10 +236,8 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
                           block_sizes=block_sizes, interpret=bool(interpret),
                           precision=_precision(precision, query.dtype), dropout_rate=rate)
     if implementation == "cpu":
-        reason = implementations.unsupported(
-            "cpu", head_dim=head_dim, platform="cpu",
-            features=implementations.CallFeatures(cfg, bias is not None, masks.mask is not None,
-                                                  extras.sinks is not None))
+        reason = implementations.unsupported("cpu", head_dim=head_dim, platform="cpu",
+                                             features=_features(cfg, bias, masks, extras))
         if reason:
             raise ValueError(f"implementation='cpu' cannot run this call: {reason}")
     flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])

@@ -14,9 +14,7 @@ one custom VJP. The dense reference has neither: plain autodiff differentiates i
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
-
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from jax_impl import cpu_kernel, pallas_triton, xla
 from jax_impl.config import AttentionConfig

@@ -89,16 +89,17 @@ void micro(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, in
     for (int c = 0; c < N; ++c) store(C + r * ldc + c * W, acc[r][c]);
 }
 
-template <int M>
-void micro_rows(int nv, int64_t K, const float* A, int64_t ar, int64_t ak, const float* B,
-                int64_t ldb, float* C, int64_t ldc, bool acc) {
-  static_assert(NV == 4, "the switch below covers 1..4 vectors");
-  switch (nv) {
-    case 4: return micro<M, 4>(K, A, ar, ak, B, ldb, C, ldc, acc);
-    case 3: return micro<M, 3>(K, A, ar, ak, B, ldb, C, ldc, acc);
-    case 2: return micro<M, 2>(K, A, ar, ak, B, ldb, C, ldc, acc);
-    default: return micro<M, 1>(K, A, ar, ak, B, ldb, C, ldc, acc);
+// micro<rows, nv> for rows <= M and nv <= N known only at run time (the tiles' edges).
+template <int M, int N>
+void micro_edge(int rows, int nv, int64_t K, const float* A, int64_t ar, int64_t ak,
+                const float* B, int64_t ldb, float* C, int64_t ldc, bool acc) {
+  if constexpr (M > 1) {
+    if (rows < M) return micro_edge<M - 1, N>(rows, nv, K, A, ar, ak, B, ldb, C, ldc, acc);
   }
+  if constexpr (N > 1) {
+    if (nv < N) return micro_edge<M, N - 1>(rows, nv, K, A, ar, ak, B, ldb, C, ldc, acc);
+  }
+  micro<M, N>(K, A, ar, ak, B, ldb, C, ldc, acc);
 }
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -119,22 +120,11 @@ void Gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ar, int64_t a
       const float* a = A + r0 * ar;
       float* c = C + r0 * ldc + c0;
       const float* b = B + (c0 / PW) * panel + c0 % PW;
-      switch (std::min<int64_t>(MR, M - r0)) {
-        case MR: micro_rows<MR>(nv, K, a, ar, ak, b, ldb, c, ldc, accumulate); break;
-        case 1: micro_rows<1>(nv, K, a, ar, ak, b, ldb, c, ldc, accumulate); break;
-        case 2: micro_rows<2>(nv, K, a, ar, ak, b, ldb, c, ldc, accumulate); break;
-        default:
-          if constexpr (MR > 3) {
-            int m = static_cast<int>(M - r0);
-            if (m == 3) micro_rows<3>(nv, K, a, ar, ak, b, ldb, c, ldc, accumulate);
-            else if (m == 4) micro_rows<(MR > 4 ? 4 : 1)>(nv, K, a, ar, ak, b, ldb, c, ldc, accumulate);
-            else micro_rows<(MR > 5 ? 5 : 1)>(nv, K, a, ar, ak, b, ldb, c, ldc, accumulate);
-          }
-      }
+      micro_edge<MR, NV>(static_cast<int>(std::min<int64_t>(MR, M - r0)), nv, K, a, ar, ak, b, ldb,
+                         c, ldc, accumulate);
     }
   }
 }
-
 
 // Runs fn(item) for item in [0, n) on the caller and XLA's intra-op threads. Items are handed
 // out by an atomic counter; the caller returns once all are done, and a task that starts late
@@ -145,22 +135,15 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
     std::atomic<int64_t> next{0}, done{0};
   };
   auto state = std::make_shared<State>();
-  auto work = [state, n, &fn]() {
+  auto drain = [state, n](const F* f) {
     for (int64_t item; (item = state->next.fetch_add(1)) < n;) {
-      fn(item);
+      (*f)(item);
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
   int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([state, n, fn_ptr = &fn]() {
-      for (int64_t item; (item = state->next.fetch_add(1)) < n;) {
-        (*fn_ptr)(item);
-        state->done.fetch_add(1, std::memory_order_release);
-      }
-    });
-  }
-  work();
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([drain, f = &fn]() { drain(f); });
+  drain(&fn);
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
