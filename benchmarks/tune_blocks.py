@@ -52,7 +52,7 @@ def candidates(head_dim: int, dtype: str) -> list[BlockSizes]:
     """The rule's tiles first, then the alternatives that fit shared memory."""
     rule = heuristics.rule_block_sizes(head_dim, dtype)
     fits = lambda b: all(heuristics.shared_memory_estimate(k, head_dim, dtype, b) <= heuristics.SHARED_MEMORY_BUDGET
-                         for k in heuristics.KERNELS)
+                         for k in heuristics.kernels(head_dim, b))
     return [rule] + [b for b in ALTERNATIVES.get(head_dim, ()) if b != rule and fits(b)]
 
 
@@ -154,7 +154,7 @@ def markdown(rows: list[dict], facts: dict, seq_len: int, heads: int, device_nam
     for r in rows:
         blocks = BlockSizes(**r["block_sizes"])
         kernels = facts.get((r["head_dim"], r["dtype"], r["causal"], dataclasses.astuple(blocks)), {})
-        per = lambda fn: " / ".join(fn(kernels[k]) for k in ("forward", "dkdv", "dq") if k in kernels)
+        per = lambda fn: " / ".join(fn(kernels[k]) for k in heuristics.KERNELS if k in kernels)
         ms = "" if r["median_ms"] is None else f"{r['median_ms']:.3g} ({r['q1_ms']:.3g}-{r['q3_ms']:.3g})"
         tflops = "" if r["tflops"] is None else f"{r['tflops']:.1f}"
         lines.append(

@@ -24,15 +24,20 @@ from jax.experimental import pallas as pl
 
 from jax_impl import dropout_sinks, masking, online_softmax
 from jax_impl.config import AttentionConfig
-from jax_impl.pallas_triton import common
+from jax_impl.pallas_triton import common, heuristics
 from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-                 offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dk_ref, dv_ref, *,
-                 cfg: AttentionConfig, layout: Layout, groups: int, order: common.TileOrder):
+                 offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, *out_refs,
+                 cfg: AttentionConfig, layout: Layout, groups: int, order: common.TileOrder,
+                 outputs: tuple[str, ...]):
     """Works on the transposed tiles S^T = K Q^T ``[bk, bq]``, so that dV += P^T dO and
-    dK += dS^T Q are plain dots: no transpose of the computed P or dS."""
+    dK += dS^T Q are plain dots: no transpose of the computed P or dS.
+
+    ``outputs``: ("dk", "dv") accumulates both; ("dv",) or ("dk",) one of them, when two
+    [bk, Dp] fp32 accumulators would not fit in registers (heuristics.split_dkdv): the dV
+    program then needs neither V nor dP."""
     block_q, block_k = layout.blocks.block_q_dkv, layout.blocks.block_k_dkv
     j, b, kv_head = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
@@ -54,8 +59,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
     def query_head(g, carry):
         seed = common.per_head(seeds_ref, b, kv_head * groups + g)
 
-        def query_tile(i, carry, masked):
-            dk, dv = carry
+        def query_tile(i, acc, masked):
             queries = pl.ds(i * block_q, block_q)
             query_positions = i * block_q + jnp.arange(block_q, dtype=jnp.int32)  # [bq]
             # An interior tile (masked=False) lies below q_len <= Lq: no load of it needs a mask.
@@ -78,23 +82,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
                 t = t + poison
             stats = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref))
             p = softmax.probs(t, stats, allowed, transposed=True)     # P^T
-            dp = common.dot(v_tile, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask (the same
             # (query, key) hash, evaluated transposed).
             keep = common.dropout_keep(cfg, seed, rows, cols)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
-            _, dqk = online_softmax.logits_gradient(p, drop(dp), per_query(delta_ref), capped, cfg,
-                                                    scaled=False, transposed=True)
-            dv += common.dot(drop(p).astype(do.dtype), do, cfg.precision)
-            dk += common.dot(dqk.astype(q.dtype), q, cfg.precision)
-            return dk, dv
+            acc = dict(acc)
+            if "dk" in acc:
+                dp = common.dot(v_tile, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
+                _, dqk = online_softmax.logits_gradient(p, drop(dp), per_query(delta_ref), capped,
+                                                        cfg, scaled=False, transposed=True)
+            if "dv" in acc:
+                acc["dv"] += common.dot(drop(p).astype(do.dtype), do, cfg.precision)
+            if "dk" in acc:
+                acc["dk"] += common.dot(dqk.astype(q.dtype), q, cfg.precision)
+            return acc
 
         return masking.split_fori_loop(bounds, query_tile, carry)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, groups, query_head, (zeros, zeros))
-    store(dk_ref, (dk * cfg.scale).astype(dk_ref.dtype), key_ok, feature_ok)  # the scale once
-    store(dv_ref, dv.astype(dv_ref.dtype), key_ok, feature_ok)
+    acc = lax.fori_loop(0, groups, query_head, {name: jnp.zeros(k.shape, jnp.float32) for name in outputs})
+    scale = {"dk": cfg.scale, "dv": 1.0}  # dk's scale once, here
+    for name, ref in zip(outputs, out_refs):
+        store(ref, (acc[name] * scale[name]).astype(ref.dtype), key_ok, feature_ok)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
@@ -110,7 +118,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
     q, do = load(q_ref, query_ok, feature_ok), load(do_ref, query_ok, feature_ok)  # [bq, Dp]
     per_query = lambda ref: load(ref, query_ok)                       # [bq]
     stats, delta = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref)), per_query(delta_ref)
-    query = common.QueryTile(q, queries[:, None], query_ok,
+    query = common.QueryTile.create(q, queries[:, None], query_ok,
                              None if q_seg_ref is None else per_query(q_seg_ref), q_len, kv_len, offset)
     refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
@@ -154,19 +162,25 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     q_group = pl.BlockSpec((None, lq_tiled, groups, d_tile), lambda j, b, h: (b, 0, h, 0))
     stats_group = pl.BlockSpec((None, groups, lq_tiled), lambda j, b, h: (b, h, 0))
     order = common.TileOrder(tiles(layout.lk, bk), masking.later_key_tiles_heavier(cfg.mask))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, layout=layout, groups=groups, order=order),
-        grid=(order.num_tiles, batch, hkv),
-        in_specs=list(map(order.spec, [
-            q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
-            None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_tiled), lambda j, b, h: (b, 0)),
-            None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-            pair(mask), pair(bias), common.per_head_spec(seeds)])),
-        out_specs=[order.spec(kv_tile)] * 2,
-        out_shape=[common.out_struct(k.shape, k.dtype, q), common.out_struct(v.shape, v.dtype, q)],
-        interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dkdv",
-        compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
-    )(*inputs)
+    grads = {}
+    split = heuristics.split_dkdv(layout.d_tile, blocks)
+    for outputs in (("dv",), ("dk",)) if split else (("dk", "dv"),):
+        grads.update(zip(outputs, pl.pallas_call(
+            functools.partial(_dkdv_kernel, cfg=cfg, layout=layout, groups=groups, order=order,
+                              outputs=outputs),
+            grid=(order.num_tiles, batch, hkv),
+            in_specs=list(map(order.spec, [
+                q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
+                None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_tiled), lambda j, b, h: (b, 0)),
+                None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+                pair(mask), pair(bias), common.per_head_spec(seeds)])),
+            out_specs=[order.spec(kv_tile)] * len(outputs),
+            out_shape=[common.out_struct(k.shape, {"dk": k, "dv": v}[name].dtype, q) for name in outputs],
+            interpret=cfg.interpret, debug=cfg.debug,
+            name="flash_attention_backward_" + "".join(outputs),
+            compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
+        )(*inputs)))
+    dk, dv = grads["dk"], grads["dv"]
 
     # dQ (and dbias): grid (query tile, batch, q head).
     bq, bk = blocks.block_q_dq, blocks.block_k_dq

@@ -39,6 +39,13 @@ class QueryTile(NamedTuple):
     q_len: jax.Array
     kv_len: jax.Array
     offset: jax.Array | None        # position offset (ring), or None
+    poison: jax.Array               # [bq, 1] NaN where q's row is non-finite, else 0
+
+    @classmethod
+    def create(cls, q, rows, ok, segment_ids, q_len, kv_len, offset) -> "QueryTile":
+        # The masked tiles' share of the non-finite rule, once per program (key_tile_logits).
+        poison = online_softmax.per_row(online_softmax.row_poison(q))
+        return cls(q, rows, ok, segment_ids, q_len, kv_len, offset, poison)
 
 
 class KeyTile(NamedTuple):
@@ -68,11 +75,11 @@ def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: in
         None if kv_seg_ref is None else load(kv_seg_ref.at[keys], key_ok),
         pair_tile(mask_ref), structural=masked, position_offset=query.offset)
     feature_ok = layout.features_within()
-    q = query.q
     k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
-    if allowed is not None:
-        poison, q, k, v = online_softmax.excluded_nonfinite(q, k, v)
-    qk = dot(q, k, cfg.precision, trans_b=True)                      # [bq, bk]
+    if allowed is not None:  # q stays as loaded: S's excluded entries are replaced (Base2Softmax)
+        key_poison, k, v = online_softmax.excluded_nonfinite_keys(k, v)
+        poison = query.poison + online_softmax.per_row(key_poison, transposed=True)
+    qk = dot(query.q, k, cfg.precision, trans_b=True)                # [bq, bk]
     t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref))
     if allowed is not None:
         t = t + poison

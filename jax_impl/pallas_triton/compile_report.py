@@ -31,8 +31,9 @@ import jax.numpy as jnp
 from jax_impl.config import BlockSizes
 from jax_impl.pallas_triton import heuristics
 
-KERNELS = ("flash_attention_forward", "flash_attention_backward_dkdv", "flash_attention_backward_dq")
-SHORT_NAMES = dict(zip(KERNELS, ("forward", "dkdv", "dq")))
+KERNELS = ("flash_attention_forward", "flash_attention_backward_dkdv", "flash_attention_backward_dv",
+           "flash_attention_backward_dk", "flash_attention_backward_dq")
+SHORT_NAMES = {name: name.rsplit("_", 1)[-1] for name in KERNELS}  # forward, dkdv, dv, dk, dq
 SEQ_LEN = 4096  # long enough that no default tile is clipped; the benchmarks' length
 MISSING_TRITON = ("the compile report needs pip `triton` (its NVIDIA backend compiles the kernels "
                   "without a GPU): pip install 'triton==3.8.0' or the package's `test` extra")
@@ -53,7 +54,7 @@ class KernelFacts:
     dtype: str
     causal: bool
     block_sizes: tuple       # BlockSizes fields, in order
-    kernel: str              # forward, dkdv or dq
+    kernel: str              # heuristics.KERNELS: forward, dkdv (or dv and dk), dq
     num_warps: int
     num_stages: int
     dots: list               # [M, N, K, operand dtype] of each tt.dot in the TTIR
@@ -160,7 +161,7 @@ def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal:
                     visit(child)
 
     visit(lowered.compiler_ir().operation)
-    return [found[name] for name in KERNELS]
+    return [found[name] for name in KERNELS if name in found]  # dkdv, or dv and dk (split_dkdv)
 
 
 def _triton():
@@ -284,7 +285,8 @@ def report(configs, workers: int | None = None, seq_len: int = SEQ_LEN) -> list[
         try:
             kernels = triton_kernels(head_dim, dtype, blocks, causal, seq_len)
         except ValueError as e:  # block_sizes over the shared-memory budget: refused before lowering
-            refused += [facts(kernel, dots=[], error=f"refused: {e}") for kernel in heuristics.KERNELS]
+            refused += [facts(kernel, dots=[], error=f"refused: {e}")
+                        for kernel in heuristics.kernels(head_dim, blocks)]
             continue
         for kernel in kernels:
             rows.append(facts(SHORT_NAMES[kernel.name], dots=dot_shapes(kernel.ttir)))

@@ -33,7 +33,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
     q = load(q_ref, query_ok, feature_ok)                             # [bq, Dp]
     rows = queries[:, None]
     q_seg = None if q_seg_ref is None else load(q_seg_ref, query_ok)
-    query = common.QueryTile(q, rows, query_ok, q_seg, q_len, kv_len, offset)
+    query = common.QueryTile.create(q, rows, query_ok, q_seg, q_len, kv_len, offset)
     refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 

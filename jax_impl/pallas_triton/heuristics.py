@@ -25,7 +25,7 @@ MAX_HEAD_DIM = 256
 # Shared memory one thread block may use on sm_90 (H100/H200): 227 KiB.
 SHARED_MEMORY_BUDGET = 232448
 TUNED_BLOCKS_FILE = pathlib.Path(__file__).with_name("tuned_blocks.json")
-KERNELS = ("forward", "dkdv", "dq")
+KERNELS = ("forward", "dkdv", "dv", "dk", "dq")  # dkdv, or dv and dk where split_dkdv
 
 
 def next_power_of_two(n: int) -> int:
@@ -45,11 +45,12 @@ def head_dim_class(head_dim: int) -> int:
 def rule_block_sizes(head_dim: int, dtype) -> BlockSizes:
     """The unclipped tiles for one (head-dim class, dtype) when no tuned entry exists.
 
-    Dots' M: forward block_q (QK^T, PV); dK/dV block_q_dkv (QK^T, dO V^T) and block_k_dkv
-    (P^T dO, dS^T Q); dQ block_q_dq (QK^T, dO V^T, dS K). 16-bit tiles keep all of them >= 64,
+    Dots' M: forward block_q (QK^T, PV); dK/dV block_k_dkv (all four: the transposed tiles
+    K Q^T, V dO^T, P^T dO, dS^T Q); dQ block_q_dq (QK^T, dO V^T, dS K). 16-bit tiles keep all of them >= 64,
     so that every dot is a wgmma; 128-wide key tiles in the forward up to D=128.
-    fp32 dots run on FMA units (precision HIGHEST, no TF32): 32x32 tiles over 8 warps without
-    pipelining spill least (none at D=64; D=128: ~0.5 KiB in the forward and dQ, was 2-28 KiB).
+    fp32 dots run on FMA units (precision HIGHEST, no TF32), whose operands a thread holds in
+    registers over the whole head dim: small tiles over 8 warps, and from D=128 two stages and
+    16-key dK/dV tiles, compile with no spills except the causal D=256 dK/dV (~0.4 KiB).
     """
     d = head_dim_class(head_dim)
     if np.dtype(dtype).itemsize == 2:
@@ -57,10 +58,33 @@ def rule_block_sizes(head_dim: int, dtype) -> BlockSizes:
             return BlockSizes(128, 128, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=3)
         if d == 128:
             return BlockSizes(128, 64, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=3)
-        return BlockSizes(64, 32, 64, 64, 64, 32, num_warps=8, num_warps_bwd=8, num_stages=1)
-    if d <= 128:
+        # D=256: dK and dV in two kernels (split_dkdv) and 2 stages (cp.async straight to shared
+        # memory, no register staging): none spills, except the causal dQ by a few bytes.
+        return BlockSizes(64, 32, 32, 64, 64, 16, num_warps=8, num_warps_bwd=8, num_stages=2)
+    if d == 64:
         return BlockSizes(32, 32, 32, 32, 32, 32, num_warps=8, num_warps_bwd=8, num_stages=1)
-    return BlockSizes(32, 32, 16, 32, 32, 16, num_warps=8, num_warps_bwd=8, num_stages=1)
+    if d == 128:
+        return BlockSizes(16, 32, 16, 16, 32, 32, num_warps=8, num_warps_bwd=8, num_stages=2)
+    return BlockSizes(32, 32, 16, 16, 16, 16, num_warps=8, num_warps_bwd=8, num_stages=2)
+
+
+# Registers per thread that dK/dV's two fp32 accumulators may take before the kernel is split
+# in two (dV, then dK, each holding one): past it ptxas spills (D=256: 620-1,300 bytes per
+# thread with one kernel, whatever the tiles, in the compile report).
+DKDV_ACCUMULATOR_REGISTERS = 96
+
+
+def split_dkdv(head_dim: int, blocks: BlockSizes) -> bool:
+    """Whether the backward computes dV and dK in two kernels instead of one. The split costs
+    one more dot per tile pair (S^T is recomputed: 5 dots instead of 4) and reads Q and dO
+    twice; it is taken only where one kernel's accumulators alone would fill the registers."""
+    registers = 2 * blocks.block_k_dkv * head_dim_tile(head_dim) // (32 * blocks.num_warps_bwd)
+    return registers > DKDV_ACCUMULATOR_REGISTERS
+
+
+def kernels(head_dim: int, blocks: BlockSizes) -> tuple[str, ...]:
+    """The kernels of one forward + backward, in launch order."""
+    return ("forward", *(("dv", "dk") if split_dkdv(head_dim, blocks) else ("dkdv",)), "dq")
 
 
 def default_block_sizes(head_dim: int, dtype, causal: bool = False, table: dict | None = None) -> BlockSizes:
@@ -99,28 +123,26 @@ def all_default_configs():
 # --- shared memory ---------------------------------------------------------------------------
 # Fitted to what Triton 3.8 allocates for these kernels on sm_90a (the compile report's
 # `shared`), as an upper bound: tests/jax_impl/test_compile_report.py checks it against every
-# default configuration and a few user ones. Per kernel, in elements of the input dtype:
-# tiles loaded once, one output tile for the epilogue, and `num_stages` copies of the tiles
-# the loop streams (num_stages=1: one copy, no pipelining).
+# default configuration and a few user ones. Per kernel, in elements of the input dtype: the
+# tiles loaded once (their buffers are reused by the output's epilogue), and `num_stages`
+# copies of the tiles the key or query loop streams.
 SCRATCH_ALLOWANCE = 4096  # bytes: reductions and layout conversions of fp32 / mma.sync code
 
 
 def shared_memory_estimate(kernel: str, head_dim: int, dtype, blocks: BlockSizes) -> int:
-    """Bytes of shared memory one program of ``kernel`` ("forward", "dkdv", "dq") needs."""
+    """Bytes of shared memory one program of ``kernel`` (one of KERNELS) needs."""
     d, size = head_dim_tile(head_dim), np.dtype(dtype).itemsize
     stages = max(1, blocks.num_stages)
-    if kernel == "forward":  # Q and the O epilogue; K and V streamed
-        bq, bk = blocks.block_q, blocks.block_k
-        tiles = 2 * bq * d + stages * 2 * bk * d
-        row_stats = 0
-    elif kernel == "dkdv":  # K, V and the dK, dV epilogues; Q, dO (+ 3 fp32 row vectors) streamed; P^T
+    row_stats = 0
+    if kernel == "forward":  # Q held; K and V streamed
+        tiles = blocks.block_q * d + stages * 2 * blocks.block_k * d
+    elif kernel in ("dkdv", "dk", "dv"):  # Q, dO (+ 3 fp32 row vectors) streamed; P^T
         bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
-        tiles = 4 * bk * d + stages * 2 * bq * d + bk * bq
+        held = 2 if kernel == "dv" else 4  # dV: K (and its epilogue); else K, V and two more
+        tiles = held * bk * d + stages * 2 * bq * d + bk * bq
         row_stats = stages * 3 * bq * 4
-    elif kernel == "dq":  # Q, dO and the dQ epilogue; K and V streamed
-        bq, bk = blocks.block_q_dq, blocks.block_k_dq
-        tiles = 3 * bq * d + stages * 2 * bk * d
-        row_stats = 0
+    elif kernel == "dq":  # Q and dO held; K and V streamed
+        tiles = 2 * blocks.block_q_dq * d + stages * 2 * blocks.block_k_dq * d
     else:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
     return tiles * size + row_stats + SCRATCH_ALLOWANCE
@@ -129,7 +151,7 @@ def shared_memory_estimate(kernel: str, head_dim: int, dtype, blocks: BlockSizes
 def check_shared_memory(head_dim: int, dtype, blocks: BlockSizes, requested: BlockSizes) -> None:
     """Refuse ``requested`` (the user's block_sizes) when a kernel's tiles (``blocks``, clipped
     to the sequence) overflow SHARED_MEMORY_BUDGET: Triton would fail at launch."""
-    for kernel in KERNELS:
+    for kernel in kernels(head_dim, blocks):
         need = shared_memory_estimate(kernel, head_dim, dtype, blocks)
         if need > SHARED_MEMORY_BUDGET:
             raise ValueError(

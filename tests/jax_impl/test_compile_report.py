@@ -1,5 +1,6 @@
 """The default tiles, compiled for sm_90a (H100/H200) without a GPU: they compile, fit shared
-memory, and their 16-bit dots run on Hopper's wgmma with no register spills up to D=128; the
+memory, and their 16-bit dots run on Hopper's wgmma with no register spills (one exception at
+D=256, bounded); the
 shared-memory estimate is an upper bound of what Triton allocates (and within 30% for causal
 calls); user tiles that overflow are refused before launch. One compile of ~24 kernels per
 session (~50 s of CPU with a cold Triton cache)."""
@@ -23,7 +24,9 @@ from jax_impl.pallas_triton import compile_report  # noqa: E402
 # Tiles whose dK/dV dots have M = 32 (block_k_dkv = 32: S^T = K Q^T is [block_k_dkv, block_q_dkv]):
 # the counter-case of the checks.
 NARROW = BlockSizes(64, 32, 64, 32, 64, 32, num_warps=4, num_warps_bwd=4, num_stages=2)
-# A user config close to the budget (the dK/dV kernel needs ~209 KiB) that spills.
+# The D=256 16-bit tiles before 2 stages: dK and dQ spill (the spill check's counter-case).
+ONE_STAGE_D256 = BlockSizes(64, 32, 64, 64, 64, 32, num_warps=8, num_warps_bwd=8, num_stages=1)
+# A user config close to the budget (the dK kernel needs ~214 KiB by the estimate).
 NEAR_BUDGET = BlockSizes(128, 128, 64, 128, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=2)
 
 
@@ -50,7 +53,8 @@ def _rule_configs():
 def compiled():
     """Every kernel of the defaults and two user configs, compiled once per session."""
     defaults = _default_configs()
-    users = [(64, "bfloat16", True, NARROW), (128, "bfloat16", True, NEAR_BUDGET)] + _rule_configs()
+    users = [(64, "bfloat16", True, NARROW), (128, "bfloat16", True, NEAR_BUDGET),
+             (256, "bfloat16", True, ONE_STAGE_D256)] + _rule_configs()
     rows = compile_report.report(defaults + users)
     is_default = lambda r: (r.head_dim, r.dtype, r.causal, r.block_sizes) in {
         (d, str(jnp.dtype(t)), c, dataclasses.astuple(b)) for d, t, c, b in defaults}
@@ -77,7 +81,9 @@ def test_every_default_config_compiles_for_sm90a_within_the_shared_memory_budget
         assert r.ptxas_ok, f"{_label(r)}: {r.error}"
         assert r.shared <= heuristics.SHARED_MEMORY_BUDGET, f"{_label(r)}: {r.shared} bytes of shared memory"
     assert {(d, c) for d, _, c in kernels} >= {(64, True), (128, True), (256, True)}
-    assert all(k == {"forward", "dkdv", "dq"} for k in kernels.values())
+    for (head_dim, dtype, causal), found in kernels.items():
+        blocks = heuristics.default_block_sizes(head_dim, dtype, causal)
+        assert found == set(heuristics.kernels(head_dim, blocks)), (head_dim, dtype, causal, found)
 
 
 def test_16bit_defaults_run_every_dot_on_wgmma_with_m_at_least_64(compiled):
@@ -94,23 +100,31 @@ def test_16bit_defaults_run_every_dot_on_wgmma_with_m_at_least_64(compiled):
     assert any(not _wgmma_only(r) for r in narrow)
 
 
-def test_16bit_rule_tiles_do_not_spill_up_to_head_dim_128(compiled):
+def test_16bit_rule_tiles_do_not_spill(compiled):
     defaults, users = compiled
     rule = lambda r: r.block_sizes == dataclasses.astuple(heuristics.rule_block_sizes(r.head_dim, r.dtype))
     checked = set()
     for r in defaults + users:
-        if r.dtype != "float32" and r.head_dim <= 128 and rule(r):
-            assert max(r.spill_stores, r.spill_loads) == 0, f"{_label(r)} spills"
+        if r.dtype != "float32" and rule(r):
+            spilled = max(r.spill_stores, r.spill_loads)
+            if (r.head_dim, r.causal, r.kernel) == (256, True, "dq"):
+                # The one exception: the non-finite rule's pass over each masked key tile costs
+                # ~40 registers (216 without it); triton 3.8 spills 4 B, 3.9 about 100 B (was
+                # 350-400 B with one stage).
+                assert spilled <= 128, f"{_label(r)} spills {spilled} B"
+            else:
+                assert spilled == 0, f"{_label(r)} spills"
             checked.add((r.head_dim, r.dtype, r.causal, r.kernel))
-    expected = {(d, str(jnp.dtype(dt)), c, k) for d, dt, c, _ in _default_configs()
-                if np.dtype(dt).itemsize == 2 and d <= 128 for k in heuristics.KERNELS}
-    assert checked == expected and {d for d, *_ in expected} == {64, 128}
+    expected = {(d, str(jnp.dtype(dt)), c, k) for d, dt, c, blocks in _default_configs()
+                if np.dtype(dt).itemsize == 2 for k in heuristics.kernels(d, blocks)}
+    assert checked == expected and {d for d, *_ in expected} == {64, 128, 256}
+    assert {k for d, *_, k in expected if d == 256} == {"forward", "dv", "dk", "dq"}
     # Tuned entries (tuned_blocks.json) are judged by the GPU's timing, not held to this: under
     # triton 3.9 / ptxas 13.4 the D=64 causal forward winner spills 68 B at 255 registers.
-    # The check can fail: 128x128 key tiles at D=128 spill in the forward and in dK/dV.
-    near = {r.kernel: r for r in users if r.block_sizes == dataclasses.astuple(NEAR_BUDGET)}
-    assert near["forward"].spill_stores > 0 and near["dkdv"].spill_stores > 0
-    # D=256 (16-bit backward) and fp32 (FMA dots: no TF32) spills are reported, not asserted.
+    # The check can fail: the earlier D=256 tiles (one stage, no cp.async) spill in dK and dQ.
+    one_stage = {r.kernel: r for r in users if r.block_sizes == dataclasses.astuple(ONE_STAGE_D256)}
+    assert one_stage["dk"].spill_stores > 0 and one_stage["dq"].spill_stores > 0
+    # fp32 (FMA dots: no TF32) spills are reported, not asserted.
 
 
 def test_masked_edges_compile_like_whole_tiles(compiled):

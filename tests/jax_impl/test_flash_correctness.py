@@ -6,6 +6,7 @@ same-dtype implementation's error, plus the dtype's rounding floor.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from conformance import tolerance
 from conformance.cases import Case
 from jax_impl import BlockSizes, masking, pallas_triton
 from jax_impl.config import AttentionConfig
+from jax_impl.flash_attention import flash_attention
 from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run, torch_arrays
 
 PROBLEMS = [
@@ -46,11 +48,18 @@ IMPLEMENTATIONS = {
     "pallas_triton": dict(implementation="pallas_triton", interpret=True),
     # Small tiles: many tiles per sequence, so the block-skip ranges and padding matter.
     "xla-16x32-tiles": dict(implementation="xla", block_sizes=BlockSizes(16, 32)),
+    # One warp: two [32, 64] fp32 accumulators would not fit its registers, so dV and dK are
+    # computed by two kernels (heuristics.split_dkdv), as at D=256 with the default tiles.
+    "pallas_triton-split-dkdv": dict(implementation="pallas_triton", interpret=True,
+                                     block_sizes=BlockSizes(16, 32, 16, 32, 16, 32, num_warps_bwd=1)),
 }
 SMALL_TILE_PROBLEMS = ("causal-bottomright-lq>lk", "bottomright-lengths-bf16",
                        "causal-window-left", "bias-shared-batch-causal", "segments-gqa4")
+SPLIT_DKDV_PROBLEMS = ("causal-topleft-lq<lk-d40", "bias-softcap-key-padding", "segments-gqa4",
+                       "dense-mask-empty-rows")
+ONLY_ON = {"xla-16x32-tiles": SMALL_TILE_PROBLEMS, "pallas_triton-split-dkdv": SPLIT_DKDV_PROBLEMS}
 GRID = [pytest.param(p, impl, id=f"{p.name}-{impl}") for p in PROBLEMS for impl in IMPLEMENTATIONS
-        if impl != "xla-16x32-tiles" or p.name in SMALL_TILE_PROBLEMS]
+        if p.name in ONLY_ON.get(impl, [p.name])]
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,6 +72,18 @@ def test_matches_float64_oracle(problem, implementation):
     options = dict(IMPLEMENTATIONS[implementation])
     results = run(problem, DTYPES[problem.dtype], **options)
     assert_judged_correct(results, *_oracle_and_baseline(problem), problem.dtype)
+
+
+def test_split_dkdv_tiles_run_dv_and_dk_as_two_kernels():
+    """The split-dkdv entry of the grid is what it says: its backward has no dK/dV kernel."""
+    problem = next(p for p in PROBLEMS if p.name == SPLIT_DKDV_PROBLEMS[0])
+    q = jax.ShapeDtypeStruct((1, problem.q_len, 2, problem.head_dim), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, problem.kv_len, 2, problem.head_dim), jnp.float32)
+    options = IMPLEMENTATIONS["pallas_triton-split-dkdv"]
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q, k: jnp.sum(flash_attention(q, k, k, **options)), (0, 1)))(q, k)
+    names = set(re.findall(r"name=(flash_attention_\w+)", str(jaxpr)))  # inside custom_vjp
+    assert names == {"flash_attention_forward", "flash_attention_backward_dv",
+                     "flash_attention_backward_dk", "flash_attention_backward_dq"}
 
 
 def test_oracle_is_not_trivially_passed():

@@ -75,6 +75,18 @@ def test_xla_pallas_and_block_sizes_agree_for_the_same_key():
                                        err_msg=f"{variant}: {name}")
 
 
+def test_dropout_reaches_dv_and_dk_alike_when_they_are_two_kernels():
+    """dV and dK computed by two kernels (heuristics.split_dkdv: one warp, D=64) apply the
+    same dropout pattern as the xla path."""
+    q, k, v, ct = _qkv(lq=40, lk=48, d=64, seed=4)
+    key = jax.random.key(5)
+    base = _grads("xla", q, k, v, ct, key)
+    split = _grads("pallas_triton", q, k, v, ct, key,
+                   block_sizes=BlockSizes(16, 16, 16, 32, 16, 16, num_warps_bwd=1))
+    for name in base:
+        np.testing.assert_allclose(split[name], base[name], rtol=2e-5, atol=2e-5, err_msg=name)
+
+
 def test_deterministic_or_zero_rate_is_exactly_no_dropout():
     q, k, v, _ = _qkv(seed=2)
     plain = flash_attention(q, k, v, implementation="xla")
