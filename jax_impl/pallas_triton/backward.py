@@ -5,8 +5,9 @@
   (masking.q_block_range), for each of the G query heads that share this kv head (GQA:
   the group's contributions are summed here, K/V are never repeated).
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
-  It also writes dS, the gradient of the bias, when there is a bias and cfg.bias_gradient;
-  only then must it visit every key tile (to write dbias's zeros), else it skips like the forward.
+  It also writes dS, the gradient of the bias, when there is a bias and cfg.bias_gradient,
+  into a zeroed buffer that it updates in place (input_output_aliases): the tiles the band
+  excludes stay 0, so it still skips them, like the xla path.
 
 Both recompute P = exp(S - m - log l) from q, k and the saved row statistics, in base 2 with
 the scale folded in (online_softmax.Base2Softmax), and apply the scale of dq and dk once to
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -135,16 +137,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
         return dq + common.dot(dqk.astype(tile.k.dtype), tile.k, cfg.precision)
 
     bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
-    if dbias_ref is not None:  # every tile of dbias must be written, zeros included
-        bounds = (0, bounds[1], bounds[2], tiles(layout.lk, block_k))  # (only if cfg.bias_gradient)
     dq = masking.split_fori_loop(bounds, key_tile, jnp.zeros(q.shape, jnp.float32))
     store(dq_ref, (dq * cfg.scale).astype(dq_ref.dtype), query_ok, feature_ok)  # the scale once
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
-                  masks: masking.MaskInputs, mask, bias, seeds=None):
+                  masks: masking.MaskInputs, mask, bias, seeds=None, dbias_zeros=None):
     """Operands as the forward's -> (dq, dk, dv, dbias [B, Hq, Lq, Lk], or None without a bias or
-    with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py)."""
+    with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py).
+    ``dbias_zeros``: float32 zeros of dbias's shape when it is wanted, the buffer the dQ kernel
+    writes the band's tiles into."""
     batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
     lq_tiled, lk_tiled, d_tile, groups = layout.lq_tiled, layout.lk_tiled, layout.d_tile, hq // hkv
     blocks = layout.blocks
@@ -190,23 +192,29 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     q_tile = pl.BlockSpec((None, bq, None, d_tile), lambda i, b, h: (b, i, h, 0))
     kv_all = pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    in_specs = [
+        q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
+        None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
+        pair(mask), pair(bias), common.per_head_spec(seeds)]
     out_specs = [q_tile]
     out_shape = [common.out_struct(q.shape, q.dtype, q)]
     write_dbias = bias is not None and cfg.bias_gradient
-    if write_dbias:
-        out_specs.append(pl.BlockSpec((None, None, bq, lk_tiled), lambda i, b, h: (b, h, i, 0)))
-        out_shape.append(common.out_struct((batch, hq, layout.lq, layout.lk), jnp.float32, q))
+    aliases = {}
+    if write_dbias:  # dbias_zeros in, updated in place: the kernel writes only the band's tiles
+        dbias_tile = pl.BlockSpec((None, None, bq, lk_tiled), lambda i, b, h: (b, h, i, 0))
+        aliases = {len(jax.tree.leaves(inputs)): 1}  # operands that are None are not passed
+        inputs = (*inputs, dbias_zeros)
+        in_specs.append(dbias_tile)
+        out_specs.append(dbias_tile)
+        out_shape.append(common.out_struct(dbias_zeros.shape, jnp.float32, q))
     order = common.TileOrder(tiles(layout.lq, bq), masking.later_query_tiles_heavier(cfg.mask))
     results = pl.pallas_call(
-        functools.partial(_dq_kernel if write_dbias else _dq_kernel_no_dbias, cfg=cfg,
+        functools.partial(_dq_kernel_with_dbias if write_dbias else _dq_kernel_no_dbias, cfg=cfg,
                           layout=layout, order=order),
-        grid=(order.num_tiles, batch, hq),
-        in_specs=list(map(order.spec, [
-            q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
-            None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-            None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
-            pair(mask), pair(bias), common.per_head_spec(seeds)])),
+        grid=(order.num_tiles, batch, hq), in_specs=list(map(order.spec, in_specs)),
         out_specs=list(map(order.spec, out_specs)), out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dq",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
     )(*inputs)
@@ -218,3 +226,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
 def _dq_kernel_no_dbias(*refs, **kwargs):
     *inputs, dq_ref = refs
     return _dq_kernel(*inputs, dq_ref, None, **kwargs)
+
+
+def _dq_kernel_with_dbias(*refs, **kwargs):
+    *inputs, _dbias_zeros_ref, dq_ref, dbias_ref = refs  # the zeros are dbias_ref's own memory
+    return _dq_kernel(*inputs, dq_ref, dbias_ref, **kwargs)

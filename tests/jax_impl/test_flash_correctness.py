@@ -97,8 +97,8 @@ def test_oracle_is_not_trivially_passed():
 
 @pytest.mark.parametrize("bias_gradient", [False, True])
 def test_pallas_backward_with_a_constant_bias_writes_no_dbias(bias_gradient):
-    """cfg.bias_gradient=False (the bias is not differentiated): the dQ kernel writes no dS, so
-    it keeps skipping the key tiles the causal band excludes, and dq, dk, dv stay exact."""
+    """cfg.bias_gradient=False (the bias is not differentiated): the dQ kernel writes no dS, and
+    dq, dk, dv stay exact; True: dS lands in a zeroed buffer, exact inside and outside the band."""
     rng = np.random.default_rng(21)
     b, length, heads, d = 1, 70, 2, 16
     q, k, v, ct = (rng.standard_normal((b, length, heads, d)).astype(np.float32) for _ in range(4))
@@ -129,3 +129,7 @@ def test_pallas_backward_with_a_constant_bias_writes_no_dbias(bias_gradient):
     dq_call, = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"
                 and e.params["name"] == "flash_attention_backward_dq"]
     assert len(dq_call.outvars) == (2 if bias_gradient else 1)
+    # dbias is a zeroed buffer the kernel updates in place (so it skips the tiles the causal
+    # band excludes, as without dbias): the last input aliases the second output.
+    aliases = dict(dq_call.params["input_output_aliases"])
+    assert aliases == ({len(dq_call.invars) - 1: 1} if bias_gradient else {})
