@@ -3,8 +3,12 @@
 * dK/dV: one program per (key tile, batch, kv head). It keeps K_j, V_j and the dK_j, dV_j
   accumulators in registers and walks every query tile that can see key tile j
   (masking.q_block_range), for each of the G query heads that share this kv head (GQA:
-  the group's contributions are summed here, K/V are never repeated).
+  the group's contributions are summed here, K/V are never repeated). Where the two
+  accumulators would not fit the registers it is two kernels, dV then dK (split_dkdv).
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
+  It reads K and V with their non-finite entries as 0 (``finite_kv``), so its masked tiles
+  need no non-finite rule: a row that attends a non-finite input has a NaN output row, hence
+  a NaN delta, hence a NaN dS row and dq row, as the rule would give.
   It also writes dS, the gradient of the bias, when there is a bias and cfg.bias_gradient,
   into a zeroed buffer that it updates in place (input_output_aliases): the tiles the band
   excludes stay 0, so it still skips them, like the xla path.
@@ -126,7 +130,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, dq, masked):
-        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked)
+        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked,
+                                      keys_finite=True)
         p = softmax.probs(tile.t, stats, tile.allowed)
         dp = common.dot(do, tile.v, cfg.precision, trans_b=True)
         keep = common.dropout_keep(cfg, seed, query.rows, tile.cols)  # dP reaches P through it
@@ -142,11 +147,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
-                  masks: masking.MaskInputs, mask, bias, seeds=None, dbias_zeros=None):
+                  masks: masking.MaskInputs, mask, bias, seeds=None, dbias_zeros=None,
+                  finite_kv=None):
     """Operands as the forward's -> (dq, dk, dv, dbias [B, Hq, Lq, Lk], or None without a bias or
     with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py).
     ``dbias_zeros``: float32 zeros of dbias's shape when it is wanted, the buffer the dQ kernel
-    writes the band's tiles into."""
+    writes the band's tiles into. ``finite_kv``: (k, v) with non-finite entries as 0, the dQ
+    kernel's."""
     batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
     lq_tiled, lk_tiled, d_tile, groups = layout.lq_tiled, layout.lk_tiled, layout.d_tile, hq // hkv
     blocks = layout.blocks
@@ -192,6 +199,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     q_tile = pl.BlockSpec((None, bq, None, d_tile), lambda i, b, h: (b, i, h, 0))
     kv_all = pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    inputs = (q, *finite_kv, *inputs[3:])
     in_specs = [
         q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
         None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),

@@ -59,10 +59,11 @@ class KeyTile(NamedTuple):
 
 
 def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: int,
-                    masked: bool) -> KeyTile:
+                    masked: bool, keys_finite: bool = False) -> KeyTile:
     """Key tile ``j`` of the forward and dQ kernels: its loads (masked at the edges), the mask
     rule and the logits. ``refs``: (k, v, kv segment ids, mask, bias); the last three may be
-    None."""
+    None. ``keys_finite``: k and v hold no non-finite value (the dQ kernel's, made so before
+    it), so the masked tiles skip the non-finite rule."""
     k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref = refs
     keys = pl.ds(j * block_k, block_k)
     key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
@@ -76,12 +77,13 @@ def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: in
         pair_tile(mask_ref), structural=masked, position_offset=query.offset)
     feature_ok = layout.features_within()
     k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
-    if allowed is not None:  # q stays as loaded: S's excluded entries are replaced (Base2Softmax)
+    rule = allowed is not None and not keys_finite
+    if rule:  # q stays as loaded: S's excluded entries are replaced (Base2Softmax)
         key_poison, k, v = online_softmax.excluded_nonfinite_keys(k, v)
         poison = query.poison + online_softmax.per_row(key_poison, transposed=True)
     qk = dot(query.q, k, cfg.precision, trans_b=True)                # [bq, bk]
     t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref))
-    if allowed is not None:
+    if rule:
         t = t + poison
     return KeyTile(cols, key_ok, allowed, t, capped, k, v)
 

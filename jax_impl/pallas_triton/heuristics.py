@@ -50,7 +50,7 @@ def rule_block_sizes(head_dim: int, dtype) -> BlockSizes:
     so that every dot is a wgmma; 128-wide key tiles in the forward up to D=128.
     fp32 dots run on FMA units (precision HIGHEST, no TF32), whose operands a thread holds in
     registers over the whole head dim: small tiles over 8 warps, and from D=128 two stages and
-    16-key dK/dV tiles, compile with no spills except the causal D=256 dK/dV (~0.4 KiB).
+    16-key dK/dV and dQ tiles, compile with no spills except the causal D=256 dK/dV (~0.4 KiB).
     """
     d = head_dim_class(head_dim)
     if np.dtype(dtype).itemsize == 2:
@@ -59,12 +59,12 @@ def rule_block_sizes(head_dim: int, dtype) -> BlockSizes:
         if d == 128:
             return BlockSizes(128, 64, 64, 64, 128, 64, num_warps=8, num_warps_bwd=8, num_stages=3)
         # D=256: dK and dV in two kernels (split_dkdv) and 2 stages (cp.async straight to shared
-        # memory, no register staging): none spills, except the causal dQ by a few bytes.
+        # memory, no register staging): none spills.
         return BlockSizes(64, 32, 32, 64, 64, 16, num_warps=8, num_warps_bwd=8, num_stages=2)
     if d == 64:
         return BlockSizes(32, 32, 32, 32, 32, 32, num_warps=8, num_warps_bwd=8, num_stages=1)
     if d == 128:
-        return BlockSizes(16, 32, 16, 16, 32, 32, num_warps=8, num_warps_bwd=8, num_stages=2)
+        return BlockSizes(16, 32, 16, 16, 32, 16, num_warps=8, num_warps_bwd=8, num_stages=2)
     return BlockSizes(32, 32, 16, 16, 16, 16, num_warps=8, num_warps_bwd=8, num_stages=2)
 
 

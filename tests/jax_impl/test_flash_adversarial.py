@@ -142,6 +142,11 @@ def test_a_nan_at_an_allowed_pair_still_gives_nan_in_that_row(implementation):
     out = results["out"]
     assert np.all(np.isnan(out[0, 7:, 2]).any(axis=-1)), "rows 7.. attend key 7"
     assert np.all(np.isfinite(out[0, :7])) and np.all(np.isfinite(out[1])) and np.all(np.isfinite(out[0, :, 3]))
+    # The gradients too (the Pallas dQ kernel reads finite copies of k and v and relies on the
+    # NaN that delta = rowsum(dO * O) carries for exactly these rows).
+    dq = results["dq"]
+    assert np.all(np.isnan(dq[0, 7:, 2]).any(axis=-1)), "dq: rows 7.. attend key 7"
+    assert np.all(np.isfinite(dq[0, :7])) and np.all(np.isfinite(dq[1])) and np.all(np.isfinite(dq[0, :, 3]))
 
 
 # --- 6. every JAX transformation of the default implementation -------------------------------
