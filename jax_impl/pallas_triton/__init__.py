@@ -49,6 +49,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, ex
     axes = vma.axes_of(q, d_out, stats, delta)
     q, k, v, masks, mask, bias, d_out, stats, delta, dbias_zeros = vma.like(
         (q, k, v, masks, mask, bias, d_out, stats, delta, dbias_zeros), axes)
-    finite_kv = tuple(map(online_softmax.finite_or_zero, (k, v)))
+    key_poison = (online_softmax.row_poison(k) + online_softmax.row_poison(v)).transpose(0, 2, 1)
+    finite_kv = (*map(online_softmax.finite_or_zero, (k, v)), key_poison)  # [B, Hkv, Lk]
     return backward_call(cfg, layout, q, k, v, d_out, stats, delta, masks, mask, bias,
                          (extras or SinksAndDropout()).dropout_seeds, dbias_zeros, finite_kv)

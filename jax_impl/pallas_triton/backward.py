@@ -6,9 +6,9 @@
   the group's contributions are summed here, K/V are never repeated). Where the two
   accumulators would not fit the registers it is two kernels, dV then dK (split_dkdv).
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
-  It reads K and V with their non-finite entries as 0 (``finite_kv``), so its masked tiles
-  need no non-finite rule: a row that attends a non-finite input has a NaN output row, hence
-  a NaN delta, hence a NaN dS row and dq row, as the rule would give.
+  It reads K and V with their non-finite entries as 0 and a per-key NaN poison taken with
+  them (``finite_kv``, one XLA pass), so no tile makes a pass over its K and V for the
+  non-finite rule (that pass kept the causal D=256 dQ spilling).
   It also writes dS, the gradient of the bias, when there is a bias and cfg.bias_gradient,
   into a zeroed buffer that it updates in place (input_output_aliases): the tiles the band
   excludes stay 0, so it still skips them, like the xla path.
@@ -112,7 +112,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-               offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dq_ref, dbias_ref, *,
+               offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, key_poison_ref,
+               dq_ref, dbias_ref, *,
                cfg: AttentionConfig, layout: Layout, order: common.TileOrder):
     block_q, block_k = layout.blocks.block_q_dq, layout.blocks.block_k_dq
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
@@ -131,7 +132,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
 
     def key_tile(j, dq, masked):
         tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked,
-                                      keys_finite=True)
+                                      key_poison_ref)
         p = softmax.probs(tile.t, stats, tile.allowed)
         dp = common.dot(do, tile.v, cfg.precision, trans_b=True)
         keep = common.dropout_keep(cfg, seed, query.rows, tile.cols)  # dP reaches P through it
@@ -152,8 +153,9 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     """Operands as the forward's -> (dq, dk, dv, dbias [B, Hq, Lq, Lk], or None without a bias or
     with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py).
     ``dbias_zeros``: float32 zeros of dbias's shape when it is wanted, the buffer the dQ kernel
-    writes the band's tiles into. ``finite_kv``: (k, v) with non-finite entries as 0, the dQ
-    kernel's."""
+    writes the band's tiles into. ``finite_kv``: the dQ kernel's k and v with non-finite
+    entries as 0, and their per-key poison ``[B, Hkv, Lk]`` (NaN where k's or v's row is not
+    finite)."""
     batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
     lq_tiled, lk_tiled, d_tile, groups = layout.lq_tiled, layout.lk_tiled, layout.d_tile, hq // hkv
     blocks = layout.blocks
@@ -199,12 +201,13 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     q_tile = pl.BlockSpec((None, bq, None, d_tile), lambda i, b, h: (b, i, h, 0))
     kv_all = pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    inputs = (q, *finite_kv, *inputs[3:])
+    inputs = (q, *finite_kv[:2], *inputs[3:], finite_kv[2])
     in_specs = [
         q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
         None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
         None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
-        pair(mask), pair(bias), common.per_head_spec(seeds)]
+        pair(mask), pair(bias), common.per_head_spec(seeds),
+        pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0))]  # key poison
     out_specs = [q_tile]
     out_shape = [common.out_struct(q.shape, q.dtype, q)]
     write_dbias = bias is not None and cfg.bias_gradient

@@ -59,11 +59,15 @@ class KeyTile(NamedTuple):
 
 
 def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: int,
-                    masked: bool, keys_finite: bool = False) -> KeyTile:
+                    masked: bool, key_poison_ref=None) -> KeyTile:
     """Key tile ``j`` of the forward and dQ kernels: its loads (masked at the edges), the mask
     rule and the logits. ``refs``: (k, v, kv segment ids, mask, bias); the last three may be
-    None. ``keys_finite``: k and v hold no non-finite value (the dQ kernel's, made so before
-    it), so the masked tiles skip the non-finite rule."""
+    None.
+
+    The non-finite rule: on masked tiles k and v are made finite here and a NaN poison marks
+    the allowed pairs of a non-finite key or query. With ``key_poison_ref`` (the dQ kernel's:
+    k and v are finite copies, the per-key poison ``[Lk]`` was taken with them) every tile adds
+    the keys' poison, and masked tiles the query's, with no pass over the k and v tiles."""
     k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref = refs
     keys = pl.ds(j * block_k, block_k)
     key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
@@ -77,13 +81,17 @@ def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: in
         pair_tile(mask_ref), structural=masked, position_offset=query.offset)
     feature_ok = layout.features_within()
     k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
-    rule = allowed is not None and not keys_finite
-    if rule:  # q stays as loaded: S's excluded entries are replaced (Base2Softmax)
+    poison = None  # q stays as loaded: S's excluded entries are replaced (Base2Softmax)
+    if key_poison_ref is not None:
+        poison = online_softmax.per_row(load(key_poison_ref.at[keys], key_ok), transposed=True)
+    elif allowed is not None:
         key_poison, k, v = online_softmax.excluded_nonfinite_keys(k, v)
-        poison = query.poison + online_softmax.per_row(key_poison, transposed=True)
+        poison = online_softmax.per_row(key_poison, transposed=True)
+    if allowed is not None:
+        poison = poison + query.poison
     qk = dot(query.q, k, cfg.precision, trans_b=True)                # [bq, bk]
     t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref))
-    if rule:
+    if poison is not None:
         t = t + poison
     return KeyTile(cols, key_ok, allowed, t, capped, k, v)
 

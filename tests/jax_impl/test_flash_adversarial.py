@@ -149,6 +149,18 @@ def test_a_nan_at_an_allowed_pair_still_gives_nan_in_that_row(implementation):
     assert np.all(np.isfinite(dq[0, :7])) and np.all(np.isfinite(dq[1])) and np.all(np.isfinite(dq[0, :, 3]))
 
 
+@pytest.mark.parametrize("implementation", ALL)
+@pytest.mark.parametrize("poison", [-np.inf, np.nan])
+def test_a_nonfinite_key_reaches_the_dq_of_every_row_that_attends_it(implementation, poison):
+    """dq_r sums dS_rc * k_c over the keys row r attends, so a non-finite k_c makes it NaN even
+    where S_rc = -inf gives P_rc = 0 (0 * inf), on interior tiles too (no mask here)."""
+    rng, q, k, v, ct = _inputs(8)
+    k[0, 5, 1, 0] = poison
+    dq = run_arrays(q, k, v, ct, implementation)["dq"]
+    assert np.all(np.isnan(dq[0, :, 1]).any(axis=-1)), "every row attends key 5"
+    assert np.all(np.isfinite(dq[1])) and np.all(np.isfinite(np.delete(dq[0], 1, axis=1)))
+
+
 # --- 6. every JAX transformation of the default implementation -------------------------------
 
 def test_default_implementation_survives_vmap_scan_remat_and_grad():
