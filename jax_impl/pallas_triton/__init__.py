@@ -43,13 +43,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, ex
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
                            cfg.mask.is_causal)
     cfg, q, k, v, masks, mask, bias = _kernel_operands(cfg, layout, q, k, v, bias, masks)
-    dbias_zeros = None
-    if bias is not None and cfg.bias_gradient:  # the tiles the band excludes stay these zeros
-        dbias_zeros = jnp.zeros((q.shape[0], q.shape[2], layout.lq, layout.lk), jnp.float32)
     axes = vma.axes_of(q, d_out, stats, delta)
-    q, k, v, masks, mask, bias, d_out, stats, delta, dbias_zeros = vma.like(
-        (q, k, v, masks, mask, bias, d_out, stats, delta, dbias_zeros), axes)
-    key_poison = (online_softmax.row_poison(k) + online_softmax.row_poison(v)).transpose(0, 2, 1)
-    finite_kv = (*map(online_softmax.finite_or_zero, (k, v)), key_poison)  # [B, Hkv, Lk]
+    q, k, v, masks, mask, bias, d_out, stats, delta = vma.like(
+        (q, k, v, masks, mask, bias, d_out, stats, delta), axes)
     return backward_call(cfg, layout, q, k, v, d_out, stats, delta, masks, mask, bias,
-                         (extras or SinksAndDropout()).dropout_seeds, dbias_zeros, finite_kv)
+                         (extras or SinksAndDropout()).dropout_seeds)

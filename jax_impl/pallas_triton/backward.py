@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_impl import dropout_sinks, masking, online_softmax
+from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common, heuristics
 from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
@@ -93,7 +93,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
             keep = common.dropout_keep(cfg, seed, rows, cols)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
             acc = dict(acc)
-            if "dk" in acc:
+            if "dk" in acc:  # dP before the dV dot: the order that compiles without spills (fp32)
                 dp = common.dot(v_tile, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
                 _, dqk = online_softmax.logits_gradient(p, drop(dp), per_query(delta_ref), capped,
                                                         cfg, scaled=False, transposed=True)
@@ -148,14 +148,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
-                  masks: masking.MaskInputs, mask, bias, seeds=None, dbias_zeros=None,
-                  finite_kv=None):
+                  masks: masking.MaskInputs, mask, bias, seeds=None):
     """Operands as the forward's -> (dq, dk, dv, dbias [B, Hq, Lq, Lk], or None without a bias or
-    with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py).
-    ``dbias_zeros``: float32 zeros of dbias's shape when it is wanted, the buffer the dQ kernel
-    writes the band's tiles into. ``finite_kv``: the dQ kernel's k and v with non-finite
-    entries as 0, and their per-key poison ``[B, Hkv, Lk]`` (NaN where k's or v's row is not
-    finite)."""
+    with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py)."""
     batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
     lq_tiled, lk_tiled, d_tile, groups = layout.lq_tiled, layout.lk_tiled, layout.d_tile, hq // hkv
     blocks = layout.blocks
@@ -201,7 +196,9 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     q_tile = pl.BlockSpec((None, bq, None, d_tile), lambda i, b, h: (b, i, h, 0))
     kv_all = pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    inputs = (q, *finite_kv[:2], *inputs[3:], finite_kv[2])
+    # The dQ kernel's k and v: non-finite entries as 0, with the per-key poison [B, Hkv, Lk].
+    key_poison, k_finite, v_finite = online_softmax.excluded_nonfinite_keys(k, v)
+    inputs = (q, k_finite, v_finite, *inputs[3:], key_poison.transpose(0, 2, 1))
     in_specs = [
         q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
         None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
@@ -212,10 +209,11 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     out_shape = [common.out_struct(q.shape, q.dtype, q)]
     write_dbias = bias is not None and cfg.bias_gradient
     aliases = {}
-    if write_dbias:  # dbias_zeros in, updated in place: the kernel writes only the band's tiles
+    if write_dbias:  # zeros in, updated in place: the kernel writes only the band's tiles
         dbias_tile = pl.BlockSpec((None, None, bq, lk_tiled), lambda i, b, h: (b, h, i, 0))
         aliases = {len(jax.tree.leaves(inputs)): 1}  # operands that are None are not passed
-        inputs = (*inputs, dbias_zeros)
+        dbias_zeros = jnp.zeros((batch, hq, layout.lq, layout.lk), jnp.float32)
+        inputs = (*inputs, vma.like(dbias_zeros, vma.axes_of(q)))
         in_specs.append(dbias_tile)
         out_specs.append(dbias_tile)
         out_shape.append(common.out_struct(dbias_zeros.shape, jnp.float32, q))

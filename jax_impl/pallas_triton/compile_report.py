@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax_impl.config import BlockSizes
 from jax_impl.pallas_triton import heuristics
 
-KERNELS = ("flash_attention_forward", "flash_attention_backward_dkdv", "flash_attention_backward_dv",
-           "flash_attention_backward_dk", "flash_attention_backward_dq")
-SHORT_NAMES = {name: name.rsplit("_", 1)[-1] for name in KERNELS}  # forward, dkdv, dv, dk, dq
+# The pallas_call names (forward.py, backward.py) of heuristics.KERNELS, and back.
+SHORT_NAMES = {f"flash_attention_{'' if k == 'forward' else 'backward_'}{k}": k for k in heuristics.KERNELS}
+KERNELS = tuple(SHORT_NAMES)
 SEQ_LEN = 4096  # long enough that no default tile is clipped; the benchmarks' length
 MISSING_TRITON = ("the compile report needs pip `triton` (its NVIDIA backend compiles the kernels "
                   "without a GPU): pip install 'triton==3.8.0' or the package's `test` extra")
