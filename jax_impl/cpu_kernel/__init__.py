@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl import masking, online_softmax
+from jax_impl import masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.cpu_kernel.build import unavailable
 from jax_impl.xla import host_threads
@@ -87,6 +87,12 @@ def _key_panels(k):
     return jnp.transpose(k.reshape(b, -1, PANEL, hkv, d), (0, 3, 1, 4, 2))
 
 
+def _varying_like_operands(results, *operands):
+    """Inside jax.shard_map (check_vma) a custom call's results are typed unvarying; they vary
+    over the manual axes as the operands do (ring attention's lax.cond needs both branches alike)."""
+    return vma.like(results, vma.axes_of(*operands))
+
+
 def _head_major(x):  # [B, L, H, D] -> [B, H, L, D] float32
     return jnp.swapaxes(x.astype(jnp.float32), 1, 2)
 
@@ -98,12 +104,12 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     mask_args, segments = _mask_operands(cfg, masks)
     block_q, block_k = _blocks(cfg, FORWARD_BLOCKS)
     stats = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
-    out, row_max, log_sum = jax.ffi.ffi_call(
+    out, row_max, log_sum = _varying_like_operands(jax.ffi.ffi_call(
         "jax_flash_attention_cpu_forward",
         (jax.ShapeDtypeStruct(q.shape, jnp.float32), stats, stats), vmap_method="sequential",
     )(q.astype(jnp.float32), _key_panels(k), _head_major(v), *mask_args,
       scale=np.float32(cfg.scale), block_q=np.int64(block_q), block_k=np.int64(block_k),
-      has_segments=segments)
+      has_segments=segments), q, k, v, masks)
     return out.astype(q.dtype), online_softmax.RowStats(row_max, log_sum)
 
 
@@ -119,12 +125,12 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     block_q, block_k = _blocks(cfg, BACKWARD_BLOCKS)
     chunks = max(1, min(-(-host_threads() // (b * hkv)), -(-lk // block_k)))
     kv_shape = jax.ShapeDtypeStruct((b, hkv, lk, d), jnp.float32)
-    dq_parts, dk, dv = jax.ffi.ffi_call(
+    dq_parts, dk, dv = _varying_like_operands(jax.ffi.ffi_call(
         "jax_flash_attention_cpu_backward",
         (jax.ShapeDtypeStruct((chunks, b, hq, lq, d), jnp.float32), kv_shape, kv_shape),
         vmap_method="sequential",
     )(*map(_head_major, (q, k, v)), *mask_args, _head_major(d_out), stats.max, stats.log_sum, delta,
       scale=np.float32(cfg.scale), block_q=np.int64(block_q), block_k=np.int64(block_k),
-      has_segments=segments, chunks=np.int64(chunks))
+      has_segments=segments, chunks=np.int64(chunks)), q, k, v, masks, stats, d_out, delta)
     dq = jnp.swapaxes(jnp.sum(dq_parts, axis=0), 1, 2) * cfg.scale
     return dq.astype(q.dtype), *(jnp.swapaxes(x, 1, 2).astype(y.dtype) for x, y in ((dk, k), (dv, v))), None

@@ -5,6 +5,11 @@ with AVX-512, 8 with AVX, 4 otherwise, whatever the compiler finds), once per so
 a cache directory (``$JAX_FLASH_ATTENTION_CACHE``, else ``~/.cache/jax_flash_attention``).
 Concurrent processes (pytest-xdist) build into temporary names and rename atomically. Without
 a C++ compiler nothing is built: ``unavailable()`` says why and the xla path runs instead.
+
+``JAX_FLASH_ATTENTION_CPU_SANITIZE=1`` builds it with AddressSanitizer and UndefinedBehavior-
+Sanitizer instead (for the tests: every out-of-bounds access or undefined operation is
+reported). Such a library loads only into a process that starts with the sanitizer runtimes:
+``sanitizer_preload()`` gives the ``LD_PRELOAD`` value that does it.
 """
 from __future__ import annotations
 
@@ -25,13 +30,28 @@ SOURCE = Path(__file__).with_name("flash_cpu.cc")
 # -march: the machine's own instruction set unless $JAX_FLASH_ATTENTION_CPU_MARCH names another
 # (the tests build the AVX2 and SSE2 paths this way on an AVX-512 machine).
 MARCH = os.environ.get("JAX_FLASH_ATTENTION_CPU_MARCH", "native")
-FLAGS = ("-O3", f"-march={MARCH}", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno")
+SANITIZE = bool(os.environ.get("JAX_FLASH_ATTENTION_CPU_SANITIZE"))
+SANITIZER_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                   "-fno-omit-frame-pointer", "-g")
+FLAGS = ("-O3", f"-march={MARCH}", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno",
+         *(SANITIZER_FLAGS if SANITIZE else ()))
 TARGETS = {"jax_flash_attention_cpu_forward": "FlashForwardCpu",
            "jax_flash_attention_cpu_backward": "FlashBackwardCpu"}
 
 
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def sanitizer_preload(compiler: str | None = None) -> str:
+    """``LD_PRELOAD`` for a process that loads the sanitized build: the compiler's ASan and
+    UBSan runtimes (they must come before every other library)."""
+    compiler = compiler or _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler to ask for the sanitizer runtimes")
+    paths = [subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True,
+                            text=True, check=True).stdout.strip() for name in ("libasan.so", "libubsan.so")]
+    return ":".join(paths)
 
 
 def _cpu_id() -> str:
@@ -76,6 +96,10 @@ def unavailable() -> str | None:
     compiler = _compiler()
     if compiler is None:
         return "no C++ compiler (g++, c++, clang++ or $CXX) to build the CPU kernel"
+    if SANITIZE and "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        # Loading it anyway would abort the process (ASan's runtime must come first).
+        return ("JAX_FLASH_ATTENTION_CPU_SANITIZE is set but the process did not start with "
+                f"LD_PRELOAD={sanitizer_preload(compiler)}")
     target = _library_path(compiler)
     try:
         if not target.exists():
