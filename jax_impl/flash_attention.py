@@ -230,7 +230,8 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
         if dropout_rng is None:
             raise ValueError(f"dropout_rng must be a PRNG key when {dropout_rate=} and "
                              f"{deterministic=} (dropout is active)")
-        seeds = dropout_sinks.head_seeds(dropout_sinks.key_words(dropout_rng), b, hq, bool(broadcast_dropout))
+        words = dropout_sinks.key_words(dropout_rng, "dropout_rng")
+        seeds = dropout_sinks.head_seeds(words, b, hq, bool(broadcast_dropout))
     extras = dropout_sinks.SinksAndDropout(sinks=_sinks(attention_sinks, batch_shape, hq), dropout_seeds=seeds)
     cfg = AttentionConfig(scale=float(scale), mask=spec,
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
