@@ -10,8 +10,6 @@ rows and every key column (``[..., Hq|1, Lq_loc, Lk_global]``, columns in global
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import jax.numpy as jnp
 from jax import lax
 
@@ -41,6 +39,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
       key length, columns in global (natural) key order whatever the layout: shard them along
       the query rows only. They stay on their device; each ring step slices the columns of the
       visiting key chunk. The bias is differentiable; its gradient has the same layout.
+    query_seq_lengths, key_value_seq_lengths: global, ``[batch...]``; concrete values outside
+      [0, global length] are refused, traced ones clamped (as ``flash_attention``).
     Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
     """
     try:
@@ -102,13 +102,10 @@ def _rows_local(name, x, shape):
 
 
 def _global_lengths(name, lengths, batch_shape, global_len: int):
-    b = math.prod(batch_shape)
-    if lengths is None:
-        return jnp.full((b,), global_len, jnp.int32)
-    lengths = jnp.asarray(lengths)
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise TypeError(f"{name} must be integers; got {lengths.dtype}")
-    if lengths.shape != batch_shape:
-        raise ValueError(f"{name}.shape={lengths.shape} must equal the batch shape {batch_shape} "
-                         "(global lengths, the same on every device of the ring)")
-    return jnp.clip(lengths.reshape(b), 0, global_len).astype(jnp.int32)
+    """fa._lengths against the GLOBAL length: concrete values outside [0, global_len] are
+    refused, traced ones clamped."""
+    try:
+        return fa._lengths(name, lengths, batch_shape, global_len)
+    except ValueError as err:
+        raise ValueError(f"{err} (in ring_attention lengths are global, the same on every device "
+                         f"of the ring: at most the global sequence length {global_len})") from None
