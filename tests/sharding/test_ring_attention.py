@@ -36,6 +36,15 @@ def test_ring_pallas_interpret_matches_float64_oracle():
     _check(run_script("ring_exact.py", "pallas_triton", *names), names)
 
 
+def test_ring_cpu_kernel_matches_float64_oracle_under_check_vma():
+    """The fused C++ kernel as the local step, under shard_map's default check_vma=True (its
+    custom calls' results must vary over the ring axis like their operands); it takes no bias
+    or dense mask, so the configs have none."""
+    names = ("causal_top_left", "bottom_right_gqa_window_lengths_segments",
+             "contiguous_window_kv_lengths")
+    _check(run_script("ring_exact.py", "cpu", *names), names)
+
+
 def test_ring_pallas_interpreter_under_check_vma_is_refused_by_name():
     message = run_script("ring_exact.py", "refusal")["message"]
     assert message and "interpret=True" in message and "check_vma=False" in message
@@ -67,21 +76,28 @@ def test_zigzag_round_trip_and_layout():
         ring.zigzag_permutation(30, 4)
 
 
-def _ring_shapes(n, local_len, **kwargs):
+def _ring_shapes(n, local_len, pairwise=(), **kwargs):
     """ring_attention traced (not run) over an abstract mesh of ``n`` devices: its argument
-    checks need the axis size, not devices, so this runs in-process."""
+    checks need the axis size, not devices, so this runs in-process. ``pairwise``: names of
+    bias/mask given as ``[2, 1, L, L]`` arrays sharded along their query rows."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import AbstractMesh, PartitionSpec as P
     from jax_impl.context_parallel import ring_attention
 
-    q = jax.ShapeDtypeStruct((2, local_len * n, 2, 16), jnp.float32)
+    length = local_len * n
+    q = jax.ShapeDtypeStruct((2, length, 2, 16), jnp.float32)
+    pairs = {name: jax.ShapeDtypeStruct((2, 1, length, length),
+                                        jnp.bool_ if name == "mask" else jnp.float32)
+             for name in pairwise}
     traced = {k: v for k, v in kwargs.items() if isinstance(v, jax.ShapeDtypeStruct)}
     concrete = {k: v for k, v in kwargs.items() if k not in traced}
-    body = lambda q, lens: ring_attention(q, q, q, axis_name="seq", **lens, **concrete)
+    body = lambda q, lens, pairs: ring_attention(q, q, q, axis_name="seq", **pairs, **lens,
+                                                 **concrete)
     mapped = jax.shard_map(body, mesh=AbstractMesh((n,), ("seq",)),
-                           in_specs=(P(None, "seq"), P()), out_specs=P(None, "seq"))
-    return jax.eval_shape(mapped, q, traced)
+                           in_specs=(P(None, "seq"), P(), P(None, None, "seq", None)),
+                           out_specs=P(None, "seq"))
+    return jax.eval_shape(mapped, q, traced, pairs)
 
 
 @pytest.mark.parametrize("name", ["query_seq_lengths", "key_value_seq_lengths"])
@@ -119,3 +135,12 @@ def test_traced_lengths_past_the_sequence_mean_the_whole_sequence():
     for name, value in got.items():
         np.testing.assert_allclose(np.asarray(value, np.float64), np.asarray(ref[name]),
                                    atol=TOL, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("pairwise, what", [(("bias",), "a bias"), (("mask",), "a dense mask"),
+                                            (("bias", "mask"), "a bias, a dense mask")])
+def test_ring_cpu_kernel_refuses_a_bias_or_mask_it_would_ignore(pairwise, what):
+    with pytest.raises(ValueError, match=rf"implementation='cpu' cannot run this ring: the CPU "
+                                         rf"kernel does not take {what}(?!,)"):
+        _ring_shapes(4, 16, pairwise, implementation="cpu", is_causal=True)
+    _ring_shapes(4, 16, pairwise, implementation="xla", is_causal=True)  # the xla ring takes them
