@@ -105,23 +105,6 @@ def attended(s, allowed, has_bias: bool):
     return finite_or_nan if allowed is None else allowed & finite_or_nan
 
 
-def excluded_nonfinite(q, k, v, *, transposed: bool = False):
-    """The non-finite rule on one masked tile: q ``[..., Tq, D]``, k/v ``[..., Tk, D]`` (leading
-    axes broadcastable) -> (NaN-or-0 poison ``[..., Tq, Tk]`` (``[..., Tk, Tq]`` if transposed)
-    to add to S, and q, k, v with their non-finite entries as 0)."""
-    key_poison, k, v = excluded_nonfinite_keys(k, v)
-    poison = per_row(row_poison(q), transposed) + per_row(key_poison, not transposed)
-    return (poison, finite_or_zero(q), k, v)
-
-
-def excluded_nonfinite_keys(k, v):
-    """The key side of ``excluded_nonfinite``: (NaN-or-0 per key ``[..., Tk]``, k and v with
-    their non-finite entries as 0). Enough where q enters only S and S's excluded entries are
-    replaced (jnp.where) before use, as in the forward and dQ kernels: a non-finite q then
-    needs only its row's poison, computed once per query tile, and no zeroed copy of q."""
-    return (row_poison(k) + row_poison(v), finite_or_zero(k), finite_or_zero(v))
-
-
 def online_step(row_max, row_sum, s, allowed, scale: float = 1.0):
     """Algorithm 1, lines 8-10: fold one key tile into the running (m, l) and return P.
 
