@@ -5,13 +5,19 @@ Shape-agnostic: a Pallas kernel calls them on ``[block_q, block_k]`` tiles, the 
 Notation of FlashAttention-2 (Dao, 2023): S logits, P probabilities, m running row max,
 l running row sum in m's scale, O unnormalised output accumulator.
 
-Non-finite values at excluded positions (one rule, every implementation): on a tile that
-evaluates a mask, Q, K and V enter every product with their non-finite entries replaced by 0
-(``finite_or_zero``), and a pair whose query row or key row (K or V) holds a non-finite value
-gets a NaN logit (``row_poison``), which survives only where the pair is allowed. So a NaN or
-inf at a key or query that a row may not attend never reaches that row's output or gradients,
-while one at an allowed pair still gives NaN. A tile without a mask (every pair allowed)
-needs neither.
+Non-finite values (one rule, every implementation, as torch_ref's oracle computes it densely):
+a pair whose query row or key row (K or V) holds a non-finite value gets a NaN added to its
+logit (``row_poison``, ``key_poison``) on every tile, masked or not, and the products read Q, K
+and V with their non-finite entries as 0 (``finite_or_zero``) wherever they reach a pair that
+takes no part. The mask's select (and, with a bias, a -inf logit: ``attended``) keeps the NaN
+only at the pairs a row attends, where it makes the row NaN; P, dS and d(q.k) are exactly 0 at
+every other pair, also in a NaN row (the probabilities select after the saved statistics, which
+are NaN there; ``logits_gradient(exclusions=True)``). So a NaN or inf at a key or query that a
+row may not attend never reaches that row's output or gradients, one at an allowed pair gives
+NaN, and a NaN row's gradients reach only the keys it attends. The non-finite entry's own
+gradient is 0 (``finite_or_zero_gradient``). Each implementation takes the poison once per call
+and chooses how a tile gets it: added to S, or folded into a row of an operand that enters
+only S (a poisoned row is NaN at every pair, and the select keeps the allowed ones).
 """
 from __future__ import annotations
 
@@ -58,6 +64,12 @@ def finite_or_zero(x):
     return jnp.where(is_finite(x), x, jnp.zeros((), x.dtype))
 
 
+def finite_or_zero_gradient(xs, dxs):
+    """The gradient of ``finite_or_zero`` for each (x, dx): dx, and 0 at x's non-finite
+    entries (products read them as 0, so nothing depends on them)."""
+    return tuple(jnp.where(is_finite(x), dx, jnp.zeros((), dx.dtype)) for x, dx in zip(xs, dxs))
+
+
 def row_poison(x):
     """``[..., n, D] -> [..., n]`` float32: NaN where the row holds a non-finite value, else 0."""
     # A max over 0/1 rather than jnp.any: Pallas Triton has no lowering for reduce_or.
@@ -71,21 +83,26 @@ def per_row(x, transposed: bool = False):
     return x[..., None, :] if transposed else x[..., :, None]
 
 
-def excluded_nonfinite(q, k, v, *, transposed: bool = False):
-    """The non-finite rule on one masked tile: q ``[..., Tq, D]``, k/v ``[..., Tk, D]`` (leading
-    axes broadcastable) -> (NaN-or-0 poison ``[..., Tq, Tk]`` (``[..., Tk, Tq]`` if transposed)
-    to add to S, and q, k, v with their non-finite entries as 0)."""
-    key_poison, k, v = excluded_nonfinite_keys(k, v)
-    poison = per_row(row_poison(q), transposed) + per_row(key_poison, not transposed)
-    return (poison, finite_or_zero(q), k, v)
+def poisoned_rows(x):
+    """x with every row that holds a non-finite value made all NaN (for an operand that enters
+    only S, where the select keeps a poisoned row's NaN at the allowed pairs alone)."""
+    return x + per_row(row_poison(x)).astype(x.dtype)
 
 
-def excluded_nonfinite_keys(k, v):
-    """The key side of ``excluded_nonfinite``: (NaN-or-0 per key ``[..., Tk]``, k and v with
-    their non-finite entries as 0). Enough where q enters only S and S's excluded entries are
-    replaced (jnp.where) before use, as in the forward and dQ kernels: a non-finite q then
-    needs only its row's poison, computed once per query tile, and no zeroed copy of q."""
-    return (row_poison(k) + row_poison(v), finite_or_zero(k), finite_or_zero(v))
+def key_poison(k, v):
+    """``[..., n, D] -> [..., n]``: NaN where key n's row of K or of V holds a non-finite value."""
+    return row_poison(k) + row_poison(v)
+
+
+def attended(s, allowed, has_bias: bool):
+    """The pairs of a tile that take part in the softmax, or None when every pair does: those
+    the mask rule allows (``allowed``, None: all) and, with a bias, whose logit is not -inf (an
+    additive -inf bias excludes its pair). A poisoned logit is NaN, never -inf, so it takes
+    part wherever the mask allows it."""
+    if not has_bias:
+        return allowed
+    finite_or_nan = s != -jnp.inf
+    return finite_or_nan if allowed is None else allowed & finite_or_nan
 
 
 def online_step(row_max, row_sum, s, allowed, scale: float = 1.0):
@@ -134,18 +151,27 @@ def recomputed_probs(s, row_max, log_sum, allowed):
 
 
 def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool = True,
-                    transposed: bool = False):
+                    transposed: bool = False, exclusions: bool = False):
     """Algorithm 2, line 11: dS = P * (dP - delta), delta = rowsum(dO * O) - d(lse).
 
     Returns (dS: the gradient of the bias, d(q.k): the gradient of the raw product, with the
     soft cap's derivative and, if ``scaled``, the scale folded in; a kernel passes False and
     scales its [block, D] dq/dk accumulator once instead of every logit). ``transposed``: the
     tiles are (key, query), delta still one value per query.
+
+    ``exclusions``: the tile may hold pairs that take no part (``attended`` is not None), where
+    P is exactly 0. Both gradients are then exactly 0 wherever P is 0, as the gradient of the
+    mask's select is, even in a NaN row (whose delta is NaN: 0 * NaN) and where a poisoned row
+    makes the soft cap's factor NaN. (Where P underflows to 0 at an attended pair, dS is 0 too.)
     """
     ds = p * (dp - per_row(delta, transposed))
     dqk = ds
     if capped is not None:
         dqk = dqk * (1.0 - capped * capped)
+    if exclusions:
+        excluded = p == 0
+        ds = jnp.where(excluded, 0.0, ds)
+        dqk = ds if capped is None else jnp.where(excluded, 0.0, dqk)
     return ds, dqk * cfg.scale if scaled else dqk
 
 
@@ -218,11 +244,13 @@ class Base2Softmax:
         new_sum = rescale * row_sum + jnp.sum(p, axis=-1)
         return rescale, p, new_max, new_sum
 
-    def probs(self, t, stats: RowStats, allowed, *, transposed: bool = False):
+    def probs(self, t, stats: RowStats, attended, *, transposed: bool = False):
         """Backward: ``recomputed_probs`` from the natural-log statistics, in base 2:
         P = 2^(shifted - log_sum * log2(e)), with the forward's m2 exactly (so P is the
-        forward's at any logit magnitude). ``transposed``: t is a (key, query) tile."""
-        if allowed is not None:
-            t = jnp.where(allowed, t, -jnp.inf)
+        forward's at any logit magnitude), and exactly 0 where not ``attended`` (selected after
+        the statistics, which are NaN in a NaN row). ``transposed``: t is a (key, query) tile."""
         row = lambda x: per_row(x, transposed)
-        return jnp.exp2(self._shifted(t, row(stats.max)) - row(stats.log_sum * LOG2_E))
+        shifted = self._shifted(t, row(stats.max)) - row(stats.log_sum * LOG2_E)
+        if attended is not None:
+            shifted = jnp.where(attended, shifted, -jnp.inf)
+        return jnp.exp2(shifted)

@@ -26,9 +26,8 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     groups = hq // hkv
     # online_softmax's non-finite rule, densely: compute with non-finite entries as 0 and give
     # NaN logits to the pairs whose query row or key row (K or V) holds one.
-    row_poison = online_softmax.row_poison
-    q_poison = jnp.swapaxes(row_poison(q), 1, 2)                        # [B, Hq, Lq]
-    kv_poison = jnp.repeat(jnp.swapaxes(row_poison(k) + row_poison(v), 1, 2), groups, axis=1)
+    q_poison = jnp.swapaxes(online_softmax.row_poison(q), 1, 2)         # [B, Hq, Lq]
+    kv_poison = jnp.repeat(jnp.swapaxes(online_softmax.key_poison(k, v), 1, 2), groups, axis=1)
     q, k, v = map(online_softmax.finite_or_zero, (q, k, v))
     q_grouped = q.reshape(b, lq, hkv, groups, d)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_grouped, k, precision=cfg.precision,
@@ -42,6 +41,7 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     logits = logits + (q_poison[..., :, None] + kv_poison[..., None, :]).astype(logits_dtype)
     allowed = masking.dense_allowed(cfg.mask, lq, lk, masks.q_len, masks.kv_len,
                                     masks.q_segment_ids, masks.kv_segment_ids, masks.mask)
+    allowed = allowed & (logits != -jnp.inf)  # an additive -inf bias excludes its pair
     row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True)
     extras = extras or dropout_sinks.SinksAndDropout()
     sink = None if extras.sinks is None else extras.sinks.astype(logits_dtype)[:, :, None, None]
@@ -52,9 +52,11 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
     if sink is not None:
         row_sum = row_sum + jnp.exp(sink - row_max)
-    nonempty = row_sum > 0
+    nonempty = row_sum != 0  # a NaN row (an allowed NaN logit) is not empty: its sum stays NaN
     safe_sum = jnp.where(nonempty, row_sum, 1)
-    probs = unnormalised / safe_sum
+    # Exactly 0 at the pairs not allowed, also in a NaN row (0 / NaN would be NaN there), so its
+    # gradient reaches only the keys it attends.
+    probs = jnp.where(allowed, unnormalised / safe_sum, 0)
     if cfg.dropout_rate:
         rows = jnp.arange(lq, dtype=jnp.int32)[:, None]
         cols = jnp.arange(lk, dtype=jnp.int32)[None, :]

@@ -133,6 +133,14 @@ class _Tiles:
         self.lq_pad, self.lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
         self.spec = masking.with_padding(cfg.mask, queries_padded=self.lq_pad != lq,
                                          keys_padded=self.lk_pad != lk)
+        # The non-finite rule (online_softmax), once per call: every product reads q, k and v
+        # with their non-finite entries as 0, and every tile adds the NaN-or-0 poison of its
+        # query rows and key rows to its logits (rows of padding: 0).
+        q_poison = _pad_axis(online_softmax.row_poison(q), 1, self.lq_pad)  # [B, Lq_pad, Hq]
+        self.q_poison = jnp.moveaxis(q_poison.reshape(b, self.lq_pad, hkv, self.groups), 1, 3)
+        kv_poison = _pad_axis(online_softmax.key_poison(k, v), 1, self.lk_pad)  # [B, Lk_pad, Hkv]
+        self.kv_poison = jnp.swapaxes(kv_poison, 1, 2)  # [B, Hkv, Lk_pad]
+        q, k, v = map(online_softmax.finite_or_zero, (q, k, v))
         # Head-major layout, transposed once: each tile's einsum is then a plain batched matmul.
         self.q = self.to_heads(_pad_axis(q, 1, self.lq_pad))            # [B, Hkv, G, Lq_pad, D]
         self.k = jnp.swapaxes(_pad_axis(k, 1, self.lk_pad), 1, 2)        # [B, Hkv, Lk_pad, D]
@@ -193,16 +201,16 @@ class _Tiles:
         heads = (self.hkv, self.groups) if x.shape[1] > 1 else (1, 1)
         return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
 
-    def logits(self, q_tile, k_tile, v_tile, i, j, masked: bool, unscaled: bool = False):
-        """(S, soft-cap term, allowed or None, (q, k, v, V^T) for the tile's products), S
-        ``[B, Hkv, G, bq, bk]`` for query tile i and key tile j.
+    def logits(self, q_tile, i, j, masked: bool, unscaled: bool = False):
+        """(S, soft-cap term, allowed or None) ``[B, Hkv, G, bq, bk]`` for query tile i
+        (``q_tile``) and key tile j.
 
         ``unscaled`` (only without soft cap and bias): S is q.k before the scale, for
         ``online_step(..., scale=cfg.scale)``.
 
         ``masked=False``: the tile lies inside the band for every batch row (kv_range/q_range),
-        so the structural rules are not evaluated. Where a mask applies, the tiles' non-finite
-        entries become 0 and poison their pairs' logits (online_softmax's non-finite rule).
+        so the structural rules are not evaluated. Every tile, masked or not, adds the poison of
+        the non-finite rule (the operands are finite already: ``__init__``).
         """
         rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
         cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
@@ -213,19 +221,14 @@ class _Tiles:
         allowed = masking.allowed(self.spec, rows, cols, self.q_len, self.kv_len, *segments,
                                   None if self.mask is None else self._pair_tile(self.mask, i, j),
                                   structural=masked, position_offset=self.offset)
-        k_t, v_t = self.kv_tile_t(self.k_t, j), self.kv_tile_t(self.v_t, j)
-        if allowed is not None:  # k/v [B, Hkv, bk, D] take the query group axis for the rule
-            poison, q_tile, k_tile, v_tile = online_softmax.excluded_nonfinite(
-                q_tile, k_tile[:, :, None], v_tile[:, :, None])
-            k_tile, v_tile = k_tile[:, :, 0], v_tile[:, :, 0]
-            k_t, v_t = online_softmax.finite_or_zero(k_t), online_softmax.finite_or_zero(v_t)
-        qk = jnp.einsum("bhgqd,bhdk->bhgqk", q_tile, k_t, precision=self.cfg.precision,
-                        preferred_element_type=jnp.float32)
+        qk = jnp.einsum("bhgqd,bhdk->bhgqk", q_tile, self.kv_tile_t(self.k_t, j),
+                        precision=self.cfg.precision, preferred_element_type=jnp.float32)
         bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
         s, capped = (qk, None) if unscaled else online_softmax.logits(qk, self.cfg, bias)
-        if allowed is not None:
-            s = s + poison
-        return s, capped, allowed, (q_tile, k_tile, v_tile, v_t)
+        q_poison = lax.dynamic_slice_in_dim(self.q_poison, i * self.block_q, self.block_q, axis=3)
+        kv_poison = lax.dynamic_slice_in_dim(self.kv_poison, j * self.block_k, self.block_k, axis=2)
+        s = s + (q_poison[..., :, None] + kv_poison[:, :, None, None, :])
+        return s, capped, allowed
 
     def kv_range(self, i):
         """Key tiles for query tile i, (lo, full_lo, full_hi, hi): the union over the batch of
@@ -281,10 +284,10 @@ def _forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, ext
 
         def key_tile(j, carry, masked):
             acc, row_max, row_sum = carry
-            s, _, allowed, (_, _, v_tile, _) = t.logits(q_tile, t.kv_tile(t.k, j), t.kv_tile(t.v, j),
-                                                     i, j, masked, unscaled)
+            s, _, allowed = t.logits(q_tile, i, j, masked, unscaled)
             rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed,
                                                                       s_scale)
+            v_tile = t.kv_tile(t.v, j)
             p_drop = dropout_sinks.apply_dropout(p, t.keep(i, j), cfg.dropout_rate)  # the sum keeps p
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_drop.astype(v.dtype), v_tile,
                             precision=cfg.precision, preferred_element_type=jnp.float32)
@@ -339,27 +342,25 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
 
     def key_tile(j, grads):
         dq, dk, dv, dbias = grads
-        k_raw, v_raw = t.kv_tile(t.k, j), t.kv_tile(t.v, j)
+        k_tile, v_t = t.kv_tile(t.k, j), t.kv_tile_t(t.v_t, j)
 
         def query_tile(i, carry, masked):
             dq, dk_acc, dv_acc, dbias = carry
             do_tile = t.q_tile(d_out, i)
-            s, capped, allowed, (q_tile, k_tile, _, v_t) = t.logits(t.q_tile(t.q, i), k_raw, v_raw,
-                                                                     i, j, masked)
+            s, capped, allowed = t.logits(t.q_tile(t.q, i), i, j, masked)
+            attended = online_softmax.attended(s, allowed, bias is not None)
             p = online_softmax.recomputed_probs(s, stats_tile(row_max, i), stats_tile(log_sum, i),
-                                                allowed)
+                                                attended)
             dp = jnp.einsum("bhgqd,bhdk->bhgqk", do_tile, v_t, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
             keep = t.keep(i, j)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
-            ds, dqk = online_softmax.logits_gradient(p, drop(dp), stats_tile(delta, i), capped, cfg)
-            q_t_tile = q_tile_t(q_t, i)
-            if allowed is not None:  # the non-finite rule, as logits() applied it to q_tile
-                q_t_tile = online_softmax.finite_or_zero(q_t_tile)
+            ds, dqk = online_softmax.logits_gradient(p, drop(dp), stats_tile(delta, i), capped, cfg,
+                                                     exclusions=attended is not None)
             dv_acc += jnp.einsum("bhgdq,bhgqk->bhdk", q_tile_t(d_out_t, i), drop(p).astype(v.dtype),
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
-            dk_acc += jnp.einsum("bhgdq,bhgqk->bhdk", q_t_tile, dqk.astype(q.dtype),
+            dk_acc += jnp.einsum("bhgdq,bhgqk->bhdk", q_tile_t(q_t, i), dqk.astype(q.dtype),
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
             dq_tile = jnp.einsum("bhgqk,bhkd->bhgqd", dqk.astype(k.dtype), k_tile,
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
@@ -386,4 +387,4 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
     if dbias is not None:
         dbias = dbias[:, :, :lq, :lk]
     dk, dv = (jnp.moveaxis(x, 3, 1)[:, :lk] for x in (dk, dv))  # [B, Hkv, D, Lk_pad] -> [B, Lk, Hkv, D]
-    return dq, dk, dv, dbias
+    return (*online_softmax.finite_or_zero_gradient((q, k, v), (dq, dk, dv)), dbias)

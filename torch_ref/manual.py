@@ -114,8 +114,9 @@ def manual_attention(
 
     A query row with no allowed key, or whose allowed logits are all -inf (an additive -inf
     bias), gives output 0, lse -inf and zero gradients (no NaN). A non-finite value in Q, K or
-    V reaches a row only through a pair that row may attend (then the row is NaN); at any
-    other position it has no effect. The lse is in the inputs' dtype.
+    V reaches a row only through a pair that row may attend (then the row is NaN, and so are
+    its dS and, through them, its dq and the dk, dv of the keys it attends); at any other
+    position it has no effect. The lse is in the inputs' dtype.
     """
     batch, num_q_heads, num_kv_heads, q_len, kv_len = _checks.check_qkv(Q, K, V)
     target = (batch, num_q_heads, q_len, kv_len)
@@ -134,7 +135,9 @@ def manual_attention(
         K = K.repeat_interleave(group, dim=1)
         V = V.repeat_interleave(group, dim=1)
     # Non-finite entries are computed with as 0 and marked: a pair touching a non-finite query,
-    # key or value row gets a NaN logit, which matters only where the pair is allowed.
+    # key or value row gets a NaN added to its logit, which matters only where the pair is
+    # allowed. Added, not substituted: the NaN reaches that pair's dS and so dq and dk, as the
+    # arithmetic would (an allowed NaN pair makes its row's gradients NaN, not 0).
     finite = lambda x: torch.isfinite(x).all(dim=-1)  # [B, H, L]
     bad_pair = ~finite(Q)[..., :, None] | ~(finite(K) & finite(V))[..., None, :]
     zero_nonfinite = lambda x: torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
@@ -145,7 +148,7 @@ def manual_attention(
         s = cap * torch.tanh(s / cap)
     if bias is not None:
         s = s + bias.to(s.dtype)
-    s = torch.where(bad_pair, torch.full((), float("nan"), dtype=s.dtype), s)
+    s = s + torch.where(bad_pair, float("nan"), 0.0).to(s.dtype)
     allowed = allowed & (s != float("-inf"))  # an additive -inf bias excludes the pair
 
     if attention_sinks is not None:
@@ -154,6 +157,8 @@ def manual_attention(
         s_ext = torch.cat([torch.where(allowed, s, float("-inf")),
                            sink.expand(batch, num_q_heads, q_len, 1)], dim=-1)
         p = torch.softmax(s_ext, dim=-1)[..., :-1]
+        # Exactly 0 where not allowed, also in a NaN row (softmax would spread its NaN there).
+        p = torch.where(allowed, p, torch.zeros((), dtype=p.dtype, device=p.device))
         lse = torch.logsumexp(s_ext, dim=-1)
         row_ok = torch.ones((), dtype=torch.bool, device=s.device)
     else:
@@ -164,7 +169,9 @@ def manual_attention(
         fill = torch.where(row_ok, float("-inf"), 0.0).to(s.dtype)
         s_safe = torch.where(allowed, s, fill)
         p = torch.softmax(s_safe, dim=-1)
-        p = torch.where(row_ok, p, torch.zeros((), dtype=p.dtype, device=p.device))
+        # 0 in empty rows, and exactly 0 at every pair not allowed, also in a NaN row (softmax
+        # would spread its NaN to the whole row); the where passes them zero gradient.
+        p = torch.where(allowed, p, torch.zeros((), dtype=p.dtype, device=p.device))
         lse = torch.logsumexp(s_safe, dim=-1)  # [B, Hq, Lq]
     if dropout_mask is not None:
         keep = dropout_mask.to(device=p.device, dtype=torch.bool)

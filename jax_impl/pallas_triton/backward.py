@@ -6,9 +6,11 @@
   the group's contributions are summed here, K/V are never repeated). Where the two
   accumulators would not fit the registers it is two kernels, dV then dK (split_dkdv).
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
-  It reads K and V with their non-finite entries as 0 and a per-key NaN poison taken with
-  them (``finite_kv``, one XLA pass), so no tile makes a pass over its K and V for the
-  non-finite rule (that pass kept the causal D=256 dQ spilling).
+  Both read Q, K and V with their non-finite entries as 0 and the NaN poison of each query
+  row and each key, all made by one XLA pass (online_softmax's non-finite rule), so no tile
+  makes a pass over its operands for the rule (such passes kept the causal D=256 kernels
+  spilling); dK/dV folds the keys' poison into its K tile once per program, dQ the queries'
+  into its Q tile, and each adds the other side's poison to every tile's logits.
   It also writes dS, the gradient of the bias, when there is a bias and cfg.bias_gradient,
   into a zeroed buffer that it updates in place (input_output_aliases): the tiles the band
   excludes stay 0, so it still skips them, like the xla path.
@@ -35,7 +37,8 @@ from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-                 offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, *out_refs,
+                 offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, query_poison_ref,
+                 key_poison_ref, *out_refs,
                  cfg: AttentionConfig, layout: Layout, groups: int, order: common.TileOrder,
                  outputs: tuple[str, ...]):
     """Works on the transposed tiles S^T = K Q^T ``[bk, bq]``, so that dV += P^T dO and
@@ -50,7 +53,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
     offset = common.position_offset(offset_ref, b)
     key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
     key_ok, feature_ok = within(key_positions, layout.lk), layout.features_within()
-    k, v = load(k_ref, key_ok, feature_ok), load(v_ref, key_ok, feature_ok)  # [bk, Dp]
+    k, v = load(k_ref, key_ok, feature_ok), load(v_ref, key_ok, feature_ok)  # [bk, Dp], finite
+    # The keys' share of the non-finite rule, once per program: k enters only S^T = K Q^T here,
+    # so a key row made all NaN poisons every logit of the key, and the mask keeps it only at
+    # the allowed pairs (dS and P are exactly 0 at the others).
+    k = k + online_softmax.per_row(load(key_poison_ref, key_ok)).astype(k.dtype)
     cols = key_positions[:, None]                                     # keys: [bk, 1]
     kv_seg = None if kv_seg_ref is None else load(kv_seg_ref, key_ok)
     bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
@@ -79,24 +86,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
                 None if q_seg_ref is None else load(q_seg_ref.at[queries], query_ok),
                 pair_tile(mask_ref, g, queries, query_ok), structural=masked,
                 position_offset=offset)
-            k_tile, v_tile = k, v
-            if allowed is not None:
-                poison, q, k_tile, v_tile = online_softmax.excluded_nonfinite(q, k, v, transposed=True)
-            qk = common.dot(k_tile, q, cfg.precision, trans_b=True)   # S^T: [bk, bq]
+            qk = common.dot(k, q, cfg.precision, trans_b=True)         # S^T: [bk, bq]
             t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref, g, queries, query_ok))
-            if allowed is not None:
-                t = t + poison
+            # The query rows' poison on every tile: q must stay finite for dK += dS^T Q.
+            t = t + online_softmax.per_row(per_query(query_poison_ref), transposed=True)
+            attended = online_softmax.attended(t, allowed, bias_ref is not None)
             stats = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref))
-            p = softmax.probs(t, stats, allowed, transposed=True)     # P^T
+            p = softmax.probs(t, stats, attended, transposed=True)    # P^T
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask (the same
             # (query, key) hash, evaluated transposed).
             keep = common.dropout_keep(cfg, seed, rows, cols)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
             acc = dict(acc)
             if "dk" in acc:  # dP before the dV dot: the order that compiles without spills (fp32)
-                dp = common.dot(v_tile, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
+                dp = common.dot(v, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
                 _, dqk = online_softmax.logits_gradient(p, drop(dp), per_query(delta_ref), capped,
-                                                        cfg, scaled=False, transposed=True)
+                                                        cfg, scaled=False, transposed=True,
+                                                        exclusions=attended is not None)
             if "dv" in acc:
                 acc["dv"] += common.dot(drop(p).astype(do.dtype), do, cfg.precision)
             if "dk" in acc:
@@ -112,8 +118,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-               offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, key_poison_ref,
-               dq_ref, dbias_ref, *,
+               offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, query_poison_ref,
+               key_poison_ref, dq_ref, dbias_ref, *,
                cfg: AttentionConfig, layout: Layout, order: common.TileOrder):
     block_q, block_k = layout.blocks.block_q_dq, layout.blocks.block_k_dq
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
@@ -126,18 +132,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
     per_query = lambda ref: load(ref, query_ok)                       # [bq]
     stats, delta = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref)), per_query(delta_ref)
     query = common.QueryTile.create(q, queries[:, None], query_ok,
-                             None if q_seg_ref is None else per_query(q_seg_ref), q_len, kv_len, offset)
-    refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref)
+                                    None if q_seg_ref is None else per_query(q_seg_ref), q_len,
+                                    kv_len, offset, per_query(query_poison_ref))
+    refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref, key_poison_ref)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, dq, masked):
         tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked,
-                                      key_poison_ref)
-        p = softmax.probs(tile.t, stats, tile.allowed)
+                                      finite_kv=True)
+        attended = online_softmax.attended(tile.t, tile.allowed, bias_ref is not None)
+        p = softmax.probs(tile.t, stats, attended)
         dp = common.dot(do, tile.v, cfg.precision, trans_b=True)
         keep = common.dropout_keep(cfg, seed, query.rows, tile.cols)  # dP reaches P through it
         ds, dqk = online_softmax.logits_gradient(p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate),
-                                                 delta, tile.capped, cfg, scaled=False)
+                                                 delta, tile.capped, cfg, scaled=False,
+                                                 exclusions=attended is not None)
         if dbias_ref is not None:
             store(dbias_ref.at[:, pl.ds(j * block_k, block_k)], ds, query_ok, tile.ok)
         return dq + common.dot(dqk.astype(tile.k.dtype), tile.k, cfg.precision)
@@ -156,8 +165,15 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     blocks = layout.blocks
     lengths = [pl.BlockSpec((batch,), lambda *_: (0,))] * 2 + [
         common.per_row_spec(masks.position_offset, batch)]
-    inputs = (q, k, v, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len,
-              masks.position_offset, masks.q_segment_ids, masks.kv_segment_ids, mask, bias, seeds)
+    # The non-finite rule, once per call (one XLA pass over q, k, v): both kernels read q, k and
+    # v with their non-finite entries as 0, and the NaN-or-0 poison of each query row
+    # [B, Hq, Lq] and each key [B, Hkv, Lk] (its row of K or of V), which every tile adds.
+    query_poison = online_softmax.row_poison(q).transpose(0, 2, 1)
+    key_poison = online_softmax.key_poison(k, v).transpose(0, 2, 1)
+    finite = tuple(map(online_softmax.finite_or_zero, (q, k, v)))
+    inputs = (*finite, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len,
+              masks.position_offset, masks.q_segment_ids, masks.kv_segment_ids, mask, bias, seeds,
+              query_poison, key_poison)
 
     # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
@@ -179,7 +195,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
                 q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
                 None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_tiled), lambda j, b, h: (b, 0)),
                 None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-                pair(mask), pair(bias), common.per_head_spec(seeds)])),
+                pair(mask), pair(bias), common.per_head_spec(seeds), stats_group,
+                pl.BlockSpec((None, None, bk), lambda j, b, h: (b, h, j))])),  # key poison
             out_specs=[order.spec(kv_tile)] * len(outputs),
             out_shape=[common.out_struct(k.shape, {"dk": k, "dv": v}[name].dtype, q) for name in outputs],
             interpret=cfg.interpret, debug=cfg.debug,
@@ -196,14 +213,11 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     q_tile = pl.BlockSpec((None, bq, None, d_tile), lambda i, b, h: (b, i, h, 0))
     kv_all = pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    # The dQ kernel's k and v: non-finite entries as 0, with the per-key poison [B, Hkv, Lk].
-    key_poison, k_finite, v_finite = online_softmax.excluded_nonfinite_keys(k, v)
-    inputs = (q, k_finite, v_finite, *inputs[3:], key_poison.transpose(0, 2, 1))
     in_specs = [
         q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
         None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
         None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
-        pair(mask), pair(bias), common.per_head_spec(seeds),
+        pair(mask), pair(bias), common.per_head_spec(seeds), stats_tile,
         pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0))]  # key poison
     out_specs = [q_tile]
     out_shape = [common.out_struct(q.shape, q.dtype, q)]
@@ -229,7 +243,9 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     )(*inputs)
     dq = results[0]
     dbias = results[1] if write_dbias else None
-    return dq, dk, dv, dbias
+    # The kernels differentiated the finite copies: the gradient of finite_or_zero is 0 at the
+    # non-finite entries themselves, which no product read.
+    return (*online_softmax.finite_or_zero_gradient((q, k, v), (dq, dk, dv)), dbias)
 
 
 def _dq_kernel_no_dbias(*refs, **kwargs):

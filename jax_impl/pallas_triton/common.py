@@ -32,20 +32,23 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
 
 class QueryTile(NamedTuple):
     """What the key loop of the forward and dQ kernels reads of its program's query tile."""
-    q: jax.Array                    # [bq, Dp]
+    q: jax.Array                    # [bq, Dp], a row holding a non-finite value all NaN
     rows: jax.Array                 # [bq, 1] query positions
     ok: jax.Array | None            # [bq] inside Lq (layout.within), None: all are
     segment_ids: jax.Array | None   # [bq]
     q_len: jax.Array
     kv_len: jax.Array
     offset: jax.Array | None        # position offset (ring), or None
-    poison: jax.Array               # [bq, 1] NaN where q's row is non-finite, else 0
 
     @classmethod
-    def create(cls, q, rows, ok, segment_ids, q_len, kv_len, offset) -> "QueryTile":
-        # The masked tiles' share of the non-finite rule, once per program (key_tile_logits).
-        poison = online_softmax.per_row(online_softmax.row_poison(q))
-        return cls(q, rows, ok, segment_ids, q_len, kv_len, offset, poison)
+    def create(cls, q, rows, ok, segment_ids, q_len, kv_len, offset, poison=None) -> "QueryTile":
+        """``poison`` ``[bq]``: the query rows' share of the non-finite rule (NaN or 0), added
+        to q here once per program, or None where q comes with it (the forward's q, poisoned by
+        XLA). q enters only S = q k^T in these kernels, so a poisoned row makes every logit of
+        its row NaN, and the mask's select keeps it only at the allowed pairs, on every tile."""
+        if poison is not None:
+            q = q + online_softmax.per_row(poison).astype(q.dtype)
+        return cls(q, rows, ok, segment_ids, q_len, kv_len, offset)
 
 
 class KeyTile(NamedTuple):
@@ -54,21 +57,23 @@ class KeyTile(NamedTuple):
     allowed: jax.Array | None       # [bq, bk] the mask rule, None: every pair
     t: jax.Array                    # [bq, bk] logits in base 2 (online_softmax.Base2Softmax)
     capped: jax.Array | None        # what softmax.logits returns for the soft cap's gradient
-    k: jax.Array                    # [bk, Dp] (non-finite entries as 0 on masked tiles)
-    v: jax.Array
+    k: jax.Array                    # [bk, Dp]
+    v: jax.Array                    # [bk, Dp], non-finite entries as 0 where a pair may be excluded
 
 
 def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: int,
-                    masked: bool, key_poison_ref=None) -> KeyTile:
+                    masked: bool, *, finite_kv: bool) -> KeyTile:
     """Key tile ``j`` of the forward and dQ kernels: its loads (masked at the edges), the mask
-    rule and the logits. ``refs``: (k, v, kv segment ids, mask, bias); the last three may be
-    None.
+    rule and the logits. ``refs``: (k, v, kv segment ids, mask, bias, key poison); segment ids,
+    mask and bias may be None.
 
-    The non-finite rule: on masked tiles k and v are made finite here and a NaN poison marks
-    the allowed pairs of a non-finite key or query. With ``key_poison_ref`` (the dQ kernel's:
-    k and v are finite copies, the per-key poison ``[Lk]`` was taken with them) every tile adds
-    the keys' poison, and masked tiles the query's, with no pass over the k and v tiles."""
-    k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref = refs
+    The non-finite rule: every tile adds the per-key poison ``[Lk]`` (NaN where the key's row
+    of K or V holds a non-finite value, taken once per call in XLA) to its logits, and the query
+    rows' poison came with q (``QueryTile``). ``finite_kv``: k and v are copies with their
+    non-finite entries as 0 (the dQ kernel, whose dq = dS k reads k at excluded pairs too);
+    else (the forward) a masked tile makes v finite, as P V reads it where P = 0, and k stays as
+    loaded (S's excluded entries are replaced)."""
+    k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref, key_poison_ref = refs
     keys = pl.ds(j * block_k, block_k)
     key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
     # An interior tile (masked=False) lies below kv_len <= Lk: no load of it needs a mask.
@@ -81,18 +86,11 @@ def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: in
         pair_tile(mask_ref), structural=masked, position_offset=query.offset)
     feature_ok = layout.features_within()
     k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
-    poison = None  # q stays as loaded: S's excluded entries are replaced (Base2Softmax)
-    if key_poison_ref is not None:
-        poison = online_softmax.per_row(load(key_poison_ref.at[keys], key_ok), transposed=True)
-    elif allowed is not None:
-        key_poison, k, v = online_softmax.excluded_nonfinite_keys(k, v)
-        poison = online_softmax.per_row(key_poison, transposed=True)
-    if allowed is not None:
-        poison = poison + query.poison
+    if allowed is not None and not finite_kv:
+        v = online_softmax.finite_or_zero(v)
     qk = dot(query.q, k, cfg.precision, trans_b=True)                # [bq, bk]
     t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref))
-    if poison is not None:
-        t = t + poison
+    t = t + online_softmax.per_row(load(key_poison_ref.at[keys], key_ok), transposed=True)
     return KeyTile(cols, key_ok, allowed, t, capped, k, v)
 
 

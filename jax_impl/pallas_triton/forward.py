@@ -6,6 +6,12 @@ scale and an fp32 output accumulator, rescaled whenever m grows; O and the row s
 (m and log l) are written once at the end. P is computed in base 2 with the scale folded in
 (online_softmax.Base2Softmax); the statistics written are the natural-log RowStats.
 The last tiles may reach past Lq, Lk and D: their loads and stores are masked (layout.py).
+The non-finite rule (online_softmax), with no reduction in the kernel: XLA makes every query row
+that holds a non-finite value all NaN (q enters only S, whose select keeps the NaN at the
+allowed pairs) and takes each key's poison (a pass over k and v) for every tile to add to its
+logits; masked tiles read v with its non-finite entries as 0 (P V reads it where P = 0).
+Folding the query side into the kernel instead (a [bq] add once per program) cost the fp16 D=64
+causal forward 62 registers (193 -> 255), adding it per tile spilled the bf16 one.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_seg_ref, kv_seg_ref,
-                    mask_ref, bias_ref, sinks_ref, seeds_ref, o_ref, max_ref, log_sum_ref, *,
+                    mask_ref, bias_ref, sinks_ref, seeds_ref, key_poison_ref, o_ref, max_ref,
+                    log_sum_ref, *,
                     cfg: AttentionConfig, layout: Layout, order: common.TileOrder):
     block_q, block_k = layout.blocks.block_q, layout.blocks.block_k
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
@@ -34,12 +41,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
     rows = queries[:, None]
     q_seg = None if q_seg_ref is None else load(q_seg_ref, query_ok)
     query = common.QueryTile.create(q, rows, query_ok, q_seg, q_len, kv_len, offset)
-    refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref)
+    refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref, key_poison_ref)
     softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, carry, masked):
         acc, row_max, row_sum = carry
-        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked)
+        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked,
+                                      finite_kv=False)
         rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, tile.t, tile.allowed)
         keep = common.dropout_keep(cfg, seed, rows, tile.cols)
         p_drop = dropout_sinks.apply_dropout(p, keep, cfg.dropout_rate)
@@ -78,6 +86,7 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         pair(bias),
         common.per_head_spec(sinks),
         common.per_head_spec(seeds),
+        pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0)),  # key poison
     ]
     stats_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
     stats_shape = common.out_struct((batch, hq, layout.lq), jnp.float32, q)
@@ -91,5 +100,6 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         out_specs=list(map(order.spec, out_specs)),
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
-    )(q, k, v, masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
-      masks.kv_segment_ids, mask, bias, sinks, seeds)
+    )(online_softmax.poisoned_rows(q), k, v, masks.q_len, masks.kv_len, masks.position_offset,
+      masks.q_segment_ids, masks.kv_segment_ids, mask, bias, sinks, seeds,
+      online_softmax.key_poison(k, v).transpose(0, 2, 1))  # [B, Hkv, Lk]

@@ -50,7 +50,7 @@ def rule_block_sizes(head_dim: int, dtype) -> BlockSizes:
     so that every dot is a wgmma; 128-wide key tiles in the forward up to D=128.
     fp32 dots run on FMA units (precision HIGHEST, no TF32), whose operands a thread holds in
     registers over the whole head dim: small tiles over 8 warps, and from D=128 two stages and
-    16-key dK/dV and dQ tiles, compile with no spills except the causal D=256 dK/dV (~0.4 KiB).
+    16-key dK/dV and dQ tiles, compile with no spills (triton 3.8).
     """
     d = head_dim_class(head_dim)
     if np.dtype(dtype).itemsize == 2:
@@ -136,11 +136,11 @@ def shared_memory_estimate(kernel: str, head_dim: int, dtype, blocks: BlockSizes
     row_stats = 0
     if kernel == "forward":  # Q held; K and V streamed
         tiles = blocks.block_q * d + stages * 2 * blocks.block_k * d
-    elif kernel in ("dkdv", "dk", "dv"):  # Q, dO (+ 3 fp32 row vectors) streamed; P^T
+    elif kernel in ("dkdv", "dk", "dv"):  # Q, dO (+ 4 fp32 row vectors) streamed; P^T
         bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
-        held = 2 if kernel == "dv" else 4  # dV: K (and its epilogue); else K, V and two more
+        held = 1 if kernel == "dv" else 2  # dV: K (and its epilogue); else K and V
         tiles = held * bk * d + stages * 2 * bq * d + bk * bq
-        row_stats = stages * 3 * bq * 4
+        row_stats = stages * 4 * bq * 4  # max, log-sum, delta, the non-finite rule's poison
     elif kernel == "dq":  # Q and dO held; K and V streamed
         tiles = 2 * blocks.block_q_dq * d + stages * 2 * blocks.block_k_dq * d
     else:

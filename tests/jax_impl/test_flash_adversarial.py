@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from conformance import tolerance
+from jax_impl import BlockSizes
 from jax_impl.flash_attention import flash_attention
+from jax_impl.pallas_triton import heuristics
 from _flash_helpers import run_arrays, torch_arrays
 
 BLOCKED = ["xla", "pallas_triton"]
@@ -159,6 +161,106 @@ def test_a_nonfinite_key_reaches_the_dq_of_every_row_that_attends_it(implementat
     dq = run_arrays(q, k, v, ct, implementation)["dq"]
     assert np.all(np.isnan(dq[0, :, 1]).any(axis=-1)), "every row attends key 5"
     assert np.all(np.isfinite(dq[1])) and np.all(np.isfinite(np.delete(dq[0], 1, axis=1)))
+
+
+# --- 5b. the exact NaN pattern of the non-finite rule, masked and unmasked tiles ---------------
+# The oracle's rule (torch_ref.manual_attention, docs/semantics.md): a pair whose query row or key
+# row (K or V) holds a non-finite value has a NaN logit, which counts only where the pair is
+# allowed; P and dS are exactly 0 at every other pair, also in a NaN row; products read the
+# non-finite entries as 0 (their own gradient is 0). Every output and gradient must have the
+# oracle's NaNs exactly, and its finite values within tolerance. 16-wide tiles over L=64, so
+# that the blocked paths run unmasked interior tiles and masked edge tiles; the split variant
+# computes dV and dK in two kernels (heuristics.split_dkdv), as D=256 does by default.
+
+RULE_D = 32
+RULE_VARIANTS = {
+    "reference": dict(implementation="reference"),
+    "xla": dict(implementation="xla", block_sizes=BlockSizes(16, 16)),
+    "pallas_triton": dict(implementation="pallas_triton", block_sizes=BlockSizes(16, 16, 16, 16, 16, 16)),
+    "pallas_triton-split-dkdv": dict(implementation="pallas_triton",
+                                     block_sizes=BlockSizes(16, 16, 16, 64, 16, 16, num_warps_bwd=1)),
+}
+assert heuristics.split_dkdv(RULE_D, RULE_VARIANTS["pallas_triton-split-dkdv"]["block_sizes"])
+
+
+def _assert_oracle_nan_pattern(variant, q, k, v, ct, **kwargs):
+    """Runs the variant; every result has the oracle's NaNs exactly and is judged elsewhere."""
+    options = dict(RULE_VARIANTS[variant])
+    results = run_arrays(q, k, v, ct, options.pop("implementation"), **options, **kwargs)
+    reference = torch_arrays(q, k, v, ct, **kwargs)
+    plain = torch_arrays(q, k, v, ct, dtype=np.float32, **kwargs)
+    for name in results:
+        nan = np.isnan(reference[name])
+        np.testing.assert_array_equal(np.isnan(results[name]), nan, err_msg=f"{variant} {name}: NaN pattern")
+        assert np.all(np.isfinite(results[name][~nan])), f"{name}: inf where the oracle is finite"
+        verdict = tolerance.judge(name, results[name][~nan], reference[name][~nan], plain[name][~nan],
+                                  "float32")
+        assert verdict.passed, verdict
+    return reference
+
+
+@pytest.mark.parametrize("variant", RULE_VARIANTS)
+@pytest.mark.parametrize("where, poison", [("k", np.inf), ("k", -np.inf), ("v", np.nan)],
+                         ids=["k-inf", "k-neg-inf", "v-nan"])
+def test_a_nonfinite_key_without_any_mask_makes_every_row_nan(variant, where, poison):
+    """No mask at all (every tile unmasked): every row attends key 3, so every row is NaN, with
+    every gradient. IEEE arithmetic alone would leave the rows whose q.k_3 is -inf finite
+    (P = 0), and a NaN in one entry of v_3 only that column of the output."""
+    rng, q, k, v, ct = _inputs(20, (2, 64, 2, RULE_D))
+    {"k": k, "v": v}[where][0, 3, 0, 0] = poison
+    reference = _assert_oracle_nan_pattern(variant, q, k, v, ct)
+    assert np.isnan(reference["out"][0, :, 0]).all() and np.isfinite(reference["out"][1]).all()
+
+
+@pytest.mark.parametrize("variant", RULE_VARIANTS)
+def test_a_nan_query_row_reaches_only_the_keys_it_attends(variant):
+    """Causal: query 40's NaN makes its row, its dq (0 at the NaN entry itself) and dk, dv of
+    keys 0..40 NaN; keys 41.. take no part in row 40 (dS = 0 there, though the row's delta is
+    NaN: 0 * NaN must not reach them), so their gradients stay finite."""
+    rng, q, k, v, ct = _inputs(21, (2, 64, 2, RULE_D))
+    q[0, 40, 1, 5] = np.nan
+    reference = _assert_oracle_nan_pattern(variant, q, k, v, ct, is_causal=True)
+    attends = np.arange(64) <= 40
+    for name in ("dk", "dv"):
+        np.testing.assert_array_equal(np.isnan(reference[name][0, :, 1]).any(-1), attends)
+
+
+@pytest.mark.parametrize("variant", RULE_VARIANTS)
+@pytest.mark.parametrize("soft_cap", [None, 5.0], ids=["no-cap", "soft-cap"])
+def test_a_nan_value_at_an_allowed_key_beside_poison_at_excluded_keys(variant, soft_cap):
+    """A NaN in v at key 9, which rows 9.. attend (causal), in a call whose excluded positions
+    hold NaN and inf too (past the lengths, at masked keys; whole rows and single entries): the
+    NaN reaches exactly the rows that attend key 9 and their keys' gradients; the excluded
+    poison reaches nothing, not even through the soft cap's derivative (a kernel that folds a
+    row's poison into its operand has a NaN cap term at every pair of that row)."""
+    rng, q, k, v, ct = _inputs(22, (2, 64, 2, RULE_D))
+    kv_len, q_len = np.array([50, 64], np.int32), np.array([64, 45], np.int32)
+    mask = np.ones((2, 1, 1, 64), bool)
+    mask[:, ..., [4, 21]] = False
+    k[0, 50:], v[0, 56:] = np.inf, np.nan       # past the kv length: whole rows
+    k[0, 53, 1, 7], v[0, 51, 0, 2] = np.nan, -np.inf  # ... and single entries
+    k[:, 4, 1, 3], v[:, 21, 0, 5] = -np.inf, np.nan   # masked out in every row
+    q[1, 50:], q[1, 47, 0, 1] = np.inf, np.nan        # past the query length
+    v[0, 9, 1, 3] = np.nan
+    reference = _assert_oracle_nan_pattern(
+        variant, q, k, v, ct, mask=mask, is_causal=True, key_value_seq_lengths=kv_len,
+        query_seq_lengths=q_len, logits_soft_cap=soft_cap)
+    assert np.isnan(reference["out"][0, 9:50, 1]).any(-1).all() and not np.isnan(reference["out"][1]).any()
+    assert not np.isnan(reference["dk"][1]).any() and not np.isnan(reference["dq"][1]).any()
+
+
+@pytest.mark.parametrize("variant", RULE_VARIANTS)
+def test_an_additive_neg_inf_bias_excludes_its_keys_from_a_nan_row_gradient(variant):
+    """Keys 48.. masked by an additive -inf bias (an additive padding mask) and a NaN in v at
+    key 5, which every row attends: every row is NaN, yet keys 48.. take part in none, so their
+    dk, dv and dbias stay finite (P = 0 at a -inf logit, and dS exactly 0 there, not 0 * NaN)."""
+    rng, q, k, v, ct = _inputs(23, (2, 64, 2, RULE_D))
+    bias = rng.standard_normal((2, 2, 64, 64)).astype(np.float32)
+    bias[..., 48:] = -np.inf
+    v[0, 5, 1, 3] = np.nan
+    reference = _assert_oracle_nan_pattern(variant, q, k, v, ct, bias=bias)
+    assert np.isnan(reference["dk"][0, :48, 1]).any(-1).all() and np.isfinite(reference["dk"][0, 48:]).all()
+    assert np.isfinite(reference["dbias"][0, 1, :, 48:]).all()
 
 
 # --- 6. every JAX transformation of the default implementation -------------------------------

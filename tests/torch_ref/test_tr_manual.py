@@ -151,3 +151,25 @@ def test_manual_runs_in_input_dtype(dtype):
     ref, _ = np_attention(q, k, v, **kw)
     tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-2}[dtype]
     np.testing.assert_allclose(out.double().numpy(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_nan_query_row_reaches_exactly_the_gradients_of_the_keys_it_attends(sinks):
+    """The non-finite rule's gradients (docs/semantics.md): a NaN logit at an allowed pair is
+    NaN in that row's output and its dS, so in dq of the row (except at the non-finite entry
+    itself, which products read as 0: zero gradient) and in dk, dv of exactly the keys the row
+    attends; every pair the row may not attend has P = dS = 0, so the other keys' gradients stay
+    finite (a softmax over a row holding NaN would otherwise spread it to every column)."""
+    g = torch.Generator().manual_seed(11)
+    Q, K, V = (torch.randn(1, 2, 8, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    Q[0, 1, 3, 2] = float("nan")  # query row 3 of head 1 attends keys 0..3 (causal)
+    Q, K, V = (x.requires_grad_() for x in (Q, K, V))
+    kw = {"attention_sinks": torch.tensor([0.5, -0.5], dtype=torch.float64)} if sinks else {}
+    out = manual_attention(Q, K, V, is_causal=True, **kw)
+    out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64))
+    rows = lambda x: torch.isnan(x[0, 1]).any(-1).tolist()
+    attends = [j <= 3 for j in range(8)]
+    assert rows(out) == [i == 3 for i in range(8)] and torch.isfinite(out[0, 0]).all()
+    assert rows(Q.grad) == [i == 3 for i in range(8)] and Q.grad[0, 1, 3, 2] == 0
+    assert rows(K.grad) == attends and rows(V.grad) == attends
+    assert torch.isfinite(Q.grad[0, 0]).all() and torch.isfinite(K.grad[0, 0]).all()
