@@ -67,8 +67,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True),
     "cpu": Implementation(
-        "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use): no bias, mask, "
-        "soft cap, dropout or sinks", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
+        "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
         call_unsupported=cpu_kernel.unsupported),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",

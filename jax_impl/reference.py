@@ -52,9 +52,10 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
     if sink is not None:
         row_sum = row_sum + jnp.exp(sink - row_max)
-    nonempty = row_sum > 0
+    nonempty = row_sum != 0  # a NaN sum (a NaN row) is not empty
     safe_sum = jnp.where(nonempty, row_sum, 1)
-    probs = unnormalised / safe_sum
+    # Excluded pairs: probability exactly 0 and no gradient, also in a NaN row (a NaN sum).
+    probs = jnp.where(allowed, unnormalised / safe_sum, 0)
     if cfg.dropout_rate:
         rows = jnp.arange(lq, dtype=jnp.int32)[:, None]
         cols = jnp.arange(lk, dtype=jnp.int32)[None, :]

@@ -134,7 +134,8 @@ def manual_attention(
         K = K.repeat_interleave(group, dim=1)
         V = V.repeat_interleave(group, dim=1)
     # Non-finite entries are computed with as 0 and marked: a pair touching a non-finite query,
-    # key or value row gets a NaN logit, which matters only where the pair is allowed.
+    # key or value row gets a NaN logit (added, so the gradient passes as the arithmetic says),
+    # which matters only where the pair is allowed.
     finite = lambda x: torch.isfinite(x).all(dim=-1)  # [B, H, L]
     bad_pair = ~finite(Q)[..., :, None] | ~(finite(K) & finite(V))[..., None, :]
     zero_nonfinite = lambda x: torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
@@ -145,7 +146,7 @@ def manual_attention(
         s = cap * torch.tanh(s / cap)
     if bias is not None:
         s = s + bias.to(s.dtype)
-    s = torch.where(bad_pair, torch.full((), float("nan"), dtype=s.dtype), s)
+    s = s + torch.where(bad_pair, float("nan"), 0.0).to(s.dtype)
     allowed = allowed & (s != float("-inf"))  # an additive -inf bias excludes the pair
 
     if attention_sinks is not None:
@@ -166,6 +167,9 @@ def manual_attention(
         p = torch.softmax(s_safe, dim=-1)
         p = torch.where(row_ok, p, torch.zeros((), dtype=p.dtype, device=p.device))
         lse = torch.logsumexp(s_safe, dim=-1)  # [B, Hq, Lq]
+    # An excluded pair has probability exactly 0 and passes no gradient, also in a NaN row
+    # (whose softmax is NaN throughout): a NaN row reaches only the keys it attends.
+    p = torch.where(allowed, p, torch.zeros((), dtype=p.dtype, device=p.device))
     if dropout_mask is not None:
         keep = dropout_mask.to(device=p.device, dtype=torch.bool)
         p = torch.where(keep, p / (1.0 - float(dropout_rate)), torch.zeros((), dtype=p.dtype))

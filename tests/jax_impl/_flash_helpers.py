@@ -26,6 +26,8 @@ def run(case: Case, dtype, implementation, **options):
     cast = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64), dtype)
     q, k, v, cotangent, bias = map(cast, (inputs.q, inputs.k, inputs.v, inputs.cotangent, inputs.bias))
     kwargs = {**inputs.attention_kwargs(), **options}
+    if case.dropout:  # the pattern the oracle gets from inputs.dropout_keep()
+        kwargs.update(dropout_rng=inputs.dropout_key(), broadcast_dropout=False, deterministic=False)
 
     def attend(q, k, v, bias):
         return flash_attention(q, k, v, bias, inputs.mask, implementation=implementation, **kwargs)
