@@ -275,8 +275,9 @@ struct Problem {
   }
 };
 
-// Dropout's keep mask of one query row against keys [j0, j0 + n): p[c] scaled where kept, 0
-// where dropped (the row's seed already mixed with the row index: RowKey).
+// Dropout on one query row against keys [j0, j0 + n): x[c] times 1 / (1 - rate) where kept,
+// times 0 where dropped (a product, as dropout_sinks.apply_dropout: a NaN stays NaN). The
+// row's seed comes already mixed with the row index (RowKey).
 inline uint32_t RowKey(uint32_t seed, int64_t i) {
   return mix<uint32_t>(seed ^ (static_cast<uint32_t>(i) * GOLDEN));
 }
@@ -289,11 +290,11 @@ inline void DropRow(uint32_t seed, uint32_t row_key, int64_t j0, int64_t n, uint
     vu cols = static_cast<uint32_t>(j0 + c) + lane;
     vu bits = mix<vu>(row_key ^ (cols * PRIME + seed));
     vi keep = __builtin_convertvector(bits >> 8, vi) >= static_cast<int32_t>(threshold);
-    store(x + c, select(keep, load(x + c) * kept, splat(0.0f)));
+    store(x + c, load(x + c) * select(keep, splat(kept), splat(0.0f)));
   }
   for (; c < n; ++c) {
     uint32_t bits = mix<uint32_t>(row_key ^ (static_cast<uint32_t>(j0 + c) * PRIME + seed));
-    x[c] = static_cast<int32_t>(bits >> 8) >= static_cast<int32_t>(threshold) ? x[c] * kept : 0.0f;
+    x[c] *= static_cast<int32_t>(bits >> 8) >= static_cast<int32_t>(threshold) ? kept : 0.0f;
   }
 }
 
