@@ -10,13 +10,11 @@ rows and every key column (``[..., Hq|1, Lq_loc, Lk_global]``, columns in global
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import jax.numpy as jnp
 from jax import lax
 
 from jax_impl import flash_attention as fa
-from jax_impl import ring, vma
+from jax_impl import implementations, ring, vma
 
 
 def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
@@ -33,14 +31,17 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     layout: "zigzag" (device r holds global chunks r and 2N-1-r of 2N: balanced causal work;
       reorder global arrays with ``ring.to_zigzag`` before sharding) or "contiguous" (device r
       holds chunk r of N).
-    implementation: the local kernel each ring step runs: "xla" (or None) or "pallas_triton"
-      (a CUDA GPU, or anywhere with interpret=True; the Pallas interpreter of jax 0.10 needs
-      ``check_vma=False`` on the enclosing ``jax.shard_map``).
+    implementation: the local kernel each ring step runs, one of ``ring.RING_IMPLEMENTATIONS``:
+      "xla" (or None), "pallas_triton" (a CUDA GPU, or anywhere with interpret=True; the Pallas
+      interpreter of jax 0.10 needs ``check_vma=False`` on the enclosing ``jax.shard_map``) or
+      "cpu" (the fused C++ kernel on a CPU: no bias or dense mask).
     bias, mask: broadcastable to ``[..., Hq, Lq_loc, Lk]`` where ``Lq_loc`` is this device's
       query rows (in the order of its query block, i.e. the layout's) and ``Lk`` is the GLOBAL
       key length, columns in global (natural) key order whatever the layout: shard them along
       the query rows only. They stay on their device; each ring step slices the columns of the
       visiting key chunk. The bias is differentiable; its gradient has the same layout.
+    query_seq_lengths, key_value_seq_lengths: global, ``[batch...]``; concrete values outside
+      [0, global length] are refused, traced ones clamped (as ``flash_attention``).
     Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
     """
     try:
@@ -82,6 +83,11 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     bias, mask = (_rows_local(name, x, call.batch_shape + (call.q.shape[2], lq, num_devices * lk))
                   for name, x in (("bias", bias), ("mask", mask)))
     masks = masks._replace(mask=mask)
+    if implementation == "cpu" and (bias is not None or mask is not None):
+        # fa._validate saw neither (they are per-device here), and the kernel would ignore them.
+        reason = implementations.unsupported("cpu", head_dim=call.q.shape[-1], platform="cpu",
+                                             features=fa._features(call.cfg, bias, masks, call.extras))
+        raise ValueError(f"implementation='cpu' cannot run this ring: {reason}")
     description = ring.Ring(axis_name, num_devices, layout, call.implementation or implementation,
                             dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
     q = fa.gpu_only_precision_guard(description.implementation, description.cfg, call.q)
@@ -102,13 +108,10 @@ def _rows_local(name, x, shape):
 
 
 def _global_lengths(name, lengths, batch_shape, global_len: int):
-    b = math.prod(batch_shape)
-    if lengths is None:
-        return jnp.full((b,), global_len, jnp.int32)
-    lengths = jnp.asarray(lengths)
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise TypeError(f"{name} must be integers; got {lengths.dtype}")
-    if lengths.shape != batch_shape:
-        raise ValueError(f"{name}.shape={lengths.shape} must equal the batch shape {batch_shape} "
-                         "(global lengths, the same on every device of the ring)")
-    return jnp.clip(lengths.reshape(b), 0, global_len).astype(jnp.int32)
+    """fa._lengths against the GLOBAL length: concrete values outside [0, global_len] are
+    refused, traced ones clamped."""
+    try:
+        return fa._lengths(name, lengths, batch_shape, global_len)
+    except ValueError as err:
+        raise ValueError(f"{err} (in ring_attention lengths are global, the same on every device "
+                         f"of the ring: at most the global sequence length {global_len})") from None

@@ -54,9 +54,31 @@ def mix(x):
     return x ^ (x >> 16)
 
 
-def key_words(rng):
-    """Two uint32 words from a PRNG key (typed or raw, any implementation)."""
+def key_words(rng, name: str = "rng"):
+    """Two uint32 words from a PRNG key (typed or raw, any implementation); anything else is
+    refused naming ``name`` (JAX's own errors do not say which argument)."""
+    check_key(rng, name)
     return jax.random.bits(rng, (2,), jnp.uint32)
+
+
+def check_key(rng, name: str):
+    """Raises unless ``rng`` is one PRNG key: typed (shape ()) or raw uint32 data of the
+    default implementation's key shape (uint32[2] for threefry)."""
+    dtype, shape = getattr(rng, "dtype", None), getattr(rng, "shape", None)
+    # The raw shape follows jax_default_prng_impl, so it is asked for, not assumed.
+    raw = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    rule = (f"{name} must be a single PRNG key: a typed key from jax.random.key (shape ()) or "
+            f"raw {raw.dtype}{list(raw.shape)} key data from jax.random.PRNGKey")
+    if dtype is None:
+        raise TypeError(f"{rule}; got {type(rng).__name__}")
+    typed = jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    if not typed and dtype != raw.dtype:
+        raise TypeError(f"{rule}; got {dtype}{list(shape)}")
+    key_shape = () if typed else raw.shape
+    if shape != key_shape:
+        batch = len(shape) > len(key_shape) and shape[len(shape) - len(key_shape):] == key_shape
+        raise ValueError(f"{rule}; got {dtype}{list(shape)}"
+                         + (" (a batch of keys: one key per call is taken)" if batch else ""))
 
 
 def head_seeds(words, batch: int, heads: int, broadcast: bool):

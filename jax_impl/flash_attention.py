@@ -102,8 +102,9 @@ def flash_attention(
         (packed sequences).
       logits_soft_cap: c > 0: logits become ``c * tanh(logits / c)`` before the bias is added.
       block_sizes: tile sizes (``BlockSizes``); None: per-device heuristics.
-      precision: of float32 matmuls: a ``lax.Precision`` (default HIGHEST: full fp32, never
-        silent TF32) or, for float32 inputs, one of ``PRECISION_PRESETS``
+      precision: of float32 matmuls: a ``lax.Precision`` or its name in any case ("highest",
+        jnp.dot's aliases; default HIGHEST: full fp32, never silent TF32) or, for float32
+        inputs, one of ``PRECISION_PRESETS`` (or its name)
         (``lax.DotAlgorithmPreset``: TF32_TF32_F32_X3 is 3xTF32 on the tensor cores; TF32
         presets and BF16_BF16_F32_X9 run only on a CUDA GPU).
       interpret: run the Pallas kernel in the Pallas interpreter (any device; slow; for tests).
@@ -229,7 +230,8 @@ def _validate(query, key, value, bias, mask, *, scale, is_causal, query_seq_leng
         if dropout_rng is None:
             raise ValueError(f"dropout_rng must be a PRNG key when {dropout_rate=} and "
                              f"{deterministic=} (dropout is active)")
-        seeds = dropout_sinks.head_seeds(dropout_sinks.key_words(dropout_rng), b, hq, bool(broadcast_dropout))
+        words = dropout_sinks.key_words(dropout_rng, "dropout_rng")
+        seeds = dropout_sinks.head_seeds(words, b, hq, bool(broadcast_dropout))
     extras = dropout_sinks.SinksAndDropout(sinks=_sinks(attention_sinks, batch_shape, hq), dropout_seeds=seeds)
     cfg = AttentionConfig(scale=float(scale), mask=spec,
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
@@ -367,14 +369,23 @@ def _per_batch_and_head(name, x, batch_shape, hq, seq_shape):
     return x.reshape((-1,) + x.shape[batch_ndim:])
 
 
+# Spelled out: lax.Precision(name) accepts only some spellings, and which varies across jax
+# versions (0.10 takes 'highest' but not 'HIGHEST'). The aliases are jax's own (jnp.dot's).
+_PRECISION_ALIASES = {"fastest": lax.Precision.DEFAULT, "bfloat16": lax.Precision.DEFAULT,
+                      "bfloat16_3x": lax.Precision.HIGH, "tensorfloat32": lax.Precision.HIGH,
+                      "float32": lax.Precision.HIGHEST}
+_PRECISION_NAMES = {**{p.name.lower(): p for p in lax.Precision}, **_PRECISION_ALIASES}
+
+
 def _precision(precision, dtype):
     presets = ", ".join(p.name for p in PRECISION_PRESETS)
     if precision is None:
         return lax.Precision.HIGHEST
     if isinstance(precision, (tuple, list)):
-        if len(set(precision)) != 1:
-            raise ValueError(f"{precision=}: a pair of different precisions is not supported")
-        precision = precision[0]
+        pair = {_precision(p, dtype) for p in precision}
+        if len(precision) != 2 or len(pair) != 1:
+            raise ValueError(f"{precision=}: only a pair of equal precisions is supported")
+        return pair.pop()
     if isinstance(precision, lax.DotAlgorithmPreset):
         if precision not in PRECISION_PRESETS:
             raise ValueError(f"precision={precision} is not supported: a jax.lax.DotAlgorithmPreset "
@@ -384,12 +395,14 @@ def _precision(precision, dtype):
                              "always multiply natively with float32 accumulation: pass precision=None")
         return precision
     if isinstance(precision, str):
-        try:
-            return lax.Precision(precision.upper() if precision.upper() in ("DEFAULT", "HIGH", "HIGHEST")
-                                 else precision)
-        except Exception:
+        if precision.lower() in _PRECISION_NAMES:
+            return _PRECISION_NAMES[precision.lower()]
+        try:  # a preset's name, as jnp.dot takes it
+            return _precision(lax.DotAlgorithmPreset[precision.upper()], dtype)
+        except KeyError:
             raise ValueError(f"{precision=} must be a jax.lax.Precision, one of 'default', 'high', "
-                             f"'highest', or (float32 inputs) a jax.lax.DotAlgorithmPreset among "
+                             f"'highest' (any case, or jax's aliases {', '.join(_PRECISION_ALIASES)}), "
+                             f"or (float32 inputs) a jax.lax.DotAlgorithmPreset or its name among "
                              f"{presets}") from None
     if not isinstance(precision, lax.Precision):
         raise TypeError(f"{precision=} must be None, a jax.lax.Precision or its name, or a "

@@ -121,9 +121,9 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -
             sequence = seq
         else:
             notes.append(f"sequence sharding over {seq} not supported for this call (the ring "
-                         f"needs implementation 'xla' or 'pallas_triton', one mesh axis not "
-                         f"also used by batch or heads, sequences divisible by {chunks}): "
-                         "all-gathered")
+                         f"needs an implementation in {ring.RING_IMPLEMENTATIONS}, no dropout, "
+                         f"sinks or position offset, one mesh axis not also used by batch or "
+                         f"heads, sequences divisible by {chunks}): all-gathered")
     if dim:
         notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
                      "needs the whole head): all-gathered")

@@ -153,6 +153,51 @@ def test_dropout_matches_torch_ref_with_the_materialised_mask(implementation, dt
     _assert_judged(results, oracle, plain, dtype)
 
 
+BAD_KEYS = {  # name: (key, error type)
+    "python_int": (lambda: 7, TypeError),
+    "float_pair": (lambda: np.random.default_rng(1).random(2).astype(np.float32), TypeError),
+    "int32_pair": (lambda: np.random.default_rng(2).integers(0, 99, 2, dtype=np.int32), TypeError),
+    "raw_key_of_3_words": (lambda: np.random.default_rng(3).integers(0, 99, 3, dtype=np.uint32), ValueError),
+    "uint32_scalar": (lambda: np.uint32(5), ValueError),
+    "batch_of_typed_keys": (lambda: jax.random.split(jax.random.key(4), 2), ValueError),
+    "batch_of_raw_keys": (lambda: jax.random.split(jax.random.PRNGKey(4), 2), ValueError),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_KEYS)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_malformed_dropout_rng_is_refused_by_name(bad, jit):
+    q, k, v, _ = _qkv(1, 16, 16, 2, 2, 16, seed=9)
+    make_key, error = BAD_KEYS[bad]
+    attend = lambda key: flash_attention(q, k, v, dropout_rng=key, **DROPOUT)
+    if jit:
+        attend = jax.jit(attend)
+    with pytest.raises(error, match=r"dropout_rng must be a single PRNG key: a typed key from "
+                                    r"jax.random.key \(shape \(\)\) or raw uint32\[2\] key data "
+                                    r"from jax.random.PRNGKey; got "):
+        attend(make_key())
+    with pytest.raises(error, match=r"^rng must be a single PRNG key"):
+        dropout_mask(make_key(), (1, 2, 16, 16), 0.3)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_raw_key_drops_as_its_typed_key_does(jit):
+    q, k, v, ct = _qkv(1, 24, 32, 2, 1, 16, seed=10)
+    typed = jax.random.key(int(np.random.default_rng().integers(2**31)))
+    raw = jax.random.key_data(typed)
+    assert raw.dtype == jnp.uint32 and raw.shape == (2,)
+    rate, kwargs = 0.3, dict(is_causal=True, broadcast_dropout=False)
+    attend = lambda key: flash_attention(q, k, v, dropout_rng=key, dropout_rate=rate, **kwargs)
+    if jit:
+        attend = jax.jit(attend)
+    np.testing.assert_array_equal(np.asarray(attend(raw)), np.asarray(attend(typed)))
+    mask = np.asarray(dropout_mask(raw, (1, 2, 24, 32), rate, broadcast_dropout=False))
+    np.testing.assert_array_equal(mask, np.asarray(dropout_mask(typed, (1, 2, 24, 32), rate,
+                                                                broadcast_dropout=False)))
+    oracle = torch_arrays(q, k, v, ct, dropout_mask=mask, dropout_rate=rate, is_causal=True)
+    np.testing.assert_allclose(np.asarray(attend(raw), np.float64), oracle["out"], atol=2e-5, rtol=0)
+
+
 # --- Sinks ----------------------------------------------------------------------------------
 
 SINK_CASES = {

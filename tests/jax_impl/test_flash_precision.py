@@ -74,3 +74,52 @@ def test_highest_stays_the_default():
     assert set(re.findall(r"precision = \[\w+, \w+\]", lowered())) == {"precision = [HIGHEST, HIGHEST]"}
     # The check can fail: another precision shows in the lowered dots.
     assert "precision = [DEFAULT, DEFAULT]" in lowered(precision=jax.lax.Precision.DEFAULT)
+
+
+PRECISION = jax.lax.Precision
+# Every spelling jnp.dot takes (and upper/title case), and the enum member it means.
+PRECISION_STRINGS = [
+    *[(spelling, p) for p in PRECISION for spelling in (p.name.lower(), p.name, p.name.title())],
+    ("fastest", PRECISION.DEFAULT), ("bfloat16", PRECISION.DEFAULT), ("bfloat16_3x", PRECISION.HIGH),
+    ("tensorfloat32", PRECISION.HIGH), ("float32", PRECISION.HIGHEST),
+    ("f32_f32_f32", presets.F32_F32_F32), ("BF16_BF16_F32_X6", presets.BF16_BF16_F32_X6),
+    (("high", "HIGH"), PRECISION.HIGH),
+]
+
+
+def _lowered(precision, shape=(1, 32, 2, 16)):
+    q = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.jit(lambda q, k, v: flash_attention(q, k, v, is_causal=True, implementation="xla",
+                                                   precision=precision)).lower(q, q, q).as_text()
+
+
+@pytest.mark.parametrize("spelling, member", PRECISION_STRINGS, ids=str)
+def test_precision_strings_mean_their_enum_member(spelling, member):
+    # The lowered dots name the precision (XLA:CPU computes every one in fp32, so values alone
+    # could not tell a wrong mapping).
+    assert _lowered(spelling) == _lowered(member)
+    if isinstance(member, PRECISION):
+        assert f"precision = [{member.name}, {member.name}]" in _lowered(spelling)
+    q, k, v, cotangent = _inputs(2)
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, is_causal=True, precision=spelling),
+                       q, k, v)
+    got = dict(zip(("out", "dq", "dk", "dv"), (out, *vjp(jnp.asarray(cotangent)))))
+    oracle = torch_arrays(q, k, v, cotangent, is_causal=True)
+    for name, value in got.items():
+        np.testing.assert_allclose(np.asarray(value, np.float64), oracle[name], atol=2e-5, rtol=0,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("precision, dtype, error, match", [
+    ("fast", jnp.float32, ValueError, r"precision='fast' must be a jax.lax.Precision, one of "
+                                      r"'default', 'high', 'highest'"),
+    ("highest ", jnp.float32, ValueError, r"precision='highest ' must be a jax.lax.Precision"),
+    ("bf16_bf16_f32", jnp.bfloat16, ValueError, "applies to float32 inputs only"),
+    (("high", "highest"), jnp.float32, ValueError, "only a pair of equal precisions"),
+    (("high", "nope"), jnp.float32, ValueError, r"precision='nope' must be"),
+    (2, jnp.float32, TypeError, r"precision=2 must be None, a jax.lax.Precision or its name"),
+])
+def test_bad_precision_strings_are_refused_by_name(precision, dtype, error, match):
+    q = jnp.asarray(_inputs(3, (1, 8, 1, 16))[0], dtype)
+    with pytest.raises(error, match=match):
+        flash_attention(q, q, q, precision=precision)

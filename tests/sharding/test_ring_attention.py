@@ -36,6 +36,15 @@ def test_ring_pallas_interpret_matches_float64_oracle():
     _check(run_script("ring_exact.py", "pallas_triton", *names), names)
 
 
+def test_ring_cpu_kernel_matches_float64_oracle_under_check_vma():
+    """The fused C++ kernel as the local step, under shard_map's default check_vma=True (its
+    custom calls' results must vary over the ring axis like their operands); it takes no bias
+    or dense mask, so the configs have none."""
+    names = ("causal_top_left", "bottom_right_gqa_window_lengths_segments",
+             "contiguous_window_kv_lengths")
+    _check(run_script("ring_exact.py", "cpu", *names), names)
+
+
 def test_ring_pallas_interpreter_under_check_vma_is_refused_by_name():
     message = run_script("ring_exact.py", "refusal")["message"]
     assert message and "interpret=True" in message and "check_vma=False" in message
@@ -65,3 +74,73 @@ def test_zigzag_round_trip_and_layout():
     assert (np.asarray(ring.from_zigzag(z, 4, 0)) == x).all()
     with pytest.raises(ValueError, match="multiple of 2 \\* num_devices"):
         ring.zigzag_permutation(30, 4)
+
+
+def _ring_shapes(n, local_len, pairwise=(), **kwargs):
+    """ring_attention traced (not run) over an abstract mesh of ``n`` devices: its argument
+    checks need the axis size, not devices, so this runs in-process. ``pairwise``: names of
+    bias/mask given as ``[2, 1, L, L]`` arrays sharded along their query rows."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax_impl.context_parallel import ring_attention
+
+    length = local_len * n
+    q = jax.ShapeDtypeStruct((2, length, 2, 16), jnp.float32)
+    pairs = {name: jax.ShapeDtypeStruct((2, 1, length, length),
+                                        jnp.bool_ if name == "mask" else jnp.float32)
+             for name in pairwise}
+    traced = {k: v for k, v in kwargs.items() if isinstance(v, jax.ShapeDtypeStruct)}
+    concrete = {k: v for k, v in kwargs.items() if k not in traced}
+    body = lambda q, lens, pairs: ring_attention(q, q, q, axis_name="seq", **pairs, **lens,
+                                                 **concrete)
+    mapped = jax.shard_map(body, mesh=AbstractMesh((n,), ("seq",)),
+                           in_specs=(P(None, "seq"), P(), P(None, None, "seq", None)),
+                           out_specs=P(None, "seq"))
+    return jax.eval_shape(mapped, q, traced, pairs)
+
+
+@pytest.mark.parametrize("name", ["query_seq_lengths", "key_value_seq_lengths"])
+@pytest.mark.parametrize("bad", [65, -1, 2**40])
+def test_concrete_lengths_outside_the_global_length_are_refused_by_name(name, bad):
+    rng = np.random.default_rng()
+    good = int(rng.integers(9, 65))  # past the local length 8: only the global 64 bounds it
+    lengths = np.array([good, bad], np.int64)
+    with pytest.raises(ValueError, match=rf"{name} must lie in \[0, 64\]; got values in "
+                                         rf"\[{min(good, bad)}, {max(good, bad)}\].*global sequence "
+                                         r"length 64"):
+        _ring_shapes(8, 8, **{name: lengths})
+    _ring_shapes(8, 8, **{name: np.array([good, 64], np.int32)})  # in range: accepted
+
+
+def test_traced_lengths_past_the_sequence_mean_the_whole_sequence():
+    """Traced lengths cannot be checked: they are clamped (a one-device ring, in-process)."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jax_impl.context_parallel import ring_attention
+    from torch_ref import attention_with_grads, manual_attention
+
+    rng = np.random.default_rng()
+    q, k, v, ct = (rng.standard_normal((2, 16, 2, 16)).astype(np.float32) for _ in range(4))
+    lengths = np.array([16 + rng.integers(1, 100), 2**31 - 1], np.int32)
+    body = lambda q, k, v, lens: ring_attention(q, k, v, axis_name="seq", is_causal=True,
+                                                query_seq_lengths=lens, key_value_seq_lengths=lens)
+    seq = P(None, "seq")
+    mapped = jax.shard_map(body, mesh=Mesh(np.array(jax.devices()[:1]), ("seq",)),
+                           in_specs=(seq, seq, seq, P()), out_specs=seq)
+    out, vjp = jax.vjp(jax.jit(lambda q, k, v: mapped(q, k, v, lengths)), q, k, v)
+    got = dict(zip(("out", "dq", "dk", "dv"), (out, *vjp(ct))))
+    ref = attention_with_grads(manual_attention, *(x.astype(np.float64) for x in (q, k, v, ct)),
+                               is_causal=True)
+    for name, value in got.items():
+        np.testing.assert_allclose(np.asarray(value, np.float64), np.asarray(ref[name]),
+                                   atol=TOL, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("pairwise, what", [(("bias",), "a bias"), (("mask",), "a dense mask"),
+                                            (("bias", "mask"), "a bias, a dense mask")])
+def test_ring_cpu_kernel_refuses_a_bias_or_mask_it_would_ignore(pairwise, what):
+    with pytest.raises(ValueError, match=rf"implementation='cpu' cannot run this ring: the CPU "
+                                         rf"kernel does not take {what}(?!,)"):
+        _ring_shapes(4, 16, pairwise, implementation="cpu", is_causal=True)
+    _ring_shapes(4, 16, pairwise, implementation="xla", is_causal=True)  # the xla ring takes them

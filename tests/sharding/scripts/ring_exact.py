@@ -1,7 +1,7 @@
 """ring_attention inside shard_map over 8 devices vs torch_ref.manual_attention in float64.
 
-argv: implementation ("xla" or "pallas_triton", the latter in the Pallas interpreter), then
-config names (CONFIGS). Prints {config: {out, dq, dk, dv[, dbias]: max |err|}}.
+argv: implementation ("xla", "pallas_triton" in the Pallas interpreter, or "cpu", the fused
+C++ kernel: configs without bias or mask), then config names (CONFIGS). Prints {config: {out, dq, dk, dv[, dbias]: max |err|}}.
 
 Bias and mask are global ``[Bx, Hx, Lq, Lk]`` arrays in natural order; each device gets its
 query rows (reordered like the queries for the zigzag layout) and every key column.
