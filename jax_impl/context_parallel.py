@@ -34,7 +34,7 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     implementation: the local kernel each ring step runs, one of ``ring.RING_IMPLEMENTATIONS``:
       "xla" (or None), "pallas_triton" (a CUDA GPU, or anywhere with interpret=True; the Pallas
       interpreter of jax 0.10 needs ``check_vma=False`` on the enclosing ``jax.shard_map``) or
-      "cpu" (the fused C++ kernel on a CPU: no bias or dense mask).
+      "cpu" (the fused C++ kernel on a CPU).
     bias, mask: broadcastable to ``[..., Hq, Lq_loc, Lk]`` where ``Lq_loc`` is this device's
       query rows (in the order of its query block, i.e. the layout's) and ``Lk`` is the GLOBAL
       key length, columns in global (natural) key order whatever the layout: shard them along
@@ -83,11 +83,13 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     bias, mask = (_rows_local(name, x, call.batch_shape + (call.q.shape[2], lq, num_devices * lk))
                   for name, x in (("bias", bias), ("mask", mask)))
     masks = masks._replace(mask=mask)
-    if implementation == "cpu" and (bias is not None or mask is not None):
-        # fa._validate saw neither (they are per-device here), and the kernel would ignore them.
-        reason = implementations.unsupported("cpu", head_dim=call.q.shape[-1], platform="cpu",
-                                             features=fa._features(call.cfg, bias, masks, call.extras))
-        raise ValueError(f"implementation='cpu' cannot run this ring: {reason}")
+    chosen = implementations.get(call.implementation or implementation)
+    if chosen.call_unsupported is not None and (bias is not None or mask is not None):
+        # fa._validate saw neither (they are per-device here): the local kernel must take them.
+        reason = chosen.call_unsupported(head_dim=call.q.shape[-1],
+                                         **fa._features(call.cfg, bias, masks, call.extras)._asdict())
+        if reason:
+            raise ValueError(f"implementation={chosen.name!r} cannot run this ring: {reason}")
     description = ring.Ring(axis_name, num_devices, layout, call.implementation or implementation,
                             dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
     q = fa.gpu_only_precision_guard(description.implementation, description.cfg, call.q)
