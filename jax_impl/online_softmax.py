@@ -149,6 +149,32 @@ def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool 
     return ds, dqk * cfg.scale if scaled else dqk
 
 
+# --- Exact merge of partial results (ring steps; key splits) ------------------------------
+
+def empty_stats(shape):
+    """RowStats of rows that have seen no allowed key yet."""
+    return RowStats(jnp.full(shape, jnp.inf, jnp.float32),
+                                   jnp.zeros(shape, jnp.float32))
+
+
+def merge(out_a, stats_a, out_b, stats_b):
+    """Two normalised partial outputs ``[B, L, H, D]`` over disjoint key sets -> the output over
+    their union, with RowStats ``[B, H, L]`` kept as (max, log-sum) so the backward recomputes
+    P exactly. Empty rows (max = +inf) contribute nothing."""
+    m_a = jnp.where(stats_a.max == jnp.inf, -jnp.inf, stats_a.max)
+    m_b = jnp.where(stats_b.max == jnp.inf, -jnp.inf, stats_b.max)
+    m = jnp.maximum(m_a, m_b)
+    safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w_a = jnp.exp(m_a - safe) * jnp.exp(stats_a.log_sum)  # 0 for an empty side
+    w_b = jnp.exp(m_b - safe) * jnp.exp(stats_b.log_sum)
+    total = w_a + w_b
+    empty = total == 0
+    denom = jnp.where(empty, 1.0, total)
+    per_row = lambda w: jnp.swapaxes(w / denom, 1, 2)[..., None]  # [B, H, L] -> [B, L, H, 1]
+    out = per_row(w_a) * out_a.astype(jnp.float32) + per_row(w_b) * out_b.astype(jnp.float32)
+    return out, RowStats(jnp.where(empty, jnp.inf, m), jnp.log(denom))
+
+
 # --- Base 2 (the Pallas kernels) ----------------------------------------------------------------
 # exp2 is one hardware instruction (PTX ex2.approx); exp is a libdevice call (__nv_expf, about
 # ten instructions). So the GPU kernels compute P = 2^(S log2(e) - m2) and fold log2(e) into the

@@ -16,10 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl import masking, online_softmax, vma
+from jax_impl import masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.cpu_kernel.build import unavailable
-from jax_impl.xla import host_threads
 
 __all__ = ["forward", "backward", "unsupported", "unavailable"]
 
@@ -150,7 +149,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     operands, flags = _operands(cfg, masks, bias, extras)
     with_dbias = bias is not None and cfg.bias_gradient
     block_q, block_k = _blocks(cfg, BACKWARD_BLOCKS)
-    chunks = max(1, min(-(-host_threads() // (b * hkv)), -(-lk // block_k)))
+    chunks = max(1, min(-(-platform.host_threads() // (b * hkv)), -(-lk // block_k)))
     kv_shape = jax.ShapeDtypeStruct((b, hkv, lk, dp), jnp.float32)
     dbias_shape = (b, hq, lq, lk) if with_dbias else (1, 1, 1, 1)
     dq_parts, dk, dv, dbias = _varying_like_operands(jax.ffi.ffi_call(
