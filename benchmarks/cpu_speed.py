@@ -3,7 +3,10 @@
 jax_impl's default on a CPU (``implementation="cpu"``, the fused C++ kernel) and its xla path
 beside ``torch.nn.functional.scaled_dot_product_attention`` (on a CPU its flash kernel) in the
 same dtype: fp32 and bf16, causal and not, L=2048 and 8192, B=1 H=8 D=64, forward and
-forward+backward. The three calls alternate, repeat after repeat, and each repeat gives one time
+forward+backward; then, fp32 at the first length, one call per feature (a bias, a dense causal
+mask, dropout, the soft cap, sinks), against torch's SDPA with the same feature where it has it
+(``attn_mask``, ``dropout_p``; its dropout draws its own pattern) and against its plain call
+where it has not (the soft cap, sinks: the row says so). The three calls alternate, repeat after repeat, and each repeat gives one time
 ratio per implementation (jax_impl / torch); the report gives the median of those
 per-pair ratios with their quartiles (``measure.interleaved_ratios``), the load average at the
 start and end, and each output's largest difference from torch's (a sanity check, not the
@@ -37,15 +40,39 @@ def repeats_for(length: int) -> int:
     return 9 if length <= 2048 else 5
 
 
-def _jax_calls(q, k, v, causal: bool, implementation: str) -> dict:
-    attend = jax.jit(lambda q, k, v: flash_attention(q, k, v, is_causal=causal, implementation=implementation))
+# A feature -> (flash_attention's keywords, torch SDPA's keywords, or None where SDPA has no
+# such argument), for fp32 inputs [B, L, H, D] of length L.
+def feature_calls(feature: str, length: int):
+    import torch
+    rng = np.random.default_rng(1)
+    if feature == "bias":
+        bias = rng.standard_normal((1, HEADS, length, length)).astype(np.float32)
+        return dict(bias=jnp.asarray(bias)), dict(attn_mask=torch.from_numpy(bias))
+    if feature == "mask":
+        mask = np.tril(np.ones((length, length), bool))
+        return dict(mask=jnp.asarray(mask)), dict(attn_mask=torch.from_numpy(mask))
+    if feature == "dropout":
+        return dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), dict(dropout_p=0.1)
+    if feature == "soft_cap":
+        return dict(logits_soft_cap=30.0), None
+    if feature == "sinks":
+        return dict(attention_sinks=jnp.asarray(rng.standard_normal(HEADS), jnp.float32)), None
+    raise ValueError(feature)
+
+
+FEATURES = ("bias", "mask", "dropout", "soft_cap", "sinks")
+
+
+def _jax_calls(q, k, v, causal: bool, implementation: str, **features) -> dict:
+    attend = jax.jit(lambda q, k, v: flash_attention(q, k, v, is_causal=causal, implementation=implementation,
+                                                     **features))
     grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * q.astype(jnp.float32)),
                              argnums=(0, 1, 2)))
     return {"fwd": lambda: jax.block_until_ready(attend(q, k, v)),
             "fwd+bwd": lambda: jax.block_until_ready(grads(q, k, v))}
 
 
-def _torch_calls(q, k, v, causal: bool) -> dict:
+def _torch_calls(q, k, v, causal: bool, **features) -> dict:
     import torch
     sdpa = torch.nn.functional.scaled_dot_product_attention
     q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, H, L, D]
@@ -53,22 +80,24 @@ def _torch_calls(q, k, v, causal: bool) -> dict:
 
     def forward():
         with torch.no_grad():
-            return sdpa(q, k, v, is_causal=causal)
+            return sdpa(q, k, v, is_causal=causal, **features)
 
     def forward_backward():
-        out = sdpa(*leaves, is_causal=causal)
+        out = sdpa(*leaves, is_causal=causal, **features)
         return torch.autograd.grad((out.float() * leaves[0].float()).sum(), leaves)
 
     return {"fwd": forward, "fwd+bwd": forward_backward}
 
 
-def measure(dtype: str, causal: bool, length: int, repeats: int) -> list[dict]:
+def measure(dtype: str, causal: bool, length: int, repeats: int, feature: str | None = None) -> list[dict]:
     import torch
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal((BATCH, length, HEADS, HEAD_DIM)).astype(np.float32) for _ in range(3)]
-    jax_calls = {impl: _jax_calls(*(jnp.asarray(x, dtype) for x in arrays), causal, impl)
+    jax_kw, torch_kw = feature_calls(feature, length) if feature else ({}, {})
+    jax_calls = {impl: _jax_calls(*(jnp.asarray(x, dtype) for x in arrays), causal, impl, **jax_kw)
                  for impl in IMPLEMENTATIONS}
-    torch_calls = _torch_calls(*(torch.from_numpy(x).to(getattr(torch, dtype)) for x in arrays), causal)
+    torch_calls = _torch_calls(*(torch.from_numpy(x).to(getattr(torch, dtype)) for x in arrays), causal,
+                               **(torch_kw or {}))
     rows = []
     for mode in MODES:
         calls = {**{f"jax_impl.{impl}": jax_calls[impl][mode] for impl in IMPLEMENTATIONS},
@@ -80,11 +109,13 @@ def measure(dtype: str, causal: bool, length: int, repeats: int) -> list[dict]:
         for impl in IMPLEMENTATIONS:
             name = f"jax_impl.{impl}"
             rows.append(dict(implementation=impl, dtype=dtype, causal=causal, length=length, mode=mode,
+                             feature=feature, torch_has_feature=feature is None or torch_kw is not None,
                              repeats=repeats, jax_ms=summary[name]["median_ms"],
                              torch_ms=summary[TORCH]["median_ms"],
                              ratio_median=summary[name]["ratio_median"], ratio_q1=summary[name]["ratio_q1"],
                              ratio_q3=summary[name]["ratio_q3"],
-                             max_abs_diff_vs_torch=_max_difference(outputs[name], outputs[TORCH], mode)))
+                             max_abs_diff_vs_torch=(_max_difference(outputs[name], outputs[TORCH], mode)
+                                                    if feature in (None, "bias", "mask") else None)))
     return rows
 
 
@@ -105,14 +136,21 @@ def _markdown(result: dict) -> str:
              f"load average {result['load_average_start'][0]:.1f} at the start, "
              f"{result['load_average_end'][0]:.1f} at the end; torch {result['torch_version']}, "
              f"{result['torch_threads']} threads; jax {result['jax_version']}.", "",
-             "| implementation | dtype | causal | L | mode | jax_impl | torch SDPA | ratio (median) "
+             "Feature rows: torch runs the same feature, or where SDPA has none (soft cap, sinks) "
+             "its plain call; dropout draws different patterns, so no difference is given.", "",
+             "| implementation | feature | dtype | causal | L | mode | jax_impl | torch SDPA | ratio (median) "
              "| quartiles | pairs | max abs diff vs torch |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
-        lines.append(f"| {r['implementation']} | {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['length']} | {r['mode']} "
+        feature = r.get("feature") or "-"
+        if r.get("feature") and not r.get("torch_has_feature"):
+            feature += " (torch: plain call)"
+        diff = r["max_abs_diff_vs_torch"]
+        lines.append(f"| {r['implementation']} | {feature} | {r['dtype']} | {'yes' if r['causal'] else 'no'} "
+                     f"| {r['length']} | {r['mode']} "
                      f"| {r['jax_ms']:.1f} ms | {r['torch_ms']:.1f} ms | {r['ratio_median']:.2f}x "
                      f"| {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {r['repeats']} "
-                     f"| {r['max_abs_diff_vs_torch']:.1e} |")
+                     f"| {'-' if diff is None else f'{diff:.1e}'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -128,6 +166,8 @@ def run_suite(out_dir, device: str, length: int | None = None) -> list[pathlib.P
         for causal in CAUSAL:
             for n in lengths:
                 result["rows"] += measure(dtype, causal, n, repeats_for(n))
+    for feature in FEATURES:
+        result["rows"] += measure("float32", False, lengths[0], repeats_for(lengths[0]), feature)
     result["load_average_end"] = os.getloadavg()
     (out_dir / f"{NAME}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / f"{NAME}.md").write_text(_markdown(result))

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jax_impl.flash_attention import GPU_ONLY_PRESETS, PRECISION_PRESETS, flash_attention
+from jax_impl.arguments import GPU_ONLY_PRESETS, PRECISION_PRESETS
+from jax_impl.flash_attention import flash_attention
 from torch_ref import attention_with_grads, manual_attention
 
 CHOICES = (jax.lax.Precision.HIGHEST,) + PRECISION_PRESETS

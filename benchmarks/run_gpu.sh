@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run from the repository root on a GPU machine:
-#   1. correctness on the GPU first (python -m conformance on the Pallas kernel),
+#   1. correctness on the GPU first (python -m conformance on the Pallas kernel, then the
+#      test suite's gpu lane: pytest -m gpu, the same tests as on the CPU with the kernels
+#      compiled, bit-identity of repeated calls included),
 #   2. the tile sweep (python -m benchmarks.tune_blocks: a few candidate BlockSizes per head dim
 #      64/128 x causal, bf16, L=8192, fwd+bwd); its winners replace
 #      jax_impl/pallas_triton/tuned_blocks.json while step 3 runs (the tracked file is restored
@@ -18,6 +20,7 @@
 # Knobs (environment): BENCH_DEVICE (cuda), BENCH_SUITE (gpu), BENCH_ARGS (extra arguments,
 # e.g. "--time-budget 300"), BENCH_TIMEOUT (its --time-budget + 60 s), CONF_SUITE (quick), CONF_IMPLS
 # ("jax_impl.pallas_triton"; the xla path is checked on CPU), CONF_TIMEOUT (100), SKIP_CONFORMANCE (0), PYTHON (python3),
+# GPU_TESTS_TIMEOUT (90; 0 skips the gpu lane),
 # TUNE_TIMEOUT (110; the sweep's own --time-budget of 70 s cuts earlier), SKIP_TUNING (0), TUNE_ARGS
 # (extra arguments of benchmarks.tune_blocks), PEER_BUDGET (45 s for step 4; 0 skips it),
 # TOTAL_BUDGET (450 s for steps 1-3: the benchmark's --time-budget is what is left, at least 120).
@@ -52,6 +55,16 @@ if [ "${SKIP_CONFORMANCE:-0}" != "1" ]; then
   conf_rc=$?
   log "conformance exit $conf_rc in $((SECONDS - start)) s (124 = timed out; 1 = a jax_impl failure)"
   tail -n 40 "$WORK/conformance.log" >> "$LOG"
+fi
+
+tests_rc=skipped
+if [ "${GPU_TESTS_TIMEOUT:-90}" -gt 0 ]; then
+  start=$SECONDS
+  timeout "${GPU_TESTS_TIMEOUT:-90}" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/jax_impl \
+    > "$WORK/gpu_tests.log" 2>&1
+  tests_rc=$?
+  log "gpu test lane exit $tests_rc in $((SECONDS - start)) s (124 = timed out; 5 = no gpu test collected)"
+  tail -n 30 "$WORK/gpu_tests.log" >> "$LOG"
 fi
 
 tune_rc=skipped
@@ -100,7 +113,7 @@ if [ "$SUITE" = "gpu" ] && [ "$peer_budget" -gt 0 ] && [ "$SECONDS" -lt $(( ${TO
   [ -f "$WORK/benchmarks_mgpu/bench_gpu.json" ] && cp "$WORK/benchmarks_mgpu/bench_gpu.json" "$OUT/bench_mgpu.json"
 fi
 
-echo "conformance=$conf_rc tuning=$tune_rc benchmarks=$bench_rc mgpu=$peer_rc" > "$WORK/exit_codes.txt"
+echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc mgpu=$peer_rc" > "$WORK/exit_codes.txt"
 cp "$LOG" "$WORK/run_gpu.log"
 [ -f "$WORK/benchmarks/bench_$SUITE.md" ] && cp "$WORK/benchmarks/bench_$SUITE.md" "$OUT/bench_summary.md"
 [ -f "$WORK/benchmarks/bench_$SUITE.json" ] && cp "$WORK/benchmarks/bench_$SUITE.json" "$OUT/bench_$SUITE.json"

@@ -12,7 +12,7 @@ against the float64 oracle first: a WRONG candidate cannot win; median of the ti
 The winner per (head dim, dtype, causal) is the fastest correct candidate; the rule's own tiles
 are always a candidate, so a table entry is never slower than the rule at the tuned length.
 The report puts each candidate's TFLOP/s beside its compiled facts (registers, spills, shared
-memory, wgmma: ``jax_impl.pallas_triton.compile_report``, when pip triton is installed); a GPU
+memory, wgmma: ``benchmarks.compile_report``, when pip triton is installed); a GPU
 machine without it writes every row to ``<report>.json``, and ``--from-rows`` renders the report
 from that file where triton is installed.
 
@@ -131,7 +131,7 @@ def write_table(path, rows: list[dict], seq_len: int, heads: int, device_name: s
 def compile_facts(rows: list[dict]) -> dict:
     """tiles -> {kernel: KernelFacts} from the compile report, or {} without triton."""
     try:
-        from jax_impl.pallas_triton import compile_report
+        from benchmarks import compile_report
         compile_report._triton()
     except ImportError as e:
         print(f"no compiled facts: {e}", file=sys.stderr)

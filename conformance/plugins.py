@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from conformance.adapters.base import JaxFunctionAdapter
+from conformance.devices import default_device
 
 # What a case can pass, besides q, k, v, bias and mask; only those the case uses are passed.
 PLUGIN_KEYWORDS = ("scale", "is_causal", "causal_alignment", "local_window_size", "query_seq_lengths",
@@ -35,7 +36,6 @@ class PluginAdapter(JaxFunctionAdapter):
 
 def load_plugin(spec: str, *, device: str | None = None) -> PluginAdapter:
     """``"module:function"`` (``function`` may be dotted, e.g. ``module:Class.method``) -> adapter."""
-    from conformance.registry import default_device
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise PluginError(f"plug-in {spec!r} must be 'module:function'")

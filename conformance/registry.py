@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 from conformance.adapters.base import Adapter, JaxFunctionAdapter
+from conformance.devices import default_device
 from conformance.adapters.jax_side import (JaxDenseAdapter, JaxImplAdapter, JaxNNAdapter, MosaicMhaAdapter, PallasMhaAdapter,
                                            jax_nn_attention, jax_nn_reason, tokamax_attention, tokamax_reason)
 from conformance.adapters.torch_side import FlashAttnAdapter, TorchManualAdapter, TorchSdpaAdapter
@@ -28,19 +29,6 @@ SDPA_BACKENDS = ("auto", "math", "flash", "efficient", "cudnn")
 
 class UnknownImplementation(ValueError):
     """An implementation name the registry does not have."""
-
-
-def cuda_available() -> bool:
-    try:
-        import jax
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
-@functools.cache
-def default_device() -> str:
-    return "cuda" if cuda_available() else "cpu"
 
 
 @functools.cache

@@ -13,8 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from jax_impl import flash_attention as fa
-from jax_impl import implementations, ring, vma
+from jax_impl import arguments, implementations, ring, vma
 
 
 def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
@@ -31,10 +30,10 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     layout: "zigzag" (device r holds global chunks r and 2N-1-r of 2N: balanced causal work;
       reorder global arrays with ``ring.to_zigzag`` before sharding) or "contiguous" (device r
       holds chunk r of N).
-    implementation: the local kernel each ring step runs, one of ``ring.RING_IMPLEMENTATIONS``:
+    implementation: the local kernel each ring step runs, one of ``implementations.ring_capable()``:
       "xla" (or None), "pallas_triton" (a CUDA GPU, or anywhere with interpret=True; the Pallas
       interpreter of jax 0.10 needs ``check_vma=False`` on the enclosing ``jax.shard_map``) or
-      "cpu" (the fused C++ kernel on a CPU: no bias or dense mask).
+      "cpu" (the fused C++ kernel on a CPU).
     bias, mask: broadcastable to ``[..., Hq, Lq_loc, Lk]`` where ``Lq_loc`` is this device's
       query rows (in the order of its query block, i.e. the layout's) and ``Lk`` is the GLOBAL
       key length, columns in global (natural) key order whatever the layout: shard them along
@@ -52,16 +51,16 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     if layout not in ring.LAYOUTS:
         raise ValueError(f"{layout=} must be one of {ring.LAYOUTS}")
     if implementation is None:
-        implementation = ring.RING_IMPLEMENTATIONS[0]
-    if implementation not in ring.RING_IMPLEMENTATIONS:
-        raise ValueError(f"{implementation=} must be one of {ring.RING_IMPLEMENTATIONS} or None "
+        implementation = implementations.ring_capable()[0]
+    if implementation not in implementations.ring_capable():
+        raise ValueError(f"{implementation=} must be one of {implementations.ring_capable()} or None "
                          "for ring_attention")
-    call = fa._validate(query, key, value, None, None, **fa._defaults(dict(
-        scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
+    call = arguments.validate(
+        query, key, value, scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
         local_window_size=local_window_size, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
         implementation=implementation, block_sizes=block_sizes, precision=precision,
-        interpret=interpret)))
+        interpret=interpret)
     if call.cfg.interpret and vma.axes_of(call.q, call.k, call.v):
         raise ValueError("implementation='pallas_triton' with interpret=True inside jax.shard_map "
                          "needs check_vma=False on the shard_map (the Pallas interpreter mixes "
@@ -83,14 +82,16 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     bias, mask = (_rows_local(name, x, call.batch_shape + (call.q.shape[2], lq, num_devices * lk))
                   for name, x in (("bias", bias), ("mask", mask)))
     masks = masks._replace(mask=mask)
-    if implementation == "cpu" and (bias is not None or mask is not None):
-        # fa._validate saw neither (they are per-device here), and the kernel would ignore them.
-        reason = implementations.unsupported("cpu", head_dim=call.q.shape[-1], platform="cpu",
-                                             features=fa._features(call.cfg, bias, masks, call.extras))
-        raise ValueError(f"implementation='cpu' cannot run this ring: {reason}")
-    description = ring.Ring(axis_name, num_devices, layout, call.implementation or implementation,
+    chosen = implementations.get(call.implementation or implementation)
+    if chosen.call_unsupported is not None and (bias is not None or mask is not None):
+        # arguments.validate saw neither (they are per-device here): the local kernel must take them.
+        reason = chosen.call_unsupported(head_dim=call.q.shape[-1],
+                                         **arguments.features(call.cfg, bias, masks, call.extras)._asdict())
+        if reason:
+            raise ValueError(f"implementation={chosen.name!r} cannot run this ring: {reason}")
+    description = ring.Ring(axis_name, num_devices, layout, chosen,
                             dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
-    q = fa.gpu_only_precision_guard(description.implementation, description.cfg, call.q)
+    q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
     out, lse = ring.ring_vjp(description, q, call.k, call.v, bias, masks)
     out = out.reshape(call.batch_shape + out.shape[1:])
     if not return_residual:
@@ -99,19 +100,19 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
 
 
 def _rows_local(name, x, shape):
-    """A bias/mask -> ``[Bx, Hx, Lq_loc, Lk]`` (fa._pairwise), with the ring's layout rule named."""
+    """A bias/mask -> ``[Bx, Hx, Lq_loc, Lk]`` (arguments.pairwise), with the ring's layout rule named."""
     try:
-        return fa._pairwise(name, x, shape, is_mask=name == "mask")
+        return arguments.pairwise(name, x, shape, is_mask=name == "mask")
     except ValueError as err:
         raise ValueError(f"{err}; in ring_attention {name} holds this device's {shape[-2]} query "
                          f"rows and all {shape[-1]} key columns (the global key length)") from None
 
 
 def _global_lengths(name, lengths, batch_shape, global_len: int):
-    """fa._lengths against the GLOBAL length: concrete values outside [0, global_len] are
+    """arguments.lengths against the GLOBAL length: concrete values outside [0, global_len] are
     refused, traced ones clamped."""
     try:
-        return fa._lengths(name, lengths, batch_shape, global_len)
+        return arguments.lengths(name, lengths, batch_shape, global_len)
     except ValueError as err:
         raise ValueError(f"{err} (in ring_attention lengths are global, the same on every device "
                          f"of the ring: at most the global sequence length {global_len})") from None

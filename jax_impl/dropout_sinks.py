@@ -102,10 +102,13 @@ def keep(seed, rows, cols, rate: float):
 
 
 def apply_dropout(x, keep_mask, rate: float):
-    """x where kept, scaled by 1 / (1 - rate); 0 where dropped. ``keep_mask`` None: x."""
+    """x times 1 / (1 - rate) where kept, times 0 where dropped. ``keep_mask`` None: x.
+
+    A product, not a select: a NaN row (the non-finite rule) stays NaN at its dropped pairs,
+    as the arithmetic of the softmax normalised after the product gives."""
     if keep_mask is None:
         return x
-    return jnp.where(keep_mask, x * (1.0 / (1.0 - rate)), 0.0)
+    return x * jnp.where(keep_mask, 1.0 / (1.0 - rate), 0.0).astype(x.dtype)
 
 
 def initial_stats(sink, shape):

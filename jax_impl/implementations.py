@@ -10,6 +10,8 @@ A blocked implementation provides
 with q ``[B, Lq, Hq, D]``, k/v ``[B, Lk, Hkv, D]``, bias ``[Bb, Hb, Lq, Lk]`` or None and
 ``delta = rowsum(dO * O) - d(lse)`` ``[B, Hq, Lq]`` float32; ``recompute_vjp`` wires them into
 one custom VJP. The dense reference has neither: plain autodiff differentiates it.
+The layers above (recompute_vjp, partitioned, ring) receive the chosen ``Implementation``;
+only the API (flash_attention, context_parallel, arguments) reads this table.
 """
 from __future__ import annotations
 
@@ -17,11 +19,9 @@ import dataclasses
 from typing import Callable, NamedTuple
 
 from jax_impl import cpu_kernel, pallas_triton, xla
+from jax_impl.platform import CUDA_PLATFORMS
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
-
-CUDA_PLATFORMS = ("cuda", "gpu")
-
 
 class CallFeatures(NamedTuple):
     """What of a call, beyond head_dim and platform, an implementation may not take."""
@@ -42,6 +42,8 @@ class Implementation:
     needs_cuda: bool = False          # unless interpret=True (the Pallas interpreter)
     needs_cpu: bool = False
     automatic: bool = True            # may be chosen by implementation=None
+    # Takes MaskInputs.position_offset (ring.py's local step, a key slice with its global band).
+    takes_position_offset: bool = False
     # Why it cannot take a call's features (bias, mask, dropout ...), or None; None: takes all.
     call_unsupported: Callable[..., str | None] | None = None
 
@@ -65,14 +67,14 @@ class Implementation:
 IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
-        pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True),
+        pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
+        takes_position_offset=True),
     "cpu": Implementation(
-        "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use): no bias, mask, "
-        "soft cap, dropout or sinks", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
-        call_unsupported=cpu_kernel.unsupported),
+        "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
+        call_unsupported=cpu_kernel.unsupported, takes_position_offset=True),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
-        xla.forward, xla.backward),
+        xla.forward, xla.backward, takes_position_offset=True),
     "reference": Implementation(
         "reference", "dense attention (materialises [Lq, Lk]); the oracle of the tests",
         automatic=False),
@@ -86,6 +88,11 @@ def get(name: str) -> Implementation:
         hint = " (that is jax.nn.dot_product_attention's cuDNN path)" if name == "cudnn" else ""
         raise ValueError(f"implementation={name!r}{hint} must be one of "
                          f"{tuple(IMPLEMENTATIONS)} or None") from None
+
+
+def ring_capable() -> tuple[str, ...]:
+    """The implementations a ring may run as its local step, in order of preference."""
+    return tuple(name for name, impl in IMPLEMENTATIONS.items() if impl.takes_position_offset)
 
 
 def unsupported(name: str, *, head_dim: int, platform: str, interpret: bool = False,

@@ -14,8 +14,8 @@ only at the pairs a row attends, where it makes the row NaN; P, dS and d(q.k) ar
 every other pair, also in a NaN row (the probabilities select after the saved statistics, which
 are NaN there; ``logits_gradient(exclusions=True)``). So a NaN or inf at a key or query that a
 row may not attend never reaches that row's output or gradients, one at an allowed pair gives
-NaN, and a NaN row's gradients reach only the keys it attends. The non-finite entry's own
-gradient is 0 (``finite_or_zero_gradient``). Each implementation takes the poison once per call
+NaN, and a NaN row's gradients reach only the keys it attends (the non-finite entry itself gets
+its row's gradient, as the products give it: no select). Each implementation takes the poison once per call
 and chooses how a tile gets it: added to S, or folded into a row of an operand that enters
 only S (a poisoned row is NaN at every pair, and the select keeps the allowed ones).
 """
@@ -62,12 +62,6 @@ def is_finite(x):
 def finite_or_zero(x):
     """x with its non-finite entries replaced by 0."""
     return jnp.where(is_finite(x), x, jnp.zeros((), x.dtype))
-
-
-def finite_or_zero_gradient(xs, dxs):
-    """The gradient of ``finite_or_zero`` for each (x, dx): dx, and 0 at x's non-finite
-    entries (products read them as 0, so nothing depends on them)."""
-    return tuple(jnp.where(is_finite(x), dx, jnp.zeros((), dx.dtype)) for x, dx in zip(xs, dxs))
 
 
 def row_poison(x):
@@ -173,6 +167,32 @@ def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool 
         ds = jnp.where(excluded, 0.0, ds)
         dqk = ds if capped is None else jnp.where(excluded, 0.0, dqk)
     return ds, dqk * cfg.scale if scaled else dqk
+
+
+# --- Exact merge of partial results (ring steps; key splits) ------------------------------
+
+def empty_stats(shape):
+    """RowStats of rows that have seen no allowed key yet."""
+    return RowStats(jnp.full(shape, jnp.inf, jnp.float32),
+                                   jnp.zeros(shape, jnp.float32))
+
+
+def merge(out_a, stats_a, out_b, stats_b):
+    """Two normalised partial outputs ``[B, L, H, D]`` over disjoint key sets -> the output over
+    their union, with RowStats ``[B, H, L]`` kept as (max, log-sum) so the backward recomputes
+    P exactly. Empty rows (max = +inf) contribute nothing."""
+    m_a = jnp.where(stats_a.max == jnp.inf, -jnp.inf, stats_a.max)
+    m_b = jnp.where(stats_b.max == jnp.inf, -jnp.inf, stats_b.max)
+    m = jnp.maximum(m_a, m_b)
+    safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w_a = jnp.exp(m_a - safe) * jnp.exp(stats_a.log_sum)  # 0 for an empty side
+    w_b = jnp.exp(m_b - safe) * jnp.exp(stats_b.log_sum)
+    total = w_a + w_b
+    empty = total == 0
+    denom = jnp.where(empty, 1.0, total)
+    per_row = lambda w: jnp.swapaxes(w / denom, 1, 2)[..., None]  # [B, H, L] -> [B, L, H, 1]
+    out = per_row(w_a) * out_a.astype(jnp.float32) + per_row(w_b) * out_b.astype(jnp.float32)
+    return out, RowStats(jnp.where(empty, jnp.inf, m), jnp.log(denom))
 
 
 # --- Base 2 (the Pallas kernels) ----------------------------------------------------------------

@@ -11,7 +11,7 @@ gives both the forward and the backward (so the whole custom VJP) a rule, valid 
 * what cannot be honoured is resharded explicitly and said so (``sharding_plan().notes``,
   a ``ShardingWarning`` when the program is partitioned): head_dim, a head split that would
   separate a kv head from its group, a sequence axis the ring cannot take;
-* a sequence axis (one mesh axis) runs as a ring (``sharded_sequence.py``): q, k, v and segment
+* a sequence axis (one mesh axis) runs as a ring (``ring.py``): q, k, v and segment
   ids sharded along it, bias/mask and dbias along their query rows with every key column.
 
 Under ``vmap`` (which custom_partitioning does not support) the mapped axis is folded into
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_impl import dropout_sinks, implementations, masking, online_softmax, ring, sharded_sequence
+from jax_impl import dropout_sinks, masking, online_softmax, ring
 
 
 class ShardingWarning(UserWarning):
@@ -121,7 +121,8 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -
             sequence = seq
         else:
             notes.append(f"sequence sharding over {seq} not supported for this call (the ring "
-                         f"needs an implementation in {ring.RING_IMPLEMENTATIONS}, no dropout, "
+                         f"needs a local kernel that takes position offsets (explain_implementation "
+                         f"names it), no dropout, "
                          f"sinks or position offset, one mesh axis not also used by batch or "
                          f"heads, sequences divisible by {chunks}): all-gathered")
     if dim:
@@ -159,7 +160,7 @@ def _backward_results(cfg, names):
 
 
 def _forward_body(implementation, cfg, names, *arrays):
-    out, stats = implementations.get(implementation).forward(cfg, *_unpack(dict(zip(names, arrays))))
+    out, stats = implementation.forward(cfg, *_unpack(dict(zip(names, arrays))))
     return out, stats.max, stats.log_sum
 
 
@@ -167,7 +168,7 @@ def _backward_body(implementation, cfg, names, *arrays):
     named = dict(zip(names, arrays))
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
     *inputs, extras = _unpack(named)
-    dq, dk, dv, dbias = implementations.get(implementation).backward(
+    dq, dk, dv, dbias = implementation.backward(
         cfg, *inputs, stats, named["d_out"], named["delta"], extras)
     return (dq, dk, dv) + ((dbias,) if dbias is not None else ())
 
@@ -176,7 +177,7 @@ def ring_supported(implementation, names) -> bool:
     """Whether a call can run as a ring: a local implementation that takes
     MaskInputs.position_offset, and no offset of its own already. Sinks and dropout are not
     threaded through the ring's merge and global offsets yet."""
-    return implementation in ring.RING_IMPLEMENTATIONS and not {"offset", *_PER_HEAD} & set(names)
+    return implementation.takes_position_offset and not {"offset", *_PER_HEAD} & set(names)
 
 
 def _local_plan(implementation, mesh, arg_shapes, names):
@@ -189,8 +190,8 @@ def _local_plan(implementation, mesh, arg_shapes, names):
 
 def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
     q, k, v, bias, masks, _ = _unpack(dict(zip(names, arrays)))
-    out, stats = sharded_sequence.forward(sharded_sequence.make_ring(cfg, axis, n, implementation),
-                                          q, k, v, masks, bias)
+    out, stats = ring.contiguous_forward(ring.zigzag_ring(cfg, axis, n, implementation),
+                                         q, k, v, masks, bias)
     return out, stats.max, stats.log_sum
 
 
@@ -200,8 +201,8 @@ def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
     if bias is not None:  # the op's dbias is [B, Hq, Lq, Lk] (recompute_vjp reduces it, across
         bias = jnp.broadcast_to(bias, q.shape[:1] + q.shape[2:3] + bias.shape[2:])  # devices too)
-    *grads, dbias = sharded_sequence.backward(
-        sharded_sequence.make_ring(cfg, axis, n, implementation), q, k, v, masks, stats,
+    *grads, dbias = ring.contiguous_backward(
+        ring.zigzag_ring(cfg, axis, n, implementation), q, k, v, masks, stats,
         named["d_out"], named["delta"], bias)
     return tuple(grads) + (() if dbias is None else (dbias,))
 
@@ -306,7 +307,7 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
     return tuple(grads) + ((None,) if bias is None or not cfg.bias_gradient else ())
 
 
-def explain(implementation: str, q, q_shape, k_shape, has_bias_or_mask: bool) -> str | None:
+def explain(implementation, q, q_shape, k_shape, has_bias_or_mask: bool) -> str | None:
     """The strategy for ``q`` (an array or ShapeDtypeStruct with a NamedSharding), or None when
     it carries no multi-device NamedSharding."""
     sharding = getattr(q, "sharding", None)
@@ -320,7 +321,7 @@ def explain(implementation: str, q, q_shape, k_shape, has_bias_or_mask: bool) ->
         pairwise = ("; bias/mask: query rows sharded over the same axis, every key column, "
                     "sliced per step" if has_bias_or_mask else "")
         return (f"ring over {axis!r} in {sharding.mesh.shape[axis]} steps (context parallelism, "
-                f"zigzag layout, local kernel {implementation}){pairwise}"
+                f"zigzag layout, local kernel {implementation.name}){pairwise}"
                 + "".join(f"; {n}" for n in plan.notes))
     return plan.describe()
 

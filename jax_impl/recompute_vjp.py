@@ -1,4 +1,4 @@
-"""The custom VJP shared by the blocked implementations (xla, pallas_triton).
+"""The custom VJP shared by the blocked implementations (xla, pallas_triton, cpu).
 
 Residuals are q, k, v, the bias, the mask inputs and the per-row softmax statistics
 (``online_softmax.RowStats``: the row max and the log of the row sum, kept apart so that the
@@ -12,22 +12,23 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from jax_impl import dropout_sinks, masking, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
-from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals
+from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
 
 SECOND_ORDER_ERROR = (
-    "flash_attention's blocked implementations (xla, pallas_triton) have a first-order VJP "
+    "flash_attention's blocked implementations (xla, pallas_triton, cpu) have a first-order VJP "
     "only: their backward pass cannot be differentiated again. For higher-order derivatives "
     "use implementation='reference' (dense autodiff, [Lq, Lk] memory).")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attention(implementation: str, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs,
+def attention(implementation, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs,
               extras: dropout_sinks.SinksAndDropout):
-    """-> (out [B, Lq, Hq, D], lse [B, Hq, Lq] float32, natural log, -inf for empty rows)."""
+    """-> (out [B, Lq, Hq, D], lse [B, Hq, Lq] float32, natural log, -inf for empty rows).
+
+    ``implementation``: the chosen ``implementations.Implementation`` (static, hashable)."""
     out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
     return out, online_softmax.logsumexp(stats)
 
@@ -40,23 +41,16 @@ def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
             Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))
 
 
-def _reduce_to(grad, shape):
-    """Sum a gradient ([B, Hq, Lq, Lk] of the bias, [B, Hq] of the sinks) over the axes the
-    input was broadcast along."""
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and grad.shape[a] != 1)
-    return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad
-
-
 def _attention_bwd(implementation, cfg, residuals: Residuals, cotangents):
     q, k, v, bias, masks, extras, out, stats = residuals.arrays
     d_out, delta = delta_of(out, cotangents)
     dq, dk, dv, dbias = _first_order(implementation, residuals.cfg, q, k, v, bias, masks, stats,
                                      d_out, delta, extras)
     if dbias is not None:  # None: a constant bias, whose cotangent is a symbolic zero
-        dbias = _reduce_to(dbias, bias.shape).astype(bias.dtype)
+        dbias = reduce_to(dbias, bias.shape).astype(bias.dtype)
     mask_cotangents = jax.tree.map(lambda _: None, masks)
     # Sinks need no kernel: their gradient follows from the row statistics and delta.
-    d_sinks = None if extras.sinks is None else _reduce_to(
+    d_sinks = None if extras.sinks is None else reduce_to(
         dropout_sinks.sink_gradient(extras.sinks, online_softmax.logsumexp(stats), delta),
         extras.sinks.shape).astype(extras.sinks.dtype)
     d_extras = jax.tree.map(lambda _: None, extras)._replace(sinks=d_sinks)

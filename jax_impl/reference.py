@@ -13,6 +13,16 @@ from jax_impl import dropout_sinks, masking, online_softmax
 from jax_impl.config import AttentionConfig
 
 
+@jax.custom_jvp
+def _finite_or_zero(x):
+    """x with its NaN/inf entries as 0; the derivative passes through unchanged, so such an
+    entry gets its row's gradient (NaN where the row attends anything), as in the kernels."""
+    return online_softmax.finite_or_zero(x)
+
+
+_finite_or_zero.defjvp(lambda primals, tangents: (_finite_or_zero(primals[0]), tangents[0]))
+
+
 def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
               logits_dtype=jnp.float32, extras: dropout_sinks.SinksAndDropout | None = None):
     """q ``[B, Lq, Hq, D]``, k/v ``[B, Lk, Hkv, D]`` -> (out ``[B, Lq, Hq, D]``, lse ``[B, Hq, Lq]``).
@@ -28,7 +38,7 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     # NaN logits to the pairs whose query row or key row (K or V) holds one.
     q_poison = jnp.swapaxes(online_softmax.row_poison(q), 1, 2)         # [B, Hq, Lq]
     kv_poison = jnp.repeat(jnp.swapaxes(online_softmax.key_poison(k, v), 1, 2), groups, axis=1)
-    q, k, v = map(online_softmax.finite_or_zero, (q, k, v))
+    q, k, v = map(_finite_or_zero, (q, k, v))
     q_grouped = q.reshape(b, lq, hkv, groups, d)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_grouped, k, precision=cfg.precision,
                         preferred_element_type=logits_dtype)

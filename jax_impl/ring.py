@@ -37,13 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import implementations, masking, online_softmax, vma
+from jax_impl import masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
-from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals
+from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
 
 LAYOUTS = ("zigzag", "contiguous")
-# The local kernels that honour MaskInputs.position_offset.
-RING_IMPLEMENTATIONS = ("xla", "pallas_triton", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +51,7 @@ class Ring:
     axis_name: str
     num_devices: int
     layout: str
-    implementation: str
+    implementation: object  # implementations.Implementation: one that takes position offsets
     cfg: AttentionConfig  # its mask spec is top-left: the alignment lives in the offsets
     bottom_right: bool
 
@@ -92,32 +90,6 @@ def from_zigzag(x, num_devices: int, axis: int):
     return jnp.take(x, np.argsort(zigzag_permutation(x.shape[axis], num_devices)), axis=axis)
 
 
-# --- Exact merge of partial results ---------------------------------------------------------
-
-def empty_stats(shape):
-    """RowStats of rows that have seen no allowed key yet."""
-    return online_softmax.RowStats(jnp.full(shape, jnp.inf, jnp.float32),
-                                   jnp.zeros(shape, jnp.float32))
-
-
-def merge(out_a, stats_a, out_b, stats_b):
-    """Two normalised partial outputs ``[B, L, H, D]`` over disjoint key sets -> the output over
-    their union, with RowStats ``[B, H, L]`` kept as (max, log-sum) so the backward recomputes
-    P exactly. Empty rows (max = +inf) contribute nothing."""
-    m_a = jnp.where(stats_a.max == jnp.inf, -jnp.inf, stats_a.max)
-    m_b = jnp.where(stats_b.max == jnp.inf, -jnp.inf, stats_b.max)
-    m = jnp.maximum(m_a, m_b)
-    safe = jnp.where(m == -jnp.inf, 0.0, m)
-    w_a = jnp.exp(m_a - safe) * jnp.exp(stats_a.log_sum)  # 0 for an empty side
-    w_b = jnp.exp(m_b - safe) * jnp.exp(stats_b.log_sum)
-    total = w_a + w_b
-    empty = total == 0
-    denom = jnp.where(empty, 1.0, total)
-    per_row = lambda w: jnp.swapaxes(w / denom, 1, 2)[..., None]  # [B, H, L] -> [B, L, H, 1]
-    out = per_row(w_a) * out_a.astype(jnp.float32) + per_row(w_b) * out_b.astype(jnp.float32)
-    return out, online_softmax.RowStats(jnp.where(empty, jnp.inf, m), jnp.log(denom))
-
-
 # --- One (query chunk, key chunk) pair -------------------------------------------------------
 
 def pair_masks(ring: Ring, masks: masking.MaskInputs, q_chunk, kv_chunk, cq: int, ck: int,
@@ -143,12 +115,6 @@ def pair_columns(x, a: int, kv_chunk, cq: int, ck: int):
     return lax.dynamic_slice_in_dim(rows, kv_chunk * ck, ck, axis=3)
 
 
-def reduce_to(grad, shape):
-    """Sum a ``[B, Hq, ...]`` gradient over the axes where the bias is broadcast (size 1)."""
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
-    return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad
-
-
 def pair_active(ring: Ring, pm: masking.MaskInputs, cq: int, ck: int):
     """False when the band and lengths exclude every (query, key) pair of the chunk pair."""
     lo, hi = masking.kv_block_range(ring.cfg.mask, 0, cq, ck, pm.q_len, pm.kv_len,
@@ -172,7 +138,7 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None):
     """-> (out ``[B, Lq_loc, Hq, D]`` in q's dtype, global RowStats ``[B, Hq, Lq_loc]``).
 
     ``masks.mask`` and ``bias``: ``[Bx, Hx, Lq_loc, Lk]`` (rows local, every key column)."""
-    impl = implementations.get(ring.implementation)
+    impl = ring.implementation
     b, lq, hq, d = q.shape
     cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
     me = lax.axis_index(ring.axis_name)
@@ -195,13 +161,13 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None):
                     pair_active(ring, pm, cq, ck),
                     lambda qa, kc, vc, bp, pm: impl.forward(ring.cfg, qa, kc, vc, bp, pm),
                     lambda qa, kc, vc, bp, pm: vma.like(
-                        (jnp.zeros(qa.shape, qa.dtype), empty_stats((b, hq, cq))), axes),
+                        (jnp.zeros(qa.shape, qa.dtype), online_softmax.empty_stats((b, hq, cq))), axes),
                     qs[a], ks[c], vs[c], pair_columns(bias, a, kv_ids[c], cq, ck), pm)
-                outs[a], stats[a] = merge(outs[a], stats[a], o, st)
+                outs[a], stats[a] = online_softmax.merge(outs[a], stats[a], o, st)
         return incoming, tuple(outs), tuple(stats)
 
     outs = vma.like(tuple(jnp.zeros((b, cq, hq, d), jnp.float32) for _ in range(ring.chunks)), axes)
-    stats = vma.like(tuple(empty_stats((b, hq, cq)) for _ in range(ring.chunks)), axes)
+    stats = vma.like(tuple(online_softmax.empty_stats((b, hq, cq)) for _ in range(ring.chunks)), axes)
     kv = (k, v, masks.kv_segment_ids)
     _, outs, stats = lax.fori_loop(0, ring.num_devices, step, (kv, outs, stats))
     out = jnp.concatenate(outs, axis=1).astype(q.dtype)
@@ -212,7 +178,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
     """-> (dq, dk, dv, dbias or None) of the local blocks; dK/dV accumulators travel with K and
     V; dbias (float32, ``bias``'s shape: rows local, every key column) stays home, and is None
     when ``ring.cfg.bias_gradient`` is False (a constant bias)."""
-    impl = implementations.get(ring.implementation)
+    impl = ring.implementation
     lq = q.shape[1]
     cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
     me = lax.axis_index(ring.axis_name)
@@ -294,3 +260,77 @@ def _ring_primal(ring, q, k, v, bias, masks):
 
 ring_vjp = jax.custom_vjp(_ring_primal, nondiff_argnums=(0,))
 ring_vjp.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
+
+
+# --- Sequence-sharded inputs under plain jit (partitioned.py) -----------------------------
+# Inputs arrive in the natural (contiguous) layout: device r holds chunks 2r and 2r+1 of 2N.
+# The ring wants the zigzag layout (chunks r and 2N-1-r) for balanced causal work, so the local
+# bodies reorder with two ``ppermute``s on the way in and two on the way out; each moves one
+# chunk per device, never the whole sequence. A bias or dense mask arrives sharded along its
+# query rows with every key column (``[Bx, Hx, Lq_loc, Lk]``): its rows are reordered the same
+# way, its columns stay in global order (the ring slices them per step), and dbias goes back
+# like the rows came.
+
+def _zigzag_home(chunk, n: int):
+    """The device that holds global chunk ``chunk`` in the zigzag layout."""
+    return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def to_zigzag_local(x, axis_name, n: int, axis: int):
+    """Contiguous block (chunks 2r, 2r+1) -> zigzag block (chunks r, 2N-1-r), per device."""
+    if x is None:
+        return None
+    halves = jnp.split(x, 2, axis=axis)
+    received = [lax.ppermute(halves[h], axis_name,
+                             [(d, _zigzag_home(2 * d + h, n)) for d in range(n)]) for h in (0, 1)]
+    even = lax.axis_index(axis_name) % 2 == 0  # chunk r arrives in the permutation of r's parity
+    first = jnp.where(even, received[0], received[1])
+    second = jnp.where(even, received[1], received[0])
+    return jnp.concatenate([first, second], axis=axis)
+
+
+def from_zigzag_local(x, axis_name, n: int, axis: int):
+    """Inverse of ``to_zigzag_local``: chunk c goes home to device c // 2, half c % 2."""
+    first, second = jnp.split(x, 2, axis=axis)
+    even = lax.axis_index(axis_name) % 2 == 0
+    even_chunk = jnp.where(even, first, second)   # the even one of chunks r, 2N-1-r
+    odd_chunk = jnp.where(even, second, first)
+    chunk_of = lambda r, parity: r if r % 2 == parity else 2 * n - 1 - r
+    back = [lax.ppermute(c, axis_name, [(r, chunk_of(r, parity) // 2) for r in range(n)])
+            for parity, c in ((0, even_chunk), (1, odd_chunk))]
+    return jnp.concatenate(back, axis=axis)
+
+
+def zigzag_ring(cfg: AttentionConfig, axis_name, n: int, implementation) -> Ring:
+    spec = dataclasses.replace(cfg.mask, bottom_right=False)
+    return Ring(axis_name, n, "zigzag", implementation,
+                     dataclasses.replace(cfg, mask=spec), cfg.mask.bottom_right)
+
+
+def _local_masks(masks, axis, n: int):
+    seq = lambda x, a=1: to_zigzag_local(x, axis, n, a)
+    return masks._replace(q_segment_ids=seq(masks.q_segment_ids),
+                          kv_segment_ids=seq(masks.kv_segment_ids), mask=seq(masks.mask, 2))
+
+
+def contiguous_forward(description: Ring, q, k, v, masks, bias=None):
+    """Local body of the partitioned forward: contiguous blocks in and out."""
+    axis, n = description.axis_name, description.num_devices
+    seq = lambda x, a=1: to_zigzag_local(x, axis, n, a)
+    out, stats = ring_forward(description, seq(q), seq(k), seq(v),
+                                   _local_masks(masks, axis, n), seq(bias, 2))
+    back = lambda x, a: from_zigzag_local(x, axis, n, a)
+    return back(out, 1), online_softmax.RowStats(back(stats.max, 2), back(stats.log_sum, 2))
+
+
+def contiguous_backward(description: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
+    """Local body of the partitioned backward: -> (dq, dk, dv, dbias | None) in contiguous
+    blocks; dbias float32 in the bias's (reduced) shape."""
+    axis, n = description.axis_name, description.num_devices
+    seq = lambda x, a=1: to_zigzag_local(x, axis, n, a)
+    stats = online_softmax.RowStats(seq(stats.max, 2), seq(stats.log_sum, 2))
+    *grads, dbias = ring_backward(description, seq(q), seq(k), seq(v),
+                                       _local_masks(masks, axis, n), stats, seq(d_out),
+                                       seq(delta, 2), seq(bias, 2))
+    grads = tuple(from_zigzag_local(g, axis, n, 1) for g in grads)
+    return grads + (None if dbias is None else from_zigzag_local(dbias, axis, n, 2),)

@@ -1,6 +1,7 @@
-"""What the two custom VJPs (recompute_vjp.attention, ring.ring_vjp) share under
-``symbolic_zeros=True``: the forward learns which inputs are differentiated, the backward gets
-SymbolicZero cotangents for outputs nobody differentiates."""
+"""What the two custom VJPs (recompute_vjp.attention, ring.ring_vjp) share: under
+``symbolic_zeros=True`` the forward learns which inputs are differentiated and the backward
+gets SymbolicZero cotangents for outputs nobody differentiates; gradients of broadcast inputs
+are summed back to their shapes."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,3 +45,10 @@ def delta_of(out, cotangents):
     if not isinstance(d_lse, SymbolicZero):
         delta = delta - d_lse
     return d_out, delta
+
+
+def reduce_to(grad, shape):
+    """Sum a gradient (``[B, Hq, Lq, Lk]`` of the bias, ``[B, Hq]`` of the sinks) over the axes
+    where the input was broadcast (size 1 in ``shape``)."""
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and grad.shape[a] != 1)
+    return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad

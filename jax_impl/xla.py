@@ -11,13 +11,12 @@ statistics); the backward recomputes P tile by tile.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_impl import dropout_sinks, masking, online_softmax, vma
+from jax_impl import dropout_sinks, masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 
 # Chunk sizes (block_q, block_k) of the XLA path, from measurements on the 2-core CPU against
@@ -85,21 +84,13 @@ def _over_head_blocks(fn, q, k, operands, head_axes):
     # concurrently (its thunk executor launches whatever is ready), where one loop's small
     # per-tile ops keep fewer threads busy. Short sequences keep one chain: a head's work
     # there (under a millisecond) does not repay compiling the loop once per chain.
-    threads = host_threads() if q.shape[1] * k.shape[1] >= CHAIN_MIN_PAIRS else 1
+    threads = platform.host_threads() if q.shape[1] * k.shape[1] >= CHAIN_MIN_PAIRS else 1
     chains = max(c for c in range(1, min(blocks, threads) + 1) if blocks % c == 0)
     if chains == 1:
         return lax.map(step, stacked)
     parts = [lax.map(step, [x.reshape(chains, blocks // chains, *x.shape[1:])[c] for x in stacked])
              for c in range(chains)]
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-
-
-def host_threads() -> int:
-    """Threads XLA:CPU may use here (this process's CPU affinity)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _round_up(n: int, m: int) -> int:
@@ -387,4 +378,4 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
     if dbias is not None:
         dbias = dbias[:, :, :lq, :lk]
     dk, dv = (jnp.moveaxis(x, 3, 1)[:, :lk] for x in (dk, dv))  # [B, Hkv, D, Lk_pad] -> [B, Lk, Hkv, D]
-    return (*online_softmax.finite_or_zero_gradient((q, k, v), (dq, dk, dv)), dbias)
+    return dq, dk, dv, dbias

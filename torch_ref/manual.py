@@ -80,6 +80,20 @@ def allowed_mask(
     return ok
 
 
+class _ZeroNonFinite(torch.autograd.Function):
+    """x with its NaN/inf entries as 0, and the gradient passed through unchanged: such an
+    entry gets the gradient of its row (NaN where its row attends anything, as the arithmetic
+    of a NaN row gives), not the 0 that a select would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def _resolve_scale(scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
@@ -140,8 +154,7 @@ def manual_attention(
     # arithmetic would (an allowed NaN pair makes its row's gradients NaN, not 0).
     finite = lambda x: torch.isfinite(x).all(dim=-1)  # [B, H, L]
     bad_pair = ~finite(Q)[..., :, None] | ~(finite(K) & finite(V))[..., None, :]
-    zero_nonfinite = lambda x: torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
-    Q, K, V = map(zero_nonfinite, (Q, K, V))
+    Q, K, V = map(_ZeroNonFinite.apply, (Q, K, V))
     s = (Q @ K.transpose(-2, -1)) * _resolve_scale(scale, Q.shape[-1])  # [B, Hq, Lq, Lk]
     if logits_soft_cap is not None:
         cap = float(logits_soft_cap)
@@ -174,8 +187,10 @@ def manual_attention(
         p = torch.where(allowed, p, torch.zeros((), dtype=p.dtype, device=p.device))
         lse = torch.logsumexp(s_safe, dim=-1)  # [B, Hq, Lq]
     if dropout_mask is not None:
+        # A product, not a select: a dropped pair of a NaN row leaves the row NaN, as the
+        # normalisation after the product (FlashAttention's) gives.
         keep = dropout_mask.to(device=p.device, dtype=torch.bool)
-        p = torch.where(keep, p / (1.0 - float(dropout_rate)), torch.zeros((), dtype=p.dtype))
+        p = p * (keep.to(p.dtype) / (1.0 - float(dropout_rate)))
     out = p @ V  # [B, Hq, Lq, Dv]
     if not return_lse:
         return out

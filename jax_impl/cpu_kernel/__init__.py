@@ -1,10 +1,12 @@
-"""The fused CPU kernels (``flash_cpu.cc``, XLA FFI custom calls): the default on a CPU.
+"""The fused CPU kernels (``flash_cpu.h``, bound as XLA FFI custom calls in ``flash_cpu.cc``):
+the default on a CPU.
 
-``forward``/``backward`` keep the contract of ``implementations.py``. They cover the calls
-most models make: any float dtype (computed in float32), causal or not, either alignment, local
-windows, sequence lengths, segment ids, GQA/MQA, head_dim a multiple of 16. ``unsupported``
-names what they do not take (a bias, a dense mask, a soft cap, dropout, sinks); such calls run
-on the xla path.
+``forward``/``backward`` keep the contract of ``implementations.py`` and take every call the
+library takes: any float dtype (computed in float32), causal or not, either alignment, local
+windows, sequence lengths, segment ids, GQA/MQA, a bias (with its gradient), a dense mask,
+the soft cap, dropout (the same hash as every implementation), sinks, any head_dim (padded
+with zeros to a multiple of 16 in the copies the kernels read), ring position offsets.
+``unsupported`` refuses only what the build or the tiles rule out.
 """
 from __future__ import annotations
 
@@ -14,10 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl import masking, online_softmax, vma
+from jax_impl import masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.cpu_kernel.build import unavailable
-from jax_impl.xla import host_threads
 
 __all__ = ["forward", "backward", "unsupported", "unavailable"]
 
@@ -26,21 +27,17 @@ HEAD_DIM_MULTIPLE = 16  # the kernels' products run in rows of SIMD vectors of u
 # (benchmarks/README.md, "CPU: the fused kernel").
 FORWARD_BLOCKS = (96, 128)   # block_k: a multiple of 64 (the K^T panels)
 BACKWARD_BLOCKS = (64, 128)
-PANEL = 64  # flash_cpu.cc's PW: K^T is read in panels of 64 keys
+PANEL = 64  # flash_cpu.h's PW: K^T is read in panels of 64 keys
 _UNBOUNDED = 1 << 30  # a band side with no bound (positions stay below 2**30)
+# Bits of the kernels' `flags` attribute (flash_cpu.cc).
+_SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS = 1, 2, 4, 8, 16
 
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
                 has_mask: bool = False, has_sinks: bool = False) -> str | None:
-    """Why the CPU kernel cannot run such a call (it then runs on the xla path), or None.
-    Without ``cfg`` only head_dim and the build are judged."""
-    if head_dim % HEAD_DIM_MULTIPLE:
-        return f"head_dim={head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
-    features = [] if cfg is None else [name for name, present in (
-        ("a bias", has_bias), ("a dense mask", has_mask), ("logits_soft_cap", cfg.logits_soft_cap),
-        ("dropout", cfg.dropout_rate), ("attention_sinks", has_sinks)) if present]
-    if features:
-        return f"the CPU kernel does not take {', '.join(features)}"
+    """Why the CPU kernel cannot run such a call (it then runs on the xla path), or None:
+    only tiles it cannot take, or a kernel that cannot be built."""
+    del head_dim, has_bias, has_mask, has_sinks  # all taken
     if cfg is not None and cfg.block_sizes is not None and cfg.block_sizes.block_k % PANEL:
         return (f"block_sizes.block_k={cfg.block_sizes.block_k} is not a multiple of {PANEL} "
                 "(the kernel reads keys in panels of 64)")
@@ -59,12 +56,28 @@ def _band(cfg: AttentionConfig, masks: masking.MaskInputs):
     return bound(d_lo, -_UNBOUNDED), bound(d_hi, _UNBOUNDED)
 
 
-def _mask_operands(cfg, masks):
+def _operands(cfg: AttentionConfig, masks: masking.MaskInputs, bias, extras):
+    """The operands after q, k, v (mask rules, dense mask, bias, sinks, dropout seeds; a dummy
+    where absent) and the ``flags`` attribute that says which are present."""
     segments = masks.q_segment_ids is not None
-    none = jnp.zeros((1, 1), jnp.int32)
+    dummy = lambda dtype: jnp.zeros((1, 1), dtype)
+    sinks = None if extras is None else extras.sinks
+    seeds = None if extras is None or not cfg.dropout_rate else extras.dropout_seeds
+    flags = (_SEGMENTS * segments | _MASK * (masks.mask is not None) | _BIAS * (bias is not None)
+             | _SINKS * (sinks is not None))
+    present = lambda x, dtype: dummy(dtype) if x is None else x.astype(dtype)
     return ((masks.q_len, masks.kv_len, *_band(cfg, masks),
-             masks.q_segment_ids if segments else none, masks.kv_segment_ids if segments else none),
-            np.int64(segments))
+             masks.q_segment_ids if segments else dummy(jnp.int32),
+             masks.kv_segment_ids if segments else dummy(jnp.int32),
+             present(masks.mask, jnp.bool_),
+             present(bias, jnp.float32), present(sinks, jnp.float32), present(seeds, jnp.uint32)), flags)
+
+
+def _attributes(cfg: AttentionConfig, block_sizes, flags: int) -> dict:
+    return dict(scale=np.float32(cfg.scale),
+                soft_cap=np.float32(cfg.logits_soft_cap or 0.0),
+                dropout_rate=np.float32(cfg.dropout_rate), block_q=np.int64(block_sizes[0]),
+                block_k=np.int64(block_sizes[1]), flags=np.int64(flags))
 
 
 def _registered():
@@ -79,11 +92,21 @@ def _blocks(cfg: AttentionConfig, default):
     return default
 
 
+def _padded_head_dim(d: int) -> int:
+    return -(-d // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+
+
+def _pad_features(x, dp: int):
+    """[..., D] -> [..., Dp] float32, zeros past D (they add nothing to any product)."""
+    x = x.astype(jnp.float32)
+    return x if x.shape[-1] == dp else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - x.shape[-1])])
+
+
 def _key_panels(k):
     """k ``[B, Lk, Hkv, D]`` -> K^T panels ``[B, Hkv, Lk_pad / 64, D, 64]`` float32 (the
     forward's right operand of q.k, each key tile a contiguous block), zero past Lk."""
     b, lk, hkv, d = k.shape
-    k = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, -lk % PANEL), (0, 0), (0, 0)))
+    k = jnp.pad(k, ((0, 0), (0, -lk % PANEL), (0, 0), (0, 0)))
     return jnp.transpose(k.reshape(b, -1, PANEL, hkv, d), (0, 3, 1, 4, 2))
 
 
@@ -93,44 +116,51 @@ def _varying_like_operands(results, *operands):
     return vma.like(results, vma.axes_of(*operands))
 
 
-def _head_major(x):  # [B, L, H, D] -> [B, H, L, D] float32
-    return jnp.swapaxes(x.astype(jnp.float32), 1, 2)
+def _head_major(x):  # [B, L, H, Dp] -> [B, H, L, Dp]
+    return jnp.swapaxes(x, 1, 2)
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """-> (out ``[B, Lq, Hq, D]`` in q's dtype, RowStats ``[B, Hq, Lq]`` float32)."""
     _registered()
-    b, lq, hq, _ = q.shape
-    mask_args, segments = _mask_operands(cfg, masks)
-    block_q, block_k = _blocks(cfg, FORWARD_BLOCKS)
+    b, lq, hq, d = q.shape
+    dp = _padded_head_dim(d)
+    operands, flags = _operands(cfg, masks, bias, extras)
     stats = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
+    q32, k32, v32 = (_pad_features(x, dp) for x in (q, k, v))
     out, row_max, log_sum = _varying_like_operands(jax.ffi.ffi_call(
         "jax_flash_attention_cpu_forward",
-        (jax.ShapeDtypeStruct(q.shape, jnp.float32), stats, stats), vmap_method="sequential",
-    )(q.astype(jnp.float32), _key_panels(k), _head_major(v), *mask_args,
-      scale=np.float32(cfg.scale), block_q=np.int64(block_q), block_k=np.int64(block_k),
-      has_segments=segments), q, k, v, masks)
-    return out.astype(q.dtype), online_softmax.RowStats(row_max, log_sum)
+        (jax.ShapeDtypeStruct((b, lq, hq, dp), jnp.float32), stats, stats), vmap_method="sequential",
+    )(q32, _key_panels(k32), _head_major(v32), *operands,
+      **_attributes(cfg, _blocks(cfg, FORWARD_BLOCKS), flags)), q, k, v, bias, masks, extras)
+    return out[..., :d].astype(q.dtype), online_softmax.RowStats(row_max, log_sum)
 
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
              extras=None):
-    """-> (dq, dk, dv in the inputs' dtypes, None): FlashAttention-2's backward, one item per
-    (batch row, kv head, key chunk); with fewer (batch row, kv head) pairs than threads the key
-    tiles are dealt to chunks, each with its own float32 dq summed here."""
+    """-> (dq, dk, dv in the inputs' dtypes, dbias ``[B, Hq, Lq, Lk]`` float32 or None):
+    FlashAttention-2's backward, one item per (batch row, kv head, key chunk); with fewer
+    (batch row, kv head) pairs than threads the key tiles are dealt to chunks, each with its
+    own float32 dq summed here."""
     _registered()
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
-    mask_args, segments = _mask_operands(cfg, masks)
+    dp = _padded_head_dim(d)
+    operands, flags = _operands(cfg, masks, bias, extras)
+    with_dbias = bias is not None and cfg.bias_gradient
     block_q, block_k = _blocks(cfg, BACKWARD_BLOCKS)
-    chunks = max(1, min(-(-host_threads() // (b * hkv)), -(-lk // block_k)))
-    kv_shape = jax.ShapeDtypeStruct((b, hkv, lk, d), jnp.float32)
-    dq_parts, dk, dv = _varying_like_operands(jax.ffi.ffi_call(
+    chunks = max(1, min(-(-platform.host_threads() // (b * hkv)), -(-lk // block_k)))
+    kv_shape = jax.ShapeDtypeStruct((b, hkv, lk, dp), jnp.float32)
+    dbias_shape = (b, hq, lq, lk) if with_dbias else (1, 1, 1, 1)
+    dq_parts, dk, dv, dbias = _varying_like_operands(jax.ffi.ffi_call(
         "jax_flash_attention_cpu_backward",
-        (jax.ShapeDtypeStruct((chunks, b, hq, lq, d), jnp.float32), kv_shape, kv_shape),
+        (jax.ShapeDtypeStruct((chunks, b, hq, lq, dp), jnp.float32), kv_shape, kv_shape,
+         jax.ShapeDtypeStruct(dbias_shape, jnp.float32)),
         vmap_method="sequential",
-    )(*map(_head_major, (q, k, v)), *mask_args, _head_major(d_out), stats.max, stats.log_sum, delta,
-      scale=np.float32(cfg.scale), block_q=np.int64(block_q), block_k=np.int64(block_k),
-      has_segments=segments, chunks=np.int64(chunks)), q, k, v, masks, stats, d_out, delta)
-    dq = jnp.swapaxes(jnp.sum(dq_parts, axis=0), 1, 2) * cfg.scale
-    return dq.astype(q.dtype), *(jnp.swapaxes(x, 1, 2).astype(y.dtype) for x, y in ((dk, k), (dv, v))), None
+    )(*(_head_major(_pad_features(x, dp)) for x in (q, k, v)), *operands,
+      _head_major(_pad_features(d_out, dp)), stats.max, stats.log_sum, delta,
+      **_attributes(cfg, (block_q, block_k), flags | _DBIAS * with_dbias), chunks=np.int64(chunks)),
+      q, k, v, bias, masks, extras, stats, d_out, delta)
+    dq = jnp.swapaxes(jnp.sum(dq_parts, axis=0), 1, 2)[..., :d] * cfg.scale
+    dk, dv = (jnp.swapaxes(x, 1, 2)[..., :d].astype(y.dtype) for x, y in ((dk, k), (dv, v)))
+    return dq.astype(q.dtype), dk, dv, dbias if with_dbias else None

@@ -26,13 +26,15 @@ from pathlib import Path
 import jax
 import jaxlib
 
-SOURCE = Path(__file__).with_name("flash_cpu.cc")
+SOURCE = Path(__file__).with_name("flash_cpu.cc")  # the FFI binding; it includes the kernel:
+HEADER = Path(__file__).with_name("flash_cpu.h")
 # -march: the machine's own instruction set unless $JAX_FLASH_ATTENTION_CPU_MARCH names another
 # (the tests build the AVX2 and SSE2 paths this way on an AVX-512 machine).
 MARCH = os.environ.get("JAX_FLASH_ATTENTION_CPU_MARCH", "native")
 SANITIZE = bool(os.environ.get("JAX_FLASH_ATTENTION_CPU_SANITIZE"))
+# FLASH_CPU_CHECKS: the kernel's own invariant checks (tile ranges, offsets) abort on failure.
 SANITIZER_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-                   "-fno-omit-frame-pointer", "-g")
+                   "-fno-omit-frame-pointer", "-g", "-DFLASH_CPU_CHECKS")
 FLAGS = ("-O3", f"-march={MARCH}", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno",
          *(SANITIZER_FLAGS if SANITIZE else ()))
 TARGETS = {"jax_flash_attention_cpu_forward": "FlashForwardCpu",
@@ -70,7 +72,7 @@ def _cache_dir() -> Path:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+    for part in (SOURCE.read_bytes(), HEADER.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
                  jaxlib.__version__.encode(), _cpu_id().encode()):
         key.update(part)
     return _cache_dir() / f"flash_cpu_{key.hexdigest()[:16]}.so"

@@ -5,7 +5,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_impl import masking, online_softmax, vma
+from jax_impl import masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.pallas_triton import common
@@ -22,7 +22,7 @@ def _kernel_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInpu
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=layout.lq_tiled != layout.lq, keys_padded=layout.lk_tiled != layout.lk))
     if not cfg.interpret:
-        q = common.requires_cuda(q)
+        q = platform.requires_cuda(q, common.PLATFORM_ERROR)
     mask = None if masks.mask is None else masks.mask.astype(jnp.int8)
     return cfg, q, k, v, masks._replace(mask=None), mask, bias
 

@@ -1,16 +1,14 @@
-"""Pieces every kernel uses: the dot, block indices of broadcast operands, the platform guard."""
+"""Pieces every kernel uses: the dot, the key tile's logits, block indices of broadcast operands."""
 from __future__ import annotations
 
 import dataclasses
 from typing import NamedTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.interpreters import ad, batching, mlir
 
 from jax_impl import dropout_sinks, masking, online_softmax
 from jax_impl.pallas_triton.layout import load, within
@@ -175,36 +173,9 @@ def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-# --- Platform guard -----------------------------------------------------------------------
-# The Triton kernels exist only for CUDA. The check happens where the call is lowered, so
-# that `jax.export(..., platforms=["cuda"])` works on a CPU-only host and a CPU lowering
-# fails with a message that says what to use instead.
-_requires_cuda_p = jax.extend.core.Primitive("flash_attention_requires_cuda")
-_requires_cuda_p.def_impl(lambda x, **params: x)
-_requires_cuda_p.def_abstract_eval(lambda x, **params: x)
-
+# The Triton kernels exist only for CUDA (platform.requires_cuda refuses other lowerings).
 PLATFORM_ERROR = (
     "implementation='pallas_triton' runs only on a CUDA GPU (the call is being lowered for "
     "{platform!r}). Use implementation='xla' (linear memory on any device), "
     "implementation=None to choose automatically, or interpret=True to run the kernel in "
     "the Pallas interpreter.")
-
-
-def _refuse_lowering(ctx, x, *, message):
-    platform = getattr(ctx.module_context, "platforms", ["this platform"])
-    raise NotImplementedError(message.format(platform=tuple(platform)[0]))
-
-
-mlir.register_lowering(_requires_cuda_p, _refuse_lowering)
-# An identity, so every transformation passes straight through (vmap, and the autodiff that
-# reaches it when JAX differentiates the custom VJP's backward and reports the real error).
-batching.primitive_batchers[_requires_cuda_p] = lambda args, dims, **params: (
-    _requires_cuda_p.bind(*args, **params), dims[0])
-ad.deflinear(_requires_cuda_p, lambda cotangent, **params: [cotangent])
-mlir.register_lowering(_requires_cuda_p, lambda ctx, x, **params: [x], platform="cuda")
-
-
-def requires_cuda(x, message: str = PLATFORM_ERROR):
-    """Identity on CUDA; lowering it for any other platform raises ``message`` (its
-    ``{platform}`` filled in), by default PLATFORM_ERROR."""
-    return _requires_cuda_p.bind(x, message=message)

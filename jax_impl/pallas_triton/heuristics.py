@@ -4,7 +4,7 @@ shared-memory footprint.
 The tiles come from ``tuned_blocks.json`` (the winners of ``benchmarks/tune_blocks.py``, timed
 on a GPU) when it has an entry for the (head-dim class, dtype, causal) of a call, else from
 ``rule_block_sizes``. The rule was chosen with the compile report (``python -m
-jax_impl.pallas_triton.compile_report``, table in benchmarks/results/compile_report_sm90.md):
+benchmarks.compile_report``, table in benchmarks/results/compile_report_sm90.md):
 16-bit tiles whose every dot has M >= 64, so that Hopper runs it with ``wgmma``, that compile with
 no register spills and fit the shared-memory budget. Short sequences clip the tiles to the next
 power of two (never below 16, Triton's dot minimum) instead of padding to a full tile.

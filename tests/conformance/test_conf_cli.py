@@ -137,13 +137,10 @@ def test_exit_code_rule(impl, status, conforms, decides):
 
 @pytest.mark.parametrize("impl", ["jax_impl.xla", "jax_impl.cpu"])
 def test_jax_impl_follows_the_semantics_in_every_probe(impl):
-    """Every probe conforms; the CPU kernel declines the two that need a dense mask (its own
-    tests cover rows emptied by lengths)."""
+    """Every probe runs and conforms (the CPU kernel takes the dense mask two of them need)."""
     rows = run_probes([get_adapter(impl, "cpu")])
-    declined = {r.probe for r in rows if r.observation.startswith("n.s.")}
-    assert declined == (set() if impl == "jax_impl.xla" else {"probe_empty_rows", "probe_mask_convention"})
-    assert len(rows) == 6 and all(r.conforms for r in rows if r.probe not in declined), \
-        [(r.probe, r.observation) for r in rows]
+    assert not [r.probe for r in rows if r.observation.startswith("n.s.")]
+    assert len(rows) == 6 and all(r.conforms for r in rows), [(r.probe, r.observation) for r in rows]
 
 
 @pytest.mark.parametrize("plugin,probe,observation", [

@@ -26,15 +26,22 @@ def run(case: Case, dtype, implementation, **options):
     cast = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64), dtype)
     q, k, v, cotangent, bias = map(cast, (inputs.q, inputs.k, inputs.v, inputs.cotangent, inputs.bias))
     kwargs = {**inputs.attention_kwargs(), **options}
+    if case.dropout:  # the pattern the oracle gets from inputs.dropout_keep()
+        kwargs.update(dropout_rng=inputs.dropout_key(), broadcast_dropout=False, deterministic=False)
 
-    def attend(q, k, v, bias):
-        return flash_attention(q, k, v, bias, inputs.mask, implementation=implementation, **kwargs)
+    sinks = kwargs.pop("attention_sinks", None)
 
-    out, vjp = jax.vjp(attend, q, k, v, bias)
-    dq, dk, dv, dbias = vjp(cotangent)
+    def attend(q, k, v, bias, sinks):
+        return flash_attention(q, k, v, bias, inputs.mask, implementation=implementation,
+                               attention_sinks=sinks, **kwargs)
+
+    out, vjp = jax.vjp(attend, q, k, v, bias, None if sinks is None else jnp.asarray(sinks))
+    dq, dk, dv, dbias, dsinks = vjp(cotangent)
     results = {"out": out, "dq": dq, "dk": dk, "dv": dv}
     if bias is not None:
         results["dbias"] = dbias
+    if sinks is not None:
+        results["dsinks"] = dsinks
     return {name: np.asarray(x, np.float64) for name, x in results.items()}
 
 

@@ -34,13 +34,26 @@ CASES = [
     dataclasses.replace(BASE, head_dim=16, q_len=1, kv_len=1),
     dataclasses.replace(BASE, dtype="bfloat16", causal="top_left", lengths=True),
     dataclasses.replace(BASE, dtype="float16", segments=True, window=(20, 20)),
+    # Features the kernel took from the xla path.
+    dataclasses.replace(BASE, bias=True),
+    dataclasses.replace(BASE, bias=True, bias_shape="shared_batch", causal="bottom_right", lengths=True),
+    dataclasses.replace(BASE, mask="bool_heads", empty_rows=True, q_len=130, kv_len=130),
+    dataclasses.replace(BASE, mask="key_padding", causal="top_left", q_len=300),
+    dataclasses.replace(BASE, soft_cap=5.0, causal="top_left"),
+    dataclasses.replace(BASE, soft_cap=3.0, bias=True, dtype="bfloat16"),
+    dataclasses.replace(BASE, dropout=0.3, causal="top_left", q_len=200),
+    dataclasses.replace(BASE, sinks=True, lengths=True, dtype="float16"),
+    dataclasses.replace(BASE, head_dim=40, causal="top_left"),
+    dataclasses.replace(BASE, head_dim=8, bias=True, window=(30, 0)),
+    dataclasses.replace(BASE, head_dim=24, bias=True, mask="bool", soft_cap=4.0, dropout=0.2,
+                        sinks=True, causal="top_left", lengths=True, window=(60, None),
+                        q_len=150, kv_len=150),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.dtype}-{c.causal}-{c.window}-"
-                         f"{c.lengths}-{c.segments}-{c.q_len}x{c.kv_len}-D{c.head_dim}-kv{c.kv_heads}")
+@pytest.mark.parametrize("case", CASES, ids=Case.describe)
 def test_matches_the_float64_oracle(case):
-    assert explain_implementation(*_shaped(case), platform="cpu").chosen == "cpu"
+    assert explain_implementation(*_shaped(case), platform="cpu", **_features(case)).chosen == "cpu"
     assert_judged_correct(run(case, jnp.dtype(case.dtype), "cpu"), oracle(case), baseline(case), case.dtype)
 
 
@@ -54,7 +67,21 @@ def test_small_tiles_match_the_default_tiles():
 def _shaped(case):
     q = jnp.zeros((case.batch, case.q_len, case.q_heads, case.head_dim), case.dtype)
     k = jnp.zeros((case.batch, case.kv_len, case.kv_heads, case.head_dim), case.dtype)
-    return q, k, k
+    bias = jnp.zeros((case.q_len, case.kv_len), case.dtype) if case.bias else None
+    mask = jnp.ones((case.q_len, case.kv_len), bool) if case.mask != "none" else None
+    return q, k, k, bias, mask
+
+
+def _features(case) -> dict:
+    """explain_implementation's keywords for the case's soft cap, dropout and sinks."""
+    kw = {}
+    if case.soft_cap:
+        kw["logits_soft_cap"] = case.soft_cap
+    if case.dropout:
+        kw.update(dropout_rate=case.dropout, dropout_rng=jax.random.key(0))
+    if case.sinks:
+        kw["attention_sinks"] = jnp.zeros(case.q_heads)
+    return kw
 
 
 def _inputs(seed, b=1, lq=70, lk=90, h=2, d=16):
@@ -104,19 +131,49 @@ def test_vmap_matches_one_call_per_example():
                                    rtol=1e-6, atol=1e-6)
 
 
-def test_default_on_cpu_is_the_custom_call_and_other_features_take_xla():
+def test_every_feature_runs_the_custom_call():
+    """A bias, a dense mask, the soft cap, dropout, sinks and an odd head_dim all lower to the
+    kernel (the xla path is only the no-compiler fallback); only tiles off its panel grid are
+    refused, by name."""
     q, k, v = _inputs(5)
-    hlo = lambda **kw: jax.jit(lambda q, k, v: flash_attention(q, k, v, **kw)).lower(q, k, v).as_text()
-    assert "jax_flash_attention_cpu_forward" in hlo(is_causal=True)
-    bias = jnp.zeros((70, 90))
-    assert "jax_flash_attention_cpu" not in hlo(bias=bias)
-    assert "bias" in explain_implementation(q, k, v, bias, platform="cpu").reasons["cpu"]
-    with pytest.raises(ValueError, match="implementation='cpu'.*logits_soft_cap"):
-        flash_attention(q, k, v, logits_soft_cap=5.0, implementation="cpu")
-    with pytest.raises(ValueError, match="head_dim=24 is not a multiple of 16"):
-        flash_attention(*(x[..., :24] for x in _inputs(6, d=32)), implementation="cpu")
+    hlo = lambda q, k, v, **kw: jax.jit(lambda q, k, v: flash_attention(q, k, v, **kw)).lower(q, k, v).as_text()
+    rng = np.random.default_rng(5)
+    for kw in (dict(is_causal=True), dict(bias=jnp.asarray(rng.standard_normal((70, 90)), jnp.float32)),
+               dict(mask=jnp.asarray(rng.random((70, 90)) < 0.5)), dict(logits_soft_cap=5.0),
+               dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), dict(attention_sinks=jnp.ones(2))):
+        assert "jax_flash_attention_cpu_forward" in hlo(q, k, v, **kw), kw
+        assert explain_implementation(q, k, v, **kw, platform="cpu").chosen == "cpu"
+    assert "jax_flash_attention_cpu_forward" in hlo(*(x[..., :12] for x in (q, k, v)))
     with pytest.raises(ValueError, match="block_k=32 is not a multiple of 64"):
         flash_attention(q, k, v, implementation="cpu", block_sizes=BlockSizes(block_k=32))
+
+
+# The issue's reproducers, each in a fresh process: before the fix the first crashed (SIGSEGV)
+# and the second gave NaN and wrong gradients.
+_REPRODUCERS = """
+import jax, jax.numpy as jnp, numpy as np
+from jax_impl import flash_attention
+def compare(q, k, v, **kw):
+    f = lambda impl: jax.value_and_grad(lambda q, k, v: jnp.sum(flash_attention(
+        q, k, v, implementation=impl, **kw) ** 2), argnums=(0, 1, 2))(q, k, v)
+    got, want = f("cpu"), f("reference")
+    print(max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(b))))
+              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))))
+rng = np.random.default_rng()
+q = jnp.asarray(rng.standard_normal((1, 4096, 1, 64)), jnp.float32)
+k, v = (jnp.asarray(rng.standard_normal((1, 100, 1, 64)), jnp.float32) for _ in range(2))
+compare(q, k, v, local_window_size=(5, 5), query_seq_lengths=jnp.array([10]))
+q, k, v = (jnp.asarray(rng.standard_normal((1, 512, 1, 64)), jnp.float32) for _ in range(3))
+compare(q, k, v, is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=jnp.array([100]))
+"""
+
+
+def test_the_padded_calls_that_crashed_match_the_reference_in_a_fresh_process():
+    result = subprocess.run([sys.executable, "-c", _REPRODUCERS], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    errors = [float(x) for x in result.stdout.split()]
+    assert len(errors) == 2 and max(errors) < 1e-5, errors
 
 
 def test_no_score_sized_temporary():

@@ -229,3 +229,14 @@ def test_the_package_attribute_is_callable_as_users_write_it():
     assert module.explain_implementation is jax_impl.explain_implementation  # still the module
     assert "is_causal" in inspect.signature(jax_impl.flash_attention).parameters
     assert importlib.metadata.version("jax-flash-attention-ref") == jax_impl.__version__
+
+
+def test_the_argument_checks_default_as_the_function_does():
+    """arguments.validate serves flash_attention, explain_implementation and ring_attention:
+    its keyword defaults are the public signature's, so a call means the same through each."""
+    import inspect
+    from jax_impl import arguments
+    public = inspect.signature(flash_attention).parameters
+    checks = inspect.signature(arguments.validate).parameters
+    assert list(public) == list(checks)
+    assert {n: p.default for n, p in public.items()} == {n: p.default for n, p in checks.items()}

@@ -16,8 +16,10 @@ import pytest
 from conformance import tolerance
 from conformance.cases import Case
 from jax_impl import BlockSizes, masking, pallas_triton
+from jax_impl.implementations import IMPLEMENTATIONS
 from jax_impl.config import AttentionConfig
 from jax_impl.flash_attention import flash_attention
+import backends
 from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run, torch_arrays
 
 PROBLEMS = [
@@ -43,23 +45,21 @@ PROBLEMS = [
     Case("single-key-d16", q_len=1, kv_len=1, head_dim=16, batch=1, seed=13),
 ]
 
-IMPLEMENTATIONS = {
-    "xla": dict(implementation="xla"),
-    "pallas_triton": dict(implementation="pallas_triton", interpret=True),
-    # Small tiles: many tiles per sequence, so the block-skip ranges and padding matter.
-    "xla-16x32-tiles": dict(implementation="xla", block_sizes=BlockSizes(16, 32)),
-    # One warp: two [32, 64] fp32 accumulators would not fit its registers, so dV and dK are
-    # computed by two kernels (heuristics.split_dkdv), as at D=256 with the default tiles.
-    "pallas_triton-split-dkdv": dict(implementation="pallas_triton", interpret=True,
-                                     block_sizes=BlockSizes(16, 32, 16, 32, 16, 32, num_warps_bwd=1)),
+SOME = {  # the problems the slow or special-purpose variants run (backends.SOME_PROBLEMS)
+    ("xla", "16x32-tiles"): ("causal-bottomright-lq>lk", "bottomright-lengths-bf16", "causal-window-left",
+                             "bias-shared-batch-causal", "segments-gqa4"),
+    ("pallas_triton", "split-dkdv"): ("causal-topleft-lq<lk-d40", "bias-softcap-key-padding",
+                                      "segments-gqa4", "dense-mask-empty-rows"),
 }
-SMALL_TILE_PROBLEMS = ("causal-bottomright-lq>lk", "bottomright-lengths-bf16",
-                       "causal-window-left", "bias-shared-batch-causal", "segments-gqa4")
-SPLIT_DKDV_PROBLEMS = ("causal-topleft-lq<lk-d40", "bias-softcap-key-padding", "segments-gqa4",
-                       "dense-mask-empty-rows")
-ONLY_ON = {"xla-16x32-tiles": SMALL_TILE_PROBLEMS, "pallas_triton-split-dkdv": SPLIT_DKDV_PROBLEMS}
-GRID = [pytest.param(p, impl, id=f"{p.name}-{impl}") for p in PROBLEMS for impl in IMPLEMENTATIONS
-        if p.name in ONLY_ON.get(impl, [p.name])]
+SOME[("cpu", "16x64-tiles")] = SOME[("xla", "16x32-tiles")]
+GRID = [pytest.param(p, options, id=f"{p.name}-{param.id}", marks=param.marks)
+        for param in backends.params() for name, options in [param.values] for p in PROBLEMS
+        if p.name in SOME.get((name, param.id[len(name) + 1:]), [p.name])]
+
+
+def test_every_implementation_declares_its_variants():
+    assert set(backends.VARIANTS) == set(IMPLEMENTATIONS)
+    assert set(SOME) == backends.SOME_PROBLEMS
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,19 +67,18 @@ def _oracle_and_baseline(problem: Case):
     return oracle(problem), baseline(problem)
 
 
-@pytest.mark.parametrize("problem, implementation", GRID)
-def test_matches_float64_oracle(problem, implementation):
-    options = dict(IMPLEMENTATIONS[implementation])
+@pytest.mark.parametrize("problem, options", GRID)
+def test_matches_float64_oracle(problem, options):
     results = run(problem, DTYPES[problem.dtype], **options)
     assert_judged_correct(results, *_oracle_and_baseline(problem), problem.dtype)
 
 
 def test_split_dkdv_tiles_run_dv_and_dk_as_two_kernels():
     """The split-dkdv entry of the grid is what it says: its backward has no dK/dV kernel."""
-    problem = next(p for p in PROBLEMS if p.name == SPLIT_DKDV_PROBLEMS[0])
+    problem = next(p for p in PROBLEMS if p.name == SOME[("pallas_triton", "split-dkdv")][0])
     q = jax.ShapeDtypeStruct((1, problem.q_len, 2, problem.head_dim), jnp.float32)
     k = jax.ShapeDtypeStruct((1, problem.kv_len, 2, problem.head_dim), jnp.float32)
-    options = IMPLEMENTATIONS["pallas_triton-split-dkdv"]
+    options = dict(backends.VARIANTS["pallas_triton"]["split-dkdv"], implementation="pallas_triton")
     jaxpr = jax.make_jaxpr(jax.grad(lambda q, k: jnp.sum(flash_attention(q, k, k, **options)), (0, 1)))(q, k)
     names = set(re.findall(r"name=(flash_attention_\w+)", str(jaxpr)))  # inside custom_vjp
     assert names == {"flash_attention_forward", "flash_attention_backward_dv",
@@ -133,3 +132,20 @@ def test_pallas_backward_with_a_constant_bias_writes_no_dbias(bias_gradient):
     # band excludes, as without dbias): the last input aliases the second output.
     aliases = dict(dq_call.params["input_output_aliases"])
     assert aliases == ({len(dq_call.invars) - 1: 1} if bias_gradient else {})
+
+
+BIT_IDENTITY = Case("bit-identity", batch=2, q_len=77, kv_len=130, kv_heads=2, causal="bottom_right",
+                    lengths=True, bias=True, dropout=0.2, sinks=True, seed=31)
+
+
+@pytest.mark.parametrize("implementation, options", backends.params(
+    lambda name, variant: variant in ("default", "interpret", "compiled")))
+def test_repeated_forward_and_backward_are_bit_identical(implementation, options):
+    """The same call twice gives the same bits, outputs and every gradient (no atomics, no
+    order that depends on thread timing), with every feature that has a kernel path on."""
+    first = run(BIT_IDENTITY, jnp.float32, **options)
+    second = run(BIT_IDENTITY, jnp.float32, **options)
+    assert set(first) == {"out", "dq", "dk", "dv", "dbias", "dsinks"}
+    for name in first:
+        assert np.array_equal(first[name], second[name], equal_nan=True), name
+        assert np.all(np.isfinite(first[name])) and np.any(first[name] != 0), name

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from _flash_helpers import torch_arrays
-from jax_impl.flash_attention import GPU_ONLY_PRESETS, PRECISION_PRESETS, flash_attention
+from jax_impl.arguments import GPU_ONLY_PRESETS, PRECISION_PRESETS
+from jax_impl.flash_attention import flash_attention
 
 presets = jax.lax.DotAlgorithmPreset
 CPU_PRESETS = [p for p in PRECISION_PRESETS if p not in GPU_ONLY_PRESETS]

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_impl import BlockSizes, explain_implementation, masking, pallas_triton, xla
+from jax_impl import BlockSizes, explain_implementation, masking, pallas_triton, platform, xla
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.flash_attention import flash_attention
 from jax_impl.pallas_triton import heuristics
-from jax_impl.pallas_triton.compile_report import export_for_cuda
+from jax_impl.pallas_triton.export import export_for_cuda
 
 
 
@@ -112,7 +112,7 @@ def test_head_blocks_run_as_independent_chains(monkeypatch):
     """With 2 host threads, 8 blocks of heads run as 2 independent loops of 4 (XLA:CPU runs
     independent loops concurrently), and the blocks' results come back in order; sequences
     shorter than CHAIN_MIN_PAIRS keep one loop."""
-    monkeypatch.setattr(xla, "host_threads", lambda: 2)
+    monkeypatch.setattr(platform, "host_threads", lambda: 2)
     monkeypatch.setattr(xla, "CHAIN_MIN_PAIRS", 16 * 16)
     q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 8, 4)), jnp.float32)
     fn = lambda x: x * 2.0 + x[:, :1]  # per block: [1, 16, 1, 4]
@@ -398,7 +398,9 @@ def test_explain_implementation_names_the_choice_and_every_reason():
     assert on_cpu.chosen == "cpu" and "cpu is eligible" in on_cpu.reasons["xla"]
     assert "CUDA" in on_cpu.reasons["pallas_triton"]
     with_bias = explain_implementation(q, q, q, jnp.zeros((16, 16)), platform="cpu")
-    assert with_bias.chosen == "xla" and "bias" in with_bias.reasons["cpu"]
+    assert with_bias.chosen == "cpu"  # the CPU kernel takes every feature
+    odd_tiles = explain_implementation(q, q, q, platform="cpu", block_sizes=BlockSizes(block_k=32))
+    assert odd_tiles.chosen == "xla" and "block_k=32" in odd_tiles.reasons["cpu"]
     on_gpu = explain_implementation(q, q, q, platform="cuda")
     assert on_gpu.chosen == "pallas_triton" and on_gpu.reasons["pallas_triton"] is None
     assert on_gpu.reasons["xla"] and on_gpu.reasons["reference"]

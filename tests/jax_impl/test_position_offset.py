@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from _flash_helpers import torch_arrays
-from jax_impl import dropout_sinks, masking, recompute_vjp
+from jax_impl import dropout_sinks, implementations, masking, recompute_vjp
 from jax_impl.config import AttentionConfig, BlockSizes
 
 TOL = 2e-5
@@ -33,7 +33,7 @@ def _numpy_mask(b, lq, lk, offsets, causal, window, q_len, kv_len):
     return np.broadcast_to(allowed[:, None], (b, 1, lq, lk)).copy()
 
 
-@pytest.mark.parametrize("implementation", ["pallas_triton", "xla"])
+@pytest.mark.parametrize("implementation", ["pallas_triton", "xla", "cpu"])
 @pytest.mark.parametrize("causal,window,lengths", [
     (True, None, False), (False, (7, 3), False), (True, (12, None), True)],
     ids=["causal", "window", "causal_window_lengths"])
@@ -49,12 +49,14 @@ def test_position_offset_shifts_the_band(implementation, causal, window, lengths
                             window_right=None if window is None else window[1],
                             has_q_lengths=lengths, has_kv_lengths=lengths)
     cfg = AttentionConfig(scale=d ** -0.5, mask=spec, interpret=implementation == "pallas_triton",
-                          block_sizes=BlockSizes(16, 16, 16, 16, 16, 16))  # several tiles
+                          block_sizes=BlockSizes(16, 64 if implementation == "cpu" else 16,
+                                                 16, 16, 16, 16))  # several tiles (cpu: 64-key panels)
     masks = masking.MaskInputs(jnp.asarray(q_len), jnp.asarray(kv_len), None, None, None,
                                position_offset=jnp.asarray(offsets))
 
     def attend(q, k, v):
-        return recompute_vjp.attention(implementation, cfg, q, k, v, None, masks, dropout_sinks.SinksAndDropout())[0]
+        return recompute_vjp.attention(implementations.get(implementation), cfg, q, k, v, None, masks,
+                                       dropout_sinks.SinksAndDropout())[0]
 
     out, vjp = jax.vjp(attend, q, k, v)
     dq, dk, dv = vjp(jnp.asarray(ct))
@@ -70,7 +72,7 @@ def test_ring_with_pallas_kernels_lowers_to_triton_for_cuda():
     """ring_attention's local step with implementation="pallas_triton" (compiled, not the
     interpreter) inside jax.shard_map with the default check_vma=True, forward and backward,
     exported for CUDA: the three kernels lower with the position offset and bias columns."""
-    from jax_impl.pallas_triton.compile_report import cuda_mesh, export_for_cuda
+    from jax_impl.pallas_triton.export import cuda_mesh, export_for_cuda
     from jax.sharding import PartitionSpec as P
 
     from jax_impl.context_parallel import ring_attention

@@ -38,10 +38,10 @@ def test_ring_pallas_interpret_matches_float64_oracle():
 
 def test_ring_cpu_kernel_matches_float64_oracle_under_check_vma():
     """The fused C++ kernel as the local step, under shard_map's default check_vma=True (its
-    custom calls' results must vary over the ring axis like their operands); it takes no bias
-    or dense mask, so the configs have none."""
+    custom calls' results must vary over the ring axis like their operands), with the bias and
+    dense mask slices each ring step passes it."""
     names = ("causal_top_left", "bottom_right_gqa_window_lengths_segments",
-             "contiguous_window_kv_lengths")
+             "contiguous_window_kv_lengths", "bias_broadcast_mask_bottom_right_lengths")
     _check(run_script("ring_exact.py", "cpu", *names), names)
 
 
@@ -137,10 +137,3 @@ def test_traced_lengths_past_the_sequence_mean_the_whole_sequence():
                                    atol=TOL, rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("pairwise, what", [(("bias",), "a bias"), (("mask",), "a dense mask"),
-                                            (("bias", "mask"), "a bias, a dense mask")])
-def test_ring_cpu_kernel_refuses_a_bias_or_mask_it_would_ignore(pairwise, what):
-    with pytest.raises(ValueError, match=rf"implementation='cpu' cannot run this ring: the CPU "
-                                         rf"kernel does not take {what}(?!,)"):
-        _ring_shapes(4, 16, pairwise, implementation="cpu", is_causal=True)
-    _ring_shapes(4, 16, pairwise, implementation="xla", is_causal=True)  # the xla ring takes them

@@ -1,6 +1,6 @@
 """What the Pallas kernels compile to on an H100/H200 (sm_90a), measured without a GPU.
 
-    python -m jax_impl.pallas_triton.compile_report [--out DIR] [--head-dim 64 ...]
+    python -m benchmarks.compile_report [--out DIR] [--head-dim 64 ...]
         [--dtype bfloat16 ...] [--block-sizes 128,64,64,128,128,64[,warps,warps_bwd,stages]]
         [--causal both|yes|no] [--seq-len 4096]
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -29,7 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_impl.config import BlockSizes
+from jax_impl.flash_attention import flash_attention
 from jax_impl.pallas_triton import heuristics
+from jax_impl.pallas_triton.export import cuda_target, jit_for_cuda
 
 # The pallas_call names (forward.py, backward.py) of heuristics.KERNELS, and back.
 SHORT_NAMES = {f"flash_attention_{'' if k == 'forward' else 'backward_'}{k}": k for k in heuristics.KERNELS}
@@ -37,7 +38,7 @@ KERNELS = tuple(SHORT_NAMES)
 SEQ_LEN = 4096  # long enough that no default tile is clipped; the benchmarks' length
 MISSING_TRITON = ("the compile report needs pip `triton` (its NVIDIA backend compiles the kernels "
                   "without a GPU): pip install 'triton==3.8.0' or the package's `test` extra")
-REGENERATE = "python -m jax_impl.pallas_triton.compile_report --out benchmarks/results/compile_report_sm90"
+REGENERATE = "python -m benchmarks.compile_report --out benchmarks/results/compile_report_sm90"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,69 +71,12 @@ class KernelFacts:
     seq_len: int = SEQ_LEN            # Lq = Lk of the lowered call
 
 
-# --- Lowering for CUDA on a host without a GPU -----------------------------------------------
-# jax >= 0.11's Pallas Triton lowering asks which GPU it targets: with no GPU here an abstract
-# mesh names one (an H100: sm_90, as the compile below), and the jitted function's arguments
-# are placed on this host's device so that the self-partitioning op (custom_partitioning needs
-# concrete devices) still lowers. jax 0.10 reads no target and needs neither.
-TARGET_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
-
-
-def _needs_target() -> bool:
-    import importlib.util
-    asks = importlib.util.find_spec("jax._src.pallas.triton.gpu_info") is not None  # jax >= 0.11
-    return asks and not any(d.platform == "gpu" for d in jax.devices())
-
-
-def jit_for_cuda(fn):
-    """``jax.jit(fn)``, lowerable for CUDA here (inside ``cuda_target()``) on jax 0.10-0.12."""
-    if not _needs_target():
-        return jax.jit(fn)
-    return jax.jit(fn, in_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-
-
-def _target_mesh(axis_name: str):
-    device = jax.sharding.AbstractDevice(device_kind=TARGET_DEVICE_KIND, num_cores=132, platform="gpu")
-    return jax.sharding.AbstractMesh((1,), (axis_name,), axis_types=(jax.sharding.AxisType.Auto,),
-                                     abstract_device=device)
-
-
-@contextlib.contextmanager
-def cuda_target(axis_name: str = "_"):
-    """Around ``jax.export(..., platforms=["cuda"])`` or ``.lower(lowering_platforms=("cuda",))``
-    of a ``jit_for_cuda`` function."""
-    if not _needs_target():
-        yield
-        return
-    with jax.sharding.use_abstract_mesh(_target_mesh(axis_name)):
-        yield
-
-
-def cuda_mesh(axis_name: str):
-    """A one-device mesh for a ``shard_map`` inside a function lowered for CUDA here (with
-    ``export_for_cuda(..., axis_name=axis_name)``): this host's device on jax 0.10, the target
-    GPU's abstract mesh on jax >= 0.11 (shard_map's mesh must be the one the target names)."""
-    if not _needs_target():
-        return jax.sharding.Mesh(jax.devices()[:1], (axis_name,))
-    return _target_mesh(axis_name)
-
-
-def export_for_cuda(fn, *args, axis_name: str = "_"):
-    """``jax.export`` of ``jit(fn)`` for CUDA, here: the Exported (its ``mlir_module()`` holds
-    the kernels' Triton calls). ``axis_name``: that of ``cuda_mesh`` when ``fn`` maps over it."""
-    from jax import export
-    with cuda_target(axis_name):
-        return export.export(jit_for_cuda(fn), platforms=["cuda"], disabled_checks=[
-            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-
-
 # --- TTIR extraction ------------------------------------------------------------------------
 
 def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal: bool,
                    seq_len: int = SEQ_LEN) -> list[TritonKernel]:
     """The three kernels of forward + backward at [1, seq_len, 2, head_dim], lowered for CUDA."""
     from jax.interpreters.mlir import ir
-    from jax_impl.flash_attention import flash_attention
 
     def loss(q, k, v):
         out = flash_attention(q, k, v, is_causal=causal, implementation="pallas_triton",
@@ -338,7 +282,7 @@ def parse_block_sizes(text: str) -> BlockSizes:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_impl.pallas_triton.compile_report",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_report",
                                      description=__doc__.split("\n\n")[-1])
     parser.add_argument("--head-dim", type=int, action="append", help="adds configurations (with --dtype)")
     parser.add_argument("--dtype", action="append", help="bfloat16, float16 or float32")

@@ -1,0 +1,690 @@
+// FlashAttention forward and backward for the CPU: the algorithm, free of XLA (flash_cpu.cc
+// binds it as XLA FFI custom calls; the tests' harness calls it on exact-size buffers).
+//
+// The same algorithm as the Pallas kernels and the xla path (FlashAttention-2, the online
+// softmax in base 2: online_softmax.Base2Softmax), fused so that a tile never leaves the caches
+// between its products: the forward works one (batch row, head, query tile) at a time, the
+// backward one (batch row, kv head, chunk of key tiles). Every product is one register-blocked
+// microkernel (`Gemm`): C[M, N] (+)= A[M, K] B[K, N], A read one scalar at a time through two
+// strides (so P^T and dS^T need no transposed copy), B in rows of SIMD vectors.
+//
+// Layouts (float32, head_dim D a multiple of the SIMD width: the caller pads it with zeros):
+// the forward takes q [B, Lq, Hq, D] as the library holds it, K^T in panels of 64 keys and v
+// head-major; the backward takes every array head-major [B, H, L, D]. Row statistics and delta
+// are [B, Hq, Lq]. A bias [Bb, Hb, Lq, Lk], a mask [Bm, Hm, Lq, Lk], sinks and dropout seeds
+// [Bs, Hs] may be broadcast over batch and heads (size 1 there).
+//
+// The mask (masking.py's rules 1-5): the band d_lo[b] <= j - i <= d_hi[b] inside i < q_len[b],
+// j < kv_len[b], segment ids, the dense mask; and an additive -inf bias excludes a pair as the
+// rules do. The non-finite rule (online_softmax.py): a pair whose query row or key row (k or v)
+// holds a NaN or inf gets a NaN logit, computed with those entries as 0, so it reaches only the
+// rows that may attend it; excluded pairs contribute exactly 0 to every gradient.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+// Invariants of the tile ranges and buffer offsets, checked in the sanitizer build (build.py
+// defines FLASH_CPU_CHECKS there): a broken one aborts with its line instead of reading on.
+#ifdef FLASH_CPU_CHECKS
+#define FLASH_CPU_CHECK(cond)                                                           \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      std::fprintf(stderr, "flash_cpu.h:%d: check failed: %s\n", __LINE__, #cond);      \
+      std::abort();                                                                     \
+    }                                                                                   \
+  } while (0)
+#else
+#define FLASH_CPU_CHECK(cond) \
+  do {                        \
+  } while (0)
+#endif
+
+namespace flash_cpu {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;  // floats per SIMD vector
+constexpr int MR = 6, NV = 4;  // microkernel: MR rows x NV vectors = 24 of 32 registers
+#elif defined(__AVX__)
+constexpr int W = 8;
+constexpr int MR = 3, NV = 4;  // 12 of 16 registers
+#else
+constexpr int W = 4;
+constexpr int MR = 3, NV = 4;
+#endif
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return x - vf{}; }  // x - 0 folds to a broadcast (x + 0 would not: -0)
+inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
+
+constexpr float LOG2_E = 1.4426950408889634f;
+constexpr float NEG_INF = -INFINITY;
+
+// 2^x for x <= 0.5 (every use: logits minus a row max): exactly 0 below 2^-125, NaN kept.
+// Cephes exp2f: x = i + f, |f| <= 1/2, 2^f by a degree-6 polynomial (about 2 ulp).
+inline vf exp2_fraction(vf f) {
+  vf p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  return p * f + 1.0f;
+}
+inline vf exp2v(vf x) {
+  vf xc = x < -125.0f ? splat(-125.0f) : x;  // a NaN compares false and stays NaN
+  vi i = __builtin_convertvector(xc - 0.5f, vi);  // round to nearest for xc <= 0.5
+  vf p = exp2_fraction(xc - __builtin_convertvector(i, vf));
+  vi bits = (i + 127) << 23;
+  vf two_i; std::memcpy(&two_i, &bits, sizeof two_i);
+  return x < -125.0f ? splat(0.0f) : p * two_i;
+}
+inline float exp2s(float x) { return exp2v(splat(x))[0]; }
+
+// tanh (the soft cap), Cephes tanhf (about 2 ulp): an odd polynomial below |x| = 0.625, else
+// (1 - e) / (1 + e) with e = 2^(-2|x| log2(e)) in (0, 0.29]; +-1 at +-inf, NaN kept.
+inline vf tanhv(vf x) {
+  vf ax = x < 0.0f ? -x : x;
+  vf z = x * x;
+  vf p = splat(-5.70498872745e-3f);
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  vf small = x + x * z * p;
+  vf e = exp2v(ax * (-2.0f * LOG2_E));
+  vf big = (1.0f - e) / (1.0f + e);
+  big = x < 0.0f ? -big : big;
+  return ax < 0.625f ? small : big;
+}
+
+// Dropout's keep decision (dropout_sinks.keep, bit for bit): murmur3's finaliser over the seed
+// and the absolute (query, key) indices; kept iff the top 24 bits reach the threshold.
+constexpr uint32_t MIX1 = 0x85EBCA6Bu, MIX2 = 0xC2B2AE35u, GOLDEN = 0x9E3779B1u, PRIME = 0x27D4EB2Fu;
+template <typename U>
+inline U mix(U x) {
+  x ^= x >> 16;
+  x *= MIX1;
+  x ^= x >> 13;
+  x *= MIX2;
+  return x ^ (x >> 16);
+}
+
+// C[m, nv*W] (+)= sum_k A[r*ar + k*ak] * B[k*ldb + c], m <= MR rows, nv <= NV vectors.
+template <int M, int N>
+void micro(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb,
+           float* C, int64_t ldc, bool accumulate) {
+  vf acc[M][N];
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c) acc[r][c] = accumulate ? load(C + r * ldc + c * W) : splat(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    vf b[N];
+    for (int c = 0; c < N; ++c) b[c] = load(B + k * ldb + c * W);
+    for (int r = 0; r < M; ++r) {
+      vf a = splat(A[r * ar + k * ak]);
+      for (int c = 0; c < N; ++c) acc[r][c] += a * b[c];
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c) store(C + r * ldc + c * W, acc[r][c]);
+}
+
+// micro<rows, nv> for rows <= M and nv <= N known only at run time (the tiles' edges).
+template <int M, int N>
+void micro_edge(int rows, int nv, int64_t K, const float* A, int64_t ar, int64_t ak,
+                const float* B, int64_t ldb, float* C, int64_t ldc, bool acc) {
+  if constexpr (M > 1) {
+    if (rows < M) return micro_edge<M - 1, N>(rows, nv, K, A, ar, ak, B, ldb, C, ldc, acc);
+  }
+  if constexpr (N > 1) {
+    if (nv < N) return micro_edge<M, N - 1>(rows, nv, K, A, ar, ak, B, ldb, C, ldc, acc);
+  }
+  micro<M, N>(K, A, ar, ak, B, ldb, C, ldc, acc);
+}
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+inline bool finite(float x) { return std::fabs(x) < INFINITY; }
+
+// B operands are read in panels of PW columns: element (k, c) of B is at
+// B[(c / PW) * panel + k * ldb + c % PW]. A row-major B is panel = PW; a packed K^T tile is
+// ldb = PW, panel = D * PW, so that each microkernel call streams one contiguous block.
+constexpr int64_t PW = 64;
+static_assert(PW % (NV * W) == 0, "a microkernel call stays inside one panel");
+
+// C[M, N] (+)= A[M, K] B[K, N]; N a multiple of W. A's element (r, k) is A[r*ar + k*ak].
+inline void Gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ar, int64_t ak,
+                 const float* B, int64_t ldb, int64_t panel, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t c0 = 0; c0 < N; c0 += NV * W) {
+    int nv = static_cast<int>(std::min<int64_t>(NV, (N - c0) / W));
+    for (int64_t r0 = 0; r0 < M; r0 += MR) {
+      const float* a = A + r0 * ar;
+      float* c = C + r0 * ldc + c0;
+      const float* b = B + (c0 / PW) * panel + c0 % PW;
+      micro_edge<MR, NV>(static_cast<int>(std::min<int64_t>(MR, M - r0)), nv, K, a, ar, ak, b, ldb,
+                         c, ldc, accumulate);
+    }
+  }
+}
+
+// Runs fn(item) for item in [0, n) on the caller and the pool's threads (`Pool`: num_threads()
+// and Schedule(task), as XLA's ffi::ThreadPool). Items are handed out by an atomic counter; the
+// caller returns once all are done, and a task that starts late finds none left and touches
+// nothing.
+template <typename Pool, typename F>
+void ParallelFor(Pool& pool, int64_t n, F fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto drain = [state, n](const F* f) {
+    for (int64_t item; (item = state->next.fetch_add(1)) < n;) {
+      (*f)(item);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([drain, f = &fn]() { drain(f); });
+  drain(&fn);
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// A [X0, X1, ...] array broadcast over its first two axes (batch, head) where they have size 1.
+template <typename T>
+struct PerHead {
+  const T* data = nullptr;  // null: absent
+  int64_t batch_stride = 0, head_stride = 0;  // 0 along a broadcast axis
+  PerHead() = default;
+  PerHead(const T* d, int64_t batches, int64_t heads, int64_t inner)
+      : data(d), batch_stride(batches > 1 ? heads * inner : 0), head_stride(heads > 1 ? inner : 0) {}
+  const T* at(int64_t b, int64_t h) const { return data + b * batch_stride + h * head_stride; }
+  explicit operator bool() const { return data != nullptr; }
+};
+
+// Keys [lo, hi) (or query rows, for the backward) that a tile's rows (keys) may pair with.
+struct Span {
+  int64_t lo, hi;
+};
+
+// One call: shapes, the mask, the features. Built by flash_cpu.cc (or a test harness).
+struct Problem {
+  int64_t B, Lq, Lk, Hq, Hkv, D;
+  const int32_t *q_len, *kv_len, *d_lo, *d_hi;  // [B]
+  const int32_t *q_seg = nullptr, *kv_seg = nullptr;  // [B, Lq], [B, Lk]; null: no segments
+  PerHead<bool> mask;       // [Bm, Hm, Lq, Lk], True = may attend
+  PerHead<float> bias;      // [Bb, Hb, Lq, Lk]
+  PerHead<float> sinks;     // [Bs, Hs]
+  PerHead<uint32_t> seeds;  // [Bs, Hs] (dropout)
+  float scale = 1.0f;
+  float soft_cap = 0.0f;      // 0: none
+  float dropout_rate = 0.0f;  // 0: none
+
+  int64_t groups() const { return Hq / Hkv; }
+  int64_t qlen(int64_t b) const { return std::clamp<int64_t>(q_len[b], 0, Lq); }
+  int64_t kvlen(int64_t b) const { return std::clamp<int64_t>(kv_len[b], 0, Lk); }
+
+  // Keys [lo, hi) that query rows [i0, i1) of batch row b may attend by rules 1-3 (the C++
+  // twin of masking.kv_block_range): 0 <= lo <= hi <= kvlen(b), lo a multiple of `tile` (so
+  // that key tiles start on the kernel's grid: the K^T panels), {0, 0} when there are none.
+  Span KeySpan(int64_t b, int64_t i0, int64_t i1, int64_t tile) const {
+    i1 = std::min(i1, qlen(b));
+    if (i1 <= i0) return {0, 0};  // the rows lie past the valid queries
+    int64_t lo = std::max<int64_t>(0, i0 + int64_t{d_lo[b]});
+    int64_t hi = std::min<int64_t>(kvlen(b), i1 + int64_t{d_hi[b]});  // last row's j <= i + d_hi
+    if (hi <= lo) return {0, 0};
+    Span s{lo / tile * tile, hi};
+    FLASH_CPU_CHECK(0 <= s.lo && s.lo < s.hi && s.hi <= Lk && s.lo % tile == 0);
+    return s;
+  }
+  // Query rows [lo, hi) that may attend keys [j0, j1) (masking.q_block_range's twin):
+  // 0 <= lo <= hi <= qlen(b), lo a multiple of `tile`, {0, 0} when there are none.
+  Span QuerySpan(int64_t b, int64_t j0, int64_t j1, int64_t tile) const {
+    j1 = std::min(j1, kvlen(b));
+    if (j1 <= j0) return {0, 0};  // the keys lie past the valid keys
+    int64_t lo = std::max<int64_t>(0, j0 - int64_t{d_hi[b]});
+    int64_t hi = std::min<int64_t>(qlen(b), j1 - int64_t{d_lo[b]});  // last key's i <= j - d_lo
+    if (hi <= lo) return {0, 0};
+    Span s{lo / tile * tile, hi};
+    FLASH_CPU_CHECK(0 <= s.lo && s.lo < s.hi && s.hi <= Lq && s.lo % tile == 0);
+    return s;
+  }
+  // Whether rules 1-5 allow every pair of rows [i0, i1) x keys [j0, j1) (no per-element mask).
+  bool whole(int64_t b, int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
+    return q_seg == nullptr && !mask && i1 <= qlen(b) && j1 <= kvlen(b) &&
+           j0 - (i1 - 1) >= d_lo[b] && (j1 - 1) - i0 <= d_hi[b];
+  }
+  // How the logits are held in a tile (online_softmax.Base2Softmax): without a bias, unscaled
+  // (q.k, or the soft cap's tanh) so each exponent is one multiply-add; with one, as S itself.
+  bool folded() const { return !bias; }
+  float unit() const { return bias ? 1.0f : soft_cap > 0.0f ? soft_cap : scale; }
+  float kept_scale() const { return static_cast<float>(1.0 / (1.0 - double{dropout_rate})); }
+  uint32_t keep_threshold() const {
+    return static_cast<uint32_t>(std::lround(double{dropout_rate} * (1 << 24)));
+  }
+};
+
+// Dropout on one query row against keys [j0, j0 + n): x[c] times 1 / (1 - rate) where kept,
+// times 0 where dropped (a product, as dropout_sinks.apply_dropout: a NaN stays NaN). The
+// row's seed comes already mixed with the row index (RowKey).
+inline uint32_t RowKey(uint32_t seed, int64_t i) {
+  return mix<uint32_t>(seed ^ (static_cast<uint32_t>(i) * GOLDEN));
+}
+inline void DropRow(uint32_t seed, uint32_t row_key, int64_t j0, int64_t n, uint32_t threshold,
+                    float kept, float* x) {
+  vu lane;
+  for (int w = 0; w < W; ++w) lane[w] = static_cast<uint32_t>(w);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    vu cols = static_cast<uint32_t>(j0 + c) + lane;
+    vu bits = mix<vu>(row_key ^ (cols * PRIME + seed));
+    vi keep = __builtin_convertvector(bits >> 8, vi) >= static_cast<int32_t>(threshold);
+    store(x + c, load(x + c) * select(keep, splat(kept), splat(0.0f)));
+  }
+  for (; c < n; ++c) {
+    uint32_t bits = mix<uint32_t>(row_key ^ (static_cast<uint32_t>(j0 + c) * PRIME + seed));
+    x[c] *= static_cast<int32_t>(bits >> 8) >= static_cast<int32_t>(threshold) ? kept : 0.0f;
+  }
+}
+
+// Whether any of x[0, count) is NaN or inf (x * 0 is NaN exactly for those).
+inline bool AnyNonFinite(const float* x, int64_t count) {
+  vf acc = splat(0.0f);
+  int64_t i = 0;
+  for (; i + W <= count; i += W) acc += load(x + i) * 0.0f;
+  float tail = 0.0f;
+  for (; i < count; ++i) tail += x[i] * 0.0f;
+  for (int w = 0; w < W; ++w) tail += acc[w];
+  return tail != tail;
+}
+
+// bad[r] = whether row r of n rows of D floats (row stride `stride`) holds a NaN or inf.
+inline bool BadRows(const float* src, int64_t stride, int64_t n, int64_t D, uint8_t* bad) {
+  bool any = false;
+  for (int64_t r = 0; r < n; ++r) any |= (bad[r] = AnyNonFinite(src + r * stride, D));
+  return any;
+}
+
+// bad[r] for n rows of D floats (row stride `stride`), or null when none holds a NaN or inf
+// (contiguous rows are first checked in one pass).
+inline const uint8_t* BadRowFlags(const float* src, int64_t stride, int64_t n, int64_t D,
+                                  uint8_t* bad) {
+  if (stride == D && !AnyNonFinite(src, n * D)) return nullptr;
+  return BadRows(src, stride, n, D, bad) ? bad : nullptr;
+}
+
+// For K^T panels of D rows (PackPanels' layout, starting at a panel): bad[c] for columns
+// [0, cols), whether key c holds a non-finite value.
+inline void BadColumns(const float* panels, int64_t D, int64_t cols, uint8_t* bad) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const float* col = panels + (c / PW) * D * PW + c % PW;
+    bool b = false;
+    for (int64_t d = 0; d < D; ++d) b |= !finite(col[d * PW]);
+    bad[c] = b;
+  }
+}
+
+// Copies `count` floats with the non-finite ones as 0.
+inline void CopyFinite(const float* src, int64_t count, float* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = finite(src[i]) ? src[i] : 0.0f;
+}
+// Copies n rows of D floats (row stride `stride`) into dst [n, D], non-finite entries as 0.
+inline void CopyRowsFinite(const float* src, int64_t stride, int64_t n, int64_t D, float* dst) {
+  for (int64_t r = 0; r < n; ++r) CopyFinite(src + r * stride, D, dst + r * D);
+}
+
+// Packs n rows of D floats (row stride D) as K^T panels (see Gemm): dst holds
+// round_up(n, PW) / PW panels of [D, PW], columns past n zero; non-finite entries as 0 if
+// `finite_only`.
+inline void PackPanels(const float* src, int64_t n, int64_t D, float* dst, bool finite_only) {
+  const int64_t panels = round_up(n, PW) / PW;
+  std::fill(dst, dst + panels * D * PW, 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* s = src + r * D;
+    float* col = dst + (r / PW) * D * PW + r % PW;
+    for (int64_t d = 0; d < D; ++d) col[d * PW] = (finite_only && !finite(s[d])) ? 0.0f : s[d];
+  }
+}
+
+// Non-finite flags of a tile's operands (the non-finite rule), null where none is bad.
+struct Poison {
+  const uint8_t* q = nullptr;  // [m] query rows
+  const uint8_t* k = nullptr;  // [n] keys (k rows)
+  const uint8_t* v = nullptr;  // [n] keys (v rows)
+  bool any() const { return q || k || v; }
+};
+
+// Logits of one tile row: t holds q.k (unscaled) of query row i against keys [j0, j0 + n);
+// turned in place into the tile's logits as Problem::folded says (the soft cap's tanh, or S
+// with the bias); `capped` (when not null) receives the tanh for the soft cap's gradient.
+inline void RowLogits(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
+                      float* t, float* capped) {
+  if (P.soft_cap == 0.0f && !P.bias) return;
+  const float* bias = P.bias ? P.bias.at(b, h) + i * P.Lk + j0 : nullptr;
+  const float cap = P.soft_cap, inner = cap > 0.0f ? P.scale / cap : 0.0f;
+  // -> (logit, tanh) of raw products x
+  auto logit = [&](vf x, vf bias_v, vf* th) {
+    if (cap > 0.0f) {
+      *th = tanhv(x * inner);
+      x = bias ? *th * cap : *th;
+    } else {
+      x = x * P.scale;
+    }
+    return bias ? x + bias_v : x;
+  };
+  vf th{};
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    store(t + c, logit(load(t + c), bias ? load(bias + c) : vf{}, &th));
+    if (capped != nullptr) store(capped + c, th);
+  }
+  for (; c < n; ++c) {  // the tail, in lane 0
+    t[c] = logit(splat(t[c]), splat(bias ? bias[c] : 0.0f), &th)[0];
+    if (capped != nullptr) capped[c] = th[0];
+  }
+}
+
+// The mask on one tile row of logits (query row i, keys [j0, j0 + n)): -inf where rules 1-5
+// exclude the pair, NaN at an allowed pair that the poison marks (the non-finite rule).
+// Rules 1-3 allow one interval of keys per row, filled without a per-element test.
+inline void MaskRow(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
+                    float* row, bool q_bad, const Poison& poison) {
+  int64_t lo = 0, hi = 0;
+  if (i < P.qlen(b)) {
+    lo = std::clamp<int64_t>(i + int64_t{P.d_lo[b]} - j0, 0, n);
+    hi = std::clamp<int64_t>(std::min<int64_t>(P.kvlen(b), i + int64_t{P.d_hi[b]} + 1) - j0, lo, n);
+  }
+  std::fill(row, row + lo, NEG_INF);
+  std::fill(row + hi, row + n, NEG_INF);
+  const int32_t* kv_seg = P.q_seg == nullptr ? nullptr : P.kv_seg + b * P.Lk + j0;
+  const int32_t q_seg = P.q_seg == nullptr ? 0 : P.q_seg[b * P.Lq + i];
+  const bool* mask = P.mask ? P.mask.at(b, h) + i * P.Lk + j0 : nullptr;
+  if (kv_seg == nullptr && mask == nullptr && !poison.any()) return;
+  for (int64_t c = lo; c < hi; ++c) {
+    if ((kv_seg != nullptr && kv_seg[c] != q_seg) || (mask != nullptr && !mask[c])) row[c] = NEG_INF;
+    else if (q_bad || (poison.k && poison.k[c]) || (poison.v && poison.v[c])) row[c] = NAN;
+  }
+}
+
+// The largest entry of row[0, n) (NaN entries are skipped here; they poison the exponentials).
+inline float RowMax(const float* row, int64_t n) {
+  vf vmax = splat(NEG_INF);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) { vf x = load(row + c); vmax = x > vmax ? x : vmax; }
+  float m = NEG_INF;
+  for (int w = 0; w < W; ++w) m = vmax[w] > m ? vmax[w] : m;
+  for (; c < n; ++c) m = row[c] > m ? row[c] : m;
+  return m;
+}
+
+// row[c] = 2^((row[c] - sub) * mult + shift) for c < n, 0 for n <= c < nw; returns their sum.
+// Folded logits take sub = 0 (one multiply-add each); S with a bias subtracts the row max
+// first, so that a logit of -1e9 keeps its digits (online_softmax.Base2Softmax).
+template <bool kSubtract>
+inline float ExpRow(float* row, int64_t n, int64_t nw, float sub, float mult, float shift) {
+  vf sum = splat(0.0f), vm = splat(mult), vs = splat(shift), vsub = splat(sub);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    vf x = load(row + c);
+    vf p = exp2v((kSubtract ? x - vsub : x) * vm + vs);
+    store(row + c, p);
+    sum += p;
+  }
+  float total = 0.0f;
+  for (; c < n; ++c) {
+    row[c] = exp2s((kSubtract ? row[c] - sub : row[c]) * mult + shift);
+    total += row[c];
+  }
+  for (; c < nw; ++c) row[c] = 0.0f;
+  for (int w = 0; w < W; ++w) total += sum[w];
+  return total;
+}
+
+// One backward tile row, its logits and mask applied (excluded pairs at -inf): P recomputed
+// from the forward's statistics, 2^((x - sub) * mult + shift); P and dS = P (dP - delta) are
+// exactly 0 at an excluded pair, whatever the statistics and delta of a NaN row hold (a NaN
+// row reaches only the keys it attends);
+// d(q.k) = dS times the soft cap's derivative 1 - tanh^2 (`capped`: the tanh row) when `cap`.
+// Leaves P in t, d(q.k) in dp, dS in dbias (unless null); dp arrives dropped (dropout).
+template <bool kSubtract>
+inline void GradientRow(int64_t n, int64_t nw, float* t, float* dp, const float* capped,
+                        float* dbias, float sub, float mult, float shift, float delta, bool cap) {
+  auto step = [&](vf x, vf dpv, vf cv, vf* dqk) {
+    vi excluded = x == NEG_INF;
+    vf p = select(excluded, splat(0.0f), exp2v((kSubtract ? x - sub : x) * mult + shift));
+    vf ds = select(excluded, splat(0.0f), p * (dpv - delta));
+    *dqk = cap ? select(excluded, splat(0.0f), ds * (1.0f - cv * cv)) : ds;
+    return std::pair<vf, vf>(p, ds);
+  };
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    vf dqk;
+    auto [p, ds] = step(load(t + c), load(dp + c), cap ? load(capped + c) : vf{}, &dqk);
+    store(t + c, p);
+    store(dp + c, dqk);
+    if (dbias != nullptr) store(dbias + c, ds);
+  }
+  for (; c < n; ++c) {  // the tail, in lane 0
+    vf dqk;
+    auto [p, ds] = step(splat(t[c]), splat(dp[c]), splat(cap ? capped[c] : 0.0f), &dqk);
+    t[c] = p[0];
+    dp[c] = dqk[0];
+    if (dbias != nullptr) dbias[c] = ds[0];
+  }
+  for (; c < nw; ++c) t[c] = dp[c] = 0.0f;
+}
+
+// One thread's buffers (kept between calls: their size depends only on the tiles).
+struct TileScratch {
+  std::vector<float> q, k, v, kt, vt, t, dp, capped, acc;  // q, k, v: finite copies
+  std::vector<uint8_t> q_bad, k_bad, v_bad;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Forward: one item per (b, hq, query tile). q [B, Lq, Hq, D] as given; k as K^T panels
+// kt [B, Hkv, Lk_pad / PW, D, PW] and v head-major [B, Hkv, Lk, D] (XLA lays them out once per
+// call), so that each key tile's operands are contiguous blocks. Outputs: out [B, Lq, Hq, D],
+// RowStats row_max and log_sum [B, Hq, Lq] (natural log; an empty row has max = +inf, 0).
+template <typename Pool>
+void Forward(const Problem& P, const float* q, const float* kt, const float* v, int64_t lk_pad,
+             float* out, float* row_max, float* log_sum, int64_t bq, int64_t bk, Pool& pool) {
+  const int64_t D = P.D, q_tiles = (P.Lq + bq - 1) / bq, ldt = round_up(bk, PW);
+  const bool folded = P.folded();
+  const float unit = P.unit(), mult = folded ? unit * LOG2_E : LOG2_E;
+  const float kept = P.kept_scale();
+  const uint32_t threshold = P.keep_threshold();
+  auto run = [&](int64_t item) {
+    static thread_local TileScratch s;
+    int64_t tile = q_tiles - 1 - item % q_tiles;  // heavy query tiles first (causal)
+    int64_t bh = item / q_tiles, b = bh / P.Hq, h = bh % P.Hq, hk = h / P.groups();
+    int64_t i0 = tile * bq, i1 = std::min(P.Lq, i0 + bq), m = i1 - i0;
+    const int64_t q_stride = P.Hq * D;
+    const float* qa_raw = q + ((b * P.Lq + i0) * P.Hq + h) * D;
+    const float* kth = kt + (b * P.Hkv + hk) * lk_pad * D;
+    const float* vh = v + (b * P.Hkv + hk) * P.Lk * D;
+    s.q.resize(bq * D); s.kt.resize(D * ldt); s.v.resize(bk * D); s.t.resize(bq * ldt);
+    s.acc.assign(bq * D, 0.0f);
+    s.q_bad.resize(bq); s.k_bad.resize(ldt); s.v_bad.resize(bk);
+    // The online softmax starts from (m, l) = (-inf, 0), or (sink, 1) with a sink.
+    const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
+    std::vector<float> mx(m, sink), l(m, sink > NEG_INF ? 1.0f : 0.0f);
+    const uint32_t seed = P.dropout_rate > 0.0f ? *P.seeds.at(b, h) : 0;
+    const uint8_t* q_bad = BadRowFlags(qa_raw, q_stride, m, D, s.q_bad.data());
+    Span keys = P.KeySpan(b, i0, i1, bk);
+    for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += bk) {
+      int64_t j1 = std::min(keys.hi, j0 + bk), n = j1 - j0, nw = round_up(n, W);
+      FLASH_CPU_CHECK(j0 % PW == 0 && j1 <= P.Lk);
+      const float* k_panels = kth + (j0 / PW) * D * PW;
+      const float* v_rows = vh + j0 * D;
+      const int64_t panel_floats = round_up(n, PW) * D;
+      // The non-finite rule: clean copies and poisoned pairs, only where something is bad.
+      Poison poison;
+      if (AnyNonFinite(k_panels, panel_floats)) {
+        BadColumns(k_panels, D, n, s.k_bad.data());
+        poison.k = s.k_bad.data();
+      }
+      poison.v = BadRowFlags(v_rows, D, n, D, s.v_bad.data());
+      poison.q = q_bad;
+      const bool masked = poison.any() || !P.whole(b, i0, i1, j0, j1);
+      const float* qa = qa_raw;
+      int64_t qa_r = q_stride;
+      if (poison.any()) {
+        CopyRowsFinite(qa_raw, q_stride, m, D, s.q.data());
+        CopyFinite(k_panels, panel_floats, s.kt.data());
+        CopyFinite(v_rows, n * D, s.v.data());
+        qa = s.q.data(); qa_r = D; k_panels = s.kt.data(); v_rows = s.v.data();
+      }
+      float* t = s.t.data();
+      Gemm(m, nw, D, qa, qa_r, 1, k_panels, PW, D * PW, t, ldt, false);  // t = q k^T
+      for (int64_t r = 0; r < m; ++r) {
+        float* tr = t + r * ldt;
+        RowLogits(P, b, h, i0 + r, j0, n, tr, nullptr);
+        if (masked) MaskRow(P, b, h, i0 + r, j0, n, tr, poison.q && poison.q[r], poison);
+        // Online softmax in base 2 with the natural-log running max that RowStats keeps:
+        // folded, p = 2^(t * unit * log2(e) - m2) with m2 = max * log2(e); else
+        // p = 2^((S - max) * log2(e)).
+        float new_max = std::max(mx[r], RowMax(tr, n) * unit);
+        float safe_max = new_max == NEG_INF ? 0.0f : new_max;  // no finite logit yet
+        float rescale = folded ? exp2s(mx[r] * LOG2_E - safe_max * LOG2_E)  // 0 while mx is -inf
+                               : exp2s((mx[r] - safe_max) * LOG2_E);
+        l[r] = rescale * l[r] + (folded ? ExpRow<false>(tr, n, nw, 0.0f, mult, -(safe_max * LOG2_E))
+                                        : ExpRow<true>(tr, n, nw, safe_max, mult, 0.0f));
+        mx[r] = new_max;
+        if (P.dropout_rate > 0.0f)  // on P where it meets V; the sum keeps every p
+          DropRow(seed, RowKey(seed, i0 + r), j0, n, threshold, kept, tr);
+        if (rescale != 1.0f) {
+          float* a = s.acc.data() + r * D;
+          for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
+        }
+      }
+      Gemm(m, D, n, t, ldt, 1, v_rows, D, PW, s.acc.data(), D, true);  // acc += p v
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      bool empty = l[r] == 0.0f;  // a NaN sum is not empty: the row's output is NaN
+      float inv = empty ? 0.0f : 1.0f / l[r];
+      float* o = out + ((b * P.Lq + i0 + r) * P.Hq + h) * D;
+      const float* a = s.acc.data() + r * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : a[d] * inv;
+      int64_t st = (b * P.Hq + h) * P.Lq + i0 + r;
+      row_max[st] = empty ? INFINITY : mx[r];
+      log_sum[st] = empty ? 0.0f : std::log(l[r]);
+    }
+  };
+  ParallelFor(pool, P.B * P.Hq * q_tiles, run);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward (FlashAttention-2's Algorithm 2): one item per (b, kv head, key chunk), every array
+// head-major ([B, H, L, D]). A key tile's dK, dV stay in the scratch while the query tiles of
+// its query heads pass; dq accumulates into dq_parts[chunk] (one float32 buffer per chunk,
+// summed by the caller), unscaled like dK until the end. dbias [B, Hq, Lq, Lk] (null: not
+// wanted) receives dS of every visited pair; the caller zeroes it first.
+template <typename Pool>
+void Backward(const Problem& P, const float* q, const float* k, const float* v, const float* d_out,
+              const float* row_max, const float* log_sum, const float* delta, float* dq_parts,
+              float* dk, float* dv, float* dbias, int64_t bq, int64_t bk, int64_t chunks,
+              Pool& pool) {
+  const int64_t D = P.D, G = P.groups(), k_tiles = (P.Lk + bk - 1) / bk, ldt = round_up(bk, PW);
+  const bool folded = P.folded(), cap = P.soft_cap > 0.0f, capped_apart = cap && P.bias;
+  const float mult = folded ? P.unit() * LOG2_E : LOG2_E;
+  const float kept = P.kept_scale();
+  const uint32_t threshold = P.keep_threshold();
+  const int64_t dq_size = P.B * P.Hq * P.Lq * D;
+  auto run = [&](int64_t item) {
+    static thread_local TileScratch s;
+    int64_t chunk = item % chunks, bh = item / chunks, b = bh / P.Hkv, hk = bh % P.Hkv;
+    const float* kh = k + bh * P.Lk * D;
+    const float* vh = v + bh * P.Lk * D;
+    s.kt.resize(D * ldt); s.vt.resize(D * ldt); s.t.resize(bq * ldt); s.dp.resize(bq * ldt);
+    if (capped_apart) s.capped.resize(bq * ldt);
+    s.q.resize(bq * D); s.k.resize(bk * D); s.acc.resize(2 * bk * D);
+    s.q_bad.resize(bq); s.k_bad.resize(bk); s.v_bad.resize(bk);
+    for (int64_t tile = chunk; tile < k_tiles; tile += chunks) {
+      int64_t j0 = tile * bk, j1 = std::min(P.Lk, j0 + bk), n = j1 - j0, nw = round_up(n, W);
+      float* dk_acc = s.acc.data();           // [n, D]
+      float* dv_acc = s.acc.data() + bk * D;  // [n, D]
+      std::fill(dk_acc, dk_acc + 2 * bk * D, 0.0f);
+      Span rows = P.QuerySpan(b, j0, j1, bq);
+      const float* k_rows = kh + j0 * D;
+      const float* v_rows = vh + j0 * D;
+      Poison key_poison;
+      key_poison.k = BadRowFlags(k_rows, D, n, D, s.k_bad.data());
+      key_poison.v = BadRowFlags(v_rows, D, n, D, s.v_bad.data());
+      int packed = -1;  // whether kt/vt hold the clean (1) or raw (0) tile
+      for (int64_t g = 0; g < G; ++g) {
+        int64_t h = hk * G + g, row0 = (b * P.Hq + h) * P.Lq;
+        const float* qh = q + row0 * D;
+        const float* doh = d_out + row0 * D;
+        float* dqh = dq_parts + chunk * dq_size + row0 * D;
+        const uint32_t seed = P.dropout_rate > 0.0f ? *P.seeds.at(b, h) : 0;
+        for (int64_t i0 = rows.lo; i0 < rows.hi; i0 += bq) {
+          int64_t i1 = std::min(rows.hi, i0 + bq), m = i1 - i0;
+          FLASH_CPU_CHECK(i1 <= P.Lq);
+          Poison poison = key_poison;
+          poison.q = BadRowFlags(qh + i0 * D, D, m, D, s.q_bad.data());
+          const bool clean = poison.any();
+          const bool masked = clean || !P.whole(b, i0, i1, j0, j1);
+          if (packed != static_cast<int>(clean)) {  // K^T, V^T panels of the key tile
+            PackPanels(k_rows, n, D, s.kt.data(), clean);
+            PackPanels(v_rows, n, D, s.vt.data(), clean);
+            if (clean) CopyFinite(k_rows, n * D, s.k.data());
+            packed = clean;
+          }
+          const float* qa = qh + i0 * D;
+          if (clean) {
+            CopyRowsFinite(qa, D, m, D, s.q.data());
+            qa = s.q.data();
+          }
+          const float* do_rows = doh + i0 * D;
+          float* t = s.t.data();
+          float* dp = s.dp.data();
+          Gemm(m, nw, D, qa, D, 1, s.kt.data(), PW, D * PW, t, ldt, false);        // q k^T
+          Gemm(m, nw, D, do_rows, D, 1, s.vt.data(), PW, D * PW, dp, ldt, false);  // dO v^T
+          for (int64_t r = 0; r < m; ++r) {
+            const int64_t i = i0 + r;
+            float* tr = t + r * ldt;
+            float* dpr = dp + r * ldt;
+            float* cr = capped_apart ? s.capped.data() + r * ldt : tr;  // the soft cap's tanh
+            RowLogits(P, b, h, i, j0, n, tr, capped_apart ? cr : nullptr);
+            if (masked) MaskRow(P, b, h, i, j0, n, tr, poison.q && poison.q[r], poison);
+            if (P.dropout_rate > 0.0f)  // dP reaches P through the forward's dropout mask
+              DropRow(seed, RowKey(seed, i), j0, n, threshold, kept, dpr);
+            const float mx = row_max[row0 + i], ls = log_sum[row0 + i] * LOG2_E;
+            float* dbr = dbias == nullptr ? nullptr : dbias + (row0 + i) * P.Lk + j0;
+            if (folded)  // P = 2^(t * mult - m2 - log_sum * log2(e)), m2 the forward's
+              GradientRow<false>(n, nw, tr, dpr, cr, dbr, 0.0f, mult, -(mx * LOG2_E) - ls,
+                                 delta[row0 + i], cap);
+            else  // P = 2^((S - max) * log2(e) - log_sum * log2(e))
+              GradientRow<true>(n, nw, tr, dpr, cr, dbr, mx, mult, -ls, delta[row0 + i], cap);
+            if (P.dropout_rate > 0.0f)  // dV = P_dropped^T dO
+              DropRow(seed, RowKey(seed, i), j0, n, threshold, kept, tr);
+          }
+          Gemm(n, D, m, t, 1, ldt, do_rows, D, PW, dv_acc, D, true);  // dV += P^T dO
+          Gemm(n, D, m, dp, 1, ldt, qa, D, PW, dk_acc, D, true);      // dK += dS^T q
+          Gemm(m, D, n, dp, ldt, 1, clean ? s.k.data() : k_rows, D, PW, dqh + i0 * D, D,
+               true);                                                  // dq += dS k
+        }
+      }
+      float* dkr = dk + (bh * P.Lk + j0) * D;
+      float* dvr = dv + (bh * P.Lk + j0) * D;
+      for (int64_t x = 0; x < n * D; ++x) {
+        dkr[x] = dk_acc[x] * P.scale;
+        dvr[x] = dv_acc[x];
+      }
+    }
+  };
+  ParallelFor(pool, P.B * P.Hkv * chunks, run);
+}
+
+}  // namespace flash_cpu

@@ -1,0 +1,204 @@
+// A standalone driver of the CPU kernel (jax_impl/cpu_kernel/flash_cpu.h) on exact-size heap
+// buffers, for AddressSanitizer: XLA's buffers may have slack that hides an overrun, these
+// have none. Built and run by test_cpu_kernel_harness.py.
+//
+//   harness spans      exhaustive check of Problem::KeySpan / QuerySpan against the rules
+//   harness run DIR    DIR/params.txt ("name value" lines) and DIR/<array>.bin (raw, in the
+//                      kernel's layouts); writes DIR/out.bin, row_max.bin, log_sum.bin, then
+//                      reads DIR/delta.bin if present and writes dq_parts.bin, dk.bin, dv.bin
+//                      (and dbias.bin)
+#include "flash_cpu.h"
+
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// The pool ParallelFor needs: each task a thread of its own, joined when the pool goes.
+struct ThreadPool {
+  int64_t threads;
+  std::vector<std::thread> running;
+  int64_t num_threads() const { return threads; }
+  template <typename F>
+  void Schedule(F&& f) { running.emplace_back(std::forward<F>(f)); }
+  ~ThreadPool() {
+    for (auto& t : running) t.join();
+  }
+};
+
+[[noreturn]] void Fail(const std::string& message) {
+  std::fprintf(stderr, "harness: %s\n", message.c_str());
+  std::exit(2);
+}
+
+// An array of exactly `count` elements on the heap (no slack), read from DIR/name.bin, whose
+// size must match exactly.
+template <typename T>
+std::unique_ptr<T[]> Read(const std::string& dir, const std::string& name, int64_t count) {
+  std::ifstream in(dir + "/" + name + ".bin", std::ios::binary | std::ios::ate);
+  if (!in) Fail("cannot open " + name + ".bin");
+  if (static_cast<int64_t>(in.tellg()) != count * static_cast<int64_t>(sizeof(T)))
+    Fail(name + ".bin holds " + std::to_string(in.tellg()) + " bytes, expected " +
+         std::to_string(count * sizeof(T)));
+  in.seekg(0);
+  std::unique_ptr<T[]> data(new T[count]);
+  in.read(reinterpret_cast<char*>(data.get()), count * sizeof(T));
+  return data;
+}
+
+template <typename T>
+void Write(const std::string& dir, const std::string& name, const T* data, int64_t count) {
+  std::ofstream out(dir + "/" + name + ".bin", std::ios::binary);
+  out.write(reinterpret_cast<const char*>(data), count * sizeof(T));
+}
+
+bool Exists(const std::string& path) { return std::ifstream(path).good(); }
+
+int Run(const std::string& dir) {
+  std::map<std::string, double> p;
+  std::ifstream params(dir + "/params.txt");
+  for (std::string name; params >> name;) params >> p[name];
+  auto I = [&](const char* name) {
+    if (!p.count(name)) Fail(std::string("params.txt lacks ") + name);
+    return static_cast<int64_t>(p[name]);
+  };
+  const int64_t B = I("B"), Lq = I("Lq"), Lk = I("Lk"), Hq = I("Hq"), Hkv = I("Hkv"), D = I("D");
+  const int64_t bq = I("block_q"), bk = I("block_k"), flags = I("flags"), chunks = I("chunks");
+  const int64_t lk_pad = flash_cpu::round_up(Lk, flash_cpu::PW);
+  ThreadPool pool{I("threads"), {}};
+
+  auto q_len = Read<int32_t>(dir, "q_len", B), kv_len = Read<int32_t>(dir, "kv_len", B);
+  auto d_lo = Read<int32_t>(dir, "d_lo", B), d_hi = Read<int32_t>(dir, "d_hi", B);
+  flash_cpu::Problem P{B, Lq, Lk, Hq, Hkv, D, q_len.get(), kv_len.get(), d_lo.get(), d_hi.get()};
+  std::unique_ptr<int32_t[]> q_seg, kv_seg;
+  if (flags & 1) {
+    q_seg = Read<int32_t>(dir, "q_seg", B * Lq);
+    kv_seg = Read<int32_t>(dir, "kv_seg", B * Lk);
+    P.q_seg = q_seg.get();
+    P.kv_seg = kv_seg.get();
+  }
+  // [X0, X1, ...] arrays broadcast over batch and heads: their leading sizes come as params.
+  std::unique_ptr<bool[]> mask;
+  std::unique_ptr<float[]> bias, sinks;
+  std::unique_ptr<uint32_t[]> seeds;
+  if (flags & 2) {
+    mask = Read<bool>(dir, "mask", I("mask_b") * I("mask_h") * Lq * Lk);
+    P.mask = {mask.get(), I("mask_b"), I("mask_h"), Lq * Lk};
+  }
+  if (flags & 4) {
+    bias = Read<float>(dir, "bias", I("bias_b") * I("bias_h") * Lq * Lk);
+    P.bias = {bias.get(), I("bias_b"), I("bias_h"), Lq * Lk};
+  }
+  if (flags & 8) {
+    sinks = Read<float>(dir, "sinks", I("sinks_b") * I("sinks_h"));
+    P.sinks = {sinks.get(), I("sinks_b"), I("sinks_h"), 1};
+  }
+  P.scale = static_cast<float>(p["scale"]);
+  P.soft_cap = static_cast<float>(p["soft_cap"]);
+  P.dropout_rate = static_cast<float>(p["dropout_rate"]);
+  if (P.dropout_rate > 0.0f) {
+    seeds = Read<uint32_t>(dir, "seeds", I("seeds_b") * I("seeds_h"));
+    P.seeds = {seeds.get(), I("seeds_b"), I("seeds_h"), 1};
+  }
+
+  auto q = Read<float>(dir, "q", B * Lq * Hq * D);  // [B, Lq, Hq, D]
+  auto kt = Read<float>(dir, "kt", B * Hkv * lk_pad * D);  // K^T panels
+  auto v = Read<float>(dir, "v", B * Hkv * Lk * D);  // head-major
+  const int64_t rows = B * Hq * Lq;
+  std::unique_ptr<float[]> out(new float[B * Lq * Hq * D]), row_max(new float[rows]),
+      log_sum(new float[rows]);
+  flash_cpu::Forward(P, q.get(), kt.get(), v.get(), lk_pad, out.get(), row_max.get(),
+                     log_sum.get(), bq, bk, pool);
+  Write(dir, "out", out.get(), B * Lq * Hq * D);
+  Write(dir, "row_max", row_max.get(), rows);
+  Write(dir, "log_sum", log_sum.get(), rows);
+  if (!Exists(dir + "/delta.bin")) return 0;
+
+  // The backward takes every array head-major.
+  auto qh = Read<float>(dir, "q_heads", B * Hq * Lq * D);
+  auto k = Read<float>(dir, "k", B * Hkv * Lk * D);
+  auto d_out = Read<float>(dir, "d_out", B * Hq * Lq * D);
+  auto delta = Read<float>(dir, "delta", rows);
+  const bool with_dbias = flags & 16;
+  std::unique_ptr<float[]> dq_parts(new float[chunks * B * Hq * Lq * D]()),
+      dk(new float[B * Hkv * Lk * D]()), dv(new float[B * Hkv * Lk * D]()),
+      dbias(with_dbias ? new float[B * Hq * Lq * Lk]() : nullptr);
+  flash_cpu::Backward(P, qh.get(), k.get(), v.get(), d_out.get(), row_max.get(), log_sum.get(),
+                      delta.get(), dq_parts.get(), dk.get(), dv.get(), dbias.get(), bq, bk, chunks,
+                      pool);
+  Write(dir, "dq_parts", dq_parts.get(), chunks * B * Hq * Lq * D);
+  Write(dir, "dk", dk.get(), B * Hkv * Lk * D);
+  Write(dir, "dv", dv.get(), B * Hkv * Lk * D);
+  if (with_dbias) Write(dir, "dbias", dbias.get(), B * Hq * Lq * Lk);
+  return 0;
+}
+
+// Every (rows, lengths, band, tile) in a small range, plus unbounded band sides: the spans
+// keep 0 <= lo <= hi <= length with lo a tile multiple, contain every allowed pair's key
+// (query), and for a band that allows any pair (d_lo <= d_hi, as every call's does) are as
+// tight as the tile grid allows.
+int Spans() {
+  const int32_t unbounded = 1 << 30;
+  const std::vector<int32_t> sides = {-unbounded, -9, -4, -1, 0, 1, 3, 8, unbounded};
+  int64_t checked = 0;
+  auto fail = [](const char* what, const flash_cpu::Problem& P, int64_t a, int64_t z,
+                 int64_t tile, flash_cpu::Span s) {
+    std::fprintf(stderr, "spans: %s: L=%lld q_len=%d kv_len=%d band [%d, %d], range [%lld, %lld), "
+                 "tile %lld -> [%lld, %lld)\n", what, static_cast<long long>(P.Lq), *P.q_len,
+                 *P.kv_len, *P.d_lo, *P.d_hi, static_cast<long long>(a), static_cast<long long>(z),
+                 static_cast<long long>(tile), static_cast<long long>(s.lo), static_cast<long long>(s.hi));
+    std::exit(1);
+  };
+  for (int64_t L = 1; L <= 9; ++L)
+    for (int32_t qlen = 0; qlen <= L + 1; ++qlen)  // one past L: clamped like a traced length
+      for (int32_t kvlen = 0; kvlen <= L + 1; ++kvlen)
+        for (int32_t lo_side : sides)
+          for (int32_t hi_side : sides)
+            for (int64_t tile : {1, 2, 3, 4, 64}) {
+              int32_t ql = qlen, kl = kvlen, dl = lo_side, dh = hi_side;
+              flash_cpu::Problem P{1, L, L, 1, 1, 16, &ql, &kl, &dl, &dh};
+              auto ok = [&](int64_t i, int64_t j) {  // rules 1-3
+                return i < P.qlen(0) && j < P.kvlen(0) && j - i >= dl && j - i <= dh;
+              };
+              for (int64_t a = 0; a < L; ++a)
+                for (int64_t z = a + 1; z <= L; ++z) {
+                  ++checked;
+                  // Keys of rows [a, z), queries of keys [a, z).
+                  for (int dir = 0; dir < 2; ++dir) {
+                    flash_cpu::Span s = dir == 0 ? P.KeySpan(0, a, z, tile) : P.QuerySpan(0, a, z, tile);
+                    int64_t first = L, last = -1;
+                    for (int64_t x = a; x < z; ++x)
+                      for (int64_t y = 0; y < L; ++y)
+                        if (dir == 0 ? ok(x, y) : ok(y, x)) {
+                          first = std::min(first, y);
+                          last = std::max(last, y);
+                        }
+                    const int64_t bound = dir == 0 ? P.kvlen(0) : P.qlen(0);
+                    if (s.lo < 0 || s.lo > s.hi || s.hi > bound || s.lo % tile) fail("bounds", P, a, z, tile, s);
+                    if (last >= 0 && (s.lo > first || s.hi <= last))
+                      fail("an allowed pair outside", P, a, z, tile, s);
+                    if (dl > dh) continue;  // no pair at all: a span may still be returned
+                    if (last < 0 ? s.lo != 0 || s.hi != 0
+                                 : s.lo != first / tile * tile || s.hi != last + 1)
+                      fail("not as tight as the tiles allow", P, a, z, tile, s);
+                  }
+                }
+            }
+  std::printf("spans: %lld row and key ranges checked\n", static_cast<long long>(checked));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "spans") return Spans();
+  if (mode == "run" && argc == 3) return Run(argv[2]);
+  Fail("usage: harness spans | harness run DIR");
+}

@@ -1,0 +1,222 @@
+"""The CPU kernel outside XLA, under AddressSanitizer and UBSan: ``cpu_harness/harness.cc``
+calls ``flash_cpu.h`` on exact-size heap buffers (XLA's buffers may have slack that hides an
+overrun) and checks the tile-range functions exhaustively.
+
+Each drawn call is laid out here in numpy as the kernel reads it (the same layouts
+``jax_impl/cpu_kernel/__init__.py`` makes), run in a subprocess (a crash is a failure with its
+input), and judged against torch_ref.manual_attention in float64 given the allowed pattern as a
+dense mask computed here from the rules (docs/semantics.md), position offsets included.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax
+from conformance import tolerance
+from jax_impl import dropout_mask, dropout_sinks
+from jax_impl.cpu_kernel import build
+from _flash_helpers import torch_arrays
+
+HERE = Path(__file__).parent / "cpu_harness"
+KERNEL_DIR = Path(build.SOURCE).parent
+UNBOUNDED = 1 << 30
+PANEL = 64
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or build._compiler() is None,
+                                reason="the sanitizers need Linux and a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    binary = tmp_path_factory.mktemp("harness") / "harness"
+    command = [build._compiler(), "-O1", "-std=c++17", f"-march={build.MARCH}",
+               *build.SANITIZER_FLAGS, f"-I{KERNEL_DIR}", str(HERE / "harness.cc"), "-o",
+               str(binary), "-lpthread"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return binary
+
+
+def _run(binary, *args):
+    result = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=300,
+                            env={"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+                                 "UBSAN_OPTIONS": "print_stacktrace=1"})
+    report = result.stderr[-4000:]
+    assert "Sanitizer" not in report and "runtime error" not in report, report
+    return result, report
+
+
+def test_tile_ranges_hold_every_allowed_pair_and_stay_in_bounds(harness):
+    """Problem::KeySpan / QuerySpan over every small (rows, lengths, band, tile): inside the
+    sequence, lo a tile multiple, every allowed pair inside, tight where the band allows any."""
+    result, report = _run(harness, "spans")
+    assert result.returncode == 0, report
+    assert "ranges checked" in result.stdout
+
+
+def _draw(seed: int) -> dict:
+    """One call's shapes and features, drawn so that padded edges, empty rows, every band
+    side and every feature turn up often."""
+    rng = np.random.default_rng(seed)
+    pick = lambda *xs: xs[rng.integers(len(xs))]
+    hkv = int(pick(1, 2))
+    c = dict(seed=seed, B=int(pick(1, 2)), Lq=int(pick(1, 7, 63, 65, 130)), Lk=int(pick(1, 9, 64, 97, 200)),
+             Hkv=hkv, Hq=hkv * int(pick(1, 2, 3)), D=int(pick(8, 16, 24, 40)),
+             causal=pick(None, "top_left", "bottom_right"),
+             window=pick(None, (int(rng.integers(0, 40)), None), (None, int(rng.integers(0, 9))),
+                         (int(rng.integers(0, 40)), int(rng.integers(0, 9)))),
+             lengths=bool(rng.random() < 0.5), segments=bool(rng.random() < 0.25),
+             offset=bool(rng.random() < 0.25), mask=pick(None, (1, 1), (2, 1), (1, 2)),
+             bias=pick(None, (1, 1), (2, 2), (1, 2)), soft_cap=pick(None, 2.5),
+             dropout=pick(0.0, 0.0, 0.3), sinks=bool(rng.random() < 0.3),
+             nonfinite=bool(rng.random() < 0.3), block_q=int(pick(16, 64, 96)),
+             block_k=int(pick(64, 128)), threads=int(pick(1, 3)))
+    return c
+
+
+def _case(c: dict):
+    """numpy inputs, the allowed pattern, and the oracle's keyword arguments."""
+    rng = np.random.default_rng(c["seed"] + 1)
+    b, lq, lk, hq, hkv, d = (c[n] for n in ("B", "Lq", "Lk", "Hq", "Hkv", "D"))
+    q, ct = (rng.standard_normal((b, lq, hq, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, lk, hkv, d)).astype(np.float32) for _ in range(2))
+    q_len = rng.integers(0, lq + 1, b) if c["lengths"] else np.full(b, lq)
+    kv_len = rng.integers(0, lk + 1, b) if c["lengths"] else np.full(b, lk)
+    if c["nonfinite"]:  # anywhere: at allowed pairs (NaN rows) and excluded ones (no effect)
+        for x in (q, k, v):
+            x[tuple(rng.integers(0, n) for n in x.shape)] = rng.choice([np.nan, np.inf, -np.inf])
+    offset = rng.integers(-lk, lk + 1, b) if c["offset"] else np.zeros(b, int)
+    # The band d_lo <= j - i <= d_hi (docs/semantics.md), offsets included.
+    base = (kv_len - q_len if c["causal"] == "bottom_right" else 0) + offset
+    left, right = c["window"] or (None, None)
+    d_hi = np.full(b, UNBOUNDED) if right is None and not c["causal"] else np.minimum(
+        base if c["causal"] else UNBOUNDED, base + right if right is not None else UNBOUNDED)
+    d_lo = np.full(b, -UNBOUNDED) if left is None else base - left
+    i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
+    allowed = ((i < q_len[:, None, None]) & (j < kv_len[:, None, None])
+               & (j - i >= d_lo[:, None, None]) & (j - i <= d_hi[:, None, None]))[:, None]
+    arrays = dict(q_len=q_len, kv_len=kv_len, d_lo=d_lo, d_hi=d_hi)
+    params = dict(B=b, Lq=lq, Lk=lk, Hq=hq, Hkv=hkv, scale=1 / np.sqrt(d), soft_cap=c["soft_cap"] or 0,
+                  dropout_rate=c["dropout"], block_q=c["block_q"], block_k=c["block_k"],
+                  threads=c["threads"], flags=0)
+    oracle = {}
+    if c["segments"]:
+        q_seg, kv_seg = (np.sort(rng.integers(0, 3, (b, n)), axis=1) for n in (lq, lk))
+        allowed = allowed & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+        arrays.update(q_seg=q_seg, kv_seg=kv_seg)
+        params["flags"] |= 1
+    if c["mask"]:
+        mb, mh = c["mask"]  # 1: broadcast over that axis
+        mask = rng.random((b if mb > 1 else 1, hq if mh > 1 else 1, lq, lk)) < 0.8
+        allowed = allowed & mask
+        arrays["mask"] = mask
+        params.update(mask_b=mask.shape[0], mask_h=mask.shape[1])
+        params["flags"] |= 2
+    if c["bias"]:
+        bb, bh = c["bias"]
+        bias = rng.standard_normal((b if bb > 1 else 1, hq if bh > 1 else 1, lq, lk)).astype(np.float32)
+        bias[rng.random(bias.shape) < 0.05] = -np.inf  # an additive -inf excludes a pair
+        arrays["bias"] = bias
+        params.update(bias_b=bias.shape[0], bias_h=bias.shape[1])
+        params["flags"] |= 4 | 16
+        oracle["bias"] = np.broadcast_to(bias, (b, hq, lq, lk)).copy()
+    if c["sinks"]:
+        sinks = rng.standard_normal((1, hq)).astype(np.float32)
+        arrays["sinks"] = sinks
+        params.update(sinks_b=1, sinks_h=hq)
+        params["flags"] |= 8
+        oracle["attention_sinks"] = sinks[0]
+    if c["dropout"]:
+        key = jax.random.key(c["seed"])
+        arrays["seeds"] = np.asarray(dropout_sinks.head_seeds(dropout_sinks.key_words(key), b, hq, False))
+        params.update(seeds_b=b, seeds_h=hq)
+        oracle.update(dropout_rate=c["dropout"], dropout_mask=np.asarray(
+            dropout_mask(key, (b, hq, lq, lk), c["dropout"], broadcast_dropout=False)))
+    if c["soft_cap"]:
+        oracle["logits_soft_cap"] = c["soft_cap"]
+    oracle["mask"] = np.broadcast_to(allowed, (b, allowed.shape[1], lq, lk)).copy()
+    return (q, k, v, ct), arrays, params, oracle
+
+
+def _pad(x, dp):
+    return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - x.shape[-1])])
+
+
+def _write(directory: Path, name: str, x, dtype):
+    np.ascontiguousarray(x, dtype).tofile(directory / f"{name}.bin")
+
+
+def _read(directory: Path, name: str, shape):
+    return np.fromfile(directory / f"{name}.bin", np.float32).reshape(shape)
+
+
+def _kernel(binary, directory: Path, c: dict, tensors, arrays, params):
+    """The harness's forward and backward, laid out back as flash_attention returns them."""
+    q, k, v, ct = tensors
+    b, lq, lk, hq, hkv, d = (c[n] for n in ("B", "Lq", "Lk", "Hq", "Hkv", "D"))
+    dp = -(-d // 16) * 16
+    qp, kp, vp, ctp = (_pad(x, dp) for x in (q, k, v, ct))
+    heads = lambda x: np.swapaxes(x, 1, 2)  # [B, L, H, Dp] -> [B, H, L, Dp]
+    kpad = np.pad(kp, ((0, 0), (0, -lk % PANEL), (0, 0), (0, 0)))
+    kt = np.transpose(kpad.reshape(b, -1, PANEL, hkv, dp), (0, 3, 1, 4, 2))  # K^T panels
+    chunks = 1 + c["seed"] % 3
+    params = dict(params, D=dp, chunks=chunks)
+    (directory / "params.txt").write_text("".join(f"{n} {float(x)!r}\n" for n, x in params.items()))
+    for name, x in arrays.items():
+        _write(directory, name, x, np.bool_ if name == "mask" else np.uint32 if name == "seeds"
+               else np.float32 if name in ("bias", "sinks") else np.int32)
+    for name, x in (("q", qp), ("kt", kt), ("v", heads(vp))):
+        _write(directory, name, x, np.float32)
+    result, report = _run(binary, "run", str(directory))
+    assert result.returncode == 0, report
+    out = _read(directory, "out", (b, lq, hq, dp))
+    delta = np.sum(out * ctp, axis=-1).transpose(0, 2, 1)  # rowsum(dO * O), [B, Hq, Lq]
+    for name, x in (("q_heads", heads(qp)), ("k", heads(kp)), ("d_out", heads(ctp)), ("delta", delta)):
+        _write(directory, name, x, np.float32)
+    result, report = _run(binary, "run", str(directory))
+    assert result.returncode == 0, report
+    unheads = lambda x: np.swapaxes(x, 1, 2)[..., :d]
+    results = dict(out=out[..., :d],
+                   dq=unheads(_read(directory, "dq_parts", (chunks, b, hq, lq, dp)).sum(0)) * params["scale"],
+                   dk=unheads(_read(directory, "dk", (b, hkv, lk, dp))),
+                   dv=unheads(_read(directory, "dv", (b, hkv, lk, dp))))
+    if "bias" in arrays:
+        dbias = _read(directory, "dbias", (b, hq, lq, lk))
+        bias_shape = arrays["bias"].shape
+        axes = tuple(a for a in (0, 1) if bias_shape[a] == 1 and dbias.shape[a] > 1)
+        results["dbias"] = dbias.sum(axis=axes, keepdims=True) if axes else dbias
+    return {n: x.astype(np.float64) for n, x in results.items()}
+
+
+@pytest.mark.parametrize("first", range(0, 60, 12))
+def test_drawn_calls_on_exact_buffers_match_the_float64_oracle(harness, tmp_path, first):
+    """Twelve drawn calls per test: no sanitizer report, outputs and gradients within
+    conformance's tolerance of the oracle, NaN exactly where the oracle has NaN."""
+    for seed in range(first, first + 12):
+        c = _draw(seed)
+        tensors, arrays, params, oracle_kwargs = _case(c)
+        directory = tmp_path / str(seed)
+        directory.mkdir()
+        results = _kernel(harness, directory, c, tensors, arrays, params)
+        bias = oracle_kwargs.pop("bias", None)
+        reference = torch_arrays(*tensors, bias=bias, **oracle_kwargs)
+        plain = torch_arrays(*tensors, bias=bias, dtype=np.float32, **oracle_kwargs)
+        if bias is not None:
+            reference["dbias"] = reference["dbias"].sum(
+                axis=tuple(a for a in (0, 1) if arrays["bias"].shape[a] == 1), keepdims=True)
+            plain["dbias"] = plain["dbias"].sum(
+                axis=tuple(a for a in (0, 1) if arrays["bias"].shape[a] == 1), keepdims=True)
+        for name in results:  # d sinks: computed outside the kernel (recompute_vjp)
+            nan = np.isnan(reference[name])
+            assert np.array_equal(np.isnan(results[name]), nan), (name, json.dumps(c))
+            verdict = tolerance.judge(name, np.where(nan, 0, results[name]), np.where(nan, 0, reference[name]),
+                                      np.where(np.isnan(plain[name]), 0, plain[name]), "float32")
+            assert verdict.passed, (verdict, json.dumps(c))
+        shutil.rmtree(directory)
