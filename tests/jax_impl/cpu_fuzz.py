@@ -22,20 +22,21 @@ takes them, flash_attention(implementation="cpu") refuses such calls and those f
 with the refusal.
 
 Non-finite values (docs/semantics.md): a NaN/inf in Q, K or V at a position no row may attend
-never reaches a result; one at an allowed pair makes the rows that attend it NaN ("poisoned").
-The expected pattern is derived from that rule here (``expected_classes``), and the oracle's
-own output pattern is checked against it:
-  * out, dq: exactly the poisoned rows are NaN (all of head_dim), every other entry finite;
-  * dk, dv: a key/value row reached by an allowed pair from a poisoned query row is NaN;
-    every entry of a (batch, kv head) with no poisoned query row is finite; other entries
-    (same kv head as a poisoned row, not reached by it) may be either: a blocked backward's
-    dS = P * (dP - delta) carries the poisoned rows' NaN delta into every key tile it visits,
-    while the oracle's dense autodiff leaks NaN into masked columns instead;
-  * dbias, dsinks: entries no poisoned row contributes to are finite; the others free.
-Where both the result and the oracle are finite and the entry is not expected NaN, the result
-must be within tolerance. The oracle's own gradient NaN pattern is not the target: at the
-non-finite input entries themselves it gives 0 (it zeroes them before computing), and a
-softmax row with a NaN logit makes its masked columns NaN too (dv of keys past the length).
+never reaches a result; one at an allowed pair reaches the rows that attend it "as the
+arithmetic says". The expected pattern is derived from that rule here (``expected_classes``):
+  * every entry of out and dq in a row that attends no non-finite value is finite; a row that
+    attends a NaN holds a NaN (in out and in dq);
+  * dk, dv: every entry of a (batch, kv head) none of whose query rows attends a non-finite
+    value is finite; the others are free (a blocked backward's dS = P * (dP - delta) carries
+    a poisoned row's NaN delta into every key tile it visits);
+  * dbias, dsinks: entries no such row contributes to are finite; the others free;
+and every entry the rule says is finite is within tolerance of the oracle. The oracle's own
+pattern (``torch_ref.manual_attention``: any non-finite value at an allowed pair makes the
+whole row NaN) is checked against the rule for out, as a check of this harness, but is not
+the target: the arithmetic of every implementation (xla and the kernel alike) gives a finite
+row for a -inf logit (a -inf in K times a positive q), +inf (not NaN) for +inf in V, NaN dq
+and dk where the oracle, which zeroes non-finite inputs before computing, gives 0, and finite
+dv for a non-finite V.
 """
 from __future__ import annotations
 
@@ -133,6 +134,10 @@ class Call:
         kv_len = np.full(c.b, c.lk) if self.kv_len is None else np.clip(self.kv_len, 0, c.lk)
         return q_len.astype(np.int64), kv_len.astype(np.int64)
 
+    @property
+    def has_lengths(self) -> bool:
+        return self.q_len is not None or self.kv_len is not None
+
     def describe(self, implementation: str) -> dict:
         runs = lambda ids: [[[int(start), int(row[start])] for start in
                              np.flatnonzero(np.r_[True, row[1:] != row[:-1]])] for row in ids]
@@ -140,6 +145,7 @@ class Call:
                 "q": list(self.q.shape), "k": list(self.k.shape), "config": self.config.describe()}
         if self.q_len is not None:
             desc["query_seq_lengths"] = self.q_len.tolist()
+        if self.kv_len is not None:
             desc["key_value_seq_lengths"] = self.kv_len.tolist()
         if self.q_seg is not None:  # runs of equal ids: [start, id]
             desc["q_segment_runs"], desc["kv_segment_runs"] = runs(self.q_seg), runs(self.kv_seg)
@@ -186,7 +192,6 @@ def family_id(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-CALLS_PER_CONFIG = 8
 
 
 def _dims(d: Draw, *, lengths=ODD_LENGTHS, head_dims=CORE_HEAD_DIMS, batch=(1, 2)):
@@ -309,12 +314,31 @@ def config_head_dim(d: Draw, c: int) -> Config:
     return Config(**_feature_base(d, head_dims=ANY_HEAD_DIMS))
 
 
+def config_regressions(d: Draw, c: int) -> Config:
+    """The two crashes first reported against this kernel, as they were found."""
+    if c == 0:  # heap-use-after-free in the backward
+        return Config(b=1, lq=512, lk=512, hq=1, hkv=1, d=64, dtype="float32", causal="bottom_right",
+                      lengths="concrete")
+    return Config(b=1, lq=4096, lk=100, hq=1, hkv=1, d=64, dtype="float32", window=(5, 5),
+                  lengths="concrete")  # SIGSEGV
+
+
+def data_regressions(d: Draw, call: Call) -> None:
+    if call.config.lq == 512:
+        call.q_len, call.kv_len = None, np.array([100], np.int32)
+    else:
+        call.q_len, call.kv_len = np.array([10], np.int32), None
+        call.q, call.k, call.v = (np.ones_like(x) for x in (call.q, call.k, call.v))
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     config: object       # (Draw, config index) -> Config
     calls: int           # the default number of calls
     summary: str
     feature: bool = False
+    per_config: int = 6  # calls per static configuration (one compilation)
+    data: object = None  # (Draw, Call) -> None: adjusts a drawn call's data
 
 
 FAMILIES = {
@@ -334,6 +358,9 @@ FAMILIES = {
                               "attention's band shift), backend called directly"),
     "blocks": Family(config_blocks, 56, "explicit BlockSizes(block_q 16..128, block_k 64/128) "
                      "with every mask"),
+    "regressions": Family(config_regressions, 2, "the first crashes reported: L=512 bottom_right "
+                          "causal with kv length 100 (use-after-free); 4096 queries of length 10, "
+                          "window (5, 5) (SIGSEGV)", per_config=1, data=data_regressions),
     "bias": Family(config_bias, 24, "additive float bias broadcast over batch/heads, "
                    "-inf and huge negative rows; dbias", feature=True),
     "mask": Family(config_mask, 24, "dense bool mask, rows with no allowed key",
@@ -371,7 +398,7 @@ def _segment_ids(d: Draw, b: int, lq: int, lk: int):
 
 
 def draw_call(family: str, seed: int, index: int) -> Call:
-    config = draw_config(family, seed, index // CALLS_PER_CONFIG)
+    config = draw_config(family, seed, index // FAMILIES[family].per_config)
     c = config
     d = Draw(seed, family_id(family), 2, index)
     dt = NP_DTYPES[c.dtype]
@@ -416,6 +443,8 @@ def draw_call(family: str, seed: int, index: int) -> Call:
     call.q, call.k, call.v, call.ct = q, k, v, ct
     if call.bias is not None:
         call.bias = call.bias.astype(dt)
+    if FAMILIES[family].data is not None:
+        FAMILIES[family].data(d, call)
     _poison(d, call)
     return call
 
@@ -548,8 +577,8 @@ class Runner:
             static = tuple(sorted(_static_options(c).items()))
             rng = None if call.dropout_seed is None else jax.random.key(call.dropout_seed)
             mask = to(call.mask)
-            lengths = (None, None) if call.q_len is None else (call.q_len, call.kv_len)
-            if c.lengths == "traced":
+            lengths = (call.q_len, call.kv_len)
+            if c.lengths != "concrete":  # traced lengths, or none: one jitted program
                 args = (q, k, v, ct, bias, sinks, mask, *map(to, lengths), q_seg, kv_seg, rng)
                 results = self._checked(_JIT_FLASH, (static, self.implementation), args)(*args)
             else:  # concrete lengths (numpy): flash_attention range-checks them
@@ -627,7 +656,7 @@ def oracle_kwargs(call: Call) -> dict:
             kw.update(is_causal=True, causal_alignment=c.causal)
         if c.window is not None:
             kw["local_window_size"] = c.window
-        if call.q_len is not None:
+        if call.has_lengths:
             kw["query_seq_lengths"], kw["key_value_seq_lengths"] = call.clamped_lengths
         kw["mask"] = call.mask
     if call.q_seg is not None:
@@ -660,28 +689,32 @@ def references(call: Call):
 
 
 def expected_classes(call: Call, allowed: np.ndarray, shapes: dict) -> dict:
-    """name -> (must_nan, must_finite) bool arrays (module docstring): derived from the rule."""
+    """name -> (nan_rows, must_finite) (module docstring), derived from the rule: nan_rows
+    (bool over the result's entries without head_dim; None: no such rows) must each hold a
+    NaN, must_finite (the result's shape) must be finite."""
     c = call.config
     group = c.hq // c.hkv
-    bad = lambda x: ~np.isfinite(x.astype(np.float32)).all(axis=-1)   # [B, L, H]
-    bad_q = bad(call.q).transpose(0, 2, 1)                              # [B, Hq, Lq]
-    bad_kv = (bad(call.k) | bad(call.v)).transpose(0, 2, 1)             # [B, Hkv, Lk]
-    bad_kv = np.repeat(bad_kv, group, axis=1)                           # [B, Hq, Lk]
-    poisoned = (allowed & (bad_q[..., :, None] | bad_kv[..., None, :])).any(-1)  # [B, Hq, Lq]
+
+    def reached(test):  # [B, Hq, Lq]: rows with an allowed pair touching an entry that fails test
+        bad = lambda x: test(x.astype(np.float32)).any(axis=-1)     # [B, L, H]
+        bad_q = bad(call.q).transpose(0, 2, 1)                        # [B, Hq, Lq]
+        bad_kv = np.repeat((bad(call.k) | bad(call.v)).transpose(0, 2, 1), group, axis=1)  # [B, Hq, Lk]
+        return (allowed & (bad_q[..., :, None] | bad_kv[..., None, :])).any(-1)
+
+    poisoned = reached(lambda x: ~np.isfinite(x))  # what the oracle makes NaN: whole rows
+    nan_rows = reached(np.isnan).transpose(0, 2, 1)  # [B, Lq, Hq]: NaN itself reaches them
     rows = np.broadcast_to(poisoned.transpose(0, 2, 1)[..., None], (c.b, c.lq, c.hq, c.d))
-    classes = {"out": (rows, ~rows), "dq": (rows, ~rows)}
-    reached = (allowed & poisoned[..., None]).reshape(c.b, c.hkv, group, c.lq, c.lk).any(axis=(2, 3))
-    reached = np.broadcast_to(reached.transpose(0, 2, 1)[..., None], (c.b, c.lk, c.hkv, c.d))
-    clean_head = ~poisoned.reshape(c.b, c.hkv, group * c.lq).any(-1)   # [B, Hkv]
+    classes = {"out": (nan_rows, ~rows), "dq": (nan_rows, ~rows)}
+    clean_head = ~poisoned.reshape(c.b, c.hkv, group * c.lq).any(-1)  # [B, Hkv]
     clean_head = np.broadcast_to(clean_head[:, None, :, None], (c.b, c.lk, c.hkv, c.d))
-    classes["dk"] = classes["dv"] = (reached, clean_head)
+    classes["dk"] = classes["dv"] = (None, clean_head)
     if "dbias" in shapes:  # a row's dS reaches every (broadcast) bias entry of that row
-        contributes = np.broadcast_to(poisoned[..., None], (c.b, c.hq, c.lq, c.lk))
-        touched = _reduce_any(contributes, shapes["dbias"])
-        classes["dbias"] = (np.zeros_like(touched), ~touched)
+        touched = _reduce_any(np.broadcast_to(poisoned[..., None], (c.b, c.hq, c.lq, c.lk)),
+                              shapes["dbias"])
+        classes["dbias"] = (None, ~touched)
     if "dsinks" in shapes:
-        touched = _reduce_any(poisoned.any(-1), shapes["dsinks"])
-        classes["dsinks"] = (np.zeros_like(touched), ~touched)
+        classes["dsinks"] = (None, ~_reduce_any(poisoned.any(-1), shapes["dsinks"]))
+    classes["poisoned"] = poisoned
     return classes
 
 
@@ -702,25 +735,31 @@ def judge(call: Call, results: dict, oracle: dict, plain: dict) -> list[str]:
         problems.append(f"results {sorted(results)} != oracle's {sorted(oracle)}")
     allowed = allowed_pattern(call)
     classes = expected_classes(call, allowed, {n: x.shape for n, x in oracle.items()})
-    # Harness self-check: the oracle's output follows the rule the classes come from.
-    must_nan, must_finite = classes["out"]
-    if not (np.array_equal(np.isnan(oracle["out"]), must_nan) and np.isfinite(oracle["out"][must_finite]).all()):
+    # Harness self-check: the oracle follows the rule as its docstring says (a row attending a
+    # non-finite value is NaN, every other entry of out finite): a check of allowed_pattern.
+    poisoned = np.broadcast_to(classes["poisoned"].transpose(0, 2, 1)[..., None], oracle["out"].shape)
+    if not np.array_equal(np.isnan(oracle["out"]), poisoned) or not np.isfinite(oracle["out"][~poisoned]).all():
         problems.append("harness: the oracle's NaN pattern of out differs from the rule")
     for name in sorted(set(results) & set(oracle)):
         value, ref, base = results[name], oracle[name], plain[name]
         if value.shape != ref.shape:
             problems.append(f"{name}: shape {value.shape} != oracle's {ref.shape}")
             continue
-        must_nan, must_finite = classes[name]
+        nan_rows, must_finite = classes[name]
         if not np.isfinite(ref[must_finite]).all():
             problems.append(f"harness: the oracle has non-finite {name} where the rule says finite")
-        for bad, what in ((must_nan & ~np.isnan(value), "not NaN where the rule says NaN"),
-                          (must_finite & ~np.isfinite(value), "NaN/inf where the rule says finite")):
+        checks = [(must_finite & ~np.isfinite(value), "NaN/inf where the rule says finite")]
+        if nan_rows is not None:
+            checks.append((nan_rows & ~np.isnan(value).any(-1), "rows without a NaN where a NaN "
+                           "input reaches them"))
+        for bad, what in checks:
             if bad.any():
                 where = tuple(int(i) for i in np.argwhere(bad)[0])
                 problems.append(f"{name}: {int(bad.sum())} of {bad.size} entries {what} "
                                 f"(first at {list(where)})")
-        compare = ~must_nan & np.isfinite(value) & np.isfinite(ref)
+        # Compared where the rule says finite: elsewhere the oracle's finite values include
+        # its artefacts (0 at the non-finite input entries themselves, which it zeroes).
+        compare = must_finite & np.isfinite(value) & np.isfinite(ref)
         zero = lambda x: np.where(compare, x, 0.0)
         if not zero(ref).any() and not zero(base).any() and zero(value).any():
             # Exactly zero by structure (every row has at most one allowed key: softmax's
@@ -777,9 +816,9 @@ def coverage(seed: int, families=None) -> dict:
             count("block sizes", c.block_sizes is not None)
             count("position offset", c.offset)
             count(f"head_dim % 16 != 0", c.d % 16)
-            if call.q_len is not None and not c.offset:
+            if call.has_lengths and not c.offset:
                 for lengths, size in ((call.q_len, c.lq), (call.kv_len, c.lk)):
-                    for value in lengths:
+                    for value in [] if lengths is None else lengths:
                         kind = ("0" if value == 0 else "partial" if 0 < value < size else
                                 "L" if value == size else "> L" if value > size else "< 0")
                         count(f"length {kind} {c.lengths}")
@@ -805,7 +844,8 @@ def coverage(seed: int, families=None) -> dict:
 def run_family(family: str, seed: int, calls: int, implementation: str = "cpu", indices=None,
                max_failures: int = 5) -> dict:
     runner = Runner(implementation)
-    start = time.time()
+    start, cpu_start = time.time(), time.process_time()
+    spent = {"implementation": 0.0, "oracle": 0.0, "judge": 0.0}  # wall seconds
     passed, failed, failures, refused = 0, 0, [], None
     indices = range(calls) if indices is None else indices
     ran = 0
@@ -814,6 +854,7 @@ def run_family(family: str, seed: int, calls: int, implementation: str = "cpu", 
         desc = call.describe(implementation)
         print(json.dumps({"call": desc}), flush=True)
         ran += 1
+        tick = time.time()
         try:
             results = runner.run(call)
         except Exception as error:  # a refusal or an error of the implementation
@@ -825,8 +866,13 @@ def run_family(family: str, seed: int, calls: int, implementation: str = "cpu", 
                 break  # every call of the family is refused alike
             problems = [message[:2000], "".join(traceback.format_exc(limit=-3))[-2000:]]
         else:
+            spent["implementation"] += time.time() - tick
+            tick = time.time()
             oracle, plain = references(call)
+            spent["oracle"] += time.time() - tick
+            tick = time.time()
             problems = judge(call, results, oracle, plain)
+            spent["judge"] += time.time() - tick
         if problems:
             failed += 1
             if len(failures) < max_failures:
@@ -837,7 +883,9 @@ def run_family(family: str, seed: int, calls: int, implementation: str = "cpu", 
     return {"family": family, "feature": FAMILIES[family].feature, "seed": seed,
             "implementation": implementation, "calls": ran, "passed": passed, "failed": failed,
             "refused": refused, "compilations": runner.compiles,
-            "seconds": round(time.time() - start, 1), "failures": failures}
+            "seconds": round(time.time() - start, 1),
+            "cpu_seconds": round(time.process_time() - cpu_start, 1),
+            "seconds_in": {n: round(t, 1) for n, t in spent.items()}, "failures": failures}
 
 
 def main(argv=None) -> int:
