@@ -139,8 +139,14 @@ class Call:
         return self.q_len is not None or self.kv_len is not None
 
     def describe(self, implementation: str) -> dict:
-        runs = lambda ids: [[[int(start), int(row[start])] for start in
-                             np.flatnonzero(np.r_[True, row[1:] != row[:-1]])] for row in ids]
+        def runs(ids, limit=12):  # [start, id] of each run of equal ids, the first `limit`
+            out = []
+            for row in ids:
+                starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+                out.append([[int(i), int(row[i])] for i in starts[:limit]]
+                           + ([f"... {len(starts) - limit} more runs"] if len(starts) > limit else []))
+            return out
+
         desc = {"family": self.family, "seed": self.seed, "index": self.index,
                 "q": list(self.q.shape), "k": list(self.k.shape), "config": self.config.describe()}
         if self.q_len is not None:
