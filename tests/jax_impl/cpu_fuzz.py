@@ -44,7 +44,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -55,10 +54,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":  # this worktree's jax_impl, conformance and torch_ref, not an install
     sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 DTYPES = tuple(NP_DTYPES)
@@ -202,15 +201,15 @@ def family_id(name: str) -> int:
 
 def _dims(d: Draw, *, lengths=ODD_LENGTHS, head_dims=CORE_HEAD_DIMS, batch=(1, 2)):
     hq, hkv = d.pick(HEADS)
-    return dict(b=d.pick(batch), lq=d.pick(lengths), lk=d.pick(lengths), hq=hq, hkv=hkv,
-                d=d.pick(head_dims), dtype=d.pick(DTYPES))
+    return {"b": d.pick(batch), "lq": d.pick(lengths), "lk": d.pick(lengths), "hq": hq,
+            "hkv": hkv, "d": d.pick(head_dims), "dtype": d.pick(DTYPES)}
 
 
 def _mask_options(d: Draw, *, window_p=0.3, causal=(None, "top_left", "bottom_right")):
     window = None
     if d.chance(window_p):
         window = _window(d)
-    return dict(causal=d.pick(causal), window=window)
+    return {"causal": d.pick(causal), "window": window}
 
 
 def _window(d: Draw):
@@ -756,8 +755,8 @@ def judge(call: Call, results: dict, oracle: dict, plain: dict) -> list[str]:
             problems.append(f"harness: the oracle has non-finite {name} where the rule says finite")
         checks = [(must_finite & ~np.isfinite(value), "NaN/inf where the rule says finite")]
         if nan_rows is not None:
-            checks.append((nan_rows & ~np.isnan(value).any(-1), "rows without a NaN where a NaN "
-                           "input reaches them"))
+            checks.append((nan_rows & ~np.isnan(value).any(-1),
+                           "rows without a NaN where a NaN input reaches them"))
         for bad, what in checks:
             if bad.any():
                 where = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -766,7 +765,9 @@ def judge(call: Call, results: dict, oracle: dict, plain: dict) -> list[str]:
         # Compared where the rule says finite: elsewhere the oracle's finite values include
         # its artefacts (0 at the non-finite input entries themselves, which it zeroes).
         compare = must_finite & np.isfinite(value) & np.isfinite(ref)
-        zero = lambda x: np.where(compare, x, 0.0)
+        def zero(x, compare=compare):
+            return np.where(compare, x, 0.0)
+
         if not zero(ref).any() and not zero(base).any() and zero(value).any():
             # Exactly zero by structure (every row has at most one allowed key: softmax's
             # gradient cancels), and the plain baseline is exact too, so it sets no bar; a
@@ -821,7 +822,7 @@ def coverage(seed: int, families=None) -> dict:
             count("segment ids", c.segments)
             count("block sizes", c.block_sizes is not None)
             count("position offset", c.offset)
-            count(f"head_dim % 16 != 0", c.d % 16)
+            count("head_dim % 16 != 0", c.d % 16)
             if call.has_lengths and not c.offset:
                 for lengths, size in ((call.q_len, c.lq), (call.kv_len, c.lk)):
                     for value in [] if lengths is None else lengths:
@@ -863,7 +864,7 @@ def run_family(family: str, seed: int, calls: int, implementation: str = "cpu", 
         tick = time.time()
         try:
             results = runner.run(call)
-        except Exception as error:  # a refusal or an error of the implementation
+        except Exception as error:  # noqa: BLE001 (a refusal or any error of the implementation)
             message = f"{type(error).__name__}: {error}"
             if REFUSAL in str(error):
                 refused = message.splitlines()[0]
