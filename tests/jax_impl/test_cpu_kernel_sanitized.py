@@ -1,0 +1,160 @@
+"""The fused CPU kernel under AddressSanitizer + UndefinedBehaviorSanitizer, fuzzed against the
+float64 oracle: every family of cpu_fuzz.py in its own process (one test each).
+
+The kernel is built with ``JAX_FLASH_ATTENTION_CPU_SANITIZE=1`` (build.py: ASan + UBSan, UBSan
+not recoverable) into the usual cache (``$JAX_FLASH_ATTENTION_CACHE`` or
+``~/.cache/jax_flash_attention``; the flags are part of the cache key); such a library loads
+only into a process started with ``LD_PRELOAD=build.sanitizer_preload()``, so each family runs
+in a subprocess with it. A test fails on a crash or a nonzero exit, on any ASan/UBSan report in
+stderr, on a judged failure (a result off the oracle, or a NaN the rule does not allow), and,
+for the FEATURE families (cpu_fuzz.FEATURE_FAMILIES: bias, dense mask, soft cap, dropout,
+sinks, any head_dim), while ``implementation="cpu"`` still refuses them: those fail until the
+kernel takes them. The message gives the last input the family printed (the one that crashed),
+the sanitizer's report and the command that reruns that call alone.
+
+Cost on one core of the 2-core dev machine (taskset -c 1): ~33 s to build the sanitized
+library cold, then 6-17 s per family (import, ~10 compilations, 56-80 calls; the FEATURE
+families are refused at once today and should take ~10 s each once taken): ~2.3 min in all
+against the current kernel (its crashing families stop early), ~4 min projected once every
+family runs to the end.
+
+``CPU_FUZZ_SEED`` draws another sample (default 0). Skipped only where the sanitizers cannot
+run: not Linux, no C++ compiler, or a compiler without the ASan/UBSan runtimes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import cpu_fuzz
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FUZZ = Path(__file__).resolve().with_name("cpu_fuzz.py")
+SEED = int(os.environ.get("CPU_FUZZ_SEED", "0"))
+TIMEOUT_S = 300  # per family (a corrupted heap can hang the process instead of crashing it)
+# A report ends the process at once: halt_on_error (ASan's default; UBSan is built with
+# -fno-sanitize-recover), the exit status says so, and no leak check (Python and jaxlib leak by
+# design at exit).
+ASAN_OPTIONS = "detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:handle_segv=1:handle_abort=1"
+UBSAN_OPTIONS = "halt_on_error=1:print_stacktrace=1:exitcode=87"
+REPORT = re.compile(r"ERROR: AddressSanitizer|runtime error:|ERROR: UndefinedBehaviorSanitizer|"
+                    r"AddressSanitizer:DEADLYSIGNAL")
+
+
+def _sanitizer_env() -> dict:
+    if platform.system() != "Linux":
+        pytest.skip(f"the sanitized kernel build is tested on Linux only (this is {platform.system()})")
+    from jax_impl.cpu_kernel import build
+
+    compiler = build._compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler (g++, c++, clang++ or $CXX) to build the sanitized kernel")
+    try:
+        preload = build.sanitizer_preload(compiler)
+    except (OSError, subprocess.CalledProcessError) as error:
+        pytest.skip(f"{compiler} cannot name its sanitizer runtimes: {error}")
+    missing = [p for p in preload.split(":") if not (os.path.isabs(p) and os.path.exists(p))]
+    if missing:
+        pytest.skip(f"{compiler} has no sanitizer runtime {missing} (ASan/UBSan not installed)")
+    env = dict(os.environ)
+    env.pop("JAX_FLASH_ATTENTION_NO_CPU_KERNEL", None)  # this test is about the kernel
+    env.update(JAX_FLASH_ATTENTION_CPU_SANITIZE="1", LD_PRELOAD=preload, ASAN_OPTIONS=ASAN_OPTIONS,
+               UBSAN_OPTIONS=UBSAN_OPTIONS, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    return env
+
+
+@pytest.fixture(scope="module")
+def sanitized_env():
+    """The subprocess environment, once the sanitized library is built (~40 s cold, cached)
+    and loads: a build failure fails here, with the compiler's message, not in every family."""
+    env = _sanitizer_env()
+    script = ("import sys\nfrom jax_impl.cpu_kernel.build import unavailable\n"
+              "reason = unavailable()\nprint(reason)\nsys.exit(reason is not None)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"the sanitized CPU kernel did not build or load (exit {proc.returncode}): "
+                    f"{proc.stdout.strip()}\n{proc.stderr[-3000:]}", pytrace=False)
+    return env
+
+
+def _last_input(stdout: str) -> str:
+    calls = [line for line in stdout.splitlines() if line.startswith('{"call"')]
+    return calls[-1] if calls else "(no call started)"
+
+
+def _report_excerpt(stderr: str, lines: int = 10, width: int = 240) -> str:
+    """The sanitizer's report: its first lines (what, where, the top frames; each cut to
+    ``width``: XLA's FFI frames are kilobytes of template arguments) and its SUMMARY; without a
+    report, the end of stderr."""
+    text = stderr.splitlines()
+    start = next((i for i, line in enumerate(text) if REPORT.search(line)), None)
+    if start is None:
+        excerpt, summary = text[-lines:], []
+    else:
+        excerpt = text[start:start + lines]
+        summary = [line for line in text[start + lines:] if line.startswith("SUMMARY:")][:1]
+    cut = lambda line: line if len(line) <= width else line[:width] + " ..."
+    return "\n".join(cut(line) for line in excerpt + summary)
+
+
+@pytest.mark.parametrize("family", list(cpu_fuzz.FAMILIES))
+def test_family_under_sanitizers(family, sanitized_env):
+    command = [sys.executable, str(FUZZ), family, "--seed", str(SEED)]
+    try:
+        proc = subprocess.run(command, env=sanitized_env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as error:
+        out = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
+        err = error.stderr.decode() if isinstance(error.stderr, bytes) else (error.stderr or "")
+        pytest.fail(f"{family}: no result within {TIMEOUT_S} s (a hang?). Last input:\n"
+                    f"{_last_input(out)}\n{_report_excerpt(err)}", pytrace=False)
+    report = REPORT.search(proc.stderr)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    summary = json.loads(last)["summary"] if last.startswith('{"summary"') else None
+    if report or summary is None:
+        what = "sanitizer report" if report else f"no summary (exit status {proc.returncode})"
+        pytest.fail(f"{family}: {what}. Last input:\n{_last_input(proc.stdout)}\n\n"
+                    f"{_report_excerpt(proc.stderr)}", pytrace=False)
+    if summary["refused"]:
+        pytest.fail(f"FEATURE family {family!r}: the CPU kernel does not take it yet "
+                    f"({summary['refused']}). It fails until the kernel does (cpu_fuzz.FEATURE_FAMILIES).",
+                    pytrace=False)
+    if summary["failed"] or proc.returncode != 0:
+        lines = [(f"{family}: {summary['failed']} of {summary['calls']} calls failed "
+                  f"(exit status {proc.returncode}); the first:")]
+        for failure in summary["failures"]:
+            lines += [json.dumps(failure["input"]), *("    " + p for p in failure["problems"])]
+        pytest.fail("\n".join(lines), pytrace=False)
+    assert summary["calls"] == cpu_fuzz.FAMILIES[family].calls and summary["passed"] == summary["calls"]
+
+
+# What the draws must reach together (cpu_fuzz.coverage counts it without running anything).
+REQUIRED_COVERAGE = (
+    "Lq != Lk", "odd Lq or Lk > 1", "Lq = 1 (decode)", "Lk = 1",
+    "dtype float32", "dtype bfloat16", "dtype float16",
+    "Hq/Hkv = 1", "Hq/Hkv = 2", "Hq/Hkv = 4", "MQA (Hkv = 1, Hq > 1)",
+    "causal top_left", "causal bottom_right",
+    "window left only", "window right only", "window both sides",
+    "length 0 concrete", "length partial concrete", "length L concrete",
+    "length 0 traced", "length partial traced", "length L traced", "length > L traced",
+    "segment ids", "block sizes", "position offset",
+    "non-finite at excluded positions", "non-finite at allowed positions",
+    "FEATURE bias_shape", "FEATURE mask_shape", "FEATURE soft_cap", "FEATURE dropout",
+    "FEATURE sinks", "head_dim % 16 != 0")
+
+
+def test_the_draws_cover_every_case_in_at_least_500_calls_besides_the_features():
+    counts = cpu_fuzz.coverage(SEED)
+    missing = [name for name in REQUIRED_COVERAGE if not counts.get(name)]
+    assert not missing, f"no drawn call has: {missing}"
+    core = sum(counts[f"family {name}"] for name, f in cpu_fuzz.FAMILIES.items() if not f.feature)
+    assert core >= 500, core
+    assert set(cpu_fuzz.FEATURE_FAMILIES) == {n for n, f in cpu_fuzz.FAMILIES.items() if f.feature}
