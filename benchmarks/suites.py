@@ -96,8 +96,8 @@ def _sweep() -> Suite:
         max_repeats=20, min_repeats=3, measure_budget_s=1.0)
 
 
-# The first pass (L=4096 and 8192, D=64/128, causal and not, both modes) is what the README's GPU
-# table quotes; a time budget cuts the rest (other lengths, fp16) first.
+# The first pass (L=4096 and 8192, D=64/128, causal and not, both modes) is what the GPU table of
+# docs/results.md quotes; a time budget cuts the rest (other lengths, fp16) first.
 GPU_FIRST = tuple(Config(Shape(1, 8, n, d, "bfloat16"), c, m)
                   for c in (None, "top_left") for d in (64, 128) for n in (4096, 8192) for m in MODES)
 # The xla path is left out: 100-275 ms per call at L=8192 on an H200 (1-3.5 TFLOP/s, measured
