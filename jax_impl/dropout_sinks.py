@@ -124,7 +124,10 @@ def sink_gradient(sinks, lse, delta):
     """d sinks ``[B, Hq]`` (before summing over the sinks' broadcast axes) from the logsumexp
     and delta = rowsum(dO * O) - d(lse), each ``[B, Hq, Lq]``: out and lse depend on the sink
     only through P_sink = exp(sink - lse)."""
-    p_sink = jnp.exp(sinks.astype(jnp.float32)[:, :, None] - lse)  # lse >= sink: <= 1
+    sinks = sinks.astype(jnp.float32)[:, :, None]
+    # lse >= sink: P_sink <= 1; a -inf sink (no sink) has P_sink = 0, also in an empty row
+    # (lse = -inf, where the difference is NaN).
+    p_sink = jnp.where(sinks > -jnp.inf, jnp.exp(sinks - lse), 0.0)
     return -jnp.sum(p_sink * delta, axis=-1)
 
 

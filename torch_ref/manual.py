@@ -165,15 +165,17 @@ def manual_attention(
     allowed = allowed & (s != float("-inf"))  # an additive -inf bias excludes the pair
 
     if attention_sinks is not None:
-        # The sink is one more column of every row: no row is empty.
+        # The sink is one more column of every row: no row is empty, unless the sink is -inf
+        # (no sink) and the row has no allowed key; such a row computes on finite zeros, as below.
         sink = attention_sinks.to(s.dtype).expand(batch, num_q_heads)[:, :, None, None]
-        s_ext = torch.cat([torch.where(allowed, s, float("-inf")),
-                           sink.expand(batch, num_q_heads, q_len, 1)], dim=-1)
+        row_ok = allowed.any(dim=-1, keepdim=True) | (sink > float("-inf"))  # [B, Hq, Lq, 1]
+        fill = torch.where(row_ok, float("-inf"), 0.0).to(s.dtype)
+        s_ext = torch.cat([torch.where(allowed, s, fill),
+                           torch.where(row_ok, sink, 0.0).expand(batch, num_q_heads, q_len, 1)], dim=-1)
         p = torch.softmax(s_ext, dim=-1)[..., :-1]
         # Exactly 0 where not allowed, also in a NaN row (softmax would spread its NaN there).
         p = torch.where(allowed, p, torch.zeros((), dtype=p.dtype, device=p.device))
         lse = torch.logsumexp(s_ext, dim=-1)
-        row_ok = torch.ones((), dtype=torch.bool, device=s.device)
     else:
         row_ok = allowed.any(dim=-1, keepdim=True)  # [B, Hq|1, Lq, 1]
         # Disallowed keys get -inf in rows that have an allowed key, and a finite 0 in empty

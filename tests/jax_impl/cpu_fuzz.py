@@ -428,9 +428,7 @@ def draw_call(family: str, seed: int, index: int) -> Call:
     if c.sinks:
         sinks = d.normal(c.hq) * 2
         if d.chance(0.3):
-            # Not -inf: torch_ref.manual_attention gives NaN for a row with no allowed key and a
-            # -inf sink (softmax of all -inf) where docs/semantics.md says 0.
-            sinks[int(d.rng.integers(c.hq))] = d.pick([-30.0, 6.0])
+            sinks[int(d.rng.integers(c.hq))] = d.pick([-np.inf, -30.0, 6.0])
         call.sinks = sinks.astype(dt).astype(np.float32)  # representable in the call dtype
     if c.dropout is not None:
         call.dropout_seed = int(d.rng.integers(2 ** 31))

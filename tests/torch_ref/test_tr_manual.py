@@ -173,3 +173,20 @@ def test_a_nan_query_row_reaches_exactly_the_gradients_of_the_keys_it_attends(si
     assert rows(Q.grad) == [i == 3 for i in range(8)] and torch.isnan(Q.grad[0, 1, 3]).all()
     assert rows(K.grad) == attends and rows(V.grad) == attends
     assert torch.isfinite(Q.grad[0, 0]).all() and torch.isfinite(K.grad[0, 0]).all()
+
+
+def test_a_minus_inf_sink_is_no_sink_even_in_a_row_with_no_allowed_key():
+    """attention_sinks = -inf adds nothing: a row with no allowed key still gives output 0,
+    lse -inf and zero gradients (softmax over an all -inf row would give NaN)."""
+    g = torch.Generator().manual_seed(12)
+    Q, K, V = (torch.randn(2, 2, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    sinks = torch.tensor([float("-inf"), 0.5], dtype=torch.float64, requires_grad=True)
+    out, lse = manual_attention(Q, K, V, attention_sinks=sinks, return_lse=True,
+                                key_value_seq_lengths=torch.tensor([0, 5]))
+    out.sum().backward()
+    assert torch.all(out[0] == 0) and torch.all(lse[0, 0] == float("-inf"))
+    assert torch.all(lse[0, 1] == 0.5)  # a finite sink is the whole softmax of an empty row
+    assert torch.isfinite(lse[1]).all() and torch.all(out[1] != 0)
+    for x in (Q, K, V, sinks):
+        assert torch.isfinite(x.grad).all()
