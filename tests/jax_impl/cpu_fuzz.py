@@ -16,10 +16,8 @@ of this harness (the xla path is the reference blocked implementation).
 Families (``FAMILIES``): each draws a few static configurations (shape, dtype, mask options:
 one compilation each) and several calls per configuration that vary what is data (lengths,
 segment ids, position offsets, non-finite values, the values themselves), so that the whole
-sample stays cheap to compile. ``FEATURE_FAMILIES`` are the features the CPU kernel is being
-extended to take (a bias, a dense mask, a soft cap, dropout, sinks, any head_dim): until it
-takes them, flash_attention(implementation="cpu") refuses such calls and those families fail
-with the refusal.
+sample stays cheap to compile. ``FEATURE_FAMILIES`` draw the features beyond the mask rules (a
+bias, a dense mask, a soft cap, dropout, sinks, any head_dim); a refusal fails them.
 
 Non-finite values (docs/semantics.md): a NaN/inf in Q, K or V at a position no row may attend
 never reaches a result; a pair a row may attend whose query row or key row holds one makes the
