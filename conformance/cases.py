@@ -182,26 +182,41 @@ class Inputs:
 def allowed_pattern(inputs: Inputs) -> np.ndarray:
     c = inputs.case
     b, lq, lk = c.batch, c.q_len, c.kv_len
-    qlen = inputs.q_lengths if inputs.q_lengths is not None else np.full(b, lq)
-    klen = inputs.kv_lengths if inputs.kv_lengths is not None else np.full(b, lk)
+    return allowed_pairs(lq, lk, inputs.q_lengths if inputs.q_lengths is not None else np.full(b, lq),
+                         inputs.kv_lengths if inputs.kv_lengths is not None else np.full(b, lk),
+                         c.causal, c.window, q_segment_ids=inputs.q_segment_ids,
+                         kv_segment_ids=inputs.kv_segment_ids, mask=inputs.mask)
+
+
+def allowed_pairs(lq: int, lk: int, q_lengths, kv_lengths, causal: str | None, window,
+                  position_offset=None, q_segment_ids=None, kv_segment_ids=None, mask=None):
+    """Bool ``[B, 1|Hm, Lq, Lk]``: which pairs may attend, from docs/semantics.md's rules in
+    numpy (sharing no code with jax_impl). Lengths ``[B]`` (within [0, L]); ``causal`` None,
+    "top_left" or "bottom_right"; ``window`` (left, right) with None sides, or None;
+    ``position_offset`` ``[B]`` is added to the alignment's offset (a ring's key slice keeps its
+    global band); ``mask`` broadcastable to ``[B, Hm, Lq, Lk]``."""
     i = np.arange(lq)[None, :, None]
     j = np.arange(lk)[None, None, :]
-    ql, kl = qlen[:, None, None].astype(np.int64), klen[:, None, None].astype(np.int64)
+    ql = np.asarray(q_lengths, np.int64)[:, None, None]
+    kl = np.asarray(kv_lengths, np.int64)[:, None, None]
     ok = (i < ql) & (j < kl)
-    diag = i + (kl - ql if c.causal == "bottom_right" else 0)
-    if c.causal is not None:
+    offset = kl - ql if causal == "bottom_right" else np.zeros_like(ql)
+    if position_offset is not None:
+        offset = offset + np.asarray(position_offset, np.int64)[:, None, None]
+    diag = i + offset
+    if causal is not None:
         ok &= j <= diag
-    if c.window is not None:
-        left, right = c.window
+    if window is not None:
+        left, right = window
         if left is not None:
             ok &= j >= diag - left
         if right is not None:
             ok &= j <= diag + right
-    if inputs.q_segment_ids is not None:
-        ok &= inputs.q_segment_ids[:, :, None] == inputs.kv_segment_ids[:, None, :]
+    if q_segment_ids is not None:
+        ok &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     ok = ok[:, None]
-    if inputs.mask is not None:
-        ok = ok & inputs.mask
+    if mask is not None:
+        ok = ok & mask
     return ok
 
 

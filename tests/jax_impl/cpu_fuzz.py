@@ -47,16 +47,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from conformance.cases import allowed_pairs
+
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 DTYPES = tuple(NP_DTYPES)
 ODD_LENGTHS = (1, 7, 33, 63, 65, 97, 129, 130, 161, 200)
-CORE_HEAD_DIMS = (16, 32, 48, 64, 80, 128)  # the kernel takes multiples of 16
-ANY_HEAD_DIMS = (4, 8, 24, 40, 72, 120)     # FEATURE: any head_dim
+CORE_HEAD_DIMS = (16, 32, 48, 64, 80, 128)  # multiples of 16: no padding
+ANY_HEAD_DIMS = (4, 8, 24, 40, 72, 120)     # FEATURE: any head_dim (padded to 16)
 HEADS = ((1, 1), (2, 2), (4, 4), (2, 1), (4, 2), (4, 1))  # (Hq, Hkv): groups of 1, 2, 4; MQA
 CUSTOM_CALLS = ("jax_flash_attention_cpu_forward", "jax_flash_attention_cpu_backward")
 REFUSAL = "implementation='cpu' cannot run this call"
-# Calls of the features the CPU kernel is being extended to take (its wrapper refuses them
-# today): these families fail until it takes them.
+# Calls of the features beyond the mask rules (a refusal fails them).
 FEATURE_FAMILIES = ("bias", "mask", "soft_cap", "dropout", "sinks", "head_dim")
 
 
@@ -441,33 +442,14 @@ def draw_call(family: str, seed: int, index: int) -> Call:
 
 
 def allowed_pattern(call: Call) -> np.ndarray:
-    """Bool [B, Hq, Lq, Lk]: which pairs may attend, from docs/semantics.md's rules alone
-    (written here in numpy, sharing no code with jax_impl; the position offset as
-    masking.MaskInputs documents it: added to the alignment's offset)."""
+    """Bool [B, Hq, Lq, Lk]: which pairs may attend (conformance.cases.allowed_pairs: the rules
+    in numpy, sharing no code with jax_impl; the position offset as masking.MaskInputs
+    documents it: added to the alignment's offset)."""
     c = call.config
     q_len, kv_len = call.clamped_lengths
-    i = np.arange(c.lq)[None, :, None]
-    j = np.arange(c.lk)[None, None, :]
-    ql, kl = q_len[:, None, None], kv_len[:, None, None]
-    ok = (i < ql) & (j < kl)
-    offset = kl - ql if c.causal == "bottom_right" else np.zeros_like(ql)
-    if call.offset is not None:
-        offset = offset + call.offset.astype(np.int64)[:, None, None]
-    diag = i + offset
-    if c.causal:
-        ok &= j <= diag
-    if c.window is not None:
-        left, right = c.window
-        if left is not None:
-            ok &= j >= diag - left
-        if right is not None:
-            ok &= j <= diag + right
-    if call.q_seg is not None:
-        ok &= call.q_seg[:, :, None] == call.kv_seg[:, None, :]
-    ok = np.broadcast_to(ok[:, None], (c.b, c.hq, c.lq, c.lk))
-    if call.mask is not None:
-        ok = ok & call.mask
-    return np.ascontiguousarray(ok)
+    ok = allowed_pairs(c.lq, c.lk, q_len, kv_len, c.causal, c.window, call.offset, call.q_seg,
+                       call.kv_seg, call.mask)
+    return np.ascontiguousarray(np.broadcast_to(ok, (c.b, c.hq, c.lq, c.lk)))
 
 
 def _poison(d: Draw, call: Call) -> None:

@@ -5,7 +5,7 @@ overrun) and checks the tile-range functions exhaustively.
 Each drawn call is laid out here in numpy as the kernel reads it (the same layouts
 ``jax_impl/cpu_kernel/__init__.py`` makes), run in a subprocess (a crash is a failure with its
 input), and judged against torch_ref.manual_attention in float64 given the allowed pattern as a
-dense mask computed here from the rules (docs/semantics.md), position offsets included.
+dense mask (conformance.cases.allowed_pairs: the rules in numpy, position offsets included).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import pytest
 
 import jax
 from conformance import tolerance
+from conformance.cases import allowed_pairs
 from jax_impl import dropout_mask, dropout_sinks
 from jax_impl.cpu_kernel import build
 from _flash_helpers import torch_arrays
@@ -99,23 +100,19 @@ def _case(c: dict):
     d_hi = np.full(b, UNBOUNDED) if right is None and not c["causal"] else np.minimum(
         base if c["causal"] else UNBOUNDED, base + right if right is not None else UNBOUNDED)
     d_lo = np.full(b, -UNBOUNDED) if left is None else base - left
-    i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
-    allowed = ((i < q_len[:, None, None]) & (j < kv_len[:, None, None])
-               & (j - i >= d_lo[:, None, None]) & (j - i <= d_hi[:, None, None]))[:, None]
     arrays = dict(q_len=q_len, kv_len=kv_len, d_lo=d_lo, d_hi=d_hi)
     params = dict(B=b, Lq=lq, Lk=lk, Hq=hq, Hkv=hkv, scale=1 / np.sqrt(d), soft_cap=c["soft_cap"] or 0,
                   dropout_rate=c["dropout"], block_q=c["block_q"], block_k=c["block_k"],
                   threads=c["threads"], flags=0)
     oracle = {}
+    q_seg = kv_seg = mask = None
     if c["segments"]:
         q_seg, kv_seg = (np.sort(rng.integers(0, 3, (b, n)), axis=1) for n in (lq, lk))
-        allowed = allowed & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
         arrays.update(q_seg=q_seg, kv_seg=kv_seg)
         params["flags"] |= 1
     if c["mask"]:
         mb, mh = c["mask"]  # 1: broadcast over that axis
         mask = rng.random((b if mb > 1 else 1, hq if mh > 1 else 1, lq, lk)) < 0.8
-        allowed = allowed & mask
         arrays["mask"] = mask
         params.update(mask_b=mask.shape[0], mask_h=mask.shape[1])
         params["flags"] |= 2
@@ -141,6 +138,8 @@ def _case(c: dict):
             dropout_mask(key, (b, hq, lq, lk), c["dropout"], broadcast_dropout=False)))
     if c["soft_cap"]:
         oracle["logits_soft_cap"] = c["soft_cap"]
+    # The oracle's pattern from the rules (not from the band handed to the kernel).
+    allowed = allowed_pairs(lq, lk, q_len, kv_len, c["causal"], c["window"], offset, q_seg, kv_seg, mask)
     oracle["mask"] = np.broadcast_to(allowed, (b, allowed.shape[1], lq, lk)).copy()
     return (q, k, v, ct), arrays, params, oracle
 
