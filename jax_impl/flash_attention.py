@@ -125,7 +125,7 @@ def _attention(q, k, v, bias, masks, extras, *, implementation, cfg):
     run = lambda impl: lambda *args: _run(impl, cfg, *args)
     if implementation is not None:
         return run(implementation)(q, k, v, bias, masks, extras)
-    features = arguments.features(cfg, bias, masks, extras)
+    features = arguments.features(cfg, bias, masks, extras, q.dtype)
     # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
     per_platform = {platform: run(name) for platform, name in (("cuda", "pallas_triton"), ("cpu", "cpu"))
                     if implementations.unsupported(name, head_dim=q.shape[-1], platform=platform,
@@ -167,7 +167,7 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     platform = platform or jax.default_backend()
     strategy = lambda chosen: partitioned.explain(  # --- sharded inputs (partitioned.py)
         implementations.get(chosen), query, call.q.shape, call.k.shape, bias is not None or mask is not None)
-    features = arguments.features(call.cfg, call.bias, call.masks, call.extras)
+    features = arguments.features(call.cfg, call.bias, call.masks, call.extras, call.q.dtype)
     reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,
                                       interpret=call.cfg.interpret, features=features)
                for name, impl in IMPLEMENTATIONS.items()}
@@ -183,7 +183,7 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         if name == chosen or reasons[name] is not None:
             continue
         reasons[name] = (f"{chosen} is eligible and preferred" if impl.automatic else
-                         "never chosen automatically: it materialises the [Lq, Lk] logits")
+                         f"never chosen automatically: {impl.manual_because}")
     return ImplementationChoice(chosen, reasons, strategy(chosen))
 
 
