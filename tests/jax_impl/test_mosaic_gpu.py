@@ -28,6 +28,10 @@ from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run,
 
 needs_mosaic = pytest.mark.skipif(mosaic_gpu.unavailable() is not None,
                                   reason=f"mosaic_gpu: {mosaic_gpu.unavailable()}")
+# The numbers: in the interpreter (any machine with jax >= 0.11), and compiled on a CUDA device
+# of compute capability 9.0 (the gpu lane: pytest -m gpu, benchmarks/run_gpu.sh).
+INTERPRET = [pytest.param(True, id="interpret", marks=needs_mosaic),
+             pytest.param(False, id="compiled", marks=(needs_mosaic, pytest.mark.gpu))]
 
 
 # --- The table, eligibility, dispatch (any jax) --------------------------------------------
@@ -145,28 +149,28 @@ PROBLEMS = [  # 16-bit, head_dim 64 / 128; lengths that are no multiple of a til
 ]
 
 
-@needs_mosaic
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.name)
-def test_interpreted_forward_and_backward_match_the_float64_oracle(problem):
-    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=True)
+def test_forward_and_backward_match_the_float64_oracle(problem, interpret):
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
     assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
 
 
-@needs_mosaic
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("config", [Config(64, 64, 2), Config(64, 128, 3), Config(128, 64, 4),
                                     Config(64, 64, 2, persistent=False)], ids=str)
-def test_tiles_stages_and_a_persistent_loop_of_many_items(monkeypatch, config):
+def test_tiles_stages_and_a_persistent_loop_of_many_items(monkeypatch, config, interpret):
     """Two CTAs walk all 2 x 4 x 3 items (several items each: the ring's slot and phase run on
     across items), with causal bottom-right lengths: each config gives the oracle's numbers."""
     monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
     problem = Case("bf16-persistent", batch=2, q_len=190 if config.block_q == 64 else 400, kv_len=250,
                    q_heads=4, kv_heads=2, dtype="bfloat16", causal="bottom_right", lengths=True, seed=46)
-    results = run(problem, jnp.bfloat16, "mosaic_gpu", interpret=True, block_sizes=config)
+    results = run(problem, jnp.bfloat16, "mosaic_gpu", interpret=interpret, block_sizes=config)
     assert_judged_correct(results, oracle(problem), baseline(problem), "bfloat16")
 
 
-@needs_mosaic
-def test_row_stats_are_the_contract_and_repeat_bit_for_bit():
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_row_stats_are_the_contract_and_repeat_bit_for_bit(interpret):
     """RowStats as every backend writes them: rows with no allowed key (past q_len, a window
     that misses every key) have max = +inf and log_sum = 0 exactly and output 0; the others
     agree with the xla path's; a second call gives the same bits."""
@@ -176,7 +180,7 @@ def test_row_stats_are_the_contract_and_repeat_bit_for_bit():
     spec = masking.MaskSpec(window_left=3, window_right=0, has_q_lengths=True, has_kv_lengths=True)
     masks = masking.MaskInputs(jnp.array([150, 90], jnp.int32), jnp.array([140, 60], jnp.int32),
                                None, None, None)
-    cfg = AttentionConfig(scale=d ** -0.5, mask=spec, interpret=True)
+    cfg = AttentionConfig(scale=d ** -0.5, mask=spec, interpret=interpret)
     out, stats = mosaic_gpu.forward(cfg, q, k, v, None, masks)
     again = mosaic_gpu.forward(cfg, q, k, v, None, masks)
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves((out, stats)), jax.tree.leaves(again)))
@@ -191,9 +195,9 @@ def test_row_stats_are_the_contract_and_repeat_bit_for_bit():
         np.testing.assert_allclose(np.asarray(got)[~empty], np.asarray(want)[~empty], rtol=1e-5, atol=1e-5)
 
 
-@needs_mosaic
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("causal, window", [(True, None), (False, (7, 3)), (True, (30, None))])
-def test_position_offset_shifts_the_band(causal, window):
+def test_position_offset_shifts_the_band(causal, window, interpret):
     """What ring attention passes per chunk pair, forward and (pallas_triton's) backward."""
     from test_position_offset import _numpy_mask
     rng = np.random.default_rng(48)
@@ -206,7 +210,7 @@ def test_position_offset_shifts_the_band(causal, window):
     spec = masking.MaskSpec(is_causal=causal, window_left=None if window is None else window[0],
                             window_right=None if window is None else window[1],
                             has_q_lengths=True, has_kv_lengths=True)
-    cfg = AttentionConfig(scale=d ** -0.5, mask=spec, interpret=True)
+    cfg = AttentionConfig(scale=d ** -0.5, mask=spec, interpret=interpret)
     masks = masking.MaskInputs(jnp.asarray(q_len), jnp.asarray(kv_len), None, None, None,
                                position_offset=jnp.asarray(offsets))
 
@@ -226,8 +230,8 @@ def test_position_offset_shifts_the_band(causal, window):
         assert verdict.passed, verdict
 
 
-@needs_mosaic
-def test_nonfinite_values_follow_the_rule_of_every_implementation():
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_nonfinite_values_follow_the_rule_of_every_implementation(interpret):
     """A NaN in v and an inf in k at keys some rows may not attend, a NaN query row: the NaN
     pattern and the finite values of out match the xla path's."""
     rng = np.random.default_rng(49)
@@ -238,7 +242,7 @@ def test_nonfinite_values_follow_the_rule_of_every_implementation():
     q[0, 20, 1, 0] = np.nan
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     options = dict(is_causal=True, local_window_size=(60, None))
-    got = flash_attention(q, k, v, implementation="mosaic_gpu", interpret=True, **options)
+    got = flash_attention(q, k, v, implementation="mosaic_gpu", interpret=interpret, **options)
     want = flash_attention(q, k, v, implementation="xla", **options)
     got, want = (np.asarray(x.astype(jnp.float32)) for x in (got, want))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
