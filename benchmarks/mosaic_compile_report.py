@@ -75,7 +75,7 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
              for d in (64, 128) for causal in (False, True)]
     if only == "all":
         found += [
-            ("edges: L=4000", "bfloat16", 128, True, None, dict(seq_len=seq_len - 96)),
+            ("edges: L=4001 (padded to 4008)", "bfloat16", 128, True, None, dict(seq_len=seq_len - 95)),
             ("lengths, bottom-right, window, soft cap, sinks", "bfloat16", 128, True, None,
              dict(lengths=True, bottom_right=True, window=(512, 0), soft_cap=30.0, sinks=True)),
             ("GQA 8:2", "bfloat16", 128, True, None, dict(kv_heads=2)),

@@ -307,9 +307,11 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
     or None, sinks [Bs, Hs] float32 or None -> (out [B, Lq, Hq, D], row max and log-sum
     [B, Hq, Lq] float32, natural log)."""
     c = geometry.config
+    lq, lk = geometry.lq, geometry.lk
+    q, k, v, geometry = _rows_of_eight(q, k, v, geometry)
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
-        cfg.mask, queries_padded=geometry.lq % geometry.rows_per_cta != 0,
-        keys_padded=geometry.lk % c.block_kv != 0))
+        cfg.mask, queries_padded=geometry.lq % geometry.rows_per_cta != 0 or geometry.lq != lq,
+        keys_padded=geometry.lk % c.block_kv != 0 or geometry.lk != lk))
     order = WorkOrder.create(geometry.num_pairs, geometry.heads, geometry.batch,
                              masking.later_query_tiles_heavier(cfg.mask), c.persistent,
                              **({} if num_sms is None else {"num_sms": num_sms}))
@@ -337,4 +339,21 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **({} if interpret is None else {"interpret": interpret}))
     out, row_max, log_sum = kernel(*operands)
-    return out, row_max[..., :geometry.lq], log_sum[..., :geometry.lq]
+    return out[:, :lq], row_max[..., :lq], log_sum[..., :lq]
+
+
+ROW_MULTIPLE = 8  # a TMA box of the swizzled (8, 64) tiling reads whole 8-row groups of gmem
+
+
+def _rows_of_eight(q, k, v, geometry: Geometry):
+    """q, k, v with Lq and Lk padded with zeros to a multiple of 8 (Mosaic's TMA descriptors
+    of the (8, 64)-tiled tiles need whole 8-row groups in gmem; measured on an H200: an Lk of
+    300 is refused at compile time), and the geometry of the padded call. The padded rows lie at
+    or past the lengths (the mask's length rule is switched on) and are sliced off the
+    results. Lengths that are multiples of 8 are not copied."""
+    pad = lambda n: -n % ROW_MULTIPLE
+    if not pad(geometry.lq) and not pad(geometry.lk):
+        return q, k, v, geometry
+    rows = lambda x, n: jnp.pad(x, ((0, 0), (0, pad(n)), (0, 0), (0, 0)))
+    q, k, v = rows(q, geometry.lq), rows(k, geometry.lk), rows(v, geometry.lk)
+    return q, k, v, dataclasses.replace(geometry, lq=q.shape[1], lk=k.shape[1])
