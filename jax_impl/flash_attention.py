@@ -69,7 +69,8 @@ def flash_attention(
         take no part (their output rows are 0).
       local_window_size: ``w`` or ``(left, right)`` (None = unbounded side): key j allowed when
         ``i - left <= j <= i + right``, measured from the same diagonal as causal.
-      implementation: "pallas_triton" (the GPU kernel), "cpu" (the fused C++ CPU kernel, built
+      implementation: "pallas_triton" (the GPU kernel), "mosaic_gpu" (FlashAttention-3's forward
+        for H100/H200, by name only; 16-bit, head_dim 64/128), "cpu" (the fused C++ CPU kernel, built
         on first use), "xla" (the same blocked algorithm in plain JAX, linear memory, any
         device), "reference" (dense; for checking), or None: pallas_triton on a CUDA GPU and cpu
         on a CPU where eligible, xla elsewhere; ``explain_implementation`` says why.
@@ -80,13 +81,15 @@ def flash_attention(
       q_segment_ids / kv_segment_ids: int ``[..., Lq]`` / ``[..., Lk]``; only equal ids attend
         (packed sequences).
       logits_soft_cap: c > 0: logits become ``c * tanh(logits / c)`` before the bias is added.
-      block_sizes: tile sizes (``BlockSizes``); None: per-device heuristics.
+      block_sizes: tile sizes (``BlockSizes``; with implementation="mosaic_gpu" a
+        ``jax_impl.mosaic_gpu.Config``); None: per-device heuristics.
       precision: of float32 matmuls: a ``lax.Precision`` or its name in any case ("highest",
         jnp.dot's aliases; default HIGHEST: full fp32, never silent TF32) or, for float32
         inputs, one of ``PRECISION_PRESETS`` (or its name)
         (``lax.DotAlgorithmPreset``: TF32_TF32_F32_X3 is 3xTF32 on the tensor cores; TF32
         presets and BF16_BF16_F32_X9 run only on a CUDA GPU).
-      interpret: run the Pallas kernel in the Pallas interpreter (any device; slow; for tests).
+      interpret: run the Pallas kernel in the Pallas interpreter (any device; slow; for tests;
+        with implementation="mosaic_gpu" the Mosaic GPU interpreter, jax >= 0.11).
       attention_sinks: float, broadcastable to ``[..., Hq]``: one learnable logit per head that
         joins every row's softmax denominator and carries no value (gpt-oss); differentiable.
         It enters the logsumexp; a row with no allowed key gives output 0.
