@@ -88,8 +88,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         "mosaic_gpu", "FlashAttention-3's forward in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two ping-ponging wgmma consumers, persistent); its backward is pallas_triton's",
         mosaic_gpu.forward, _pallas_triton_backward, needs_cuda=True, automatic=False,
-        manual_because="it has not yet been run on a GPU (only compiled for sm_90a and "
-                       "interpreted)",
+        manual_because="one GPU run so far (an H200: correct, its forward 1.3-1.7x cuDNN's time; "
+                       "docs/limitations.md)",
         call_unsupported=mosaic_gpu.unsupported, takes_position_offset=True,
         interpreter_has_effects=True),
     "cpu": Implementation(

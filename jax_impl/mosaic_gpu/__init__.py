@@ -16,7 +16,6 @@ poisoned k, so every row that attends it is NaN all the same).
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

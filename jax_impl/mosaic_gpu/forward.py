@@ -162,7 +162,7 @@ def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             for src, dst, produced, consumed in ((refs.k, k_smem, k_produced, k_consumed),
                                                  (refs.v, v_smem, v_produced, v_consumed)):
                 @pl.when(step >= c.num_stages)  # the slot's previous tile was read by both
-                def _():
+                def _(consumed=consumed):
                     plgpu.barrier_wait(consumed.at[slot])
                 plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], produced.at[slot])
             return step + 1
@@ -174,7 +174,7 @@ def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     # slot, so that every phase of the consumed barriers is observed before they go.
     for back in range(c.num_stages, 0, -1):
         @pl.when(steps >= back)
-        def _():
+        def _(back=back):
             slot = lax.rem(steps - back, c.num_stages)
             plgpu.barrier_wait(k_consumed.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
