@@ -102,7 +102,7 @@ GPU_FIRST = tuple(Config(Shape(1, 8, n, d, "bfloat16"), c, m)
                   for c in (None, "top_left") for d in (64, 128) for n in (4096, 8192) for m in MODES)
 # The xla path is left out: 100-275 ms per call at L=8192 on an H200 (1-3.5 TFLOP/s, measured
 # once, benchmarks/results/nvidia-h200/) would spend a fifth of the budget.
-GPU_IMPLS = ("jax_impl.pallas_triton", "jax.nn.cudnn", "jax.pallas.mha", "tokamax", "flash_attn",
+GPU_IMPLS = ("jax_impl.mosaic_gpu", "jax_impl.pallas_triton", "jax.nn.cudnn", "jax.pallas.mha", "tokamax", "flash_attn",
              "torch.sdpa.flash", "torch.sdpa.cudnn", "torch.manual")
 
 

@@ -37,6 +37,7 @@ def adapters(device: str = "cpu") -> dict[str, Adapter]:
     jax_impl = [JaxImplAdapter(f"jax_impl.{impl}", "jax", device, ("jax",), implementation=impl,
                                description=f"jax_impl.flash_attention(implementation={impl!r}){note}")
                 for impl, note in (("cpu", ""), ("xla", ""), ("pallas_triton", ", interpret=True on CPU"),
+                                  ("mosaic_gpu", ", interpret=True on CPU (jax >= 0.11)"),
                                   ("reference", ""))]
     jax_nn = [JaxNNAdapter(f"jax.nn.{impl}", "jax", device, ("jax",), devices=devices, fn=jax_nn_attention,
                            fixed_kwargs=(("implementation", impl),), reason_fn=jax_nn_reason,

@@ -15,6 +15,7 @@ from jax import lax
 
 from jax_impl import dropout_sinks, implementations, masking, platform
 from jax_impl.config import AttentionConfig, BlockSizes
+from jax_impl.mosaic_gpu.config import Config as MosaicConfig
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
@@ -122,13 +123,20 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
             or isinstance(logits_soft_cap, bool) or not np.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
         raise ValueError(f"{logits_soft_cap=} must be None or a positive finite Python float "
                          "(it is static: a traced or array value cannot be used)")
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be a jax_impl.BlockSizes; got {type(block_sizes).__name__}")
+    if isinstance(block_sizes, MosaicConfig):
+        if implementation != "mosaic_gpu":
+            raise TypeError("block_sizes is a jax_impl.mosaic_gpu.Config: it applies to "
+                            f"implementation='mosaic_gpu' only; got {implementation=}")
+    elif block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a jax_impl.BlockSizes (or, with "
+                        f"implementation='mosaic_gpu', a jax_impl.mosaic_gpu.Config); got "
+                        f"{type(block_sizes).__name__}")
     if implementation is not None:
         implementations.get(implementation)  # a clear error for an unknown name
-    if interpret and implementation not in (None, "pallas_triton"):
-        raise ValueError(f"interpret=True runs the Pallas kernel; it does not apply to {implementation=}")
-    if implementation == "pallas_triton" or interpret:
+    if interpret and implementation not in (None, "pallas_triton", "mosaic_gpu"):
+        raise ValueError(f"interpret=True runs a Pallas kernel in its interpreter; it does not "
+                         f"apply to {implementation=}")
+    if implementation == "pallas_triton" or (interpret and implementation is None):
         reason = _head_dim_unsupported("pallas_triton", head_dim)
         if reason:
             raise ValueError(f"implementation='pallas_triton' cannot run this call: {reason}")
@@ -146,11 +154,12 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                           block_sizes=block_sizes, interpret=bool(interpret),
                           precision=_precision(precision, query.dtype), dropout_rate=rate)
-    if implementation == "cpu":
-        reason = implementations.unsupported("cpu", head_dim=head_dim, platform="cpu",
-                                             features=features(cfg, bias, masks, extras))
+    if implementation in ("cpu", "mosaic_gpu"):  # the platform is judged where the call is lowered
+        reason = implementations.unsupported(
+            implementation, head_dim=head_dim, platform="cpu" if implementation == "cpu" else "cuda",
+            interpret=bool(interpret), features=features(cfg, bias, masks, extras, query.dtype))
         if reason:
-            raise ValueError(f"implementation='cpu' cannot run this call: {reason}")
+            raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])
     return Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape,
                  extras)
@@ -333,8 +342,9 @@ def _head_dim_unsupported(name: str, head_dim: int) -> str | None:
     return implementations.unsupported(name, head_dim=head_dim, platform="cuda")
 
 
-def features(cfg, bias, masks, extras) -> implementations.CallFeatures:
+def features(cfg, bias, masks, extras, dtype=None) -> implementations.CallFeatures:
     return implementations.CallFeatures(cfg, has_bias=bias is not None, has_mask=masks.mask is not None,
-                                        has_sinks=extras.sinks is not None)
+                                        has_sinks=extras.sinks is not None, dtype=dtype,
+                                        has_segment_ids=masks.q_segment_ids is not None)
 
 

@@ -69,7 +69,8 @@ def flash_attention(
         take no part (their output rows are 0).
       local_window_size: ``w`` or ``(left, right)`` (None = unbounded side): key j allowed when
         ``i - left <= j <= i + right``, measured from the same diagonal as causal.
-      implementation: "pallas_triton" (the GPU kernel), "cpu" (the fused C++ CPU kernel, built
+      implementation: "pallas_triton" (the GPU kernel), "mosaic_gpu" (FlashAttention-3's forward
+        for H100/H200, by name only; 16-bit, head_dim 64/128), "cpu" (the fused C++ CPU kernel, built
         on first use), "xla" (the same blocked algorithm in plain JAX, linear memory, any
         device), "reference" (dense; for checking), or None: pallas_triton on a CUDA GPU and cpu
         on a CPU where eligible, xla elsewhere; ``explain_implementation`` says why.
@@ -80,13 +81,15 @@ def flash_attention(
       q_segment_ids / kv_segment_ids: int ``[..., Lq]`` / ``[..., Lk]``; only equal ids attend
         (packed sequences).
       logits_soft_cap: c > 0: logits become ``c * tanh(logits / c)`` before the bias is added.
-      block_sizes: tile sizes (``BlockSizes``); None: per-device heuristics.
+      block_sizes: tile sizes (``BlockSizes``; with implementation="mosaic_gpu" a
+        ``jax_impl.mosaic_gpu.Config``); None: per-device heuristics.
       precision: of float32 matmuls: a ``lax.Precision`` or its name in any case ("highest",
         jnp.dot's aliases; default HIGHEST: full fp32, never silent TF32) or, for float32
         inputs, one of ``PRECISION_PRESETS`` (or its name)
         (``lax.DotAlgorithmPreset``: TF32_TF32_F32_X3 is 3xTF32 on the tensor cores; TF32
         presets and BF16_BF16_F32_X9 run only on a CUDA GPU).
-      interpret: run the Pallas kernel in the Pallas interpreter (any device; slow; for tests).
+      interpret: run the Pallas kernel in the Pallas interpreter (any device; slow; for tests;
+        with implementation="mosaic_gpu" the Mosaic GPU interpreter, jax >= 0.11).
       attention_sinks: float, broadcastable to ``[..., Hq]``: one learnable logit per head that
         joins every row's softmax denominator and carries no value (gpt-oss); differentiable.
         It enters the logsumexp; a row with no allowed key gives output 0.
@@ -125,7 +128,7 @@ def _attention(q, k, v, bias, masks, extras, *, implementation, cfg):
     run = lambda impl: lambda *args: _run(impl, cfg, *args)
     if implementation is not None:
         return run(implementation)(q, k, v, bias, masks, extras)
-    features = arguments.features(cfg, bias, masks, extras)
+    features = arguments.features(cfg, bias, masks, extras, q.dtype)
     # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
     per_platform = {platform: run(name) for platform, name in (("cuda", "pallas_triton"), ("cpu", "cpu"))
                     if implementations.unsupported(name, head_dim=q.shape[-1], platform=platform,
@@ -167,7 +170,7 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     platform = platform or jax.default_backend()
     strategy = lambda chosen: partitioned.explain(  # --- sharded inputs (partitioned.py)
         implementations.get(chosen), query, call.q.shape, call.k.shape, bias is not None or mask is not None)
-    features = arguments.features(call.cfg, call.bias, call.masks, call.extras)
+    features = arguments.features(call.cfg, call.bias, call.masks, call.extras, call.q.dtype)
     reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,
                                       interpret=call.cfg.interpret, features=features)
                for name, impl in IMPLEMENTATIONS.items()}
@@ -183,7 +186,7 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         if name == chosen or reasons[name] is not None:
             continue
         reasons[name] = (f"{chosen} is eligible and preferred" if impl.automatic else
-                         "never chosen automatically: it materialises the [Lq, Lk] logits")
+                         f"never chosen automatically: {impl.manual_because}")
     return ImplementationChoice(chosen, reasons, strategy(chosen))
 
 

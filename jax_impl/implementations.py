@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple
 
-from jax_impl import cpu_kernel, pallas_triton, xla
+from jax_impl import cpu_kernel, mosaic_gpu, pallas_triton, xla
 from jax_impl.platform import CUDA_PLATFORMS
-from jax_impl.config import AttentionConfig
+from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
 
 class CallFeatures(NamedTuple):
@@ -30,6 +30,8 @@ class CallFeatures(NamedTuple):
     has_bias: bool
     has_mask: bool
     has_sinks: bool
+    dtype: object = None            # of q (None: not judged)
+    has_segment_ids: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +44,13 @@ class Implementation:
     needs_cuda: bool = False          # unless interpret=True (the Pallas interpreter)
     needs_cpu: bool = False
     automatic: bool = True            # may be chosen by implementation=None
+    # Why it is never chosen by implementation=None (explain_implementation says it).
+    manual_because: str = "it materialises the [Lq, Lk] logits"
     # Takes MaskInputs.position_offset (ring.py's local step, a key slice with its global band).
     takes_position_offset: bool = False
+    # Its interpreter (interpret=True) runs ordered io callbacks, which custom_partitioning cannot
+    # lower: interpreted calls run unpartitioned (partitioned.py), on one device.
+    interpreter_has_effects: bool = False
     # Why it cannot take a call's features (bias, mask, dropout ...), or None; None: takes all.
     call_unsupported: Callable[..., str | None] | None = None
 
@@ -54,7 +61,7 @@ class Implementation:
         if self.max_head_dim is not None and head_dim > self.max_head_dim:
             return f"head_dim={head_dim} exceeds the kernel's maximum of {self.max_head_dim}"
         if self.needs_cuda and not interpret and platform not in CUDA_PLATFORMS:
-            return (f"the Triton kernel needs a CUDA GPU; platform is {platform!r} "
+            return (f"the {self.name} kernel needs a CUDA GPU; platform is {platform!r} "
                     "(interpret=True runs it anywhere)")
         if self.needs_cpu and platform != "cpu":
             return f"the fused C++ kernel runs on the CPU; platform is {platform!r}"
@@ -64,11 +71,27 @@ class Implementation:
         return None
 
 
+def _pallas_triton_backward(cfg: AttentionConfig, *args, **kwargs):
+    """mosaic_gpu's backward: the Pallas Triton kernels, from the same RowStats, with their own
+    tiles (a mosaic_gpu.Config in cfg.block_sizes is the forward's)."""
+    if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
+        cfg = dataclasses.replace(cfg, block_sizes=None)
+    return pallas_triton.backward(cfg, *args, **kwargs)
+
+
 IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
         takes_position_offset=True),
+    "mosaic_gpu": Implementation(
+        "mosaic_gpu", "FlashAttention-3's forward in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
+        "producer, two ping-ponging wgmma consumers, persistent); its backward is pallas_triton's",
+        mosaic_gpu.forward, _pallas_triton_backward, needs_cuda=True, automatic=False,
+        manual_because="one GPU run so far (an H200: correct, its forward 1.3-1.7x cuDNN's time; "
+                       "docs/limitations.md)",
+        call_unsupported=mosaic_gpu.unsupported, takes_position_offset=True,
+        interpreter_has_effects=True),
     "cpu": Implementation(
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
         call_unsupported=cpu_kernel.unsupported, takes_position_offset=True),

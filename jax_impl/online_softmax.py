@@ -26,6 +26,7 @@ import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
 
 from jax_impl.config import AttentionConfig
 
@@ -77,6 +78,13 @@ def per_row(x, transposed: bool = False):
     return x[..., None, :] if transposed else x[..., :, None]
 
 
+def rows_to(x, tile):
+    """A per-query vector ``[..., Tq]`` broadcast to a tile ``[..., Tq, T]`` (keys or features)
+    in one step: ``per_row``'s ``[..., Tq, 1]`` has no layout in Mosaic GPU's WGMMA row
+    layouts, a direct ``broadcast_in_dim`` lowers there as in XLA and Triton."""
+    return lax.broadcast_in_dim(x, tile.shape, tuple(range(x.ndim)))
+
+
 def poisoned_rows(x):
     """x with every row that holds a non-finite value made all NaN (for an operand that enters
     only S, where the select keeps a poisoned row's NaN at the allowed pairs alone)."""
@@ -125,7 +133,7 @@ def online_step(row_max, row_sum, s, allowed, scale: float = 1.0):
 def finalize(acc, row_max, row_sum):
     """Algorithm 1, lines 12-13: O = acc / l and the row statistics; empty rows give O = 0."""
     empty = row_sum == 0
-    out = acc / jnp.where(empty, 1.0, row_sum)[..., None]
+    out = acc / rows_to(jnp.where(empty, 1.0, row_sum), acc)
     stats = RowStats(jnp.where(empty, jnp.inf, row_max),
                      jnp.log(jnp.where(empty, 1.0, row_sum)))
     return out, stats
@@ -260,7 +268,7 @@ class Base2Softmax:
             rescale = jnp.exp2(row_max * LOG2_E - safe_max * LOG2_E)
         else:
             rescale = jnp.exp2((row_max - safe_max) * LOG2_E)
-        p = jnp.exp2(self._shifted(t, safe_max[..., None]))
+        p = jnp.exp2(self._shifted(t, rows_to(safe_max, t)))
         new_sum = rescale * row_sum + jnp.sum(p, axis=-1)
         return rescale, p, new_max, new_sum
 

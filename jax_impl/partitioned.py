@@ -290,6 +290,8 @@ def _folded(op, implementation, cfg, names):
 
 def forward(implementation, cfg, q, k, v, bias, masks, extras=None):
     """Like ``Implementation.forward``, partitioned under jit."""
+    if cfg.interpret and implementation.interpreter_has_effects:
+        return implementation.forward(cfg, q, k, v, bias, masks, extras)
     named = _named(q, k, v, bias, masks, extras)
     names = tuple(named)
     out, row_max, log_sum = _folded(_forward_op, implementation, cfg, names)(*named.values())
@@ -300,6 +302,8 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
     """Like ``Implementation.backward``, partitioned under jit (the sinks are not needed: P
     comes from the row statistics, which include them)."""
     extras = None if extras is None else extras._replace(sinks=None)
+    if cfg.interpret and implementation.interpreter_has_effects:
+        return implementation.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
     named = _named(q, k, v, bias, masks, extras, max=stats.max, log_sum=stats.log_sum, d_out=d_out,
                    delta=delta)
     names = tuple(named)

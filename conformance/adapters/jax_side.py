@@ -19,7 +19,7 @@ def _jax_impl_unsupported(implementation: str, case: Case, device: str) -> str |
     cfg = AttentionConfig(scale=1.0, mask=MaskSpec(), logits_soft_cap=case.soft_cap,
                           dropout_rate=case.dropout)
     features = CallFeatures(cfg, has_bias=case.bias, has_mask=case.mask != "none",
-                            has_sinks=case.sinks)
+                            has_sinks=case.sinks, dtype=case.dtype, has_segment_ids=case.segments)
     return unsupported(implementation, head_dim=case.head_dim, platform=device,
                        interpret=device == "cpu", features=features)
 
@@ -33,7 +33,7 @@ class JaxImplAdapter(Adapter):
 
     @property
     def interpret(self) -> bool:
-        return self.implementation == "pallas_triton" and self.device == "cpu"
+        return self.implementation in ("pallas_triton", "mosaic_gpu") and self.device == "cpu"
 
     def _reason(self, case):
         reason = _jax_impl_unsupported(self.implementation, case, self.device)

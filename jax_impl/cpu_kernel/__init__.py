@@ -34,10 +34,11 @@ _SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS = 1, 2, 4, 8, 16
 
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
-                has_mask: bool = False, has_sinks: bool = False) -> str | None:
+                has_mask: bool = False, has_sinks: bool = False, dtype=None,
+                has_segment_ids: bool = False) -> str | None:
     """Why the CPU kernel cannot run such a call (it then runs on the xla path), or None:
     only tiles it cannot take, or a kernel that cannot be built."""
-    del head_dim, has_bias, has_mask, has_sinks  # all taken
+    del head_dim, has_bias, has_mask, has_sinks, dtype, has_segment_ids  # all taken
     if cfg is not None and cfg.block_sizes is not None and cfg.block_sizes.block_k % PANEL:
         return (f"block_sizes.block_k={cfg.block_sizes.block_k} is not a multiple of {PANEL} "
                 "(the kernel reads keys in panels of 64)")

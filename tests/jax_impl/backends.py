@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from jax_impl import BlockSizes
+from conformance.cases import Case
+from jax_impl import BlockSizes, implementations
+from jax_impl.config import AttentionConfig
+from jax_impl.masking import MaskSpec
 
 VARIANTS = {
     "pallas_triton": {
@@ -19,6 +22,9 @@ VARIANTS = {
         # computed by two kernels (heuristics.split_dkdv), as at D=256 with the default tiles.
         "split-dkdv": dict(interpret=True, block_sizes=BlockSizes(16, 32, 16, 32, 16, 32, num_warps_bwd=1)),
     },
+    # The Mosaic GPU interpreter (jax >= 0.11) on the CPU; its P V product is a plain dot there
+    # (forward._accumulate_values). The backward is pallas_triton's, interpreted too.
+    "mosaic_gpu": {"interpret": dict(interpret=True)},
     "cpu": {
         "default": {},
         "16x64-tiles": dict(block_sizes=BlockSizes(16, 64)),  # many tiles: ranges and edges matter
@@ -29,19 +35,45 @@ VARIANTS = {
     },
     "reference": {"default": {}},
 }
-GPU_VARIANTS = {"pallas_triton": {"compiled": {}}}
+GPU_VARIANTS = {"pallas_triton": {"compiled": {}}, "mosaic_gpu": {"compiled": {}}}
 # Variants too slow to run on every problem (the Pallas interpreter) or whose point is a few.
 SOME_PROBLEMS = {("pallas_triton", "split-dkdv"), ("xla", "16x32-tiles"), ("cpu", "16x64-tiles")}
 
 
+def unavailable(name: str) -> str | None:
+    """Why implementation ``name`` cannot run in this installation at all (e.g. mosaic_gpu on
+    jax < 0.11), or None; its variants are then skipped with this reason."""
+    impl = implementations.get(name)
+    if impl.call_unsupported is None:
+        return None
+    reason = impl.call_unsupported(head_dim=64)
+    return reason if reason and "jax" in reason else None
+
+
+def takes(name: str, case: Case) -> bool:
+    """Whether implementation ``name`` takes a problem's features (its table entry decides;
+    platform aside): a problem it refuses by design is not in its grid."""
+    cfg = AttentionConfig(scale=1.0, mask=MaskSpec(), logits_soft_cap=case.soft_cap,
+                          dropout_rate=case.dropout)
+    features = implementations.CallFeatures(
+        cfg, has_bias=case.bias, has_mask=case.mask != "none", has_sinks=case.sinks,
+        dtype=case.dtype, has_segment_ids=case.segments)
+    reason = implementations.unsupported(name, head_dim=case.head_dim, platform="cuda",
+                                         features=features)
+    return reason is None or reason == unavailable(name)
+
+
 def params(only=None):
     """pytest params (implementation, options) of every variant, ids ``implementation-variant``;
-    ``only(implementation, variant)`` filters; the GPU variants carry the gpu marker."""
+    ``only(implementation, variant)`` filters; the GPU variants carry the gpu marker, and the
+    variants of an implementation this installation cannot offer are skipped with the reason."""
     found = []
     for table, marks in ((VARIANTS, ()), (GPU_VARIANTS, (pytest.mark.gpu,))):
         for name, variants in table.items():
+            reason = unavailable(name)
+            skip = (pytest.mark.skip(reason=f"{name}: {reason}"),) if reason else ()
             for variant, options in variants.items():
                 if only is None or only(name, variant):
                     found.append(pytest.param(name, dict(options, implementation=name),
-                                              id=f"{name}-{variant}", marks=marks))
+                                              id=f"{name}-{variant}", marks=marks + skip))
     return found

@@ -1,0 +1,229 @@
+"""What the Mosaic GPU forward (jax_impl/mosaic_gpu) compiles to for an H100/H200 (sm_90a),
+measured without a GPU.
+
+    python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
+        [--only defaults|all] [--seq-len 4096]
+
+Needs jax >= 0.11 with its CUDA plugin (``pip install 'jax[cuda13]==0.11.2'``, Python >= 3.12;
+ptxas comes with the plugin's nvcc package): XLA compiles for the compile-only CUDA device of
+``jax.experimental.topologies.get_topology_desc`` built from ``gpu_targets/h100_sxm.txtpb`` (public
+H100 SXM numbers), with ``JAX_PLATFORMS=cpu``, and Mosaic GPU writes each kernel's PTX and ptxas
+report to ``MOSAIC_GPU_DUMP_TO``. For each configuration: ptxas's registers (the launch
+allocation; ``setmaxnreg`` then moves them between the warpgroup roles: its values are the
+consumers' and the producer's budgets), spill bytes, the kernel's shared memory (Mosaic's
+scratch, beside ``Config.shared_memory_bytes``), and PTX facts that show the design: wgmma
+instructions, TMA loads and stores (``cp.async.bulk.tensor``), mbarrier waits, setmaxnreg.
+This module sets the environment it needs before importing jax: run it as its own process.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET = Path(__file__).resolve().parent / "gpu_targets" / "h100_sxm.txtpb"
+SEQ_LEN = 4096
+BATCH, HEADS, KV_HEADS = 1, 8, 8
+REGENERATE = "python -m benchmarks.mosaic_compile_report --out benchmarks/results/mosaic_compile_report_sm90"
+
+
+@dataclasses.dataclass
+class Facts:
+    label: str               # what is special about the call ("" for the plain ones)
+    dtype: str
+    head_dim: int
+    causal: bool
+    block_q: int
+    block_kv: int
+    num_stages: int
+    persistent: bool
+    seq_len: int
+    shared_estimate: int      # Config.shared_memory_bytes
+    ok: bool = False
+    error: str = ""
+    compile_s: float = 0.0
+    registers: int | None = None        # ptxas: the launch allocation per thread
+    spill_stores: int | None = None     # bytes
+    spill_loads: int | None = None
+    stack_frame: int | None = None
+    shared: int | None = None           # Mosaic's SMEM scratch, bytes
+    setmaxnreg: list = dataclasses.field(default_factory=list)  # "inc 232", "dec 40"
+    wgmma: int = 0
+    tma_loads: int = 0                  # cp.async.bulk.tensor global -> shared
+    tma_stores: int = 0                 # cp.async.bulk(.tensor) shared -> global (1-D: the row stats)
+    mbarrier_waits: int = 0
+
+
+def _environment(dump: str):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    os.environ.update(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
+
+
+def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
+    """(label, dtype, head_dim, causal, Config or None, extra call options): the shipped
+    defaults (16-bit, D=64/128, causal and not); ``all`` adds masked edges, the mask features,
+    other tiles and head_dim 256 (not offered: it shows why)."""
+    from jax_impl.mosaic_gpu.config import Config
+    found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
+             for d in (64, 128) for causal in (False, True)]
+    if only == "all":
+        found += [
+            ("edges: L=4001 (padded to 4008)", "bfloat16", 128, True, None, dict(seq_len=seq_len - 95)),
+            ("lengths, bottom-right, window, soft cap, sinks", "bfloat16", 128, True, None,
+             dict(lengths=True, bottom_right=True, window=(512, 0), soft_cap=30.0, sinks=True)),
+            ("GQA 8:2", "bfloat16", 128, True, None, dict(kv_heads=2)),
+            ("3 stages", "bfloat16", 64, True, Config(64, 128, 3), {}),
+            ("block_kv=64", "bfloat16", 128, True, Config(64, 64, 2), {}),
+            ("not persistent", "bfloat16", 128, True, Config(persistent=False), {}),
+            ("block_q=128", "bfloat16", 64, False, Config(128, 64, 2), {}),
+            ("D=256", "bfloat16", 256, False, None, {}),
+        ]
+    return found
+
+
+def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
+    """Lower and compile the forward for ``device``: (Facts without the dump's numbers)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl import masking
+    from jax_impl.config import AttentionConfig
+    from jax_impl.mosaic_gpu.config import default_config
+    from jax_impl.mosaic_gpu.forward import Geometry, forward_call
+
+    config = config or default_config(head_dim, dtype)
+    length = options.get("seq_len", seq_len)
+    kv_heads = options.get("kv_heads", KV_HEADS)
+    window = options.get("window")
+    spec = masking.MaskSpec(is_causal=causal, bottom_right=options.get("bottom_right", False),
+                            window_left=None if window is None else window[0],
+                            window_right=None if window is None else window[1],
+                            has_q_lengths=options.get("lengths", False),
+                            has_kv_lengths=options.get("lengths", False))
+    cfg = AttentionConfig(scale=head_dim ** -0.5, mask=spec, logits_soft_cap=options.get("soft_cap"))
+    geometry = Geometry(BATCH, length, length, HEADS, kv_heads, head_dim, jnp.dtype(dtype), config)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    struct = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    args = [struct((BATCH, length, HEADS, head_dim), dtype),
+            struct((BATCH, length, kv_heads, head_dim), dtype),
+            struct((BATCH, length, kv_heads, head_dim), dtype),
+            struct((BATCH,), jnp.int32), struct((BATCH,), jnp.int32)]
+    sinks = struct((1, HEADS), jnp.float32) if options.get("sinks") else None
+
+    def forward(q, k, v, q_len, kv_len, sinks=None):
+        return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks)
+
+    facts = Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q, config.block_kv,
+                  config.num_stages, config.persistent, length,
+                  config.shared_memory_bytes(head_dim, dtype))
+    start = time.perf_counter()
+    jax.jit(forward).lower(*args, *([sinks] if sinks is not None else [])).compile()
+    facts.compile_s = round(time.perf_counter() - start, 2)
+    return facts
+
+
+def _read_dump(facts: Facts, dump: Path) -> None:
+    ptxas = "\n".join(p.read_text() for p in sorted(dump.glob("*.ptxas")))
+    ptx = "\n".join(p.read_text() for p in sorted(dump.glob("*.ptx")))
+    resources = "\n".join(p.read_text() for p in sorted(dump.glob("*resources*")))
+    number = lambda pattern, text: (int(m.group(1)) if (m := re.search(pattern, text)) else None)
+    facts.registers = number(r"Used (\d+) registers", ptxas)
+    facts.spill_stores = number(r"(\d+) bytes spill stores", ptxas)
+    facts.spill_loads = number(r"(\d+) bytes spill loads", ptxas)
+    facts.stack_frame = number(r"(\d+) bytes stack frame", ptxas)
+    facts.shared = number(r"smem_scratch_bytes=(\d+)", resources)
+    facts.setmaxnreg = [f"{a} {n}" for a, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    facts.wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
+    facts.tma_loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global", ptx))
+    facts.tma_stores = len(re.findall(r"cp\.async\.bulk(?:\.tensor\.\w+)?\.global\.shared::cta", ptx))
+    facts.mbarrier_waits = len(re.findall(r"mbarrier\.try_wait", ptx))
+    facts.ok = facts.registers is not None
+
+
+def report(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
+    """Compile each configuration (one process, one dump folder each) and read its facts."""
+    with tempfile.TemporaryDirectory() as root:
+        _environment(os.path.join(root, "unused"))
+        import jax
+        from jax.experimental import topologies
+        device = topologies.get_topology_desc(platform="cuda", target_config=TARGET.read_text(),
+                                              topology="1x1x1").devices[0]
+        rows = []
+        for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
+            dump = Path(root) / f"config_{index}"
+            dump.mkdir()
+            os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)  # read by Mosaic at each compile
+            jax.clear_caches()
+            try:
+                facts = _compile(label, dtype, head_dim, causal, config, options, seq_len, device)
+                _read_dump(facts, dump)
+                if not facts.ok:
+                    facts.error = "no ptxas report was written"
+            except Exception as e:  # a configuration that does not compile is a result
+                from jax_impl.mosaic_gpu.config import default_config
+                config = config or default_config(head_dim, dtype)
+                facts = Facts(label, dtype, head_dim, causal, config.block_q, config.block_kv,
+                              config.num_stages, config.persistent, options.get("seq_len", seq_len),
+                              config.shared_memory_bytes(head_dim, dtype),
+                              error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rows.append(facts)
+    return rows
+
+
+def markdown(rows: list[Facts]) -> str:
+    import jax
+    kib = lambda n: "-" if n is None else f"{n / 1024:.1f}"
+    lines = [
+        "# The Mosaic GPU forward compiled for sm_90a (H100/H200), without a GPU",
+        "",
+        f"Regenerate: `{REGENERATE} --only all` (jax {jax.__version__}, its CUDA plugin's ptxas; "
+        f"B={BATCH}, Hq={HEADS}, Hkv={KV_HEADS} unless the label says otherwise). Registers: ptxas's "
+        "launch allocation per thread (65536 / 384 threads); `setmaxnreg` then gives the two "
+        "consumer warpgroups and takes from the producer (its values below). Shared memory: "
+        "Mosaic's scratch beside `Config.shared_memory_bytes` (KiB; the budget is 227). TMA: "
+        "`cp.async.bulk.tensor` loads (Q, K, V) and bulk stores (O by a tensor copy, the row max and log-sum by 1-D bulk copies) in the PTX; "
+        "wgmma: `wgmma.mma_async` instructions (each loop body of the kernel holds its own).",
+        "",
+        "| call | dtype | D | causal | tiles (q, kv, stages) | persistent | L | compiled | registers | spills (st/ld B) | smem KiB (estimate) | setmaxnreg | wgmma | TMA ld/st | mbarrier waits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r.ok:
+            lines.append(f"| {r.label or 'plain'} | {r.dtype} | {r.head_dim} | {r.causal} | "
+                         f"{r.block_q}, {r.block_kv}, {r.num_stages} | {r.persistent} | {r.seq_len} | "
+                         f"no: {r.error} | | | ({kib(r.shared_estimate)}) | | | | |")
+            continue
+        lines.append(
+            f"| {r.label or 'plain'} | {r.dtype} | {r.head_dim} | {r.causal} | {r.block_q}, {r.block_kv}, "
+            f"{r.num_stages} | {r.persistent} | {r.seq_len} | {r.compile_s} s | {r.registers} | "
+            f"{r.spill_stores}/{r.spill_loads} | {kib(r.shared)} ({kib(r.shared_estimate)}) | "
+            f"{', '.join(sorted(set(r.setmaxnreg)))} | {r.wgmma} | {r.tma_loads}/{r.tma_stores} | "
+            f"{r.mbarrier_waits} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
+    parser.add_argument("--only", choices=("defaults", "all"), default="defaults")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    rows = report(configurations(args.only, args.seq_len), args.seq_len)
+    table = markdown(rows)
+    if args.out:
+        Path(args.out + ".md").write_text(table)
+        Path(args.out + ".json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
+    print(table)
+    return 0 if all(r.ok for r in rows if r.head_dim <= 128) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

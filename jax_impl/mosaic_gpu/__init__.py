@@ -1,0 +1,135 @@
+"""Pallas Mosaic GPU FlashAttention for Hopper (sm_90a): FlashAttention-3's forward.
+
+``forward`` keeps the contract of ``implementations.py`` (natural-log ``RowStats``: an empty row
+has max = +inf and log_sum = 0, as every backend writes them). There is no backward kernel
+yet: the table pairs this forward with the Pallas Triton backward, which recomputes P from the
+same RowStats. ``unsupported`` names every feature of a call that the kernel does not take;
+``unavailable`` says why the kernel cannot be offered at all here (jax older than 0.11, or no
+``jax.experimental.pallas.mosaic_gpu``).
+
+The non-finite rule (online_softmax) costs one XLA pass over q, k and v before the kernel, as
+the kernel reads its operands only through TMA into shared memory: q's rows that hold a
+non-finite value become all NaN (q enters only S, whose select keeps the NaN at the allowed
+pairs), k's rows take the poison of their key's K and V rows (k too enters only S), and v's
+non-finite entries become 0 (P V reads v where P = 0; a key whose V row is non-finite has a
+poisoned k, so every row that attends it is NaN all the same).
+"""
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+
+from jax_impl import masking, online_softmax, platform, vma
+from jax_impl.config import AttentionConfig
+from jax_impl.dropout_sinks import SinksAndDropout
+from jax_impl.mosaic_gpu.config import Config, default_config
+
+__all__ = ["Config", "forward", "backward", "unsupported", "unavailable", "HEAD_DIMS", "DTYPES"]
+
+MIN_JAX = (0, 11)
+HEAD_DIMS = (64, 128)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+PLATFORM_ERROR = (
+    "implementation='mosaic_gpu' runs only on a CUDA GPU of compute capability 9.0 (H100, H200; "
+    "the call is being lowered for {platform!r}). Use implementation='pallas_triton' on other "
+    "GPUs, implementation='xla' on any device, or implementation=None to choose automatically.")
+
+
+def _import_error() -> str | None:
+    if jax.__version_info__[:2] < MIN_JAX:
+        return (f"the Mosaic GPU kernel needs jax >= {'.'.join(map(str, MIN_JAX))}; this is jax "
+                f"{jax.__version__}")
+    try:
+        from jax_impl.mosaic_gpu import forward as _  # noqa: F401  (imports plgpu)
+    except Exception as e:  # ImportError, or an API that moved
+        return f"jax.experimental.pallas.mosaic_gpu cannot be used here: {type(e).__name__}: {e}"
+    return None
+
+
+_UNAVAILABLE = _import_error()
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot be offered in this installation, or None."""
+    return _UNAVAILABLE
+
+
+def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
+                has_mask: bool = False, has_sinks: bool = False, dtype=None,
+                has_segment_ids: bool = False) -> str | None:
+    """Why the Mosaic GPU forward cannot run such a call, or None. Every feature it does not
+    take yet is named."""
+    del has_sinks  # taken
+    if _UNAVAILABLE:
+        return _UNAVAILABLE
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim={head_dim} is not one of {HEAD_DIMS}"
+    if dtype is not None and jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float16 (wgmma's 16-bit operands)"
+    if has_bias:
+        return "a bias is not taken yet"
+    if has_mask:
+        return "a dense mask is not taken yet"
+    if has_segment_ids:
+        return "segment ids are not taken yet"
+    if cfg is not None:
+        if cfg.dropout_rate:
+            return "dropout is not taken yet"
+        if cfg.block_sizes is not None and not isinstance(cfg.block_sizes, Config):
+            return ("block_sizes is a BlockSizes (the Triton kernels' tiles); this kernel takes "
+                    "jax_impl.mosaic_gpu.Config")
+    return None
+
+
+def _num_sms() -> int | None:
+    """The SMs of the CUDA device a call will run on, if one is visible (None: the scheduler's
+    default, the H100's and H200's 132, e.g. when compiling on a host without a GPU)."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    return getattr(devices[0], "core_count", None) if devices else None
+
+
+def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
+    from jax_impl.mosaic_gpu.forward import Geometry, forward_call
+    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
+                         has_mask=masks.mask is not None, dtype=q.dtype,
+                         has_segment_ids=masks.q_segment_ids is not None)
+    if reason:
+        raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {reason}")
+    extras = extras or SinksAndDropout()
+    q, k, v, masks, sinks = vma.like((q, k, v, masks, extras.sinks),
+                                     vma.axes_of(q, k, v, masks, extras.sinks))
+    interpret = None
+    if cfg.interpret:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        interpret = plgpu.InterpretGPUParams()
+    else:
+        q = platform.requires_cuda(q, PLATFORM_ERROR)
+    config = cfg.block_sizes if isinstance(cfg.block_sizes, Config) else default_config(
+        q.shape[-1], q.dtype)
+    batch, lq, heads, head_dim = q.shape
+    geometry = Geometry(batch, lq, k.shape[1], heads, k.shape[2], head_dim, jnp.dtype(q.dtype),
+                        config)
+    q, k, v = _nonfinite_rule(q, k, v)
+    out, row_max, log_sum = forward_call(
+        cfg, geometry, q, k, v, masks.q_len, masks.kv_len, masks.position_offset,
+        None if sinks is None else sinks.astype(jnp.float32), num_sms=_num_sms(),
+        interpret=interpret)
+    return out, online_softmax.RowStats(row_max, log_sum)
+
+
+def _nonfinite_rule(q, k, v):
+    """The operands as the kernel reads them (the module's docstring): one XLA pass."""
+    poison = online_softmax.per_row(online_softmax.key_poison(k, v))  # [B, Lk, Hkv, 1]
+    return (online_softmax.poisoned_rows(q), k + poison.astype(k.dtype),
+            online_softmax.finite_or_zero(v))
+
+
+def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, extras=None):
+    """No Mosaic GPU backward yet: the table routes the backward to another implementation."""
+    raise NotImplementedError("implementation='mosaic_gpu' has no backward kernel yet; "
+                              "implementations.py pairs its forward with pallas_triton's backward")

@@ -1,0 +1,359 @@
+"""The forward kernel: FlashAttention-3's warp-specialised design in Pallas Mosaic GPU (sm_90a).
+
+One CTA per work item (or, persistent, per SM walking the items: scheduler.py) runs three
+warpgroups:
+
+- the *memory* warpgroup (``_producer``) issues TMA copies of the K and V tiles that the mask
+  structure allows (``masking.kv_block_range`` of the CTA's ``2 * block_q`` rows) into a ring
+  of ``num_stages`` shared-memory stages, each guarded by a *produced* mbarrier (the TMA
+  arrives on it) and a *consumed* one (both consumers arrive on it); it gives up registers
+  (``set_max_registers`` down to 40);
+- two *compute* warpgroups (``_consumer``) each own ``block_q`` query rows: Q by TMA into
+  shared memory, S = Q K^T and O += P V on the tensor cores (``wgmma``, fp32 accumulators in
+  registers, up to 232 per thread), the online softmax in base 2 with the scale folded
+  (``online_softmax.Base2Softmax``). Their GEMMs ping-pong: a *schedule* mbarrier that both
+  arrive on lets one warpgroup's softmax run under the other's GEMMs (warpgroup 1 starts one
+  phase late, warpgroup 0 catches up at the end);
+- the *epilogue* (``_store``) of each consumer writes O through the shared memory that held
+  its Q, and the natural-log row statistics (``RowStats``), with TMA stores.
+
+Each consumer walks every key tile of its CTA's range (the producer loads each once for both)
+in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outside its own
+range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
+the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none.
+Edges: a last query or key tile may run past Lq or Lk; TMA loads there read zeros and stores are
+clipped by the hardware, and ``masking.with_padding`` switches on the length rule, so no operand
+is padded and no shape needs to divide by a tile.
+
+Every ring slot's barriers are waited once per use by every warpgroup that reads it: Mosaic GPU
+tracks each mbarrier's phase per thread, so the tile counter ``step`` (which selects the slot)
+runs on across the work items of a persistent CTA.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_impl import dropout_sinks, masking, online_softmax
+from jax_impl.config import AttentionConfig
+from jax_impl.mosaic_gpu.config import CONSUMERS, Config
+from jax_impl.mosaic_gpu.scheduler import WorkOrder
+
+CONSUMER_REGISTERS = 232  # per thread; 2 x 128 x 232 + 128 x 40 = 64512 of the SM's 65536
+PRODUCER_REGISTERS = 40
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per query row of a WGMMA tile
+_MEMORY_WARPGROUP = CONSUMERS        # warpgroups 0 and 1 compute, 2 loads
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The static shape of one call."""
+
+    batch: int
+    lq: int
+    lk: int
+    heads: int      # query heads
+    kv_heads: int
+    head_dim: int
+    dtype: jnp.dtype
+    config: Config
+
+    @property
+    def rows_per_cta(self) -> int:
+        return CONSUMERS * self.config.block_q
+
+    @property
+    def num_pairs(self) -> int:
+        return -(-self.lq // self.rows_per_cta)
+
+    @property
+    def lq_stats(self) -> int:
+        """Lq rounded up to whole CTAs: the row statistics are written in whole tiles (a TMA
+        global stride must be a multiple of 16 bytes) and sliced back to Lq by XLA."""
+        return self.num_pairs * self.rows_per_cta
+
+
+def _scratch(geometry: Geometry):
+    """Shared memory and mbarriers of one CTA, shared by its three warpgroups."""
+    c, d, dtype = geometry.config, geometry.head_dim, geometry.dtype
+    swizzled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    tiles = (swizzled((CONSUMERS, c.block_q, d)),              # Q, then O
+             swizzled((c.num_stages, c.block_kv, d)),          # K ring
+             swizzled((c.num_stages, c.block_kv, d)),          # V ring
+             plgpu.SMEM((CONSUMERS, c.block_q), jnp.float32),  # row max
+             plgpu.SMEM((CONSUMERS, c.block_q), jnp.float32))  # row log-sum
+    barriers = (plgpu.Barrier(num_barriers=CONSUMERS),                          # Q loaded
+                plgpu.Barrier(num_barriers=c.num_stages),                       # K produced
+                plgpu.Barrier(num_barriers=c.num_stages),                       # V produced
+                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages),  # K consumed
+                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages),  # V consumed
+                plgpu.Barrier(num_arrivals=CONSUMERS))                          # schedule
+    return tiles, barriers
+
+
+class _Item:
+    """One work item as a warpgroup sees it: its rows, its batch row's scalars, the CTA's key
+    range and its own split of it."""
+
+    def __init__(self, cfg: AttentionConfig, geometry: Geometry, refs, pair, head, b, wg=None):
+        c = geometry.config
+        self.pair, self.head, self.b = pair, head, b
+        self.q_len, self.kv_len = refs.q_len[b], refs.kv_len[b]
+        self.offset = None if refs.offset is None else refs.offset[b]
+        cta_start = pair * geometry.rows_per_cta
+        self.lo, self.hi = masking.kv_block_range(
+            cfg.mask, cta_start, geometry.rows_per_cta, c.block_kv, self.q_len, self.kv_len,
+            self.offset)
+        if wg is not None:
+            self.q_start = cta_start + wg * c.block_q
+            split = masking.kv_block_split(cfg.mask, self.q_start, c.block_q, c.block_kv,
+                                           self.q_len, self.kv_len, self.offset)
+            # Inside the CTA's range (an empty own range may sit anywhere): five stretches.
+            self.bounds = [self.lo, *(jnp.minimum(jnp.maximum(x, self.lo), self.hi) for x in split),
+                           self.hi]
+
+
+def _split_refs(refs, has_offset: bool, has_sinks: bool):
+    refs = list(refs)
+    q, k, v, q_len, kv_len = refs[:5]
+    rest = refs[5:]
+    offset = rest.pop(0) if has_offset else None
+    sinks = rest.pop(0) if has_sinks else None
+    out, row_max, log_sum = rest
+    return _KernelRefs(q, k, v, q_len, kv_len, offset, sinks, out, row_max, log_sum)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelRefs:
+    q: object         # [B, Lq, Hq, D] GMEM
+    k: object         # [B, Lk, Hkv, D]
+    v: object         # [B, Lk, Hkv, D]
+    q_len: object     # [B] int32
+    kv_len: object    # [B] int32
+    offset: object    # [B] int32 or None
+    sinks: object     # [Bs, Hs] float32 or None
+    out: object       # [B, Lq, Hq, D]
+    row_max: object   # [B, Hq, lq_stats] float32
+    log_sum: object   # [B, Hq, lq_stats] float32
+
+
+def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem, barriers):
+    """The memory warpgroup: every allowed K and V tile of each item, in order, into the ring."""
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    c = geometry.config
+    _, k_smem, v_smem, _, _ = smem
+    _, k_produced, v_produced, k_consumed, v_consumed, _ = barriers
+    groups = geometry.heads // geometry.kv_heads
+
+    def item(pair, head, b, step):
+        it = _Item(cfg, geometry, refs, pair, head, b)
+        kv_head = lax.div(head, groups)
+
+        def load(j, step):
+            slot = lax.rem(step, c.num_stages)
+            keys = (b, pl.ds(j * c.block_kv, c.block_kv), kv_head)
+            for src, dst, produced, consumed in ((refs.k, k_smem, k_produced, k_consumed),
+                                                 (refs.v, v_smem, v_produced, v_consumed)):
+                @pl.when(step >= c.num_stages)  # the slot's previous tile was read by both
+                def _(consumed=consumed):
+                    plgpu.barrier_wait(consumed.at[slot])
+                plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], produced.at[slot])
+            return step + 1
+
+        return lax.fori_loop(it.lo, it.hi, load, step)
+
+    steps = order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+    # The tail (FA3's load_tail): wait until the consumers have read the last tile of every
+    # slot, so that every phase of the consumed barriers is observed before they go.
+    for back in range(c.num_stages, 0, -1):
+        @pl.when(steps >= back)
+        def _(back=back):
+            slot = lax.rem(steps - back, c.num_stages)
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
+
+
+def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem, barriers,
+              interpreted: bool):
+    """A compute warpgroup: its ``block_q`` rows of each item against the ring's key tiles."""
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    c = geometry.config
+    wg = lax.axis_index("wg")
+    q_smem, k_smem, v_smem, max_smem, log_sum_smem = smem
+    q_loaded, k_produced, v_produced, k_consumed, v_consumed, schedule = barriers
+    q_smem, max_smem, log_sum_smem = q_smem.at[wg], max_smem.at[wg], log_sum_smem.at[wg]
+    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=False)
+    tile = (c.block_q, c.block_kv)
+    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis, layout=plgpu.Layout.WGMMA)
+
+    def schedule_sync():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    def item(pair, head, b, step):
+        it = _Item(cfg, geometry, refs, pair, head, b, wg)
+        plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(it.q_start, c.block_q), head], q_smem,
+                                q_loaded.at[wg])
+        sink = None if refs.sinks is None else refs.sinks[
+            0 if refs.sinks.shape[0] == 1 else b, 0 if refs.sinks.shape[1] == 1 else head]
+        row_max, row_sum = (plgpu.layout_cast(x, _ROW)
+                            for x in dropout_sinks.initial_stats(sink, (c.block_q,)))
+        acc = plgpu.layout_cast(jnp.zeros((c.block_q, geometry.head_dim), jnp.float32),
+                                plgpu.Layout.WGMMA)
+        plgpu.barrier_wait(q_loaded.at[wg])
+        pl.when(wg == 1)(schedule_sync)  # one phase behind warpgroup 0: the ping-pong
+
+        def attend(j, carry, masked: bool):
+            acc, row_max, row_sum, step = carry
+            slot = lax.rem(step, c.num_stages)
+            plgpu.barrier_wait(k_produced.at[slot])
+
+            def logits(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                schedule_sync()  # the other warpgroup's GEMMs go next
+                return acc_ref[...]
+
+            qk = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            t, _ = softmax.logits(qk, cfg)
+            allowed = None
+            if masked:
+                allowed = masking.structural_allowed(
+                    cfg.mask, it.q_start + iota(0), j * c.block_kv + iota(1), it.q_len,
+                    it.kv_len, it.offset)
+            rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
+            acc = acc * online_softmax.rows_to(rescale, acc)
+            p = p.astype(geometry.dtype)
+            # JAX's and tokamax's kernels: finishing the softmax before the barrier keeps the
+            # other warpgroup's GEMMs from splitting it.
+            acc, row_max, row_sum, p = lax.optimization_barrier((acc, row_max, row_sum, p))
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(v_produced.at[slot])
+            plgpu.barrier_wait(schedule)
+
+            acc = _accumulate_values(acc, p, v_smem.at[slot], interpreted)
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, row_max, row_sum, step + 1
+
+        def pass_(j, carry):
+            """A tile of the CTA's range that none of this warpgroup's rows may see: the ring's
+            barriers and the schedule go on as if it were read."""
+            acc, row_max, row_sum, step = carry
+            slot = lax.rem(step, c.num_stages)
+            plgpu.barrier_wait(k_produced.at[slot])
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            schedule_sync()
+            plgpu.barrier_wait(v_produced.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            schedule_sync()
+            return acc, row_max, row_sum, step + 1
+
+        masked = functools.partial(attend, masked=True)
+        bodies = (pass_, masked, functools.partial(attend, masked=False), masked, pass_)
+        carry = (acc, row_max, row_sum, step)
+        for start, stop, body in zip(it.bounds[:-1], it.bounds[1:], bodies):
+            carry = lax.fori_loop(start, stop, body, carry)
+        acc, row_max, row_sum, step = carry
+        pl.when(wg == 0)(schedule_sync)
+        _store(geometry, refs, it, acc, row_max, row_sum, q_smem, max_smem, log_sum_smem)
+        return step
+
+    order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+
+
+def _accumulate_values(acc, p, v_tile, interpreted: bool):
+    """O += P V on the tensor cores, into the accumulator itself (``pl.run_state`` over
+    ``plgpu.ACC.init(acc)``: one wgmma chain with P from registers). Interpreted, as a plain
+    dot of P with the V tile read from shared memory, added to O: the Mosaic GPU interpreter of
+    jax 0.11 runs neither ``run_state`` over an accumulator nor a wgmma whose left operand is
+    in registers. The only difference between the compiled and the interpreted program."""
+    if interpreted:
+        return acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
+
+    def accumulate(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_tile)
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def _store(geometry: Geometry, refs: _KernelRefs, it: _Item, acc, row_max, row_sum, q_smem,
+           max_smem, log_sum_smem):
+    """The epilogue: O = acc / l and the RowStats, through shared memory, by TMA. Rows past Lq
+    are clipped by the TMA store; the statistics' rows past Lq are sliced off by XLA."""
+    block_q = geometry.config.block_q
+    out, stats = online_softmax.finalize(acc, row_max, row_sum)
+    q_smem[...] = out.astype(geometry.dtype)
+    max_smem[...] = stats.max
+    log_sum_smem[...] = stats.log_sum
+    plgpu.commit_smem()
+    rows = pl.ds(it.q_start, block_q)
+    plgpu.copy_smem_to_gmem(q_smem, refs.out.at[it.b, rows, it.head])
+    plgpu.copy_smem_to_gmem(max_smem, refs.row_max.at[it.b, it.head, rows])
+    plgpu.copy_smem_to_gmem(log_sum_smem, refs.log_sum.at[it.b, it.head, rows])
+    # The next item's Q lands where O is being read from.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_len, offset=None,
+                 sinks=None, *, num_sms: int | None = None, interpret=None):
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), q_len/kv_len [B] int32, offset [B] int32
+    or None, sinks [Bs, Hs] float32 or None -> (out [B, Lq, Hq, D], row max and log-sum
+    [B, Hq, Lq] float32, natural log)."""
+    c = geometry.config
+    lq, lk = geometry.lq, geometry.lk
+    q, k, v, geometry = _rows_of_eight(q, k, v, geometry)
+    cfg = dataclasses.replace(cfg, mask=masking.with_padding(
+        cfg.mask, queries_padded=geometry.lq % geometry.rows_per_cta != 0 or geometry.lq != lq,
+        keys_padded=geometry.lk % c.block_kv != 0 or geometry.lk != lk))
+    order = WorkOrder.create(geometry.num_pairs, geometry.heads, geometry.batch,
+                             masking.later_query_tiles_heavier(cfg.mask), c.persistent,
+                             **({} if num_sms is None else {"num_sms": num_sms}))
+    has_offset, has_sinks = offset is not None, sinks is not None
+
+    def entry(*refs):
+        kernel_refs = _split_refs(refs, has_offset, has_sinks)
+
+        def body(smem, barriers):
+            wg = lax.axis_index("wg")
+            pl.when(wg < CONSUMERS)(lambda: _consumer(cfg, geometry, order, kernel_refs, smem,
+                                                      barriers, interpret is not None))
+            pl.when(wg == _MEMORY_WARPGROUP)(lambda: _producer(cfg, geometry, order, kernel_refs,
+                                                               smem, barriers))
+
+        tiles, barriers = _scratch(geometry)
+        pl.run_scoped(lambda *scoped: body(scoped[:len(tiles)], scoped[len(tiles):]),
+                      *tiles, *barriers, collective_axes="wg")
+
+    stats = jax.ShapeDtypeStruct((geometry.batch, geometry.heads, geometry.lq_stats), jnp.float32)
+    operands = [q, k, v, q_len, kv_len] + [x for x in (offset, sinks) if x is not None]
+    kernel = plgpu.kernel(
+        entry, out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats),
+        grid=(order.num_ctas,), grid_names=("cta",), num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **({} if interpret is None else {"interpret": interpret}))
+    out, row_max, log_sum = kernel(*operands)
+    return out[:, :lq], row_max[..., :lq], log_sum[..., :lq]
+
+
+ROW_MULTIPLE = 8  # a TMA box of the swizzled (8, 64) tiling reads whole 8-row groups of gmem
+
+
+def _rows_of_eight(q, k, v, geometry: Geometry):
+    """q, k, v with Lq and Lk padded with zeros to a multiple of 8 (Mosaic's TMA descriptors
+    of the (8, 64)-tiled tiles need whole 8-row groups in gmem; measured on an H200: an Lk of
+    300 is refused at compile time), and the geometry of the padded call. The padded rows lie at
+    or past the lengths (the mask's length rule is switched on) and are sliced off the
+    results. Lengths that are multiples of 8 are not copied."""
+    pad = lambda n: -n % ROW_MULTIPLE
+    if not pad(geometry.lq) and not pad(geometry.lk):
+        return q, k, v, geometry
+    rows = lambda x, n: jnp.pad(x, ((0, 0), (0, pad(n)), (0, 0), (0, 0)))
+    q, k, v = rows(q, geometry.lq), rows(k, geometry.lk), rows(v, geometry.lk)
+    return q, k, v, dataclasses.replace(geometry, lq=q.shape[1], lk=k.shape[1])

@@ -1,0 +1,64 @@
+"""The Mosaic GPU forward's shipped configurations compiled for sm_90a without a GPU
+(benchmarks/mosaic_compile_report.py): each compiles, with 0 spill bytes, shared memory within
+227 KiB and no more than Config.shared_memory_bytes plus 4 KiB, TMA loads and stores, wgmma
+dots, and setmaxnreg giving the consumers 232 registers and the producer 40.
+
+Needs jax >= 0.11 with its CUDA plugin (Python >= 3.12; CI's jax 0.10 skips it with the reason);
+runs the tool in a process of its own (it sets JAX_PLATFORMS=cpu before importing jax): about
+25 s for the 8 configurations.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jax_impl import mosaic_gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _toolchain_missing() -> str | None:
+    if mosaic_gpu.unavailable():
+        return mosaic_gpu.unavailable()
+    if importlib.util.find_spec("jax_plugins.xla_cuda13") is None and \
+            importlib.util.find_spec("jax_cuda13_plugin") is None:
+        return "the compile report needs jax's CUDA 13 plugin (pip install 'jax[cuda13]')"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_toolchain_missing()))
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "report"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_compile_report", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(Path(str(out) + ".json").read_text())
+
+
+def test_every_shipped_configuration_compiles_without_spills_within_shared_memory(rows):
+    assert {(r["dtype"], r["head_dim"], r["causal"]) for r in rows} == {
+        (dt, d, c) for dt in ("bfloat16", "float16") for d in (64, 128) for c in (False, True)}
+    for r in rows:
+        label = f"{r['dtype']} D={r['head_dim']} causal={r['causal']}"
+        assert r["ok"], f"{label}: {r['error']}"
+        assert r["spill_stores"] == r["spill_loads"] == r["stack_frame"] == 0, label
+        assert r["shared"] <= 227 * 1024, label
+        assert r["shared"] <= r["shared_estimate"] + 4096, label
+
+
+def test_the_design_is_in_the_ptx(rows):
+    """TMA loads (Q, K, V) and stores (O, statistics), wgmma dots, mbarrier waits, and the
+    register rebalancing between the warpgroup roles."""
+    for r in rows:
+        label = f"{r['dtype']} D={r['head_dim']} causal={r['causal']}"
+        assert r["tma_loads"] >= 3 and r["tma_stores"] >= 3, label
+        assert r["wgmma"] > 0 and r["mbarrier_waits"] > 0, label
+        assert set(r["setmaxnreg"]) == {"inc 232", "dec 40"}, label

@@ -1,0 +1,251 @@
+"""implementation="mosaic_gpu": its table entry and eligibility, its tiles, its work order, and
+(jax >= 0.11) its numbers in the Mosaic GPU interpreter against the float64 torch oracle.
+
+The interpreter runs the kernel's program (TMA copies, the mbarrier ring, the schedule barrier,
+the masks and the base-2 softmax, the persistent loop) except the P V product, which it cannot
+run as a register-operand wgmma: there it is a plain dot (forward._accumulate_values). The
+interpreter checks at the end that every warpgroup observed every barrier phase. On jax 0.10
+(CI) the kernel is not offered and only the first group of tests runs; the others need an
+environment with jax 0.11 (Python >= 3.12), e.g. ``pip install -e '.[test]' jax==0.11.2``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conformance.cases import Case
+from jax_impl import dropout_sinks, implementations, masking, mosaic_gpu, recompute_vjp
+from jax_impl.config import AttentionConfig, BlockSizes
+from jax_impl.flash_attention import explain_implementation, flash_attention
+from jax_impl.mosaic_gpu.config import Config, default_config
+from jax_impl.mosaic_gpu.scheduler import WorkOrder
+from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run, torch_arrays
+
+needs_mosaic = pytest.mark.skipif(mosaic_gpu.unavailable() is not None,
+                                  reason=f"mosaic_gpu: {mosaic_gpu.unavailable()}")
+# The numbers: in the interpreter (any machine with jax >= 0.11), and compiled on a CUDA device
+# of compute capability 9.0 (the gpu lane: pytest -m gpu, benchmarks/run_gpu.sh).
+INTERPRET = [pytest.param(True, id="interpret", marks=needs_mosaic),
+             pytest.param(False, id="compiled", marks=(needs_mosaic, pytest.mark.gpu))]
+
+
+# --- The table, eligibility, dispatch (any jax) --------------------------------------------
+
+def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
+    impl = implementations.get("mosaic_gpu")
+    assert not impl.automatic and impl.needs_cuda and impl.takes_position_offset
+    assert "pallas_triton" in impl.summary and "GPU" in impl.manual_because
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    choice = explain_implementation(q, q, q, platform="cuda")
+    assert choice.chosen == "pallas_triton"
+    assert choice.reasons["mosaic_gpu"] == (mosaic_gpu.unavailable() or
+                                           f"never chosen automatically: {impl.manual_because}")
+
+
+@pytest.mark.parametrize("features, reason", [
+    (dict(head_dim=96), "head_dim=96 is not one of (64, 128)"),
+    (dict(dtype=jnp.float32), "dtype float32 is not bfloat16 or float16"),
+    (dict(has_bias=True), "a bias is not taken yet"),
+    (dict(has_mask=True), "a dense mask is not taken yet"),
+    (dict(has_segment_ids=True), "segment ids are not taken yet"),
+    (dict(dropout_rate=0.1), "dropout is not taken yet"),
+    (dict(block_sizes=BlockSizes()), "block_sizes is a BlockSizes"),
+    (dict(), None),
+    (dict(has_sinks=True, soft_cap=3.0, block_sizes=Config()), None),
+], ids=lambda x: str(x)[:40])
+def test_every_feature_it_does_not_take_is_named(monkeypatch, features, reason):
+    monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)  # judged as on jax >= 0.11
+    features = dict(features)
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), logits_soft_cap=features.pop("soft_cap", None),
+                          dropout_rate=features.pop("dropout_rate", 0.0),
+                          block_sizes=features.pop("block_sizes", None))
+    got = mosaic_gpu.unsupported(head_dim=features.pop("head_dim", 64), cfg=cfg,
+                                 dtype=features.pop("dtype", jnp.bfloat16), **features)
+    assert (got is None) if reason is None else got.startswith(reason), got
+
+
+def test_unavailable_on_old_jax_says_so(monkeypatch):
+    monkeypatch.setattr(jax, "__version_info__", (0, 10, 2))
+    monkeypatch.setattr(jax, "__version__", "0.10.2")
+    assert mosaic_gpu._import_error() == "the Mosaic GPU kernel needs jax >= 0.11; this is jax 0.10.2"
+
+
+def test_a_cpu_call_by_name_is_refused_naming_it():
+    q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    error = ValueError if mosaic_gpu.unavailable() else NotImplementedError
+    with pytest.raises(error, match="mosaic_gpu"):
+        jax.block_until_ready(flash_attention(q, q, q, implementation="mosaic_gpu"))
+
+
+def test_unsupported_calls_by_name_are_refused_before_tracing(monkeypatch):
+    monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)
+    q = jnp.ones((1, 64, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="mosaic_gpu.*float32"):
+        flash_attention(q, q, q, implementation="mosaic_gpu")
+    with pytest.raises(TypeError, match="mosaic_gpu.Config"):
+        flash_attention(q, q, q, implementation="xla", block_sizes=Config())
+
+
+# --- Tiles and the work order (any jax) ----------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_q=32), "multiple of 64"), (dict(block_kv=96), "multiple of 64"),
+    (dict(block_q=192), "64 or 128"), (dict(num_stages=1), r"\[2, 4\]"),
+    (dict(persistent=1), "bool")])
+def test_config_is_validated(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        Config(**kwargs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_tiles_fit_the_shared_memory_budget(head_dim):
+    config = default_config(head_dim, jnp.bfloat16)
+    assert config.shared_memory_bytes(head_dim, jnp.bfloat16) <= 227 * 1024
+
+
+@pytest.mark.parametrize("spec", [masking.MaskSpec(is_causal=True), masking.MaskSpec(),
+                                  masking.MaskSpec(window_left=100, window_right=0),
+                                  masking.MaskSpec(is_causal=True, bottom_right=True)],
+                         ids=["causal", "full", "window", "causal-bottom-right"])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_work_order_takes_every_item_once_heaviest_first(spec, persistent):
+    """Against the mask rule: the key tiles a pair sees (masking.kv_block_range) never grow
+    along the order in which the items are started (item w starts in round w // num_ctas)."""
+    lq, lk, rows, block_kv, heads, batch = 1000, 1100, 128, 128, 3, 2
+    num_pairs = -(-lq // rows)
+    order = WorkOrder.create(num_pairs, heads, batch, masking.later_query_tiles_heavier(spec),
+                             persistent, num_sms=5)
+    seen = []
+    for cta in range(order.num_ctas):
+        for i in range(int(order.items_of(cta))):
+            seen.append((int(order.work(cta, i)), *map(int, order.item(order.work(cta, i)))))
+    assert sorted(w for w, *_ in seen) == list(range(num_pairs * heads * batch))
+    assert len({tuple(x[1:]) for x in seen}) == len(seen)
+    work = lambda pair: np.subtract(*masking.kv_block_range(
+        spec, pair * rows, rows, block_kv, jnp.int32(lq), jnp.int32(lk))[::-1])
+    weights = [int(work(pair)) for _, pair, _, _ in sorted(seen)]
+    assert weights == sorted(weights, reverse=True)
+
+
+# --- Numbers in the interpreter (jax >= 0.11) ------------------------------------------------
+
+PROBLEMS = [  # 16-bit, head_dim 64 / 128; lengths that are no multiple of a tile
+    Case("bf16-plain-edges", q_len=200, kv_len=130, kv_heads=2, dtype="bfloat16", seed=40),
+    Case("fp16-causal-topleft-lq<lk", q_len=70, kv_len=300, kv_heads=2, dtype="float16",
+         causal="top_left", seed=41),
+    Case("bf16-causal-bottomright-lq>lk-lengths", q_len=300, kv_len=129, kv_heads=1, dtype="bfloat16",
+         causal="bottom_right", lengths=True, seed=42),
+    Case("fp16-window-d128", q_len=257, kv_len=257, q_heads=2, kv_heads=2, head_dim=128,
+         dtype="float16", window=(40, 9), seed=43),
+    Case("bf16-causal-window-left-softcap-sinks", q_len=260, kv_len=260, kv_heads=2, dtype="bfloat16",
+         causal="top_left", window=(50, None), soft_cap=4.0, sinks=True, seed=44),
+    Case("bf16-decode-lq1", q_len=1, kv_len=300, kv_heads=1, dtype="bfloat16",
+         causal="bottom_right", lengths=True, seed=45),
+]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.name)
+def test_forward_and_backward_match_the_float64_oracle(problem, interpret):
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("config", [Config(64, 64, 2), Config(64, 128, 3), Config(128, 64, 4),
+                                    Config(64, 64, 2, persistent=False)], ids=str)
+def test_tiles_stages_and_a_persistent_loop_of_many_items(monkeypatch, config, interpret):
+    """Two CTAs walk all 2 x 4 x 3 items (several items each: the ring's slot and phase run on
+    across items), with causal bottom-right lengths: each config gives the oracle's numbers."""
+    monkeypatch.setattr(mosaic_gpu, "_num_sms", lambda: 2)
+    problem = Case("bf16-persistent", batch=2, q_len=190 if config.block_q == 64 else 400, kv_len=250,
+                   q_heads=4, kv_heads=2, dtype="bfloat16", causal="bottom_right", lengths=True, seed=46)
+    results = run(problem, jnp.bfloat16, "mosaic_gpu", interpret=interpret, block_sizes=config)
+    assert_judged_correct(results, oracle(problem), baseline(problem), "bfloat16")
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_row_stats_are_the_contract_and_repeat_bit_for_bit(interpret):
+    """RowStats as every backend writes them: rows with no allowed key (past q_len, a window
+    that misses every key) have max = +inf and log_sum = 0 exactly and output 0; the others
+    agree with the xla path's; a second call gives the same bits."""
+    rng = np.random.default_rng(47)
+    b, lq, lk, h, d = 2, 150, 140, 2, 64
+    q, k, v = (jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16) for n in (lq, lk, lk))
+    spec = masking.MaskSpec(window_left=3, window_right=0, has_q_lengths=True, has_kv_lengths=True)
+    masks = masking.MaskInputs(jnp.array([150, 90], jnp.int32), jnp.array([140, 60], jnp.int32),
+                               None, None, None)
+    cfg = AttentionConfig(scale=d ** -0.5, mask=spec, interpret=interpret)
+    out, stats = mosaic_gpu.forward(cfg, q, k, v, None, masks)
+    again = mosaic_gpu.forward(cfg, q, k, v, None, masks)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves((out, stats)), jax.tree.leaves(again)))
+    _, ref_stats = implementations.get("xla").forward(dataclasses.replace(cfg, interpret=False),
+                                                          q, k, v, None, masks)
+    empty = np.asarray(ref_stats.max) == np.inf
+    assert empty[1].any() and not empty[0].all()  # rows past q_len, and rows past kv_len's window
+    np.testing.assert_array_equal(np.asarray(stats.max)[empty], np.inf)
+    np.testing.assert_array_equal(np.asarray(stats.log_sum)[empty], 0.0)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)).transpose(0, 2, 1, 3)[empty], 0.0)
+    for got, want in zip(stats, ref_stats):
+        np.testing.assert_allclose(np.asarray(got)[~empty], np.asarray(want)[~empty], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("causal, window", [(True, None), (False, (7, 3)), (True, (30, None))])
+def test_position_offset_shifts_the_band(causal, window, interpret):
+    """What ring attention passes per chunk pair, forward and (pallas_triton's) backward."""
+    from test_position_offset import _numpy_mask
+    rng = np.random.default_rng(48)
+    b, lq, lk, hq, hkv, d = 3, 140, 200, 2, 1, 64
+    normal = lambda *s: rng.standard_normal(s).astype(np.float32)
+    q, k, v, ct = (jnp.asarray(normal(b, n, hh, d), jnp.bfloat16) for n, hh in
+                   ((lq, hq), (lk, hkv), (lk, hkv), (lq, hq)))
+    offsets = np.array([60, -20, 200], np.int32)
+    q_len, kv_len = np.array([lq, 120, 50], np.int32), np.array([lk, 190, 30], np.int32)
+    spec = masking.MaskSpec(is_causal=causal, window_left=None if window is None else window[0],
+                            window_right=None if window is None else window[1],
+                            has_q_lengths=True, has_kv_lengths=True)
+    cfg = AttentionConfig(scale=d ** -0.5, mask=spec, interpret=interpret)
+    masks = masking.MaskInputs(jnp.asarray(q_len), jnp.asarray(kv_len), None, None, None,
+                               position_offset=jnp.asarray(offsets))
+
+    def attend(q, k, v):
+        return recompute_vjp.attention(implementations.get("mosaic_gpu"), cfg, q, k, v, None, masks,
+                                       dropout_sinks.SinksAndDropout())[0]
+
+    out, vjp = jax.vjp(attend, q, k, v)
+    results = dict(zip(("out", "dq", "dk", "dv"), (out, *vjp(ct))))
+    mask = _numpy_mask(b, lq, lk, offsets, causal, window, q_len, kv_len)
+    f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+    reference = torch_arrays(f32(q), f32(k), f32(v), f32(ct), mask=mask)
+    plain = torch_arrays(f32(q), f32(k), f32(v), f32(ct), dtype=ml_dtypes.bfloat16, mask=mask)
+    from conformance import tolerance
+    for name, x in results.items():
+        verdict = tolerance.judge(name, np.asarray(x, np.float64), reference[name], plain[name], "bfloat16")
+        assert verdict.passed, verdict
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_nonfinite_values_follow_the_rule_of_every_implementation(interpret):
+    """A NaN in v and an inf in k at keys some rows may not attend, a NaN query row: the NaN
+    pattern and the finite values of out match the xla path's."""
+    rng = np.random.default_rng(49)
+    b, l, h, d = 1, 150, 2, 64
+    q, k, v = (rng.standard_normal((b, l, h, d)).astype(np.float32) for _ in range(3))
+    v[0, 100, 0, 5] = np.nan
+    k[0, 140, 1, 3] = np.inf
+    q[0, 20, 1, 0] = np.nan
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    options = dict(is_causal=True, local_window_size=(60, None))
+    got = flash_attention(q, k, v, implementation="mosaic_gpu", interpret=interpret, **options)
+    want = flash_attention(q, k, v, implementation="xla", **options)
+    got, want = (np.asarray(x.astype(jnp.float32)) for x in (got, want))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(want).any() and not np.isnan(want).all()
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(got[finite], want[finite], atol=2e-2)
