@@ -7,6 +7,9 @@ windows, sequence lengths, segment ids, GQA/MQA, a bias (with its gradient), a d
 the soft cap, dropout (the same hash as every implementation), sinks, any head_dim (padded
 with zeros to a multiple of 16 in the copies the kernels read), ring position offsets.
 ``unsupported`` refuses only what the build or the tiles rule out.
+
+``decode`` (forward only) serves few query rows against a long KV cache, dense or paged, read
+in place (``flash_cpu.h``, "Decode"); ``decode_unsupported`` says which calls it cannot take.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from jax_impl import masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.cpu_kernel.build import unavailable
 
-__all__ = ["forward", "backward", "unsupported", "unavailable"]
+__all__ = ["forward", "backward", "decode", "decode_unsupported", "decode_splits", "unsupported",
+           "unavailable"]
 
 HEAD_DIM_MULTIPLE = 16  # the kernels' products run in rows of SIMD vectors of up to 16 floats
 # Tiles (query rows, keys) of the forward and backward, measured on the 2-core AVX-512 machine
@@ -165,3 +169,87 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     dq = jnp.swapaxes(jnp.sum(dq_parts, axis=0), 1, 2)[..., :d] * cfg.scale
     dk, dv = (jnp.swapaxes(x, 1, 2)[..., :d].astype(y.dtype) for x, y in ((dk, k), (dv, v)))
     return dq.astype(q.dtype), dk, dv, dbias if with_dbias else None
+
+
+DECODE_CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+DECODE_MAX_QUERY_ROWS = 16
+DECODE_MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost outweighs its keys
+_PAGED = 1
+
+
+def decode_unsupported(*, q_len: int | None = None, dtype=None, has_bias: bool = False,
+                       has_mask: bool = False, has_segment_ids: bool = False,
+                       dropout_rate: float = 0.0) -> str | None:
+    """Why ``decode`` cannot take such a call (the caller then takes its regular path), or None."""
+    if q_len is not None and q_len > DECODE_MAX_QUERY_ROWS:
+        return f"{q_len} query rows: the decode kernel takes at most {DECODE_MAX_QUERY_ROWS}"
+    if dtype is not None and jnp.dtype(dtype) not in [jnp.dtype(t) for t in DECODE_CACHE_DTYPES]:
+        return f"cache dtype {jnp.dtype(dtype)}: the decode kernel reads float32, bfloat16, float16"
+    for present, what in ((has_bias, "a bias"), (has_mask, "a dense mask"),
+                          (has_segment_ids, "segment ids"), (dropout_rate, "dropout")):
+        if present:
+            return f"{what}: the decode kernel does not take it"
+    return unavailable()
+
+
+def decode_splits(batch: int, kv_len: int, threads: int | None = None) -> int:
+    """How many key ranges each batch row is split into (one item per (batch row, split), all
+    kv heads in it): enough items for every thread twice over, no split under
+    DECODE_MIN_KEYS_PER_SPLIT keys. A function of the shapes and the thread count only, so that
+    repeated calls give the same bits."""
+    threads = platform.host_threads() if threads is None else threads
+    wanted = -(-2 * threads // batch)
+    return max(1, min(wanted, kv_len // DECODE_MIN_KEYS_PER_SPLIT))
+
+
+def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None, page_table=None,
+           *, splits: int | None = None):
+    """Decode forward: -> (out ``[B, Lq, Hq, D]`` in q's dtype, RowStats ``[B, Hq, Lq]``).
+
+    q ``[B, Lq, Hq, D]`` (Lq <= 16); k, v a dense cache ``[B, Lk, Hkv, D]`` (page_table None)
+    or pages ``[num_pages, page_size, Hkv, D]`` with page_table ``[B, pages_per_sequence]``
+    int32 (logical key j of row b: page ``page_table[b, j // page_size]``, slot
+    ``j % page_size``). Lengths, band and position offset come from ``masks`` in logical keys.
+    The cache is passed to the kernel as it is: no copy, cast or relayout of it. RowStats as
+    ``forward`` returns them (so ``backward`` runs from them for a dense cache).
+    ``splits`` overrides ``decode_splits`` (tests: every split count gives the same answer).
+    """
+    _registered()
+    b, lq, hq, d = q.shape
+    if masks.mask is not None or masks.q_segment_ids is not None:
+        raise ValueError("cpu_kernel.decode takes no dense mask and no segment ids "
+                         "(masks.mask and masks.q_segment_ids must be None)")
+    if extras is not None and extras.dropout_seeds is not None and cfg.dropout_rate:
+        raise ValueError("cpu_kernel.decode takes no dropout (cfg.dropout_rate must be 0)")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"k and v must share shape and dtype; got {k.shape} {k.dtype}, {v.shape} {v.dtype}")
+    reason = decode_unsupported(q_len=lq, dtype=k.dtype)
+    if reason:
+        raise ValueError(f"cpu_kernel.decode cannot run this call: {reason}")
+    hkv, dk = k.shape[2], k.shape[3]
+    if dk != d or hq % hkv:
+        raise ValueError(f"q {q.shape} and cache {k.shape} must share head_dim, with Hq a multiple of Hkv")
+    if page_table is None:
+        if k.shape[0] != b:
+            raise ValueError(f"a dense cache k must be [B={b}, Lk, Hkv, D]; got {k.shape}")
+        lk, flags, table = k.shape[1], 0, jnp.zeros((1, 1), jnp.int32)
+    else:
+        if page_table.ndim != 2 or page_table.shape[0] != b or not jnp.issubdtype(page_table.dtype, jnp.integer):
+            raise ValueError(f"page_table must be int32 [B={b}, pages_per_sequence]; got "
+                             f"{page_table.shape} {page_table.dtype}")
+        lk, flags, table = page_table.shape[1] * k.shape[1], _PAGED, page_table.astype(jnp.int32)
+    sinks = None if extras is None else extras.sinks
+    flags |= _SINKS * (sinks is not None)
+    if splits is None:
+        splits = decode_splits(b, lk)
+    dp = _padded_head_dim(d)
+    stats = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
+    d_lo, d_hi = _band(cfg, masks)
+    out, row_max, log_sum = _varying_like_operands(jax.ffi.ffi_call(
+        "jax_flash_attention_cpu_decode",
+        (jax.ShapeDtypeStruct((b, lq, hq, dp), jnp.float32), stats, stats), vmap_method="sequential",
+    )(_pad_features(q, dp), k, v, table, masks.q_len, masks.kv_len, d_lo, d_hi,
+      jnp.zeros((1, 1), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
+      scale=np.float32(cfg.scale), soft_cap=np.float32(cfg.logits_soft_cap or 0.0),
+      flags=np.int64(flags), splits=np.int64(splits)), q, k, v, masks, extras, page_table)
+    return out[..., :d].astype(q.dtype), online_softmax.RowStats(row_max, log_sum)

@@ -38,7 +38,8 @@ SANITIZER_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefi
 FLAGS = ("-O3", f"-march={MARCH}", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno",
          *(SANITIZER_FLAGS if SANITIZE else ()))
 TARGETS = {"jax_flash_attention_cpu_forward": "FlashForwardCpu",
-           "jax_flash_attention_cpu_backward": "FlashBackwardCpu"}
+           "jax_flash_attention_cpu_backward": "FlashBackwardCpu",
+           "jax_flash_attention_cpu_decode": "FlashDecodeCpu"}
 
 
 def _compiler() -> str | None:

@@ -1,5 +1,6 @@
-// The CPU kernel (flash_cpu.h) as two XLA FFI custom calls: jax_impl/cpu_kernel/__init__.py
-// lays out the operands and build.py compiles this file on first use.
+// The CPU kernel (flash_cpu.h) as XLA FFI custom calls (forward, backward, decode):
+// jax_impl/cpu_kernel/__init__.py lays out the operands and build.py compiles this file on
+// first use.
 #include "flash_cpu.h"
 
 #include "xla/ffi/api/ffi.h"
@@ -98,6 +99,61 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, F32 q, F32 k, F32 v, S32 q_len, S3
   return ffi::Error::Success();
 }
 
+// Decode: q [B, Lq, Hq, Dp] float32 (Dp = head_dim padded to the SIMD width); k, v the cache
+// as it lies, float32, bfloat16 or float16: dense [B, Lk, Hkv, Dk], or (flags & 1) pages
+// [num_pages, page_size, Hkv, Dk] with page_table [B, pages_per_sequence] int32 (else a dummy);
+// sinks [Bs, Hs] when flags & 8.
+ffi::Error DecodeImpl(ffi::ThreadPool pool, F32 q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      S32 page_table, S32 q_len, S32 kv_len, S32 d_lo, S32 d_hi, F32 sinks,
+                      float scale, float soft_cap, int64_t flags, int64_t splits,
+                      ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> row_max,
+                      ffi::ResultBuffer<ffi::F32> log_sum) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = page_table.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("decode: q, k, v must have rank 4, page_table rank 2");
+  for (int a = 0; a < 4; ++a)
+    if (kd[a] != vd[a]) return ffi::Error::InvalidArgument("decode: k and v shapes differ");
+  if (k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("decode: k and v dtypes differ");
+  flash_cpu::KvCache cache;
+  switch (k.element_type()) {
+    case ffi::DataType::F32: cache.type = flash_cpu::CacheType::kF32; break;
+    case ffi::DataType::BF16: cache.type = flash_cpu::CacheType::kBF16; break;
+    case ffi::DataType::F16: cache.type = flash_cpu::CacheType::kF16; break;
+    default: return ffi::Error::InvalidArgument("decode: the cache must be float32, bfloat16 or float16");
+  }
+  const bool paged = flags & 1;
+  const int64_t B = qd[0], Lq = qd[1], Hq = qd[2], Dp = qd[3], Hkv = kd[2], Dk = kd[3];
+  cache.k = k.untyped_data();
+  cache.v = v.untyped_data();
+  cache.Dk = Dk;
+  int64_t Lk;
+  if (paged) {
+    cache.page_table = page_table.typed_data();
+    cache.pages_per_sequence = pd[1];
+    cache.page_size = kd[1];
+    cache.num_pages = kd[0];
+    Lk = pd[1] * kd[1];
+    if (pd[0] != B || kd[0] < 1)
+      return ffi::Error::InvalidArgument("decode: page_table must be [B, pages] and pages >= 1");
+  } else {
+    cache.Lk_dense = Lk = kd[1];
+    if (kd[0] != B) return ffi::Error::InvalidArgument("decode: k's batch differs from q's");
+  }
+  if (Dp % flash_cpu::W != 0 || Dk > Dp || Hkv < 1 || Hq % Hkv != 0 || splits < 1)
+    return ffi::Error::InvalidArgument(
+        "decode: q's head_dim must be the cache's padded to the SIMD width, Hq a multiple of "
+        "Hkv, splits >= 1");
+  flash_cpu::Problem P{B, Lq, Lk, Hq, Hkv, Dp, q_len.typed_data(), kv_len.typed_data(),
+                       d_lo.typed_data(), d_hi.typed_data()};
+  P.sinks = PerHeadOf<float>(sinks, flags & 8, 1);
+  P.scale = scale;
+  P.soft_cap = soft_cap;
+  flash_cpu::Decode(P, cache, q.typed_data(), out->typed_data(), row_max->typed_data(),
+                    log_sum->typed_data(), splits, pool);
+  return ffi::Error::Success();
+}
+
 // What both handlers take first: XLA's thread pool, q, k (the forward's K^T panels), v, the
 // mask operands q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, and bias, sinks, seeds.
 auto BindAttention() {
@@ -136,6 +192,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashBackwardCpu, BackwardImpl,
                                   .Attr<int64_t>("flags")
                                   .Attr<int64_t>("chunks")
                                   .Ret<F32>()
+                                  .Ret<F32>()
+                                  .Ret<F32>()
+                                  .Ret<F32>());
+
+// flags: 1 paged cache, 8 sinks.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashDecodeCpu, DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<S32>()
+                                  .Arg<S32>()
+                                  .Arg<S32>()
+                                  .Arg<S32>()
+                                  .Arg<S32>()
+                                  .Arg<F32>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("flags")
+                                  .Attr<int64_t>("splits")
                                   .Ret<F32>()
                                   .Ret<F32>()
                                   .Ret<F32>());

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -685,6 +686,350 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
     }
   };
   ParallelFor(pool, P.B * P.Hkv * chunks, run);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode (few query rows against a long KV cache), forward only. The cache is read where it
+// lies, never copied or relaid out as a whole: dense k, v [B, Lk, Hkv, Dk], or pages
+// [num_pages, page_size, Hkv, Dk] addressed through a page table [B, pages_per_sequence]
+// (logical key j of row b: page table[b, j / page_size], slot j % page_size), in float32,
+// bfloat16 or float16 (computed in float32). One item per (batch row, kv head, split):
+// the G = Hq / Hkv query heads times the Lq rows that share the kv head form the tile's rows
+// (query-group packing: each key row is read once per kv head), and the key range is split
+// over `splits` items, each leaving a partial (acc, max, sum) that DecodeMerge combines
+// exactly (log-sum-exp), in a fixed order: the result does not depend on the threads' timing.
+
+enum class CacheType { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct KvCache {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  CacheType type = CacheType::kF32;
+  int64_t Dk = 0;          // the cache's head_dim (the kernel pads its float32 copies to Dp)
+  int64_t Lk_dense = 0;    // dense: keys per batch row
+  const int32_t* page_table = nullptr;  // null: dense
+  int64_t pages_per_sequence = 0, page_size = 0, num_pages = 0;
+
+  // Element offset of key j's row for kv head hk of batch row b.
+  int64_t row(const Problem& P, int64_t b, int64_t hk, int64_t j) const {
+    if (page_table == nullptr) return ((b * Lk_dense + j) * P.Hkv + hk) * Dk;
+    // Page ids are clamped by the caller; clamped here again so no id can read out of bounds.
+    int64_t page = std::clamp<int64_t>(page_table[b * pages_per_sequence + j / page_size], 0,
+                                       num_pages - 1);
+    return ((page * page_size + j % page_size) * P.Hkv + hk) * Dk;
+  }
+  int64_t element_bytes() const { return type == CacheType::kF32 ? 4 : 2; }
+};
+
+template <typename T>
+inline float ToFloat(T x);
+template <>
+inline float ToFloat<float>(float x) { return x; }
+struct BF16 { uint16_t bits; };
+template <>
+inline float ToFloat<BF16>(BF16 x) {
+  uint32_t u = uint32_t{x.bits} << 16;
+  float f; std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <>
+inline float ToFloat<_Float16>(_Float16 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void RowToFloat(const T* src, int64_t Dk, int64_t Dp, float* dst) {
+  for (int64_t d = 0; d < Dk; ++d) dst[d] = ToFloat<T>(src[d]);
+  for (int64_t d = Dk; d < Dp; ++d) dst[d] = 0.0f;
+}
+
+// The lanes of x summed as a tree (W / 2 adds at the first level: no long chain of adds).
+inline float HorizontalSum(vf x) {
+  float lanes[W];
+  std::memcpy(lanes, &x, sizeof x);
+  for (int width = W / 2; width >= 1; width /= 2)
+    for (int w = 0; w < width; ++w) lanes[w] += lanes[w + width];
+  return lanes[0];
+}
+
+// sums[c] = the lane sum of acc[c] for c < W (W accumulators reduced together: a transpose
+// by shuffles, W - 1 adds of whole vectors, instead of W horizontal sums).
+inline vf LaneSums(const vf* acc) {
+#if defined(__AVX512F__)
+  static_assert(W == 16);
+  vf x[8], y[4], z[2];
+  for (int k = 0; k < 8; ++k)  // [key 2k: 8 partials][key 2k+1: 8 partials]
+    x[k] = __builtin_shufflevector(acc[2 * k], acc[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                   18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(acc[2 * k], acc[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                   25, 26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)  // 4 keys, 4 partials each
+    y[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(x[2 * k], x[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // 8 keys, 2 partials each
+    z[k] = __builtin_shufflevector(y[2 * k], y[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(y[2 * k], y[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+#else
+  vf sums;
+  for (int c = 0; c < W; ++c) sums[c] = HorizontalSum(acc[c]);
+  return sums;
+#endif
+}
+
+// t[r * ldt + c] = q[r] . key[c] for r < m, c < round_up(n, W) (keys past n give 0; rows of
+// Dp floats, Dp a multiple of W; ldt a multiple of W).
+inline void DecodeLogits(int64_t m, int64_t n, int64_t Dp, const float* q, const float* const* key,
+                         float* t, int64_t ldt) {
+  constexpr int RB = 4;  // query rows per pass over a group of W keys
+  for (int64_t c0 = 0; c0 < n; c0 += W) {
+    const int64_t keys = std::min<int64_t>(W, n - c0);
+    for (int64_t r0 = 0; r0 < m; r0 += RB) {
+      const int rows = static_cast<int>(std::min<int64_t>(RB, m - r0));
+      vf acc[RB][W];
+      for (int64_t c = 0; c < W; ++c) {
+        vf a[RB] = {};
+        if (c < keys) {
+          const float* kr = key[c0 + c];
+          if (rows == RB) {
+            for (int64_t d = 0; d < Dp; d += W) {
+              vf kv = load(kr + d);
+              for (int r = 0; r < RB; ++r) a[r] += load(q + (r0 + r) * Dp + d) * kv;
+            }
+          } else {
+            for (int64_t d = 0; d < Dp; d += W) {
+              vf kv = load(kr + d);
+              for (int r = 0; r < rows; ++r) a[r] += load(q + (r0 + r) * Dp + d) * kv;
+            }
+          }
+        }
+        for (int r = 0; r < RB; ++r) acc[r][c] = a[r];
+      }
+      for (int r = 0; r < rows; ++r) store(t + (r0 + r) * ldt + c0, LaneSums(acc[r]));
+    }
+  }
+}
+
+// acc[r, d0 + v W] += sum_c p[r * ldt + c] value[c][d0 + v W], R x N vectors in registers.
+template <int R, int N>
+void DecodeValuesMicro(int64_t n, const float* p, int64_t ldt, const float* const* value,
+                       int64_t d0, float* acc, int64_t Dp) {
+  vf a[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < N; ++v) a[r][v] = load(acc + r * Dp + d0 + v * W);
+  for (int64_t c = 0; c < n; ++c) {
+    vf vv[N];
+    for (int v = 0; v < N; ++v) vv[v] = load(value[c] + d0 + v * W);
+    for (int r = 0; r < R; ++r) {
+      vf pr = splat(p[r * ldt + c]);
+      for (int v = 0; v < N; ++v) a[r][v] += pr * vv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < N; ++v) store(acc + r * Dp + d0 + v * W, a[r][v]);
+}
+template <int R, int N>
+void DecodeValuesEdge(int rows, int nv, int64_t n, const float* p, int64_t ldt,
+                      const float* const* value, int64_t d0, float* acc, int64_t Dp) {
+  if constexpr (R > 1) {
+    if (rows < R) return DecodeValuesEdge<R - 1, N>(rows, nv, n, p, ldt, value, d0, acc, Dp);
+  }
+  if constexpr (N > 1) {
+    if (nv < N) return DecodeValuesEdge<R, N - 1>(rows, nv, n, p, ldt, value, d0, acc, Dp);
+  }
+  DecodeValuesMicro<R, N>(n, p, ldt, value, d0, acc, Dp);
+}
+
+// acc[r] += sum_c p[r * ldt + c] value[c] for r < m (rows of Dp floats).
+inline void DecodeValues(int64_t m, int64_t n, int64_t Dp, const float* p, int64_t ldt,
+                         const float* const* value, float* acc) {
+  for (int64_t d0 = 0; d0 < Dp; d0 += NV * W) {
+    const int nv = static_cast<int>(std::min<int64_t>(NV, (Dp - d0) / W));
+    for (int64_t r0 = 0; r0 < m; r0 += MR)
+      DecodeValuesEdge<MR, NV>(static_cast<int>(std::min<int64_t>(MR, m - r0)), nv, n,
+                               p + r0 * ldt, ldt, value, d0, acc + r0 * Dp, Dp);
+  }
+}
+
+// Whether any of n rows of Dp floats holds a NaN or inf (x * 0 is NaN exactly for those).
+inline bool AnyRowNonFinite(const float* const* rows, int64_t n, int64_t Dp) {
+  vf acc = splat(0.0f);
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t d = 0; d < Dp; d += W) acc += load(rows[c] + d) * 0.0f;
+  float total = HorizontalSum(acc);
+  return total != total;
+}
+
+// Keys per tile. A tile's K and V rows of every kv head are contiguous in the cache (dense,
+// or within a page): the item streams through them in order, which the hardware prefetchers
+// follow, and they stay in L2 while the kv heads pass.
+constexpr int64_t DECODE_BLOCK_K = 16;
+
+struct DecodeScratch {
+  std::vector<float> q, k, v, t;
+  std::vector<const float*> krow, vrow;
+  std::vector<uint8_t> q_bad, k_bad, v_bad;
+};
+
+// The key range [lo, hi) of split `split` of `splits` over the keys the rows may attend.
+inline Span DecodeSplitRange(const Problem& P, int64_t b, int64_t split, int64_t splits) {
+  Span keys = P.KeySpan(b, 0, P.Lq, 1);
+  int64_t per = round_up((keys.hi - keys.lo + splits - 1) / splits, DECODE_BLOCK_K);
+  int64_t lo = std::min(keys.hi, keys.lo + split * per), hi = std::min(keys.hi, lo + per);
+  return {lo, hi};
+}
+
+// One split of batch row b over every kv head: its partial acc [Hkv, M, Dp] (unnormalised),
+// max and sum [Hkv, M], where M = G * Lq rows r = g * Lq + i of kv head hk are query head
+// hk * G + g, query row i. q [B, Lq, Hq, Dp] float32.
+template <typename T>
+void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t b, Span keys,
+                 float* part_acc, float* part_max, float* part_sum) {
+  static thread_local DecodeScratch s;
+  const int64_t G = P.groups(), M = G * P.Lq, HM = P.Hkv * M, Dp = P.D, Dk = cache.Dk;
+  const int64_t bk = DECODE_BLOCK_K, ldt = round_up(bk, W);
+  const float unit = P.unit(), mult = unit * LOG2_E;  // no bias on this path: logits folded
+  // Rows read in place when they already are float32 rows of Dp floats; else converted.
+  const bool in_place = cache.type == CacheType::kF32 && Dk == Dp;
+  s.q.resize(HM * Dp); s.t.resize(M * ldt); s.krow.resize(bk); s.vrow.resize(bk);
+  s.k.resize(bk * Dp); s.v.resize(bk * Dp); s.q_bad.resize(HM); s.k_bad.resize(bk); s.v_bad.resize(bk);
+  std::fill(part_acc, part_acc + HM * Dp, 0.0f);
+  for (int64_t hr = 0; hr < HM; ++hr) {
+    const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq;
+    std::memcpy(s.q.data() + hr * Dp, q + ((b * P.Lq + i) * P.Hq + hk * G + g) * Dp, Dp * sizeof(float));
+    part_max[hr] = NEG_INF;
+    part_sum[hr] = 0.0f;
+  }
+  // The non-finite rule: bad query rows are flagged and computed with as 0.
+  const uint8_t* q_bad = BadRows(s.q.data(), Dp, HM, Dp, s.q_bad.data()) ? s.q_bad.data() : nullptr;
+  if (q_bad != nullptr) CopyFinite(s.q.data(), HM * Dp, s.q.data());
+  const T* kc = static_cast<const T*>(cache.k);
+  const T* vc = static_cast<const T*>(cache.v);
+  for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += bk) {
+    const int64_t j1 = std::min(keys.hi, j0 + bk), n = j1 - j0, nw = round_up(n, W);
+    FLASH_CPU_CHECK(0 <= j0 && j1 <= P.Lk);
+    const bool whole = P.whole(b, 0, P.Lq, j0, j1);
+    for (int64_t hk = 0; hk < P.Hkv; ++hk) {
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t off = cache.row(P, b, hk, j0 + c);
+        if constexpr (std::is_same_v<T, float>) {
+          if (in_place) {
+            s.krow[c] = kc + off;
+            s.vrow[c] = vc + off;
+            continue;
+          }
+        }
+        RowToFloat<T>(kc + off, Dk, Dp, s.k.data() + c * Dp);
+        RowToFloat<T>(vc + off, Dk, Dp, s.v.data() + c * Dp);
+        s.krow[c] = s.k.data() + c * Dp;
+        s.vrow[c] = s.v.data() + c * Dp;
+      }
+      const uint8_t* head_q_bad = q_bad == nullptr ? nullptr : q_bad + hk * M;
+      Poison poison;
+      poison.q = head_q_bad;
+      if (AnyRowNonFinite(s.krow.data(), n, Dp) || AnyRowNonFinite(s.vrow.data(), n, Dp)) {
+        // Rare: finite copies (the non-finite entries as 0) and per-key flags.
+        for (int64_t c = 0; c < n; ++c) {
+          float* kd = s.k.data() + c * Dp;
+          float* vd = s.v.data() + c * Dp;
+          s.k_bad[c] = AnyNonFinite(s.krow[c], Dp);
+          s.v_bad[c] = AnyNonFinite(s.vrow[c], Dp);
+          CopyFinite(s.krow[c], Dp, kd);  // in place when the row already is the scratch's
+          CopyFinite(s.vrow[c], Dp, vd);
+          s.krow[c] = kd;
+          s.vrow[c] = vd;
+        }
+        poison.k = s.k_bad.data();
+        poison.v = s.v_bad.data();
+      }
+      const bool masked = poison.any() || !whole;
+      float* t = s.t.data();
+      float* acc = part_acc + hk * M * Dp;
+      DecodeLogits(M, n, Dp, s.q.data() + hk * M * Dp, s.krow.data(), t, ldt);
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t g = r / P.Lq, i = r % P.Lq, h = hk * G + g;
+        float* tr = t + r * ldt;
+        RowLogits(P, b, h, i, j0, n, tr, nullptr);
+        if (masked) MaskRow(P, b, h, i, j0, n, tr, head_q_bad != nullptr && head_q_bad[r], poison);
+        // The forward's online softmax (natural-log max kept, base-2 exponentials).
+        float& mx = part_max[hk * M + r];
+        float& sum = part_sum[hk * M + r];
+        const float new_max = std::max(mx, RowMax(tr, n) * unit);
+        const float safe_max = new_max == NEG_INF ? 0.0f : new_max;
+        const float rescale = exp2s(mx * LOG2_E - safe_max * LOG2_E);  // 0 while mx is -inf
+        sum = rescale * sum + ExpRow<false>(tr, n, nw, 0.0f, mult, -(safe_max * LOG2_E));
+        mx = new_max;
+        if (rescale != 1.0f) {
+          float* a = acc + r * Dp;
+          for (int64_t d = 0; d < Dp; ++d) a[d] *= rescale;
+        }
+      }
+      DecodeValues(M, n, Dp, t, ldt, s.vrow.data(), acc);
+    }
+  }
+}
+
+// Merges the splits of batch row b in split order (log-sum-exp), the sink as one more term,
+// and writes out [B, Lq, Hq, Dp], row_max, log_sum [B, Hq, Lq] as the forward does.
+// part_* hold [B, splits, Hkv, M, (Dp)].
+inline void DecodeMerge(const Problem& P, int64_t splits, const float* part_acc,
+                        const float* part_max, const float* part_sum, int64_t b, float* out,
+                        float* row_max, float* log_sum) {
+  const int64_t G = P.groups(), M = G * P.Lq, HM = P.Hkv * M, Dp = P.D;
+  for (int64_t hr = 0; hr < HM; ++hr) {
+    const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq, h = hk * G + g;
+    const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
+    auto at = [&](int64_t split) { return (b * splits + split) * HM + hr; };
+    float mx = sink;
+    for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, part_max[at(sp)]);
+    const float safe = mx == NEG_INF ? 0.0f : mx;
+    float l = sink > NEG_INF ? exp2s((sink - safe) * LOG2_E) : 0.0f;
+    float* o = out + ((b * P.Lq + i) * P.Hq + h) * Dp;
+    std::fill(o, o + Dp, 0.0f);
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      // 0 for a split that saw no finite logit (its max -inf): 0 times its sum keeps a NaN.
+      const float w = exp2s(part_max[at(sp)] * LOG2_E - safe * LOG2_E);
+      l += w * part_sum[at(sp)];
+      const float* a = part_acc + at(sp) * Dp;
+      for (int64_t d = 0; d < Dp; ++d) o[d] += w * a[d];
+    }
+    const bool empty = l == 0.0f;  // a NaN sum is not empty: the row's output is NaN
+    const float inv = empty ? 0.0f : 1.0f / l;
+    for (int64_t d = 0; d < Dp; ++d) o[d] = empty ? 0.0f : o[d] * inv;
+    const int64_t st = (b * P.Hq + h) * P.Lq + i;
+    row_max[st] = empty ? INFINITY : mx;
+    log_sum[st] = empty ? 0.0f : std::log(l);
+  }
+}
+
+// P: Lk the logical key count, D = Dp the padded head_dim of q and out; q, out
+// [B, Lq, Hq, Dp] float32; row_max, log_sum [B, Hq, Lq]. One item per (b, split).
+template <typename Pool>
+void Decode(const Problem& P, const KvCache& cache, const float* q, float* out, float* row_max,
+            float* log_sum, int64_t splits, Pool& pool) {
+  const int64_t HM = P.Hkv * P.groups() * P.Lq, items = P.B * splits;
+  std::vector<float> part_acc(items * HM * P.D), part_max(items * HM), part_sum(items * HM);
+  auto run = [&](int64_t item) {
+    const int64_t b = item / splits;
+    const Span keys = DecodeSplitRange(P, b, item % splits, splits);
+    float* acc = part_acc.data() + item * HM * P.D;
+    float* mx = part_max.data() + item * HM;
+    float* sum = part_sum.data() + item * HM;
+    switch (cache.type) {
+      case CacheType::kF32: DecodeSplit<float>(P, cache, q, b, keys, acc, mx, sum); break;
+      case CacheType::kBF16: DecodeSplit<BF16>(P, cache, q, b, keys, acc, mx, sum); break;
+      case CacheType::kF16: DecodeSplit<_Float16>(P, cache, q, b, keys, acc, mx, sum); break;
+    }
+  };
+  ParallelFor(pool, items, run);
+  for (int64_t b = 0; b < P.B; ++b)
+    DecodeMerge(P, splits, part_acc.data(), part_max.data(), part_sum.data(), b, out, row_max,
+                log_sum);
 }
 
 }  // namespace flash_cpu
