@@ -56,6 +56,8 @@ CORE_HEAD_DIMS = (16, 32, 48, 64, 80, 128)  # multiples of 16: no padding
 ANY_HEAD_DIMS = (4, 8, 24, 40, 72, 120)     # FEATURE: any head_dim (padded to 16)
 HEADS = ((1, 1), (2, 2), (4, 4), (2, 1), (4, 2), (4, 1))  # (Hq, Hkv): groups of 1, 2, 4; MQA
 CUSTOM_CALLS = ("jax_flash_attention_cpu_forward", "jax_flash_attention_cpu_backward")
+# The decode families (``decode``, ``decode_paged``) call cpu_kernel.decode directly, forward
+# only (the dispatcher that routes flash_attention to it is wired elsewhere).
 REFUSAL = "implementation='cpu' cannot run this call"
 # Calls of the features beyond the mask rules (a refusal fails them).
 FEATURE_FAMILIES = ("bias", "mask", "soft_cap", "dropout", "sinks", "head_dim")
@@ -86,6 +88,8 @@ class Config:
     soft_cap: float | None = None      # FEATURE: logits_soft_cap
     dropout: tuple | None = None       # FEATURE: (rate, broadcast_dropout)
     sinks: bool = False                # FEATURE: attention_sinks [Hq]
+    decode: bool = False               # cpu_kernel.decode called directly (forward only)
+    page_size: int | None = None       # decode: the cache as shuffled pages of this size
     poison_excluded: float = 0.0       # probability of non-finite values where no row attends
     poison_allowed: float = 0.0        # probability of non-finite values at an allowed pair
 
@@ -325,6 +329,23 @@ def data_regressions(d: Draw, call: Call) -> None:
         call.q, call.k, call.v = (np.ones_like(x) for x in (call.q, call.k, call.v))
 
 
+def config_decode(d: Draw, c: int, paged: bool = False) -> Config:
+    """cpu_kernel.decode: few query rows against a longer cache, mostly bottom-right causal."""
+    hq, hkv = d.pick(HEADS + ((8, 2), (8, 1)))
+    dims = dict(b=d.pick([1, 2]), lq=d.pick([1, 1, 2, 4, 7, 16]), lk=d.pick([7, 33, 130, 200, 601]),
+                hq=hq, hkv=hkv, d=d.pick(CORE_HEAD_DIMS + ANY_HEAD_DIMS), dtype=d.pick(DTYPES))
+    opts = _mask_options(d, window_p=0.3, causal=(None, "top_left", "bottom_right", "bottom_right"))
+    offset = opts["causal"] is not None and d.chance(0.25)
+    return Config(**_cap(d, dims), **opts, lengths="none" if offset else d.pick(["none", "concrete", "traced"]),
+                  offset=offset, soft_cap=d.pick([None, None, 5.0]), sinks=d.chance(0.3), decode=True,
+                  page_size=d.pick([1, 3, 16, 64]) if paged else None, poison_excluded=0.5,
+                  poison_allowed=0.3)
+
+
+def config_decode_paged(d: Draw, c: int) -> Config:
+    return config_decode(d, c, paged=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     config: object       # (Draw, config index) -> Config
@@ -355,6 +376,10 @@ FAMILIES = {
     "regressions": Family(config_regressions, 2, "the first crashes reported: L=512 bottom_right "
                           "causal with kv length 100 (use-after-free); 4096 queries of length 10, "
                           "window (5, 5) (SIGSEGV)", per_config=1, data=data_regressions),
+    "decode": Family(config_decode, 24, "cpu_kernel.decode on a dense cache: Lq 1-16, GQA/MQA, "
+                     "lengths, windows, offsets, soft cap, sinks, non-finite values"),
+    "decode_paged": Family(config_decode_paged, 24, "cpu_kernel.decode on shuffled pages of 1-64 "
+                           "slots (NaN in every slot and page no length reaches)"),
     "bias": Family(config_bias, 24, "additive float bias broadcast over batch/heads, "
                    "-inf and huge negative rows; dbias", feature=True),
     "mask": Family(config_mask, 24, "dense bool mask, rows with no allowed key",
@@ -512,8 +537,35 @@ def _offset_vjp(cfg, implementation, q, k, v, ct, q_len, kv_len, q_seg, kv_seg, 
     return (out, *pullback(ct), None, None)
 
 
+def _decode_out(cfg, q, k, v, q_len, kv_len, offset, sinks, table):
+    from jax_impl import cpu_kernel, dropout_sinks, masking
+
+    masks = masking.MaskInputs(q_len, kv_len, None, None, None, position_offset=offset)
+    return cpu_kernel.decode(cfg, q, k, v, masks, dropout_sinks.SinksAndDropout(sinks=sinks), table)[0]
+
+
+def decode_pages(call: Call):
+    """call.k, call.v as shuffled pages [num_pages, page_size, Hkv, D] and the page table:
+    two spare pages no entry names and the slots past Lk, all NaN (never read)."""
+    c = call.config
+    rng = np.random.default_rng([call.seed, call.index, 7])
+    per = -(-c.lk // c.page_size)
+    num_pages = c.b * per + 2
+    order = rng.permutation(num_pages)[:c.b * per].astype(np.int32)
+    pages = []
+    for x in (call.k, call.v):
+        padded = np.full((c.b, per * c.page_size, c.hkv, c.d), np.nan, x.dtype)
+        padded[:, :c.lk] = x
+        dst = np.full((num_pages, c.page_size, c.hkv, c.d), np.nan, x.dtype)
+        dst[order] = padded.reshape(c.b * per, c.page_size, c.hkv, c.d)
+        pages.append(dst)
+    return pages[0], pages[1], order.reshape(c.b, per)
+
+
 _JIT_FLASH = jax.jit(_flash_vjp, static_argnums=(0, 1))
 _JIT_OFFSET = jax.jit(_offset_vjp, static_argnums=(0, 1))
+_JIT_DECODE = jax.jit(_decode_out, static_argnums=(0,))
+DECODE_CALL = "jax_flash_attention_cpu_decode"
 
 
 class Runner:
@@ -525,13 +577,13 @@ class Runner:
         self.compiled = {}
         self.compiles = 0
 
-    def _checked(self, fn, static, args):
+    def _checked(self, fn, static, args, custom_calls=CUSTOM_CALLS):
         signature = (static, jax.tree.map(lambda x: (x.shape, str(x.dtype)), args))
         if signature not in self.compiled:
             lowered = fn.lower(*static, *args)
             if self.implementation == "cpu":
                 text = lowered.as_text()
-                missing = [name for name in CUSTOM_CALLS if name not in text]
+                missing = [name for name in custom_calls if name not in text]
                 if missing:
                     raise AssertionError(f"implementation='cpu' did not lower to the kernel: "
                                          f"{missing} absent")
@@ -544,6 +596,8 @@ class Runner:
         to = lambda x: None if x is None else jnp.asarray(x)
         q, k, v, ct, bias, sinks = map(to, (call.q, call.k, call.v, call.ct, call.bias, call.sinks))
         q_seg, kv_seg = to(call.q_seg), to(call.kv_seg)
+        if c.decode:
+            return {"out": np.asarray(self._run_decode(call, q, k, v, sinks), np.float64)}
         if c.offset:
             results = self._run_offset(call, q, k, v, ct, q_seg, kv_seg)
         else:
@@ -579,6 +633,27 @@ class Runner:
             raise AssertionError(f"implementation='cpu' did not lower to the kernel: {missing} absent")
         self.compiled[signature] = True
         self.compiles += 1
+
+    def _run_decode(self, call, q, k, v, sinks):
+        from jax_impl import masking
+        from jax_impl.config import AttentionConfig
+
+        if self.implementation != "cpu":
+            raise ValueError("the decode families run cpu_kernel.decode only")
+        c = call.config
+        left, right = c.window if c.window is not None else (None, None)
+        spec = masking.MaskSpec(is_causal=c.causal is not None, bottom_right=c.causal == "bottom_right",
+                                window_left=left, window_right=right,
+                                has_q_lengths=c.lengths != "none", has_kv_lengths=c.lengths != "none")
+        cfg = AttentionConfig(scale=c.scale or 1.0 / math.sqrt(c.d), mask=spec, logits_soft_cap=c.soft_cap)
+        q_len, kv_len = call.clamped_lengths  # the contract: clamped to [0, L] by the caller
+        table = None
+        if c.page_size is not None:
+            k, v, table = (jnp.asarray(x) for x in decode_pages(call))
+        args = (q, k, v, jnp.asarray(q_len, jnp.int32), jnp.asarray(kv_len, jnp.int32),
+                None if call.offset is None else jnp.asarray(call.offset),
+                None if sinks is None else sinks[None, :], table)
+        return self._checked(_JIT_DECODE, (cfg,), args, (DECODE_CALL,))(*args)
 
     def _run_offset(self, call, q, k, v, ct, q_seg, kv_seg):
         from jax_impl import masking
@@ -657,8 +732,11 @@ def references(call: Call):
 
     kw = oracle_kwargs(call)
     args = (call.q, call.k, call.v, call.ct)
-    return (torch_arrays(*args, dtype=np.float64, **kw),
-            torch_arrays(*args, dtype=NP_DTYPES[call.config.dtype], **kw))
+    oracle, plain = (torch_arrays(*args, dtype=np.float64, **kw),
+                     torch_arrays(*args, dtype=NP_DTYPES[call.config.dtype], **kw))
+    if call.config.decode:  # forward only
+        return {"out": oracle["out"]}, {"out": plain["out"]}
+    return oracle, plain
 
 
 def poisoned_rows(call: Call, allowed: np.ndarray) -> np.ndarray:
