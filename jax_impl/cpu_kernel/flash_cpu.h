@@ -856,12 +856,27 @@ inline void DecodeValues(int64_t m, int64_t n, int64_t Dp, const float* p, int64
   }
 }
 
-// Whether any of n rows of Dp floats holds a NaN or inf (x * 0 is NaN exactly for those).
+// acc[0..3] += x * 0 over x[0, count): NaN in a lane iff some x is NaN or inf.
+inline void AccumulateNonFinite(vf* acc, const float* x, int64_t count) {
+  int64_t i = 0;
+  for (; i + 4 * W <= count; i += 4 * W)
+    for (int u = 0; u < 4; ++u) acc[u] += load(x + i + u * W) * 0.0f;
+  for (; i + W <= count; i += W) acc[0] += load(x + i) * 0.0f;
+  for (; i < count; ++i) acc[1][0] += x[i] * 0.0f;
+}
+
+// Whether any of n rows of Dp floats holds a NaN or inf (x * 0 is NaN exactly for those);
+// four independent sums, so that the adds do not wait on one another.
 inline bool AnyRowNonFinite(const float* const* rows, int64_t n, int64_t Dp) {
-  vf acc = splat(0.0f);
-  for (int64_t c = 0; c < n; ++c)
-    for (int64_t d = 0; d < Dp; d += W) acc += load(rows[c] + d) * 0.0f;
-  float total = HorizontalSum(acc);
+  vf acc[4] = {};
+  for (int64_t c = 0; c < n; ++c) {
+    const float* row = rows[c];
+    int64_t d = 0;
+    for (; d + 4 * W <= Dp; d += 4 * W)
+      for (int u = 0; u < 4; ++u) acc[u] += load(row + d + u * W) * 0.0f;
+    for (; d < Dp; d += W) acc[0] += load(row + d) * 0.0f;
+  }
+  float total = HorizontalSum(acc[0] + acc[1] + acc[2] + acc[3]);
   return total != total;
 }
 
@@ -871,7 +886,8 @@ inline bool AnyRowNonFinite(const float* const* rows, int64_t n, int64_t Dp) {
 constexpr int64_t DECODE_BLOCK_K = 16;
 
 struct DecodeScratch {
-  std::vector<float> q, k, v, t;
+  std::vector<float> q, k, v, k_clean, v_clean, t;  // k, v: [Hkv, bk, Dp] converted rows
+  std::vector<int64_t> key_offset;
   std::vector<const float*> krow, vrow;
   std::vector<uint8_t> q_bad, k_bad, v_bad;
 };
@@ -897,7 +913,12 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
   // Rows read in place when they already are float32 rows of Dp floats; else converted.
   const bool in_place = cache.type == CacheType::kF32 && Dk == Dp;
   s.q.resize(HM * Dp); s.t.resize(M * ldt); s.krow.resize(bk); s.vrow.resize(bk);
-  s.k.resize(bk * Dp); s.v.resize(bk * Dp); s.q_bad.resize(HM); s.k_bad.resize(bk); s.v_bad.resize(bk);
+  if (!in_place) {
+    s.k.resize(P.Hkv * bk * Dp);
+    s.v.resize(P.Hkv * bk * Dp);
+  }
+  s.k_clean.resize(bk * Dp); s.v_clean.resize(bk * Dp); s.key_offset.resize(bk);
+  s.q_bad.resize(HM); s.k_bad.resize(bk); s.v_bad.resize(bk);
   std::fill(part_acc, part_acc + HM * Dp, 0.0f);
   for (int64_t hr = 0; hr < HM; ++hr) {
     const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq;
@@ -914,32 +935,49 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
     const int64_t j1 = std::min(keys.hi, j0 + bk), n = j1 - j0, nw = round_up(n, W);
     FLASH_CPU_CHECK(0 <= j0 && j1 <= P.Lk);
     const bool whole = P.whole(b, 0, P.Lq, j0, j1);
+    // First pass, in memory order: each key's rows of every kv head lie together in the cache
+    // (dense, or within a page); they are checked for non-finite values (float32 read in
+    // place) or converted into the scratch (16-bit, or a head_dim to pad), streaming.
+    vf check[4] = {};
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t off = cache.row(P, b, 0, j0 + c);  // kv head hk's row is at off + hk * Dk
+      s.key_offset[c] = off;
+      if constexpr (std::is_same_v<T, float>) {
+        if (in_place) {
+          AccumulateNonFinite(check, kc + off, P.Hkv * Dk);
+          AccumulateNonFinite(check, vc + off, P.Hkv * Dk);
+          continue;
+        }
+      }
+      for (int64_t hk = 0; hk < P.Hkv; ++hk) {
+        float* kd = s.k.data() + (hk * bk + c) * Dp;
+        float* vd = s.v.data() + (hk * bk + c) * Dp;
+        RowToFloat<T>(kc + off + hk * Dk, Dk, Dp, kd);
+        RowToFloat<T>(vc + off + hk * Dk, Dk, Dp, vd);
+        AccumulateNonFinite(check, kd, Dp);
+        AccumulateNonFinite(check, vd, Dp);
+      }
+    }
+    const float checked = HorizontalSum(check[0] + check[1] + check[2] + check[3]);
+    const bool tile_bad = checked != checked;
     for (int64_t hk = 0; hk < P.Hkv; ++hk) {
       for (int64_t c = 0; c < n; ++c) {
-        const int64_t off = cache.row(P, b, hk, j0 + c);
-        if constexpr (std::is_same_v<T, float>) {
-          if (in_place) {
-            s.krow[c] = kc + off;
-            s.vrow[c] = vc + off;
-            continue;
-          }
-        }
-        RowToFloat<T>(kc + off, Dk, Dp, s.k.data() + c * Dp);
-        RowToFloat<T>(vc + off, Dk, Dp, s.v.data() + c * Dp);
-        s.krow[c] = s.k.data() + c * Dp;
-        s.vrow[c] = s.v.data() + c * Dp;
+        s.krow[c] = in_place ? reinterpret_cast<const float*>(kc) + s.key_offset[c] + hk * Dk
+                             : s.k.data() + (hk * bk + c) * Dp;
+        s.vrow[c] = in_place ? reinterpret_cast<const float*>(vc) + s.key_offset[c] + hk * Dk
+                             : s.v.data() + (hk * bk + c) * Dp;
       }
       const uint8_t* head_q_bad = q_bad == nullptr ? nullptr : q_bad + hk * M;
       Poison poison;
       poison.q = head_q_bad;
-      if (AnyRowNonFinite(s.krow.data(), n, Dp) || AnyRowNonFinite(s.vrow.data(), n, Dp)) {
+      if (tile_bad && (AnyRowNonFinite(s.krow.data(), n, Dp) || AnyRowNonFinite(s.vrow.data(), n, Dp))) {
         // Rare: finite copies (the non-finite entries as 0) and per-key flags.
         for (int64_t c = 0; c < n; ++c) {
-          float* kd = s.k.data() + c * Dp;
-          float* vd = s.v.data() + c * Dp;
+          float* kd = s.k_clean.data() + c * Dp;
+          float* vd = s.v_clean.data() + c * Dp;
           s.k_bad[c] = AnyNonFinite(s.krow[c], Dp);
           s.v_bad[c] = AnyNonFinite(s.vrow[c], Dp);
-          CopyFinite(s.krow[c], Dp, kd);  // in place when the row already is the scratch's
+          CopyFinite(s.krow[c], Dp, kd);
           CopyFinite(s.vrow[c], Dp, vd);
           s.krow[c] = kd;
           s.vrow[c] = vd;
