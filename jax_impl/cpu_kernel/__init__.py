@@ -194,11 +194,11 @@ def decode_unsupported(*, q_len: int | None = None, dtype=None, has_bias: bool =
 
 def decode_splits(batch: int, kv_len: int, threads: int | None = None) -> int:
     """How many key ranges each batch row is split into (one item per (batch row, split), all
-    kv heads in it): enough items for every thread twice over, no split under
-    DECODE_MIN_KEYS_PER_SPLIT keys. A function of the shapes and the thread count only, so that
-    repeated calls give the same bits."""
+    kv heads in it): four items per thread (a thread that the OS delays leaves its share to the
+    others), no split under DECODE_MIN_KEYS_PER_SPLIT keys. A function of the shapes and the
+    thread count only, so that repeated calls give the same bits."""
     threads = platform.host_threads() if threads is None else threads
-    wanted = -(-2 * threads // batch)
+    wanted = -(-4 * threads // batch)
     return max(1, min(wanted, kv_len // DECODE_MIN_KEYS_PER_SPLIT))
 
 

@@ -313,7 +313,7 @@ def test_bad_calls_are_refused_with_a_reason():
     assert "at most 16" in cpu_kernel.decode_unsupported(q_len=17)
     assert "dropout" in cpu_kernel.decode_unsupported(dropout_rate=0.1)
     assert cpu_kernel.decode_unsupported(q_len=4, dtype=jnp.bfloat16) is None
-    assert cpu_kernel.decode_splits(2, 16384, threads=2) == 2
+    assert cpu_kernel.decode_splits(2, 16384, threads=2) == 4
     assert cpu_kernel.decode_splits(1, 300, threads=16) == 1  # too few keys to split
 
 
