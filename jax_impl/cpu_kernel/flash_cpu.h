@@ -735,10 +735,36 @@ inline float ToFloat<BF16>(BF16 x) {
 template <>
 inline float ToFloat<_Float16>(_Float16 x) { return static_cast<float>(x); }
 
+typedef uint16_t vh16 __attribute__((vector_size(W * sizeof(uint16_t))));
+typedef _Float16 vf16 __attribute__((vector_size(W * sizeof(_Float16))));
+
+// W elements of a 16-bit cache row as float32, one vector conversion.
+template <typename T>
+inline vf VectorToFloat(const T* src) {
+  if constexpr (std::is_same_v<T, BF16>) {  // bfloat16: the top half of a float32's bits
+    vh16 h;
+    std::memcpy(&h, src, sizeof h);
+    vu bits = __builtin_convertvector(h, vu) << 16;
+    vf f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    static_assert(std::is_same_v<T, _Float16>);
+    vf16 h;
+    std::memcpy(&h, src, sizeof h);
+    return __builtin_convertvector(h, vf);
+  }
+}
+
+// A cache row of Dk elements as float32 into dst[0, Dp), zeros past Dk.
 template <typename T>
 inline void RowToFloat(const T* src, int64_t Dk, int64_t Dp, float* dst) {
-  for (int64_t d = 0; d < Dk; ++d) dst[d] = ToFloat<T>(src[d]);
-  for (int64_t d = Dk; d < Dp; ++d) dst[d] = 0.0f;
+  int64_t d = 0;
+  if constexpr (!std::is_same_v<T, float>) {
+    for (; d + W <= Dk; d += W) store(dst + d, VectorToFloat<T>(src + d));
+  }
+  for (; d < Dk; ++d) dst[d] = ToFloat<T>(src[d]);
+  for (; d < Dp; ++d) dst[d] = 0.0f;
 }
 
 // The lanes of x summed as a tree (W / 2 adds at the first level: no long chain of adds).
