@@ -167,8 +167,7 @@ def main(argv=None):
     results = []
     for shape in grid(args.quick):
         results.append(time_decode(**shape, repeats=args.repeats))
-        print(markdown(results[-1:]).splitlines()[-len(results[-1]["calls"]):] and "\n".join(
-            markdown(results[-1:]).splitlines()[2:]), flush=True)
+        print("\n".join(markdown(results[-1:]).splitlines()[2:]), flush=True)  # rows, no header
     header = (f"# CPU decode: cpu_kernel.decode vs torch SDPA\n\nHq={HQ} Hkv={HKV} D={HEAD_DIM}, bottom-right causal "
               f"with key lengths; {args.repeats} interleaved repeats; {platform.host_threads()} threads; "
               f"jax {jax.__version__}. Ratios: median and quartiles of the per-repeat ratios to torch SDPA. "

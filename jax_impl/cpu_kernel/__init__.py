@@ -23,8 +23,8 @@ from jax_impl import masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.cpu_kernel.build import unavailable
 
-__all__ = ["forward", "backward", "decode", "decode_unsupported", "decode_splits", "unsupported",
-           "unavailable"]
+__all__ = ["backward", "decode", "decode_splits", "decode_unsupported", "forward", "unavailable",
+           "unsupported"]
 
 HEAD_DIM_MULTIPLE = 16  # the kernels' products run in rows of SIMD vectors of up to 16 floats
 # Tiles (query rows, keys) of the forward and backward, measured on the 2-core AVX-512 machine

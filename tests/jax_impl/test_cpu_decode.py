@@ -342,7 +342,8 @@ def test_narrower_simd_builds_agree(tmp_path, march):
         "print(worst)\n")
     env = {**os.environ, "JAX_FLASH_ATTENTION_CACHE": str(tmp_path),
            "JAX_FLASH_ATTENTION_CPU_MARCH": march}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env=env, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert float(result.stdout.strip().splitlines()[-1]) < 2e-2  # bf16 outputs: 2^-8 of O(1)
     assert list(tmp_path.glob("flash_cpu_*.so")), "the kernel was built for this -march"
