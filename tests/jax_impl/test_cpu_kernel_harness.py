@@ -219,3 +219,71 @@ def test_drawn_calls_on_exact_buffers_match_the_float64_oracle(harness, tmp_path
                                       np.where(np.isnan(plain[name]), 0, plain[name]), "float32")
             assert verdict.passed, (verdict, json.dumps(c))
         shutil.rmtree(directory)
+
+
+def test_decode_on_exact_buffers_matches_the_float64_oracle(harness, tmp_path):
+    """The decode kernel on exact-size caches (dense and paged, float32 and bfloat16, a
+    head_dim to pad, lengths that leave pages unread, more splits than keys): no sanitizer
+    report, out within conformance's tolerance of the oracle."""
+    import ml_dtypes
+    from conformance.cases import allowed_pairs
+    from torch_ref import attention_forward, manual_attention
+
+    for seed in range(8):
+        rng = np.random.default_rng(500 + seed)
+        b, lq, (hq, hkv), dk = int(rng.integers(1, 3)), int(rng.choice([1, 3, 16])), \
+            [(4, 1), (8, 2), (2, 2)][seed % 3], int(rng.choice([24, 64]))
+        dp = -(-dk // 16) * 16
+        paged, bf16 = seed % 2 == 1, seed % 4 >= 2
+        page = int(rng.choice([1, 5, 16]))
+        pages = int(rng.integers(1, 12))
+        lk = pages * page if paged else int(rng.integers(1, 90))
+        cache_dtype = ml_dtypes.bfloat16 if bf16 else np.float32
+        q = rng.standard_normal((b, lq, hq, dk)).astype(np.float32)
+        k, v = (rng.standard_normal((b, lk, hkv, dk)).astype(cache_dtype) for _ in range(2))
+        kv_len = rng.integers(0, lk + 1, b).astype(np.int32)
+        q_len = np.full(b, lq, np.int32)
+        params = dict(B=b, Lq=lq, Hq=hq, Hkv=hkv, Dp=dp, Dk=dk, paged=int(paged), cache_type=int(bf16),
+                      splits=int(rng.choice([1, 3, 200])), threads=2, scale=dk ** -0.5,
+                      soft_cap=float(rng.choice([0.0, 5.0])), has_sinks=seed % 3 == 0, Lk=lk)
+        directory = tmp_path / f"decode{seed}"
+        directory.mkdir()
+        if paged:
+            num_pages = b * pages + 1
+            order = rng.permutation(num_pages)[: b * pages].astype(np.int32)
+            table = order.reshape(b, pages)
+            kp, vp = (np.zeros((num_pages, page, hkv, dk), cache_dtype) for _ in range(2))
+            kp[order] = k.reshape(b * pages, page, hkv, dk)
+            vp[order] = v.reshape(b * pages, page, hkv, dk)
+            unread = page * np.arange(pages)[None, :] >= kv_len[:, None]  # past the length
+            table = np.where(unread, 10**6, table).astype(np.int32)  # any id there: never read
+            params.update(num_pages=num_pages, page_size=page, pages=pages)
+            _write(directory, "table", table, np.int32)
+            k_cache, v_cache = kp, vp
+        else:
+            k_cache, v_cache = k, v
+        raw = np.uint16 if bf16 else np.float32
+        _write(directory, "k", k_cache.view(raw), raw)
+        _write(directory, "v", v_cache.view(raw), raw)
+        # Bottom-right causal: the band d_lo = -inf, d_hi = kv_len - q_len.
+        _write(directory, "q_len", q_len, np.int32)
+        _write(directory, "kv_len", kv_len, np.int32)
+        _write(directory, "d_lo", np.full(b, -UNBOUNDED), np.int32)
+        _write(directory, "d_hi", kv_len - q_len, np.int32)
+        sinks = rng.standard_normal(hq).astype(np.float32)
+        if params["has_sinks"]:
+            _write(directory, "sinks", sinks, np.float32)
+        _write(directory, "q", _pad(q, dp), np.float32)
+        (directory / "params.txt").write_text("".join(f"{n} {float(x)!r}\n" for n, x in params.items()))
+        result, report = _run(harness, "decode", str(directory))
+        assert result.returncode == 0, report
+        out = _read(directory, "out", (b, lq, hq, dp))[..., :dk].astype(np.float64)
+        allowed = allowed_pairs(lq, lk, q_len, kv_len, "bottom_right", None)
+        kw = dict(mask=allowed, logits_soft_cap=params["soft_cap"] or None,
+                  attention_sinks=sinks if params["has_sinks"] else None)
+        kw = {n: x for n, x in kw.items() if x is not None}
+        k64, v64 = (np.asarray(x, np.float64) for x in (k, v))
+        reference = attention_forward(manual_attention, q.astype(np.float64), k64, v64, **kw)
+        plain = attention_forward(manual_attention, q, k64.astype(np.float32), v64.astype(np.float32), **kw)
+        verdict = tolerance.judge("out", out, reference, plain, "float32")
+        assert verdict.passed, (verdict, seed, params)

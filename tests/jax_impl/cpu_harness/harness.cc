@@ -7,6 +7,11 @@
 //                      kernel's layouts); writes DIR/out.bin, row_max.bin, log_sum.bin, then
 //                      reads DIR/delta.bin if present and writes dq_parts.bin, dk.bin, dv.bin
 //                      (and dbias.bin)
+//   harness decode DIR   the decode kernel: DIR/params.txt, q.bin [B, Lq, Hq, Dp] float32,
+//                      k.bin and v.bin the cache exactly (float32 or bfloat16 bits: cache_type
+//                      0 or 1; dense [B, Lk, Hkv, Dk] or pages [num_pages, page_size, Hkv, Dk]
+//                      with table.bin [B, pages]), lengths and band; writes out.bin,
+//                      row_max.bin, log_sum.bin
 #include "flash_cpu.h"
 
 #include <cstdio>
@@ -139,6 +144,69 @@ int Run(const std::string& dir) {
   return 0;
 }
 
+int Decode(const std::string& dir) {
+  std::map<std::string, double> p;
+  std::ifstream params(dir + "/params.txt");
+  for (std::string name; params >> name;) params >> p[name];
+  auto I = [&](const char* name) {
+    if (!p.count(name)) Fail(std::string("params.txt lacks ") + name);
+    return static_cast<int64_t>(p[name]);
+  };
+  const int64_t B = I("B"), Lq = I("Lq"), Hq = I("Hq"), Hkv = I("Hkv"), Dp = I("Dp"), Dk = I("Dk");
+  const int64_t paged = I("paged"), type = I("cache_type"), splits = I("splits");
+  ThreadPool pool{I("threads"), {}};
+  flash_cpu::KvCache cache;
+  cache.type = type == 0 ? flash_cpu::CacheType::kF32 : flash_cpu::CacheType::kBF16;
+  cache.Dk = Dk;
+  int64_t Lk, rows_in_cache;
+  std::unique_ptr<int32_t[]> table;
+  if (paged) {
+    cache.num_pages = I("num_pages");
+    cache.page_size = I("page_size");
+    cache.pages_per_sequence = I("pages");
+    table = Read<int32_t>(dir, "table", B * cache.pages_per_sequence);
+    cache.page_table = table.get();
+    Lk = cache.pages_per_sequence * cache.page_size;
+    rows_in_cache = cache.num_pages * cache.page_size;
+  } else {
+    cache.Lk_dense = Lk = I("Lk");
+    rows_in_cache = B * Lk;
+  }
+  const int64_t count = rows_in_cache * Hkv * Dk;
+  std::unique_ptr<float[]> k32, v32;
+  std::unique_ptr<uint16_t[]> k16, v16;
+  if (type == 0) {
+    k32 = Read<float>(dir, "k", count);
+    v32 = Read<float>(dir, "v", count);
+    cache.k = k32.get();
+    cache.v = v32.get();
+  } else {
+    k16 = Read<uint16_t>(dir, "k", count);
+    v16 = Read<uint16_t>(dir, "v", count);
+    cache.k = k16.get();
+    cache.v = v16.get();
+  }
+  auto q_len = Read<int32_t>(dir, "q_len", B), kv_len = Read<int32_t>(dir, "kv_len", B);
+  auto d_lo = Read<int32_t>(dir, "d_lo", B), d_hi = Read<int32_t>(dir, "d_hi", B);
+  flash_cpu::Problem P{B, Lq, Lk, Hq, Hkv, Dp, q_len.get(), kv_len.get(), d_lo.get(), d_hi.get()};
+  std::unique_ptr<float[]> sinks;
+  if (I("has_sinks")) {
+    sinks = Read<float>(dir, "sinks", Hq);
+    P.sinks = {sinks.get(), 1, Hq, 1};
+  }
+  P.scale = static_cast<float>(p["scale"]);
+  P.soft_cap = static_cast<float>(p["soft_cap"]);
+  auto q = Read<float>(dir, "q", B * Lq * Hq * Dp);
+  const int64_t rows = B * Hq * Lq;
+  std::unique_ptr<float[]> out(new float[B * Lq * Hq * Dp]), row_max(new float[rows]),
+      log_sum(new float[rows]);
+  flash_cpu::Decode(P, cache, q.get(), out.get(), row_max.get(), log_sum.get(), splits, pool);
+  Write(dir, "out", out.get(), B * Lq * Hq * Dp);
+  Write(dir, "row_max", row_max.get(), rows);
+  Write(dir, "log_sum", log_sum.get(), rows);
+  return 0;
+}
+
 // Every (rows, lengths, band, tile) in a small range, plus unbounded band sides: the spans
 // keep 0 <= lo <= hi <= length with lo a tile multiple, contain every allowed pair's key
 // (query), and for a band that allows any pair (d_lo <= d_hi, as every call's does) are as
@@ -200,5 +268,6 @@ int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "spans") return Spans();
   if (mode == "run" && argc == 3) return Run(argv[2]);
-  Fail("usage: harness spans | harness run DIR");
+  if (mode == "decode" && argc == 3) return Decode(argv[2]);
+  Fail("usage: harness spans | harness run DIR | harness decode DIR");
 }
