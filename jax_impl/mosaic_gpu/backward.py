@@ -269,13 +269,12 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             load = lambda ref: plgpu.load(ref.at[slot], layout=_COLS)
             p_t, capped = _probs(cfg, softmax, s_t, cols, load(max_ring), load(log_sum_ring),
                                  allowed)
-            # dV += P^T dO and dP^T = V dO^T in one wgmma group (one wait for both).
-            p16 = p_t.astype(g.dtype)
-            if masked:  # an edge tile's dS from the 16-bit P: its fp32 P would spill (D=128)
-                p_t = None
-            dv, dp_t = _values_and_dp(dv, p16, do_ring.at[slot], v_own, tile, interpreted)
-            if p_t is None:
-                p_t = p16.astype(jnp.float32)
+            if masked:  # two wgmma groups on an edge tile: one would spill (D=128, causal)
+                dv = _accumulate(dv, p_t.astype(g.dtype), do_ring.at[slot], interpreted)
+                dp_t = _product(tile, v_own, do_ring.at[slot])
+            else:  # dV += P^T dO and dP^T = V dO^T in one wgmma group
+                dv, dp_t = _values_and_dp(dv, p_t.astype(g.dtype), do_ring.at[slot], v_own,
+                                          tile, interpreted)
             dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring), masked)
             dk = _accumulate(dk, dqk_t.astype(g.dtype), q_ring.at[slot], interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
