@@ -4,7 +4,8 @@
 ``RowStats``: an empty row has max = +inf and log_sum = 0, as every backend writes them); the
 backward (backward.py: dK/dV per key tile, dQ per query tile, no atomics) recomputes P from
 them. ``backward_unsupported`` says when the table sends the backward to pallas_triton instead
-(the caller's ``Config(backward="pallas_triton")``). ``unsupported`` names every feature of a call that the kernel does not take;
+(the caller's ``Config(backward="pallas_triton")``, or an interpreted call that did not choose
+``Config(backward="mosaic_gpu")``). ``unsupported`` names every feature of a call that the kernel does not take;
 ``unavailable`` says why the kernel cannot be offered at all here (jax older than 0.11, or no
 ``jax.experimental.pallas.mosaic_gpu``).
 
@@ -134,10 +135,15 @@ def _nonfinite_rule(q, k, v):
 
 def backward_unsupported(cfg: AttentionConfig) -> str | None:
     """Why this package's backward kernels do not differentiate a call that its forward runs,
-    or None: only when the caller chose another backward (``Config.backward``)."""
+    or None: the caller chose another backward (``Config.backward``), or the call is
+    interpreted and chose none (the interpreted backward can hang: docs/limitations.md)."""
     config = cfg.block_sizes
-    if isinstance(config, Config) and config.backward != "mosaic_gpu":
-        return f"mosaic_gpu.Config(backward={config.backward!r}) chose that backward"
+    chosen = config.backward if isinstance(config, Config) else None
+    if chosen == "pallas_triton":
+        return "mosaic_gpu.Config(backward='pallas_triton') chose that backward"
+    if cfg.interpret and chosen is None:
+        return ("interpreted, the Mosaic GPU backward can hang (docs/limitations.md); "
+                "Config(backward='mosaic_gpu') runs it all the same")
     return None
 
 

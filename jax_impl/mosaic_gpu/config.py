@@ -26,15 +26,17 @@ class Config:
     persistent: one CTA per SM walking the work items (FA3's static persistent scheduler);
       False: one CTA per work item.
     backward: whose backward kernels differentiate the call: "mosaic_gpu" (this package's
-      dK/dV and dQ kernels, the default) or "pallas_triton" (the Triton kernels with their
-      own tiles, from the same RowStats: the route to compare with, or to fall back on).
+      dK/dV and dQ kernels), "pallas_triton" (the Triton kernels with their own tiles, from
+      the same RowStats: the route to compare with, or to fall back on), or None (the
+      default: "mosaic_gpu" compiled, "pallas_triton" interpreted, where the Mosaic one can
+      hang: docs/limitations.md).
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     persistent: bool = True
-    backward: str = "mosaic_gpu"
+    backward: str | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_stages"):
@@ -53,7 +55,7 @@ class Config:
             raise ValueError(f"mosaic_gpu.Config.num_stages={self.num_stages} must be in [2, 4]")
         if not isinstance(self.persistent, bool):
             raise TypeError(f"mosaic_gpu.Config.persistent={self.persistent!r} must be a bool")
-        if self.backward not in BACKWARDS:
+        if self.backward is not None and self.backward not in BACKWARDS:
             raise ValueError(f"mosaic_gpu.Config.backward={self.backward!r} must be one of "
                              f"{BACKWARDS}")
 
