@@ -91,7 +91,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "mosaic_gpu": Implementation(
         "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two wgmma consumers, persistent): forward (ping-ponging consumers), dK/dV "
-        "and dQ (no atomics); Config(backward='pallas_triton') takes pallas_triton's backward",
+        "and dQ (no atomics); interpreted, or with Config(backward='pallas_triton'), pallas_triton's backward",
         mosaic_gpu.forward, _mosaic_gpu_backward, needs_cuda=True, automatic=False,
         manual_because="one GPU run of its forward so far (an H200: correct, 1.3-1.7x cuDNN's "
                        "time) and none of its backward, proven only in the Mosaic GPU "
