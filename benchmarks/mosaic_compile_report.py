@@ -1,4 +1,4 @@
-"""What the Mosaic GPU forward (jax_impl/mosaic_gpu) compiles to for an H100/H200 (sm_90a),
+"""What the Mosaic GPU kernels (jax_impl/mosaic_gpu: the forward, dK/dV and dQ) compile to for an H100/H200 (sm_90a),
 measured without a GPU.
 
     python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
@@ -58,6 +58,7 @@ class Facts:
     tma_loads: int = 0                  # cp.async.bulk.tensor global -> shared
     tma_stores: int = 0                 # cp.async.bulk(.tensor) shared -> global (1-D: the row stats)
     mbarrier_waits: int = 0
+    kernel: str = "forward"             # forward, dK/dV or dQ
 
 
 def _environment(dump: str):
@@ -129,10 +130,56 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
     return facts
 
 
-def _read_dump(facts: Facts, dump: Path) -> None:
-    ptxas = "\n".join(p.read_text() for p in sorted(dump.glob("*.ptxas")))
-    ptx = "\n".join(p.read_text() for p in sorted(dump.glob("*.ptx")))
-    resources = "\n".join(p.read_text() for p in sorted(dump.glob("*resources*")))
+BACKWARD_KERNELS = ("dK/dV", "dQ")  # in the order backward_call traces them
+
+
+def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
+    """Lower and compile the backward's two kernels for ``device``: one Facts per kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl import masking, online_softmax
+    from jax_impl.config import AttentionConfig
+    from jax_impl.mosaic_gpu.backward import backward_call
+    from jax_impl.mosaic_gpu.config import default_backward_config
+
+    config = default_backward_config(head_dim, dtype)
+    length = options.get("seq_len", seq_len)
+    kv_heads = options.get("kv_heads", KV_HEADS)
+    window = options.get("window")
+    spec = masking.MaskSpec(is_causal=causal, bottom_right=options.get("bottom_right", False),
+                            window_left=None if window is None else window[0],
+                            window_right=None if window is None else window[1],
+                            has_q_lengths=options.get("lengths", False),
+                            has_kv_lengths=options.get("lengths", False))
+    cfg = AttentionConfig(scale=head_dim ** -0.5, mask=spec, logits_soft_cap=options.get("soft_cap"))
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    struct = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    queries = struct((BATCH, length, HEADS, head_dim), dtype)
+    keys = struct((BATCH, length, kv_heads, head_dim), dtype)
+    rows = struct((BATCH, HEADS, length), jnp.float32)
+    lengths = struct((BATCH,), jnp.int32)
+
+    def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len):
+        return backward_call(cfg, config, q, k, v, d_out,
+                             online_softmax.RowStats(row_max, log_sum), delta, q_len, kv_len)
+
+    start = time.perf_counter()
+    jax.jit(backward).lower(queries, keys, keys, queries, rows, rows, rows, lengths,
+                            lengths).compile()
+    seconds = round(time.perf_counter() - start, 2)
+    return [Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q,
+                  config.block_kv, config.num_stages, True, length,
+                  config.shared_memory_bytes(head_dim, dtype), compile_s=seconds, kernel=kernel)
+            for kernel in BACKWARD_KERNELS]
+
+
+def _read_dump(facts: Facts, dump: Path, prefix: str = "") -> None:
+    files = lambda suffix: sorted(p for p in dump.glob(f"*{suffix}")
+                                  if not prefix or p.name.split(".")[0] == prefix)
+    ptxas = "\n".join(p.read_text() for p in files(".ptxas"))
+    ptx = "\n".join(p.read_text() for p in files(".ptx"))
+    resources = "\n".join(p.read_text() for p in files("resources.txt"))
     number = lambda pattern, text: (int(m.group(1)) if (m := re.search(pattern, text)) else None)
     facts.registers = number(r"Used (\d+) registers", ptxas)
     facts.spill_stores = number(r"(\d+) bytes spill stores", ptxas)
@@ -145,6 +192,47 @@ def _read_dump(facts: Facts, dump: Path) -> None:
     facts.tma_stores = len(re.findall(r"cp\.async\.bulk(?:\.tensor\.\w+)?\.global\.shared::cta", ptx))
     facts.mbarrier_waits = len(re.findall(r"mbarrier\.try_wait", ptx))
     facts.ok = facts.registers is not None
+
+
+def _entries(dump: Path) -> list[str]:
+    """The dumped kernels' file prefixes (``entry_0``, ``entry_1``), in compile order."""
+    names = {p.name.split(".")[0] for p in dump.glob("*.ptxas")}
+    return sorted(names, key=lambda n: int(n.rsplit("_", 1)[-1]))
+
+
+def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
+    """The backward's dK/dV and dQ kernels of each configuration (its Config is the
+    forward's and is not used: the backward has its own tiles)."""
+    with tempfile.TemporaryDirectory() as root:
+        _environment(os.path.join(root, "unused"))
+        import jax
+        from jax.experimental import topologies
+        device = topologies.get_topology_desc(platform="cuda", target_config=TARGET.read_text(),
+                                              topology="1x1x1").devices[0]
+        rows = []
+        for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
+            if config is not None or head_dim > 128:
+                continue  # forward tiles, or a head_dim the kernel does not offer
+            dump = Path(root) / f"backward_{index}"
+            dump.mkdir()
+            os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
+            jax.clear_caches()
+            try:
+                found = _compile_backward(label, dtype, head_dim, causal, options, seq_len, device)
+                for facts, prefix in zip(found, _entries(dump)):
+                    _read_dump(facts, dump, prefix)
+                    if not facts.ok:
+                        facts.error = "no ptxas report was written"
+            except Exception as e:
+                from jax_impl.mosaic_gpu.config import default_backward_config
+                config = default_backward_config(head_dim, dtype)
+                found = [Facts(label, dtype, head_dim, causal, config.block_q, config.block_kv,
+                               config.num_stages, True, options.get("seq_len", seq_len),
+                               config.shared_memory_bytes(head_dim, dtype), kernel=kernel,
+                               error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                         for kernel in BACKWARD_KERNELS]
+            rows.extend(found)
+    return rows
 
 
 def report(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
@@ -181,7 +269,7 @@ def markdown(rows: list[Facts]) -> str:
     import jax
     kib = lambda n: "-" if n is None else f"{n / 1024:.1f}"
     lines = [
-        "# The Mosaic GPU forward compiled for sm_90a (H100/H200), without a GPU",
+        "# The Mosaic GPU kernels compiled for sm_90a (H100/H200), without a GPU",
         "",
         f"Regenerate: `{REGENERATE} --only all` (jax {jax.__version__}, its CUDA plugin's ptxas; "
         f"B={BATCH}, Hq={HEADS}, Hkv={KV_HEADS} unless the label says otherwise). Registers: ptxas's "
@@ -189,19 +277,22 @@ def markdown(rows: list[Facts]) -> str:
         "consumer warpgroups and takes from the producer (its values below). Shared memory: "
         "Mosaic's scratch beside `Config.shared_memory_bytes` (KiB; the budget is 227). TMA: "
         "`cp.async.bulk.tensor` loads (Q, K, V) and bulk stores (O by a tensor copy, the row max and log-sum by 1-D bulk copies) in the PTX; "
-        "wgmma: `wgmma.mma_async` instructions (each loop body of the kernel holds its own).",
+        "wgmma: `wgmma.mma_async` instructions (each loop body of the kernel holds its own). "
+        "The backward rows (dK/dV, dQ) have their own tiles (`BackwardConfig`: q, kv, stages) "
+        "and registers (`setmaxnreg` 240 for the two compute warpgroups, 24 for the memory one); "
+        "their TMA loads: K, V, Q, dO and the row vectors.",
         "",
-        "| call | dtype | D | causal | tiles (q, kv, stages) | persistent | L | compiled | registers | spills (st/ld B) | smem KiB (estimate) | setmaxnreg | wgmma | TMA ld/st | mbarrier waits |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | call | dtype | D | causal | tiles (q, kv, stages) | persistent | L | compiled | registers | spills (st/ld B) | smem KiB (estimate) | setmaxnreg | wgmma | TMA ld/st | mbarrier waits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if not r.ok:
-            lines.append(f"| {r.label or 'plain'} | {r.dtype} | {r.head_dim} | {r.causal} | "
+            lines.append(f"| {r.kernel} | {r.label or 'plain'} | {r.dtype} | {r.head_dim} | {r.causal} | "
                          f"{r.block_q}, {r.block_kv}, {r.num_stages} | {r.persistent} | {r.seq_len} | "
                          f"no: {r.error} | | | ({kib(r.shared_estimate)}) | | | | |")
             continue
         lines.append(
-            f"| {r.label or 'plain'} | {r.dtype} | {r.head_dim} | {r.causal} | {r.block_q}, {r.block_kv}, "
+            f"| {r.kernel} | {r.label or 'plain'} | {r.dtype} | {r.head_dim} | {r.causal} | {r.block_q}, {r.block_kv}, "
             f"{r.num_stages} | {r.persistent} | {r.seq_len} | {r.compile_s} s | {r.registers} | "
             f"{r.spill_stores}/{r.spill_loads} | {kib(r.shared)} ({kib(r.shared_estimate)}) | "
             f"{', '.join(sorted(set(r.setmaxnreg)))} | {r.wgmma} | {r.tma_loads}/{r.tma_stores} | "
@@ -214,9 +305,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
     parser.add_argument("--only", choices=("defaults", "all"), default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    rows = report(configurations(args.only, args.seq_len), args.seq_len)
+    configs = configurations(args.only, args.seq_len)
+    rows = report(configs, args.seq_len) if args.kernels != "backward" else []
+    if args.kernels != "forward":
+        rows += report_backward(configs, args.seq_len)
     table = markdown(rows)
     if args.out:
         Path(args.out + ".md").write_text(table)

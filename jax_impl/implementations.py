@@ -71,9 +71,13 @@ class Implementation:
         return None
 
 
-def _pallas_triton_backward(cfg: AttentionConfig, *args, **kwargs):
-    """mosaic_gpu's backward: the Pallas Triton kernels, from the same RowStats, with their own
-    tiles (a mosaic_gpu.Config in cfg.block_sizes is the forward's)."""
+def _mosaic_gpu_backward(cfg: AttentionConfig, *args, **kwargs):
+    """mosaic_gpu's backward: its own kernels, or, where ``mosaic_gpu.backward_unsupported``
+    gives a reason (the caller's ``Config(backward="pallas_triton")``), the Pallas Triton
+    kernels from the same RowStats with their own tiles (the mosaic_gpu.Config in
+    cfg.block_sizes is the forward's)."""
+    if mosaic_gpu.backward_unsupported(cfg) is None:
+        return mosaic_gpu.backward(cfg, *args, **kwargs)
     if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
         cfg = dataclasses.replace(cfg, block_sizes=None)
     return pallas_triton.backward(cfg, *args, **kwargs)
@@ -85,11 +89,13 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
         takes_position_offset=True),
     "mosaic_gpu": Implementation(
-        "mosaic_gpu", "FlashAttention-3's forward in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
-        "producer, two ping-ponging wgmma consumers, persistent); its backward is pallas_triton's",
-        mosaic_gpu.forward, _pallas_triton_backward, needs_cuda=True, automatic=False,
-        manual_because="one GPU run so far (an H200: correct, its forward 1.3-1.7x cuDNN's time; "
-                       "docs/limitations.md)",
+        "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
+        "producer, two wgmma consumers, persistent): forward (ping-ponging consumers), dK/dV "
+        "and dQ (no atomics); interpreted, or with Config(backward='pallas_triton'), pallas_triton's backward",
+        mosaic_gpu.forward, _mosaic_gpu_backward, needs_cuda=True, automatic=False,
+        manual_because="one GPU run of its forward so far (an H200: correct, 1.3-1.7x cuDNN's "
+                       "time) and none of its backward, proven only in the Mosaic GPU "
+                       "interpreter and compiled for sm_90a (docs/limitations.md)",
         call_unsupported=mosaic_gpu.unsupported, takes_position_offset=True,
         interpreter_has_effects=True),
     "cpu": Implementation(

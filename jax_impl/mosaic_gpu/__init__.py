@@ -1,9 +1,11 @@
 """Pallas Mosaic GPU FlashAttention for Hopper (sm_90a): FlashAttention-3's forward.
 
-``forward`` keeps the contract of ``implementations.py`` (natural-log ``RowStats``: an empty row
-has max = +inf and log_sum = 0, as every backend writes them). There is no backward kernel
-yet: the table pairs this forward with the Pallas Triton backward, which recomputes P from the
-same RowStats. ``unsupported`` names every feature of a call that the kernel does not take;
+``forward`` and ``backward`` keep the contract of ``implementations.py`` (natural-log
+``RowStats``: an empty row has max = +inf and log_sum = 0, as every backend writes them); the
+backward (backward.py: dK/dV per key tile, dQ per query tile, no atomics) recomputes P from
+them. ``backward_unsupported`` says when the table sends the backward to pallas_triton instead
+(the caller's ``Config(backward="pallas_triton")``, or an interpreted call that did not choose
+``Config(backward="mosaic_gpu")``). ``unsupported`` names every feature of a call that the kernel does not take;
 ``unavailable`` says why the kernel cannot be offered at all here (jax older than 0.11, or no
 ``jax.experimental.pallas.mosaic_gpu``).
 
@@ -23,9 +25,9 @@ import jax.numpy as jnp
 from jax_impl import masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
-from jax_impl.mosaic_gpu.config import Config, default_config
+from jax_impl.mosaic_gpu.config import BackwardConfig, Config, default_backward_config, default_config
 
-__all__ = ["Config", "forward", "backward", "unsupported", "unavailable", "HEAD_DIMS", "DTYPES"]
+__all__ = ["Config", "BackwardConfig", "forward", "backward", "backward_unsupported", "unsupported", "unavailable", "HEAD_DIMS", "DTYPES"]
 
 MIN_JAX = (0, 11)
 HEAD_DIMS = (64, 128)
@@ -41,7 +43,9 @@ def _import_error() -> str | None:
         return (f"the Mosaic GPU kernel needs jax >= {'.'.join(map(str, MIN_JAX))}; this is jax "
                 f"{jax.__version__}")
     try:
-        from jax_impl.mosaic_gpu import forward as _  # noqa: F401  (imports plgpu)
+        # Imported here, before the functions of the same names below are defined: importing
+        # a submodule later would rebind the package's attribute to the module.
+        from jax_impl.mosaic_gpu import forward as _, backward as _b  # noqa: F401  (plgpu)
     except Exception as e:  # ImportError, or an API that moved
         return f"jax.experimental.pallas.mosaic_gpu cannot be used here: {type(e).__name__}: {e}"
     return None
@@ -129,7 +133,40 @@ def _nonfinite_rule(q, k, v):
             online_softmax.finite_or_zero(v))
 
 
-def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, extras=None):
-    """No Mosaic GPU backward yet: the table routes the backward to another implementation."""
-    raise NotImplementedError("implementation='mosaic_gpu' has no backward kernel yet; "
-                              "implementations.py pairs its forward with pallas_triton's backward")
+def backward_unsupported(cfg: AttentionConfig) -> str | None:
+    """Why this package's backward kernels do not differentiate a call that its forward runs,
+    or None: the caller chose another backward (``Config.backward``), or the call is
+    interpreted and chose none (the interpreted backward can hang: docs/limitations.md)."""
+    config = cfg.block_sizes
+    chosen = config.backward if isinstance(config, Config) else None
+    if chosen == "pallas_triton":
+        return "mosaic_gpu.Config(backward='pallas_triton') chose that backward"
+    if cfg.interpret and chosen is None:
+        return ("interpreted, the Mosaic GPU backward can hang (docs/limitations.md); "
+                "Config(backward='mosaic_gpu') runs it all the same")
+    return None
+
+
+def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
+             extras=None):
+    """-> (dq, dk, dv, None): the Mosaic GPU dK/dV and dQ kernels (backward.py) from the
+    forward's RowStats. Calls they cannot take raise; the table routes those elsewhere
+    (``backward_unsupported``)."""
+    from jax_impl.mosaic_gpu.backward import backward_call
+    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
+                         has_mask=masks.mask is not None, dtype=q.dtype,
+                         has_segment_ids=masks.q_segment_ids is not None)
+    if reason:
+        raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
+    axes = vma.axes_of(q, k, v, masks, d_out, stats, delta)
+    q, k, v, masks, d_out, stats, delta = vma.like((q, k, v, masks, d_out, stats, delta), axes)
+    interpret = None
+    if cfg.interpret:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        interpret = plgpu.InterpretGPUParams()
+    else:
+        q = platform.requires_cuda(q, PLATFORM_ERROR)
+    dq, dk, dv = backward_call(
+        cfg, default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
+        masks.q_len, masks.kv_len, masks.position_offset, num_sms=_num_sms(), interpret=interpret)
+    return dq, dk, dv, None

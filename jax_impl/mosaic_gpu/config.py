@@ -13,6 +13,7 @@ import numpy as np
 
 SHARED_MEMORY_BUDGET = 227 * 1024  # bytes a CTA may take on sm_90 (232448 opt-in less 1 KiB)
 CONSUMERS = 2  # compute warpgroups per CTA (FlashAttention-3's forward)
+BACKWARDS = ("mosaic_gpu", "pallas_triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,12 +25,18 @@ class Config:
     num_stages: K/V stages in shared memory (>= 2: one being read while the next is loaded).
     persistent: one CTA per SM walking the work items (FA3's static persistent scheduler);
       False: one CTA per work item.
+    backward: whose backward kernels differentiate the call: "mosaic_gpu" (this package's
+      dK/dV and dQ kernels), "pallas_triton" (the Triton kernels with their own tiles, from
+      the same RowStats: the route to compare with, or to fall back on), or None (the
+      default: "mosaic_gpu" compiled, "pallas_triton" interpreted, where the Mosaic one can
+      hang: docs/limitations.md).
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     persistent: bool = True
+    backward: str | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_stages"):
@@ -48,6 +55,9 @@ class Config:
             raise ValueError(f"mosaic_gpu.Config.num_stages={self.num_stages} must be in [2, 4]")
         if not isinstance(self.persistent, bool):
             raise TypeError(f"mosaic_gpu.Config.persistent={self.persistent!r} must be a bool")
+        if self.backward is not None and self.backward not in BACKWARDS:
+            raise ValueError(f"mosaic_gpu.Config.backward={self.backward!r} must be one of "
+                             f"{BACKWARDS}")
 
     def shared_memory_bytes(self, head_dim: int, dtype) -> int:
         """Bytes of the kernel's scratch: Q (reused for O) per consumer, the K and V ring, the
@@ -68,3 +78,43 @@ def default_config(head_dim: int, dtype) -> Config:
     if head_dim <= 128:
         return Config(block_q=64, block_kv=128, num_stages=2)
     return Config(block_q=64, block_kv=64, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Tiles of the backward kernels (backward.py). Each CTA's two compute warpgroups own one
+    tile each of the side that stays (``block_kv`` keys in dK/dV, ``block_q`` queries in dQ)
+    and walk the other side's tiles, which the memory warpgroup streams through a ring of
+    ``num_stages`` stages. 64 x 64 tiles keep dK, dV (2 x 64 x 128 fp32) and the two
+    transposed logit tiles of dK/dV in one warpgroup's registers at head_dim 128."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 64 or value % 64 or value > 128:
+                raise ValueError(f"mosaic_gpu.BackwardConfig.{name}={value!r} must be 64 or 128")
+        if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 4:
+            raise ValueError(f"mosaic_gpu.BackwardConfig.num_stages={self.num_stages!r} must be "
+                             "in [2, 4]")
+
+    def shared_memory_bytes(self, head_dim: int, dtype) -> int:
+        """The larger of the two kernels' scratch: dK/dV holds K and V per consumer and a ring
+        of Q, dO and three row vectors; dQ holds Q, dO and three row vectors per consumer and a
+        ring of K, V and the keys' poison."""
+        item = np.dtype(dtype).itemsize
+        own = lambda rows: CONSUMERS * 2 * rows * head_dim * item
+        ring = lambda rows: self.num_stages * 2 * rows * head_dim * item
+        dkdv = own(self.block_kv) + ring(self.block_q) + self.num_stages * 3 * self.block_q * 4
+        dq = (own(self.block_q) + CONSUMERS * 3 * self.block_q * 4 + ring(self.block_kv)
+              + self.num_stages * self.block_kv * 4)
+        return max(dkdv, dq) + 8 * (6 * self.num_stages + CONSUMERS * 3)
+
+
+def default_backward_config(head_dim: int, dtype) -> BackwardConfig:
+    """64 x 64 tiles and two stages at head_dim 64 and 128."""
+    del head_dim, dtype
+    return BackwardConfig()

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from conformance.cases import Case
-from jax_impl import dropout_sinks, implementations, masking, mosaic_gpu, recompute_vjp
+from jax_impl import (dropout_sinks, implementations, masking, mosaic_gpu, pallas_triton,
+                      recompute_vjp)
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.flash_attention import explain_implementation, flash_attention
 from jax_impl.mosaic_gpu.config import Config, default_config
@@ -37,6 +38,7 @@ INTERPRET = [pytest.param(True, id="interpret", marks=needs_mosaic),
 # --- The table, eligibility, dispatch (any jax) --------------------------------------------
 
 def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
+    """Its own backward by default; pallas_triton's where the caller's Config chose it."""
     impl = implementations.get("mosaic_gpu")
     assert not impl.automatic and impl.needs_cuda and impl.takes_position_offset
     assert "pallas_triton" in impl.summary and "GPU" in impl.manual_because
@@ -249,3 +251,106 @@ def test_nonfinite_values_follow_the_rule_of_every_implementation(interpret):
     assert np.isnan(want).any() and not np.isnan(want).all()
     finite = ~np.isnan(want)
     np.testing.assert_allclose(got[finite], want[finite], atol=2e-2)
+
+
+# --- The backward (backward.py) --------------------------------------------------------------
+
+@pytest.mark.parametrize("choice, interpret, expected", [
+    (None, False, "mosaic_gpu"), (Config(), False, "mosaic_gpu"),
+    (Config(backward="pallas_triton"), False, "pallas_triton"),
+    (None, True, "pallas_triton"), (Config(backward="mosaic_gpu"), True, "mosaic_gpu")])
+def test_the_backward_is_its_own_unless_the_config_chooses_pallas_triton(monkeypatch, choice,
+                                                                          interpret, expected):
+    called = []
+    monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
+    monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=choice,
+                          interpret=interpret)
+    implementations.get("mosaic_gpu").backward(cfg, *[None] * 8)
+    assert called == [expected]
+    reason = mosaic_gpu.backward_unsupported(cfg)
+    assert (reason is None) == (expected == "mosaic_gpu")
+    with pytest.raises(ValueError, match="backward='cuda'"):
+        Config(backward="cuda")
+
+
+def _mosaic_backward_only(monkeypatch, interpret=False):
+    """The gradients below must come from the Mosaic GPU kernels, not the Triton fallback.
+    Interpreted, they run only with MOSAIC_BACKWARD_INTERPRET=1 (the hang: HANG)."""
+    import os
+    if interpret and os.environ.get("MOSAIC_BACKWARD_INTERPRET") != "1":
+        pytest.skip(HANG + "; MOSAIC_BACKWARD_INTERPRET=1 runs it")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pallas_triton's backward ran")
+    monkeypatch.setattr(pallas_triton, "backward", refuse)
+
+
+HANG = ("the interpreted Mosaic backward can leave a warpgroup thread blocked: a test passes, "
+        "then pytest hangs (at exit, or at the next test); causal GQA with 4 query heads per "
+        "kv head hangs outright (docs/limitations.md, not diagnosed yet)")
+MOSAIC_BACKWARD = Config(backward="mosaic_gpu")
+
+
+# Beside PROBLEMS (which run this backward too). Not here: causal GQA/MQA with more than two
+# query heads per kv head, whose interpreted backward hung under jit (docs/limitations.md).
+BACKWARD_PROBLEMS = [
+    Case("fp16-gqa-window-lengths-softcap", q_len=200, kv_len=140, q_heads=4, kv_heads=2,
+         dtype="float16", window=(30, 20), lengths=True, soft_cap=5.0, seed=51),
+]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", BACKWARD_PROBLEMS, ids=lambda p: p.name)
+def test_backward_kernels_match_the_float64_oracle(monkeypatch, problem, interpret):
+    _mosaic_backward_only(monkeypatch, interpret)
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
+                  block_sizes=MOSAIC_BACKWARD)
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_gradients_repeat_bit_for_bit(monkeypatch, interpret):
+    """No atomics: dQ per query tile, dK/dV per key tile with the query group summed in order."""
+    _mosaic_backward_only(monkeypatch, interpret)
+    rng = np.random.default_rng(52)
+    q, ct = (jnp.asarray(rng.standard_normal((2, 190, 4, 64)), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((2, 150, 4, 64)), jnp.bfloat16) for _ in range(2))
+
+    def grads():
+        _, vjp = jax.vjp(lambda q, k, v: flash_attention(
+            q, k, v, implementation="mosaic_gpu", interpret=interpret, is_causal=True,
+            block_sizes=MOSAIC_BACKWARD), q, k, v)
+        return [np.asarray(x.astype(jnp.float32)) for x in vjp(ct)]
+
+    first, second = grads(), grads()
+    for a, b in zip(first, second):
+        assert np.all(np.isfinite(a)) and np.abs(a).max() > 0
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_nonfinite_gradients_follow_the_rule_of_every_implementation(monkeypatch, interpret):
+    """A NaN in v and an inf in k at keys some rows may not attend, a NaN query row: the NaN
+    pattern and the finite values of dq, dk, dv match the xla path's."""
+    _mosaic_backward_only(monkeypatch, interpret)
+    rng = np.random.default_rng(53)
+    b, l, h, d = 1, 150, 2, 64
+    q, k, v, ct = (rng.standard_normal((b, l, h, d)).astype(np.float32) for _ in range(4))
+    v[0, 100, 0, 5] = np.nan
+    k[0, 140, 1, 3] = np.inf
+    q[0, 20, 1, 0] = np.nan
+    q, k, v, ct = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, ct))
+    options = dict(is_causal=True, local_window_size=(60, None))
+
+    def grads(**kwargs):
+        _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, **options, **kwargs), q, k, v)
+        return [np.asarray(x.astype(jnp.float32)) for x in vjp(ct)]
+
+    got = grads(implementation="mosaic_gpu", interpret=interpret, block_sizes=MOSAIC_BACKWARD)
+    want = grads(implementation="xla")
+    for name, x, y in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(np.isnan(x), np.isnan(y), err_msg=name)
+        assert np.isnan(y).any() and not np.isnan(y).all(), name
+        finite = ~np.isnan(y)
+        np.testing.assert_allclose(x[finite], y[finite], atol=3e-2, err_msg=name)

@@ -1,0 +1,521 @@
+"""The backward kernels: FlashAttention-2's Algorithm 2 split in two, no atomics, in the warp-
+specialised style of forward.py (a TMA memory warpgroup feeding two wgmma compute warpgroups
+through an mbarrier ring).
+
+- **dK/dV** (``_dkdv_consumer``): a work item is ``2 * block_kv`` keys (one tile per compute
+  warpgroup, K and V by TMA once) of one (batch row, kv head). The memory warpgroup streams,
+  for each query head of the kv head's group in turn, every query tile the CTA's keys may see
+  (``masking.q_block_range``): Q, dO and the three row vectors (row max, row log-sum, delta).
+  The tiles are transposed, so that both products with the streamed side are plain:
+  S^T = K Q^T and dP^T = V dO^T (both operands in shared memory), then dV += P^T dO and
+  dK += dS^T Q (P^T and dS^T from registers). The group's heads are summed in the
+  accumulators, in a fixed order: GQA/MQA need no second pass and no atomics.
+- **dQ** (``_dq_consumer``): a work item is ``2 * block_q`` query rows of one (batch row, query
+  head), like the forward's; Q, dO and the row vectors by TMA once; the memory warpgroup
+  streams K, V and the keys' poison (below) of every key tile the rows may see: S = Q K^T,
+  dP = dO V^T, dQ += dS K, accumulated in fp32 registers. Each dQ row is written by one CTA
+  from one ordered walk: the result is bitwise repeatable.
+
+P is recomputed from the forward's natural-log ``RowStats`` in base 2 with the scale folded,
+exactly as ``online_softmax.Base2Softmax.probs`` does, and the gradient of the logits follows
+``online_softmax.logits_gradient`` (the soft cap's derivative; dS exactly 0 where P is 0 on a
+masked tile; dK's and dQ's scale applied once to the accumulator). Both walks use the mask's
+split (``q_block_split``, ``kv_block_split``): the band's edge tiles evaluate the structural
+rule, the tiles inside it none, the CTA's tiles outside a warpgroup's own range only keep the
+ring in step.
+
+The non-finite rule (online_softmax), prepared by one XLA pass: both kernels read q, k and v
+with their non-finite entries as 0 (every product may read them at pairs that take no part);
+a query row's poison (NaN where its row of q holds a non-finite value) is added to its saved
+row max, so its recomputed P is NaN wherever the row attends and exactly 0 where the mask's
+select excludes a pair; a key's poison (its row of K or V) is added to the rows of the dK/dV
+kernel's K, which enters only S^T there, and reaches the dQ kernel's logits as a per-key
+vector streamed with K and V (its K enters dQ += dS K too, so it stays finite).
+
+Edges as in the forward: Lq and Lk are padded to multiples of 8 (the TMA descriptors' row
+groups), TMA loads past them read zeros, stores are clipped, and ``masking.with_padding``
+switches on the length rule; the row vectors are padded to whole CTAs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_impl import masking, online_softmax
+from jax_impl.config import AttentionConfig
+from jax_impl.mosaic_gpu.config import CONSUMERS, BackwardConfig
+from jax_impl.mosaic_gpu.scheduler import WorkOrder
+
+CONSUMER_REGISTERS = 240  # FA3 with three warpgroups: 2 x 128 x 240 + 128 x 24 of 65536
+PRODUCER_REGISTERS = 24
+_ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
+_COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+_MEMORY_WARPGROUP = CONSUMERS
+_LOG2_E = online_softmax.LOG2_E
+ROW_MULTIPLE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The static shape of one backward call (Lq, Lk already padded to multiples of 8)."""
+
+    batch: int
+    lq: int
+    lk: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: jnp.dtype
+    config: BackwardConfig
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def q_pairs(self) -> int:
+        return -(-self.lq // (CONSUMERS * self.config.block_q))
+
+    @property
+    def kv_pairs(self) -> int:
+        return -(-self.lk // (CONSUMERS * self.config.block_kv))
+
+
+def _swizzled(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                plgpu.SwizzleTransform(128)))
+
+
+def _wait_all(barriers, slot):
+    for barrier in barriers:
+        plgpu.barrier_wait(barrier.at[slot])
+
+
+def _producer(order: WorkOrder, num_stages: int, walk, copies, consumed):
+    """The memory warpgroup: for each item, ``walk(pair, head, b) -> (passes, lo, hi)`` streamed
+    tiles ``[lo, hi)`` once per pass; ``copies(head, b, p, j, slot)`` issues one step's TMA copies
+    into ring slot ``slot`` once both compute warpgroups have released it."""
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    def item(pair, head, b, step):
+        passes, lo, hi = walk(pair, head, b)
+
+        def one_pass(p, step):
+            def load(j, step):
+                slot = lax.rem(step, num_stages)
+
+                @pl.when(step >= num_stages)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+                copies(head, b, p, j, slot)
+                return step + 1
+
+            return lax.fori_loop(lo, hi, load, step)
+
+        return lax.fori_loop(0, passes, one_pass, step)
+
+    steps = order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+    # Every phase of the consumed barriers observed before they go (forward.py's tail).
+    for back in range(num_stages, 0, -1):
+        @pl.when(steps >= back)
+        def _(back=back):
+            plgpu.barrier_wait(consumed.at[lax.rem(steps - back, num_stages)])
+
+
+def _bounds(lo, hi, split):
+    """The five stretches of a warpgroup's walk inside its CTA's range ``[lo, hi)``: outside its
+    own range, its masked edge, its interior, its other edge, outside again."""
+    return [lo, *(jnp.minimum(jnp.maximum(x, lo), hi) for x in split), hi]
+
+
+def _pass_step(produced, consumed, num_stages):
+    """A streamed tile that none of this warpgroup's own rows may pair with."""
+    def body(_, carry):
+        *acc, step = carry
+        slot = lax.rem(step, num_stages)
+        _wait_all(produced, slot)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return (*acc, step + 1)
+    return body
+
+
+def _accumulate(acc, lhs, rhs_tile, interpreted: bool):
+    """acc += lhs @ rhs_tile: lhs (16-bit) in registers, rhs in shared memory, one wgmma into the
+    accumulator itself. Interpreted, a plain dot (forward._accumulate_values says why)."""
+    if interpreted:
+        return acc + jnp.dot(lhs, rhs_tile[...], preferred_element_type=jnp.float32)
+
+    def accumulate(acc_ref):
+        plgpu.wgmma(acc_ref, lhs, rhs_tile)
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def _product(shape, a, b_t):
+    """a @ b_t^T, both in shared memory, into fp32 registers."""
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_t.T)
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+
+def _two_products(shape, a, b_t, c, d_t):
+    """(a @ b_t^T, c @ d_t^T) from shared memory into fp32 registers, one wgmma group."""
+    def products(refs):
+        first, second = refs
+        plgpu.wgmma(first, a, b_t.T)
+        plgpu.wgmma(second, c, d_t.T)
+        return first[...], second[...]
+
+    return pl.run_scoped(products, (plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32)))
+
+
+def _values_and_dp(dv, p_t, do_tile, v_tile, tile, interpreted: bool):
+    """(dV + P^T dO, dP^T = V dO^T). Compiled, both wgmmas in one group; interpreted, the first
+    as a plain dot (``_accumulate``)."""
+    if interpreted:
+        return _accumulate(dv, p_t, do_tile, True), _product(tile, v_tile, do_tile)
+
+    def both(refs):
+        dv_ref, dp_ref = refs
+        plgpu.wgmma(dv_ref, p_t, do_tile)
+        plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+
+    zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32), plgpu.Layout.WGMMA)
+    return pl.run_state(both)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+
+
+def _probs(cfg, softmax, t_raw, broadcast, row_max, log_sum, allowed):
+    """P recomputed as ``Base2Softmax.probs`` does (exactly 0 where ``allowed`` is False) and the
+    soft cap's tanh term; ``broadcast`` takes a per-query vector to the tile."""
+    t, capped = softmax.logits(t_raw, cfg)
+    shifted = (t * softmax.multiplier - broadcast(row_max * _LOG2_E)) - broadcast(log_sum * _LOG2_E)
+    if allowed is not None:
+        shifted = jnp.where(allowed, shifted, -jnp.inf)
+    return jnp.exp2(shifted), capped
+
+
+def _logits_gradient(p, dp, capped, broadcast, delta, masked: bool):
+    """d(q.k) without the scale: ``online_softmax.logits_gradient(scaled=False)``, exactly 0
+    where P is 0 on a tile with excluded pairs (also in a NaN row)."""
+    dqk = p * (dp - broadcast(delta))
+    if capped is not None:
+        dqk = dqk * (1.0 - capped * capped)
+    if masked:
+        dqk = jnp.where(p == 0, 0.0, dqk)
+    return dqk
+
+
+# --- dK/dV ----------------------------------------------------------------------------------
+
+def _dkdv_scratch(g: Geometry):
+    c, d = g.config, g.head_dim
+    tiles = (_swizzled((CONSUMERS, c.block_kv, d), g.dtype),  # K, then dK
+             _swizzled((CONSUMERS, c.block_kv, d), g.dtype),  # V, then dV
+             _swizzled((c.num_stages, c.block_q, d), g.dtype),  # Q ring
+             _swizzled((c.num_stages, c.block_q, d), g.dtype),  # dO ring
+             *[plgpu.SMEM((c.num_stages, c.block_q), jnp.float32)] * 3)  # max, log-sum, delta
+    barriers = (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=CONSUMERS),
+                *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(5)],
+                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
+    return tiles, barriers
+
+
+def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    c = g.config
+    wg = lax.axis_index("wg")
+    k_own, v_own, q_ring, do_ring, max_ring, log_sum_ring, delta_ring = smem
+    k_loaded, v_loaded, *produced, consumed = barriers
+    k_own, v_own = k_own.at[wg], v_own.at[wg]
+    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=False)
+    tile = (c.block_kv, c.block_q)  # transposed: keys x queries
+    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis, layout=plgpu.Layout.WGMMA)
+    cols = lambda x: lax.broadcast_in_dim(x, tile, (1,))
+
+    def item(pair, kv_head, b, step):
+        q_len, kv_len = refs["q_len"][b], refs["kv_len"][b]
+        offset = None if refs["offset"] is None else refs["offset"][b]
+        cta_start = pair * CONSUMERS * c.block_kv
+        key_start = cta_start + wg * c.block_kv
+        keys = (b, pl.ds(key_start, c.block_kv), kv_head)
+        plgpu.copy_gmem_to_smem(refs["k"].at[keys], k_own, k_loaded.at[wg])
+        plgpu.copy_gmem_to_smem(refs["v"].at[keys], v_own, v_loaded.at[wg])
+        lo, hi = masking.q_block_range(cfg.mask, cta_start, CONSUMERS * c.block_kv, c.block_q,
+                                       q_len, kv_len, offset)
+        bounds = _bounds(lo, hi, masking.q_block_split(cfg.mask, key_start, c.block_kv,
+                                                       c.block_q, q_len, kv_len, offset))
+        zeros = plgpu.layout_cast(jnp.zeros((c.block_kv, g.head_dim), jnp.float32),
+                                  plgpu.Layout.WGMMA)
+        plgpu.barrier_wait(k_loaded.at[wg])
+        plgpu.barrier_wait(v_loaded.at[wg])
+
+        def attend(i, carry, masked: bool):
+            dk, dv, step = carry
+            slot = lax.rem(step, c.num_stages)
+            _wait_all(produced, slot)
+            s_t = _product(tile, k_own, q_ring.at[slot])
+            allowed = None
+            if masked:
+                allowed = masking.structural_allowed(cfg.mask, i * c.block_q + iota(1),
+                                                     key_start + iota(0), q_len, kv_len, offset)
+            load = lambda ref: plgpu.load(ref.at[slot], layout=_COLS)
+            p_t, capped = _probs(cfg, softmax, s_t, cols, load(max_ring), load(log_sum_ring),
+                                 allowed)
+            if masked:  # two wgmma groups on an edge tile: one would spill (D=128, causal)
+                dv = _accumulate(dv, p_t.astype(g.dtype), do_ring.at[slot], interpreted)
+                dp_t = _product(tile, v_own, do_ring.at[slot])
+            else:  # dV += P^T dO and dP^T = V dO^T in one wgmma group
+                dv, dp_t = _values_and_dp(dv, p_t.astype(g.dtype), do_ring.at[slot], v_own,
+                                          tile, interpreted)
+            dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring), masked)
+            dk = _accumulate(dk, dqk_t.astype(g.dtype), q_ring.at[slot], interpreted)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dk, dv, step + 1
+
+        masked = functools.partial(attend, masked=True)
+        skip = _pass_step(produced, consumed, c.num_stages)
+        bodies = (skip, masked, functools.partial(attend, masked=False), masked, skip)
+
+        def one_head(_, carry):  # the group's query heads, in order: their sum is fixed
+            for start, stop, body in zip(bounds[:-1], bounds[1:], bodies):
+                carry = lax.fori_loop(start, stop, body, carry)
+            return carry
+
+        dk, dv, step = lax.fori_loop(0, g.groups, one_head, (zeros, zeros, step))
+        k_own[...] = (dk * cfg.scale).astype(g.dtype)
+        v_own[...] = dv.astype(g.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_own, refs["dk"].at[keys])
+        plgpu.copy_smem_to_gmem(v_own, refs["dv"].at[keys])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the next item's K, V land there
+        return step
+
+    order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+
+
+def _dkdv_walk(cfg, g: Geometry, refs):
+    c = g.config
+
+    def walk(pair, kv_head, b):
+        offset = None if refs["offset"] is None else refs["offset"][b]
+        lo, hi = masking.q_block_range(cfg.mask, pair * CONSUMERS * c.block_kv,
+                                       CONSUMERS * c.block_kv, c.block_q, refs["q_len"][b],
+                                       refs["kv_len"][b], offset)
+        return g.groups, lo, hi
+
+    def copies(kv_head, b, member, i, slot, smem, produced):
+        _, _, q_ring, do_ring, max_ring, log_sum_ring, delta_ring = smem
+        head = kv_head * g.groups + member
+        rows = pl.ds(i * c.block_q, c.block_q)
+        for src, dst, barrier in zip(
+                (refs["q"].at[b, rows, head], refs["do"].at[b, rows, head],
+                 refs["row_max"].at[b, head, rows], refs["log_sum"].at[b, head, rows],
+                 refs["delta"].at[b, head, rows]),
+                (q_ring, do_ring, max_ring, log_sum_ring, delta_ring), produced):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
+
+    return walk, copies
+
+
+# --- dQ -------------------------------------------------------------------------------------
+
+def _dq_scratch(g: Geometry):
+    c, d = g.config, g.head_dim
+    tiles = (_swizzled((CONSUMERS, c.block_q, d), g.dtype),  # Q, then dQ
+             _swizzled((CONSUMERS, c.block_q, d), g.dtype),  # dO
+             *[plgpu.SMEM((CONSUMERS, c.block_q), jnp.float32)] * 3,  # max, log-sum, delta
+             _swizzled((c.num_stages, c.block_kv, d), g.dtype),  # K ring
+             _swizzled((c.num_stages, c.block_kv, d), g.dtype),  # V ring
+             plgpu.SMEM((c.num_stages, c.block_kv), jnp.float32))  # the keys' poison
+    barriers = (*[plgpu.Barrier(num_barriers=CONSUMERS) for _ in range(5)],
+                *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(3)],
+                plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
+    return tiles, barriers
+
+
+def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    c = g.config
+    wg = lax.axis_index("wg")
+    q_own, do_own, max_own, log_sum_own, delta_own, k_ring, v_ring, poison_ring = smem
+    own_loaded, produced, consumed = barriers[:5], barriers[5:8], barriers[8]
+    q_own, do_own = q_own.at[wg], do_own.at[wg]
+    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=False)
+    tile = (c.block_q, c.block_kv)
+    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis, layout=plgpu.Layout.WGMMA)
+    rows_of = lambda x: lax.broadcast_in_dim(x, tile, (0,))
+
+    def item(pair, head, b, step):
+        q_len, kv_len = refs["q_len"][b], refs["kv_len"][b]
+        offset = None if refs["offset"] is None else refs["offset"][b]
+        cta_start = pair * CONSUMERS * c.block_q
+        q_start = cta_start + wg * c.block_q
+        rows = pl.ds(q_start, c.block_q)
+        for src, dst, barrier in zip(
+                (refs["q"].at[b, rows, head], refs["do"].at[b, rows, head],
+                 refs["row_max"].at[b, head, rows], refs["log_sum"].at[b, head, rows],
+                 refs["delta"].at[b, head, rows]),
+                (q_own, do_own, max_own.at[wg], log_sum_own.at[wg], delta_own.at[wg]),
+                own_loaded):
+            plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
+        lo, hi = masking.kv_block_range(cfg.mask, cta_start, CONSUMERS * c.block_q, c.block_kv,
+                                        q_len, kv_len, offset)
+        bounds = _bounds(lo, hi, masking.kv_block_split(cfg.mask, q_start, c.block_q,
+                                                        c.block_kv, q_len, kv_len, offset))
+        _wait_all(own_loaded, wg)
+        row_max, log_sum, delta = (plgpu.load(ref.at[wg], layout=_ROWS)
+                                   for ref in (max_own, log_sum_own, delta_own))
+        zeros = plgpu.layout_cast(jnp.zeros((c.block_q, g.head_dim), jnp.float32),
+                                  plgpu.Layout.WGMMA)
+
+        def attend(j, carry, masked: bool):
+            dq, step = carry
+            slot = lax.rem(step, c.num_stages)
+            _wait_all(produced, slot)
+            s, dp = _two_products(tile, q_own, k_ring.at[slot], do_own, v_ring.at[slot])
+            poison = plgpu.load(poison_ring.at[slot], layout=_COLS)
+            allowed = None
+            if masked:
+                allowed = masking.structural_allowed(cfg.mask, q_start + iota(0),
+                                                     j * c.block_kv + iota(1), q_len, kv_len,
+                                                     offset)
+            s = s + lax.broadcast_in_dim(poison, tile, (1,))
+            p, capped = _probs(cfg, softmax, s, rows_of, row_max, log_sum, allowed)
+            dqk = _logits_gradient(p, dp, capped, rows_of, delta, masked)
+            dq = _accumulate(dq, dqk.astype(g.dtype), k_ring.at[slot], interpreted)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dq, step + 1
+
+        masked = functools.partial(attend, masked=True)
+        bodies = (_pass_step(produced, consumed, c.num_stages), masked,
+                  functools.partial(attend, masked=False), masked,
+                  _pass_step(produced, consumed, c.num_stages))
+        carry = (zeros, step)
+        for start, stop, body in zip(bounds[:-1], bounds[1:], bodies):
+            carry = lax.fori_loop(start, stop, body, carry)
+        dq, step = carry
+        q_own[...] = (dq * cfg.scale).astype(g.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_own, refs["dq"].at[b, rows, head])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the next item's Q lands there
+        return step
+
+    order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+
+
+def _dq_walk(cfg, g: Geometry, refs):
+    c = g.config
+
+    def walk(pair, head, b):
+        offset = None if refs["offset"] is None else refs["offset"][b]
+        lo, hi = masking.kv_block_range(cfg.mask, pair * CONSUMERS * c.block_q,
+                                        CONSUMERS * c.block_q, c.block_kv, refs["q_len"][b],
+                                        refs["kv_len"][b], offset)
+        return 1, lo, hi
+
+    def copies(head, b, _, j, slot, smem, produced):
+        k_ring, v_ring, poison_ring = smem[5:]
+        kv_head = lax.div(head, g.groups)
+        keys = pl.ds(j * c.block_kv, c.block_kv)
+        for src, dst, barrier in zip(
+                (refs["k"].at[b, keys, kv_head], refs["v"].at[b, keys, kv_head],
+                 refs["key_poison"].at[b, kv_head, keys]),
+                (k_ring, v_ring, poison_ring), produced):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
+
+    return walk, copies
+
+
+# --- The calls --------------------------------------------------------------------------------
+
+_DKDV_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta")
+_DQ_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
+              "key_poison")
+
+
+def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch, consumer,
+            walk_of, order: WorkOrder, interpret, name: str):
+    present = [n for n in names if inputs[n] is not None]
+    interpreted = interpret is not None
+
+    def entry(*refs):
+        refs = dict(zip(present + list(out_names), refs))
+        refs.setdefault("offset", None)
+        walk, copies = walk_of(cfg, g, refs)
+
+        def body(smem, barriers):
+            wg = lax.axis_index("wg")
+            pl.when(wg < CONSUMERS)(lambda: consumer(cfg, g, order, refs, smem, barriers,
+                                                     interpreted))
+            produced, consumed = barriers[-1 - (5 if name == "dkdv" else 3):-1], barriers[-1]
+            pl.when(wg == _MEMORY_WARPGROUP)(lambda: _producer(
+                order, g.config.num_stages, walk,
+                lambda *a: copies(*a, smem, produced), consumed))
+
+        tiles, barriers = scratch(g)
+        pl.run_scoped(lambda *scoped: body(scoped[:len(tiles)], scoped[len(tiles):]),
+                      *tiles, *barriers, collective_axes="wg")
+
+    kernel = plgpu.kernel(
+        entry, out_type=out_type, grid=(order.num_ctas,), grid_names=("cta",),
+        num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **({} if interpret is None else {"interpret": interpret}))
+    return kernel(*[inputs[n] for n in present])
+
+
+def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, stats, delta,
+                  q_len, kv_len, offset=None, *, num_sms: int | None = None, interpret=None):
+    """q/d_out [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), stats RowStats [B, Hq, Lq] f32,
+    delta [B, Hq, Lq] f32 -> (dq, dk, dv) in the operands' dtypes."""
+    batch, lq, heads, head_dim = q.shape
+    lk, kv_heads = k.shape[1], k.shape[2]
+    cfg = dataclasses.replace(cfg, mask=masking.with_padding(
+        cfg.mask, queries_padded=lq % (CONSUMERS * config.block_q) != 0,
+        keys_padded=lk % (CONSUMERS * config.block_kv) != 0))
+    # The non-finite rule (the module's docstring), one XLA pass.
+    query_poison = online_softmax.row_poison(q).transpose(0, 2, 1)       # [B, Hq, Lq]
+    key_poison = online_softmax.key_poison(k, v).transpose(0, 2, 1)      # [B, Hkv, Lk]
+    q, k, v = map(online_softmax.finite_or_zero, (q, k, v))
+    poisoned_k = k + online_softmax.per_row(key_poison.transpose(0, 2, 1)).astype(k.dtype)
+    d_out = d_out.astype(q.dtype)
+
+    pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, -x.shape[1] % ROW_MULTIPLE), (0, 0), (0, 0)))
+    q, d_out, k, v, poisoned_k = map(pad_rows, (q, d_out, k, v, poisoned_k))
+    g = Geometry(batch, q.shape[1], k.shape[1], heads, kv_heads, head_dim, jnp.dtype(q.dtype),
+                 config)
+    pad_last = lambda x, multiple, value: jnp.pad(
+        x, ((0, 0), (0, 0), (0, -x.shape[-1] % multiple)), constant_values=value)
+    per_query = CONSUMERS * config.block_q
+    row_max = pad_last(stats.max + query_poison, per_query, jnp.inf)
+    log_sum = pad_last(stats.log_sum, per_query, 0.0)
+    delta = pad_last(delta.astype(jnp.float32), per_query, 0.0)
+    key_poison = pad_last(key_poison, CONSUMERS * config.block_kv, 0.0)
+    sms = {} if num_sms is None else {"num_sms": num_sms}
+
+    common = dict(q=q, do=d_out, v=v, q_len=q_len, kv_len=kv_len, offset=offset,
+                  row_max=row_max, log_sum=log_sum, delta=delta)
+    kv_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    order = WorkOrder.create(g.kv_pairs, kv_heads, batch, masking.later_key_tiles_heavier(cfg.mask),
+                             True, **sms)
+    dk, dv = _kernel(cfg, g, dict(common, k=poisoned_k), _DKDV_INPUTS,
+                     (kv_struct(k), kv_struct(v)), ("dk", "dv"), _dkdv_scratch, _dkdv_consumer,
+                     _dkdv_walk, order, interpret, "dkdv")
+    order = WorkOrder.create(g.q_pairs, heads, batch, masking.later_query_tiles_heavier(cfg.mask),
+                             True, **sms)
+    if interpret is not None:
+        # One interpreted kernel at a time: XLA may start both callbacks at once, and two
+        # interpreted kernels walking their CTAs side by side deadlock (seen with jax 0.11.2).
+        dk, dv, common, k, key_poison = lax.optimization_barrier((dk, dv, common, k, key_poison))
+    dq = _kernel(cfg, g, dict(common, k=k, key_poison=key_poison), _DQ_INPUTS,
+                 kv_struct(q), ("dq",), _dq_scratch, _dq_consumer, _dq_walk, order, interpret,
+                 "dq")
+    return dq[:, :lq], dk[:, :lk], dv[:, :lk]
