@@ -93,8 +93,10 @@ def test_decode_splits_the_keys_and_merges_exactly():
     """The plan splits a long cache; with position_offset (ring steps) the result equals the
     oracle's shifted band (numpy mask), so every run's partial result was merged."""
     b, lq, hq, hkv, lk, d = 2, 3, 4, 2, 3000, 8
-    pages_per_tile, splits = xla.decode_plan(lq * hq // hkv, xla._dense_page_size(lk), lk // xla._dense_page_size(lk))
-    assert splits > 1
+    page = xla._dense_page_size(lk)
+    for cpu in (True, False):
+        _, chains, splits = xla.decode_plan(lq * hq // hkv, page, lk // page, cpu=cpu)
+        assert chains * splits > 1 or (cpu and xla.platform.host_threads() == 1)
     rng, (q, k, v), _ = _inputs(5, b, lq, hq, hkv, lk, d)
     offsets, kv_len = np.array([1000, -2], np.int32), np.array([2900, 2500], np.int32)
     spec = masking.MaskSpec(is_causal=True, window_left=700, has_kv_lengths=True)
