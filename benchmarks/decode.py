@@ -30,10 +30,12 @@ from jax_impl.flash_attention import flash_attention
 NAME = "bench_decode"
 HQ, HKV, D = 32, 8, 128
 TORCH = "torch SDPA"
-GRIDS = {  # device -> (batches, cached lengths, query rows, dtypes); bf16 only at 1 row on a CPU
+GRIDS = {  # device -> (batches, cached lengths, query rows, dtypes); the second dtype at 1 row only
     "cpu": ((1, 2), (4096, 16384), (1, 4), ("float32", "bfloat16")),
     "cuda": ((1, 8), (16384, 65536), (1, 4), ("bfloat16", "float32")),
 }
+# Seconds after which no new point starts (the rest is recorded as skipped); None: no limit.
+TIME_BUDGET_S = {"cpu": None, "cuda": float(os.environ.get("DECODE_BUDGET_S", 150))}
 
 
 def _repeats(device: str, cache_bytes: int) -> int:
@@ -158,12 +160,16 @@ def run_suite(out_dir, device: str, length: int | None = None) -> list[pathlib.P
     lengths = (length,) if length else lengths
     started = time.time()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    points = []
+    points, skipped = [], []
     for dtype in dtypes:
         for b in batches:
             for lk in lengths:
                 for lq in rows:
-                    if kind == "cpu" and dtype == "bfloat16" and lq > 1:
+                    if dtype != dtypes[0] and lq > 1:
+                        continue
+                    budget = TIME_BUDGET_S[kind]
+                    if budget is not None and time.time() - started > budget:
+                        skipped.append(dict(batch=b, cached=lk, query_rows=lq, dtype=dtype))
                         continue
                     largest = b == batches[-1] and lk == lengths[-1] and dtype == dtypes[0] and lq == 1
                     point = measure_point(b, lk, lq, dtype, kind, page_sizes=(16, 64) if largest else (16,))
@@ -173,8 +179,9 @@ def run_suite(out_dir, device: str, length: int | None = None) -> list[pathlib.P
     note = (f"Ratios: median of per-repeat ratios to the baseline ({points[0]['baseline'] if points else TORCH}) "
             f"timed in the same repeat, with quartiles. GB/s: K and V bytes of the cache / median time; "
             f"'of stream': that over a jitted sum of the same K and V in the same run. Load average "
-            f"{load:.1f} at the start; {time.time() - started:.0f} s in all.")
-    result = dict(device=device, backend=jax.default_backend(), note=note, points=points)
+            f"{load:.1f} at the start; {time.time() - started:.0f} s in all; "
+            f"{len(skipped)} points skipped by the time budget.")
+    result = dict(device=device, backend=jax.default_backend(), note=note, points=points, skipped=skipped)
     (out_dir / f"{NAME}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / f"{NAME}.md").write_text(_markdown(result))
     print(_markdown(result))
