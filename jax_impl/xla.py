@@ -498,22 +498,10 @@ def _decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=Non
     splits = runs
     out, stats = online_softmax.finalize(acc, row_max, row_sum)
 
-    # Merge the runs pairwise, as [X, L, H, D] / [X, H, L] with X = (run, batch, kv head).
-    parts = [(jnp.moveaxis(out, 2, 0).reshape(splits * b * hkv, rows, 1, d),
-              online_softmax.RowStats(*(jnp.moveaxis(x, 2, 0).reshape(splits * b * hkv, 1, rows)
-                                        for x in stats)))]
-    count = splits
-    while count > 1:
-        (o, st), = parts
-        half = count // 2
-        cut = lambda x: (x[:half * b * hkv], x[half * b * hkv:2 * half * b * hkv], x[2 * half * b * hkv:])
-        (oa, ob, orest), pairs = cut(o), [cut(x) for x in st]
-        merged_o, merged_st = online_softmax.merge(oa, online_softmax.RowStats(*(p[0] for p in pairs)),
-                                                   ob, online_softmax.RowStats(*(p[1] for p in pairs)))
-        o = jnp.concatenate([merged_o, orest.astype(jnp.float32)])
-        st = online_softmax.RowStats(*(jnp.concatenate([m, p[2]]) for m, p in zip(merged_st, pairs)))
-        parts, count = [(o, st)], half + count % 2
-    (out, stats), = parts
+    # The runs merged pairwise, as [X, L, H, D] / [X, H, L] with X = (batch, kv head).
+    out, stats = online_softmax.merge_runs(
+        jnp.moveaxis(out, 2, 0).reshape(splits, b * hkv, rows, 1, d),
+        online_softmax.RowStats(*(jnp.moveaxis(x, 2, 0).reshape(splits, b * hkv, 1, rows) for x in stats)))
     if extras.sinks is not None:  # a sink is one more run: no value, logit = the sink
         sink = jnp.broadcast_to(extras.sinks.astype(jnp.float32).reshape(
             extras.sinks.shape[0], -1, 1), (b, hq, lq))
