@@ -63,6 +63,7 @@ class Implementation:
     # Few query rows against a long or paged cache (decode_path); None: dense calls run
     # `forward`, paged calls cannot run here.
     decode: Callable | None = None
+    decode_takes_pages: bool = True   # False: its decode reads dense caches only
 
     def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False,
                     features: CallFeatures | None = None) -> str | None:
@@ -93,7 +94,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
-        takes_position_offset=True),
+        takes_position_offset=True, decode=pallas_triton.decode, decode_takes_pages=False),
     "mosaic_gpu": Implementation(
         "mosaic_gpu", "FlashAttention-3's forward in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two ping-ponging wgmma consumers, persistent); its backward is pallas_triton's",
@@ -142,14 +143,17 @@ def decode_path(implementation: Implementation, *, lq: int, lk: int, features: C
 
 def paged_unsupported(implementation: Implementation) -> str | None:
     """Why ``implementation`` cannot run a paged-cache call, or None."""
-    if implementation.decode is None:
-        return (f"a paged KV cache runs on an implementation's decode path; {implementation.name} "
-                f"has none (implementations with one: {', '.join(paged_capable())})")
+    if implementation.decode is None or not implementation.decode_takes_pages:
+        what = (f"{implementation.name} has none" if implementation.decode is None
+                else f"{implementation.name}'s reads dense caches only")
+        return (f"a paged KV cache runs on an implementation's decode path; {what} "
+                f"(implementations that take pages: {', '.join(paged_capable())})")
     return None
 
 
 def paged_capable() -> tuple[str, ...]:
-    return tuple(name for name, impl in IMPLEMENTATIONS.items() if impl.decode is not None)
+    return tuple(name for name, impl in IMPLEMENTATIONS.items()
+                 if impl.decode is not None and impl.decode_takes_pages)
 
 
 def get(name: str) -> Implementation:
