@@ -108,6 +108,51 @@ def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal:
     return [found[name] for name in KERNELS if name in found]  # dkdv, or dv and dk (split_dkdv)
 
 
+def decode_kernel(*, batch: int = 1, q_len: int = 1, q_heads: int = 32, kv_heads: int = 8,
+                  kv_len: int = 65536, head_dim: int = 128, dtype="bfloat16") -> tuple:
+    """The split-K decode kernel (pallas_triton/decoding.py) lowered for CUDA: (its TTIR, its grid)."""
+    from jax.interpreters.mlir import ir
+    from jax_impl import masking
+    from jax_impl.config import AttentionConfig
+    from jax_impl.pallas_triton import decoding as decode_module
+
+    cfg = AttentionConfig(scale=head_dim ** -0.5, mask=masking.MaskSpec(
+        is_causal=True, bottom_right=True, has_kv_lengths=True))
+
+    def call(q, k, v, kv_len):
+        masks = masking.MaskInputs(jnp.full((batch,), q_len, jnp.int32), kv_len, None, None, None)
+        return decode_module.decode(cfg, q, k, v, masks)
+
+    dt = jnp.dtype(dtype)
+    args = (jax.ShapeDtypeStruct((batch, q_len, q_heads, head_dim), dt),
+            jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), dt),
+            jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), dt),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+    with cuda_target():
+        lowered = jit_for_cuda(call).trace(*args).lower(lowering_platforms=("cuda",))
+    found = []
+
+    def visit(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    child = child.operation
+                    if child.name == "stablehlo.custom_call" and "triton" in ir.StringAttr(
+                            child.attributes["call_target_name"]).value:
+                        config = child.attributes["mhlo.backend_config"]
+                        found.append((TritonKernel(
+                            ir.StringAttr(config["name"]).value,
+                            _ttir_text(ir.StringAttr(config["ir"]).value_bytes),
+                            ir.IntegerAttr(config["num_warps"]).value,
+                            ir.IntegerAttr(config["num_stages"]).value),
+                            tuple(ir.IntegerAttr(config[f"grid_{a}"]).value for a in "xyz")))
+                    visit(child)
+
+    visit(lowered.compiler_ir().operation)
+    (kernel_and_grid,) = found
+    return kernel_and_grid
+
+
 def _triton():
     try:
         import triton

@@ -11,6 +11,9 @@
 #      the float64 oracle before it is timed), with what is left of TOTAL_BUDGET,
 #   4. JAX's Hopper kernel (jax.pallas.mgpu, Mosaic GPU) at L=4096/8192, in a process of its
 #      own so that a crash there cannot cost step 3's results (skipped when time is short),
+#   5. the decode suite (python -m benchmarks --suite decode: a few query rows against a long dense
+#      or paged KV cache beside torch SDPA, cuDNN and flash_attn_with_kvcache), DECODE_BUDGET s
+#      (default 90; 0 skips it); its table is $OUT/bench_decode.md,
 # and pack everything under $OUT (default ./out) into few files:
 #   $OUT/gpu_results.tar.gz   every log, table, CSV, JSON and plot
 #   $OUT/bench_summary.md     the benchmark's Markdown report (also in the archive)
@@ -23,8 +26,9 @@
 # GPU_TESTS_TIMEOUT (90; 0 skips the gpu lane),
 # TUNE_TIMEOUT (110; the sweep's own --time-budget of 70 s cuts earlier), SKIP_TUNING (0), TUNE_ARGS
 # (extra arguments of benchmarks.tune_blocks), PEER_BUDGET (45 s for step 4; 0 skips it),
-# TOTAL_BUDGET (450 s for steps 1-3: the benchmark's --time-budget is what is left, at least 120).
-# The whole script then ends within about TOTAL_BUDGET + 60 + PEER_BUDGET + 60 s (about 10 minutes).
+# TOTAL_BUDGET (450 s for steps 1-3 and 5: the benchmark's --time-budget is what is left, at least 120).
+# Step 5's DECODE_BUDGET comes out of TOTAL_BUDGET. The whole script then ends within about
+# TOTAL_BUDGET + 60 + PEER_BUDGET + 60 + 60 s (about 11 minutes).
 set -u
 OUT=${OUT:-./out}
 PYTHON=${PYTHON:-python3}
@@ -90,7 +94,7 @@ if [ "${SKIP_TUNING:-0}" != "1" ]; then
 fi
 
 start=$SECONDS
-budget=$(( ${TOTAL_BUDGET:-450} - SECONDS ))
+budget=$(( ${TOTAL_BUDGET:-450} - SECONDS - ${DECODE_BUDGET:-90} ))  # step 5's share comes out of step 3's
 [ "$budget" -lt 120 ] && budget=120
 budget_arg=""
 [ "$SUITE" = "gpu" ] && budget_arg="--time-budget $budget"  # runner suites (sharded, dropout) take none
@@ -113,7 +117,19 @@ if [ "$SUITE" = "gpu" ] && [ "$peer_budget" -gt 0 ] && [ "$SECONDS" -lt $(( ${TO
   [ -f "$WORK/benchmarks_mgpu/bench_gpu.json" ] && cp "$WORK/benchmarks_mgpu/bench_gpu.json" "$OUT/bench_mgpu.json"
 fi
 
-echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc mgpu=$peer_rc" > "$WORK/exit_codes.txt"
+decode_rc=skipped
+decode_budget=${DECODE_BUDGET:-90}
+if [ "$decode_budget" -gt 0 ]; then
+  start=$SECONDS
+  DECODE_BUDGET_S=$((decode_budget - 30)) timeout $((decode_budget + 60)) "$PYTHON" -m benchmarks --suite decode \
+    --device "$DEVICE" --out "$WORK/benchmarks_decode" > "$WORK/benchmarks_decode.log" 2>&1
+  decode_rc=$?
+  log "decode suite exit $decode_rc in $((SECONDS - start)) s"
+  tail -n 30 "$WORK/benchmarks_decode.log" >> "$LOG"
+  [ -f "$WORK/benchmarks_decode/bench_decode.md" ] && cp "$WORK/benchmarks_decode/bench_decode.md" "$OUT/bench_decode.md"
+fi
+
+echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc mgpu=$peer_rc decode=$decode_rc" > "$WORK/exit_codes.txt"
 cp "$LOG" "$WORK/run_gpu.log"
 [ -f "$WORK/benchmarks/bench_$SUITE.md" ] && cp "$WORK/benchmarks/bench_$SUITE.md" "$OUT/bench_summary.md"
 [ -f "$WORK/benchmarks/bench_$SUITE.json" ] && cp "$WORK/benchmarks/bench_$SUITE.json" "$OUT/bench_$SUITE.json"

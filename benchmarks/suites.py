@@ -151,7 +151,18 @@ def _cpu() -> Suite:
         (), runner="benchmarks.cpu_speed")
 
 
-SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _sharded(), _dropout(), _cpu())}
+def _decode() -> Suite:
+    return Suite(
+        "decode",
+        "decoding against a long KV cache: B x cached length, 1 and 4 query rows, GQA 32/8, D=128, "
+        "fp32 and bf16, dense and paged (page size 16; 64 at the largest point), beside torch SDPA "
+        "(and on a GPU jax.nn cuDNN, flash_attn_with_kvcache) and a streaming read of the cache: "
+        "median times, per-repeat ratios with quartiles, GB/s and its fraction of the stream",
+        (), runner="benchmarks.decode")
+
+
+SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _sharded(), _dropout(), _cpu(),
+                              _decode())}
 
 
 def get_suite(name: str) -> Suite:

@@ -59,6 +59,9 @@ class Case:
     native_causal: bool = False     # probe: pass the framework's own causal flag, whatever its alignment
     dropout: float = 0.0            # attention dropout rate; the pattern: Inputs.dropout_keep()
     sinks: bool = False             # random per-head attention sinks
+    # > 0: jax_impl reads K/V from a paged cache of this page size (the same keys, pages in a
+    # shuffled order; forward only, judged on the output); other frameworks do not take it.
+    page_size: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -108,6 +111,8 @@ class Case:
             parts.append(f"dropout={self.dropout:g}")
         if self.sinks:
             parts.append("sinks")
+        if self.page_size:
+            parts.append(f"paged={self.page_size}")
         return ", ".join(parts)
 
 
@@ -340,6 +345,10 @@ def _quick() -> list[Case]:
         C("fp32_odd_129", 1, 2, 2, 129, 129, 128, "float32", causal="top_left", seed=21),
         C("fp16_d128_bias_causal", 1, 2, 2, 64, 64, 128, "float16", bias=True, causal="top_left", seed=22),
         C("fp32_key_padding_scale", 2, 2, 2, 40, 40, 64, "float32", mask="key_padding", scale=0.3, seed=23),
+        C("fp32_paged16_gqa_br_lengths", 2, 8, 2, 1, 129, 64, "float32", causal="bottom_right",
+          lengths=True, page_size=16, seed=24),
+        C("bf16_paged1_4rows_window", 1, 4, 1, 4, 37, 64, "bfloat16", causal="bottom_right",
+          window=(20, 0), page_size=1, seed=25),
     ]
 
 
@@ -363,6 +372,27 @@ def _full() -> list[Case]:
                 cases.append(Case(f"{dtype}_{b}x{hq}/{hkv}x{lq}x{lk}x{d}_{tag}", b, hq, hkv, lq, lk, d, dtype,
                                   seed=seed, interpret_ok=max(lq, lk) <= 300, **feat))
     return cases
+
+
+def _decode() -> list[Case]:
+    """A few query rows against a longer cache: the decode path (dense: at least 512 keys) and
+    the paged cache (page sizes 1, 16, 64 and one that is not a tile multiple)."""
+    C = Case
+    no_interpreter = dict(interpret_ok=False)
+    return [
+        C("fp32_decode_gqa_br_lengths", 2, 8, 2, 1, 600, 64, "float32", causal="bottom_right",
+          lengths=True, seed=601, **no_interpreter),
+        C("bf16_decode_4rows_window_softcap", 2, 4, 1, 4, 520, 64, "bfloat16", causal="bottom_right",
+          window=(200, 0), soft_cap=5.0, seed=602, **no_interpreter),
+        C("fp16_decode_16rows_top_left_sinks", 1, 4, 4, 16, 700, 64, "float16", causal="top_left",
+          sinks=True, seed=603, **no_interpreter),
+        C("fp32_paged64_gqa_br_lengths", 2, 8, 2, 1, 600, 64, "float32", causal="bottom_right",
+          lengths=True, page_size=64, seed=604, **no_interpreter),
+        C("bf16_paged16_4rows_sinks", 2, 4, 2, 4, 300, 64, "bfloat16", causal="bottom_right",
+          sinks=True, page_size=16, seed=605, **no_interpreter),
+        C("fp32_paged7_mqa_window", 1, 4, 1, 2, 250, 64, "float32", causal="bottom_right",
+          window=(64, 0), page_size=7, seed=606, **no_interpreter),
+    ]
 
 
 def _course() -> list[Case]:
@@ -399,8 +429,8 @@ def _training() -> list[Case]:
     ]
 
 
-SUITES = {"quick": _quick(), "full": _full() + _training(), "course": _course(), "probes": _probes(),
-          "training": _training()}
+SUITES = {"quick": _quick(), "full": _full() + _training() + _decode(), "course": _course(),
+          "probes": _probes(), "training": _training(), "decode": _decode()}
 
 
 def get_suite(name: str) -> list[Case]:

@@ -48,6 +48,8 @@ class Call(NamedTuple):
     masks: masking.MaskInputs
     batch_shape: tuple
     extras: dropout_sinks.SinksAndDropout = dropout_sinks.SinksAndDropout()
+    # [B, P] int32 with k/v pages [num_pages, page_size, Hkv, D]; None: a dense cache.
+    page_table: Any = None
 
 
 def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -57,7 +59,7 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
              precision=None, interpret=False, attention_sinks=None, dropout_rng=None,
              dropout_rate=0.0, broadcast_dropout=True, deterministic=None, dtype=None,
              module=None, force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
-             attn_weights_value_einsum=None) -> Call:
+             attn_weights_value_einsum=None, page_table=None) -> Call:
     """flash_attention's arguments checked (each error names its argument and the rule) and
     brought to canonical shapes. The defaults are flash_attention's (a test keeps them equal)."""
     mask = _validate_flax_keywords(dropout_rate, deterministic, module, qk_attn_weights_einsum,
@@ -79,10 +81,14 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     if key.shape != value.shape:
         raise ValueError(f"key and value must have the same shape; got {key.shape=} {value.shape=}")
     batch_shape = query.shape[:-3]
-    if key.shape[:-3] != batch_shape:
-        raise ValueError(f"query and key must share batch dims; got {query.shape=} {key.shape=}")
     lq, hq, head_dim = query.shape[-3:]
     lk, hkv, key_head_dim = key.shape[-3:]
+    if page_table is not None:
+        page_table, lk = _page_table(page_table, key, batch_shape)
+        _refuse_with_pages(bias=bias, mask=mask, q_segment_ids=q_segment_ids,
+                           dropout=dropout_rate and not deterministic)
+    elif key.shape[:-3] != batch_shape:
+        raise ValueError(f"query and key must share batch dims; got {query.shape=} {key.shape=}")
     if head_dim != key_head_dim:
         raise ValueError(f"query head_dim={head_dim} must equal key/value head_dim={key_head_dim}")
     if min(lq, lk, hq, hkv, head_dim) < 1:
@@ -160,9 +166,54 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
             interpret=bool(interpret), features=features(cfg, bias, masks, extras, query.dtype))
         if reason:
             raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    if page_table is not None and implementation is not None:
+        reason = implementations.paged_unsupported(implementations.get(implementation))
+        if reason:
+            raise ValueError(f"implementation={implementation!r} cannot take page_table: {reason}")
     flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])
+    if page_table is not None:  # the pages have no batch axis
+        return Call(implementation, cfg, flat(query), key, value, bias, masks, batch_shape, extras,
+                    page_table)
     return Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape,
                  extras)
+
+
+def _page_table(page_table, pages, batch_shape):
+    """-> (page_table [B, P] int32, logical key length P * page_size). Concrete ids outside
+    [0, num_pages) are refused; traced ones (under jit) are clamped into range, so that no
+    read leaves the pages (a clamped id reads a valid but wrong page: check ids before jit)."""
+    if pages.ndim != 4:
+        raise ValueError(f"with page_table, key and value are pages [num_pages, page_size, "
+                         f"num_kv_heads, head_dim]; got key.shape={pages.shape}")
+    num_pages, page_size = pages.shape[:2]
+    values = _concrete(page_table)
+    table = jnp.asarray(page_table) if values is None else values
+    if not np.issubdtype(table.dtype, np.integer):
+        raise TypeError(f"page_table must be integers (int32 page ids); got {table.dtype}")
+    if table.shape[:-1] != batch_shape or table.ndim != len(batch_shape) + 1 or table.shape[-1] < 1:
+        raise ValueError(f"page_table.shape={table.shape} must be [batch..., pages_per_sequence] "
+                         f"with the query's batch dims {batch_shape} and pages_per_sequence >= 1")
+    if min(num_pages, page_size) < 1:
+        raise ValueError(f"key/value pages need num_pages >= 1 and page_size >= 1; got {pages.shape=}")
+    pages_per_sequence = table.shape[-1]
+    if values is not None:
+        if values.size and (values.min() < 0 or values.max() >= num_pages):
+            raise ValueError(f"page_table ids must lie in [0, num_pages={num_pages}); got values "
+                             f"in [{values.min()}, {values.max()}]")
+        table = jnp.asarray(values.reshape(-1, pages_per_sequence), jnp.int32)
+    else:  # clamped before the int32 cast, which could wrap a traced int64 id
+        table = jnp.clip(table, 0, num_pages - 1).reshape(-1, pages_per_sequence).astype(jnp.int32)
+    return table, pages_per_sequence * page_size
+
+
+def _refuse_with_pages(*, bias, mask, q_segment_ids, dropout):
+    for given, name in ((bias is not None, "bias"), (mask is not None, "mask"),
+                        (q_segment_ids is not None, "q_segment_ids/kv_segment_ids"),
+                        (bool(dropout), "dropout_rate > 0")):
+        if given:
+            raise ValueError(f"{name} cannot be used with page_table: a paged KV cache runs on "
+                             "the decode path, which takes lengths, causal, windows, soft cap and "
+                             "sinks only")
 
 
 def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, value_einsum, mask):

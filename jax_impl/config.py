@@ -61,3 +61,6 @@ class AttentionConfig:
     # Attention dropout on P (dropout_sinks.py); the seeds are a traced input (SinksAndDropout.dropout_seeds).
     dropout_rate: float = 0.0
     bias_gradient: bool = True  # False: the bias is a constant; backward computes no dbias
+    # The forward runs the implementation's decode path (few query rows, long cache; chosen
+    # by implementations.decode_path); the backward is always the regular one.
+    decode: bool = False

@@ -7,6 +7,7 @@ chosen implementation into the custom VJP.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -51,6 +52,7 @@ def flash_attention(
     force_fp32_for_softmax: bool = False,
     qk_attn_weights_einsum=None,
     attn_weights_value_einsum=None,
+    page_table=None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Exact softmax attention, computed tile by tile (FlashAttention), forward and backward.
 
@@ -100,6 +102,19 @@ def flash_attention(
         ``broadcast_dropout``, and kept values are scaled by ``1 / (1 - dropout_rate)``.
         ``jax_impl.dropout_mask`` materialises the pattern.
 
+    Paged KV cache (inference, forward only):
+      page_table: int ``[..., pages_per_sequence]``; key and value are then pages
+        ``[num_pages, page_size, Hkv, D]`` shared by the batch: logical key j of a batch row is
+        slot ``j % page_size`` of page ``page_table[..., j // page_size]`` (logical
+        Lk = pages_per_sequence * page_size). key_value_seq_lengths (default: the whole table)
+        says how many keys each row holds. Concrete ids outside [0, num_pages) raise; traced
+        ones are clamped (never read out of bounds). Runs on the decode path (xla, or an
+        implementation with one); takes lengths, causal, windows, soft cap and sinks, not bias,
+        mask, segment ids or dropout; not differentiable. ``jax_impl.kv_cache`` writes pages.
+
+    Few query rows (<= 16) against a long cache (>= 512 keys) run on the implementation's
+    decode path when it has one (split over the keys; ``explain_implementation(...).path``).
+
     A query row with no allowed key gives output 0, logsumexp -inf and zero gradients.
     Flax keywords (``dropout_*``, ``deterministic``, ``dtype``, ``module``, ...) are honoured or
     refused with an error, so the function is usable as ``attention_fn`` directly.
@@ -118,28 +133,41 @@ def _dispatch(call: arguments.Call):
     if call.q.shape[0] == 0:  # an empty batch: an empty result, as jax.nn gives
         return (jnp.zeros(call.q.shape, call.q.dtype),
                 jnp.full((0, call.q.shape[2], call.q.shape[1]), -jnp.inf, jnp.float32))
-    return _attention(call.q, call.k, call.v, call.bias, call.masks, call.extras,
+    return _attention(call.q, call.k, call.v, call.bias, call.masks, call.extras, call.page_table,
                       implementation=call.implementation, cfg=call.cfg)
 
 
 # Jitted so that an eager call compiles once per shape and configuration, not on every call.
 @functools.partial(jax.jit, static_argnames=("implementation", "cfg"))
-def _attention(q, k, v, bias, masks, extras, *, implementation, cfg):
-    run = lambda impl: lambda *args: _run(impl, cfg, *args)
-    if implementation is not None:
-        return run(implementation)(q, k, v, bias, masks, extras)
+def _attention(q, k, v, bias, masks, extras, page_table, *, implementation, cfg):
+    paged = page_table is not None
     features = arguments.features(cfg, bias, masks, extras, q.dtype)
+    lk = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
+
+    def run(name):
+        impl = implementations.get(name)
+        decode = name != "reference" and implementations.decode_path(
+            impl, lq=q.shape[1], lk=lk, features=features, paged=paged) is None
+        return lambda *args: _run(name, dataclasses.replace(cfg, decode=decode), *args)
+
+    if implementation is not None:
+        return run(implementation)(q, k, v, bias, masks, extras, page_table)
     # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
     per_platform = {platform: run(name) for platform, name in (("cuda", "pallas_triton"), ("cpu", "cpu"))
                     if implementations.unsupported(name, head_dim=q.shape[-1], platform=platform,
-                                                   features=features) is None}
+                                                   features=features) is None
+                    and not (paged and implementations.paged_unsupported(implementations.get(name)))}
     if not per_platform:
-        return run("xla")(q, k, v, bias, masks, extras)
-    return lax.platform_dependent(q, k, v, bias, masks, extras, **per_platform, default=run("xla"))
+        return run("xla")(q, k, v, bias, masks, extras, page_table)
+    return lax.platform_dependent(q, k, v, bias, masks, extras, page_table, **per_platform,
+                                  default=run("xla"))
 
 
-def _run(implementation, cfg, q, k, v, bias, masks, extras):
+def _run(implementation, cfg, q, k, v, bias, masks, extras, page_table):
     q = arguments.gpu_only_precision_guard(implementation, cfg, q)
+    if page_table is not None:
+        return recompute_vjp.paged_attention(implementations.get(implementation), cfg, q, k, v,
+                                             masks, extras, page_table)
     if implementation == "reference":
         return reference.attention(q, k, v, bias, masks, cfg,
                                    logits_dtype=jnp.promote_types(q.dtype, jnp.float32),
@@ -153,6 +181,10 @@ class ImplementationChoice(NamedTuple):
     reasons: dict  # implementation -> None if eligible, else why not
     # How sharded inputs run (partitioned.explain): local / ring / gathered; None unsharded.
     strategy: str | None = None
+    # Which path of the chosen implementation runs: "decode" (few query rows against a long
+    # or paged cache: split over the keys) or "regular"; and why.
+    path: str = "regular"
+    path_reason: str = ""
 
 
 def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -171,15 +203,30 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     strategy = lambda chosen: partitioned.explain(  # --- sharded inputs (partitioned.py)
         implementations.get(chosen), query, call.q.shape, call.k.shape, bias is not None or mask is not None)
     features = arguments.features(call.cfg, call.bias, call.masks, call.extras, call.q.dtype)
+    paged = call.page_table is not None
     reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,
                                       interpret=call.cfg.interpret, features=features)
+                     or (implementations.paged_unsupported(impl) if paged else None)
                for name, impl in IMPLEMENTATIONS.items()}
+    lk = call.page_table.shape[1] * call.k.shape[1] if paged else call.k.shape[1]
+
+    def choice(chosen):
+        impl = implementations.get(chosen)
+        why_not = (f"{chosen} has no decode path" if chosen == "reference" else
+                   implementations.decode_path(impl, lq=call.q.shape[1], lk=lk, features=features,
+                                               paged=paged))
+        if why_not is not None:
+            return ImplementationChoice(chosen, reasons, strategy(chosen), "regular", why_not)
+        why = ("a paged KV cache runs on the decode path" if paged else
+               f"{call.q.shape[1]} query rows against {lk} keys, no bias, mask, segment ids or dropout")
+        return ImplementationChoice(chosen, reasons, None if paged else strategy(chosen), "decode", why)
+
     if call.implementation is not None:
         chosen = call.implementation
         for name in reasons:
             if name != chosen and reasons[name] is None:
                 reasons[name] = f"implementation={chosen!r} was requested"
-        return ImplementationChoice(chosen, reasons, strategy(chosen))
+        return choice(chosen)
     chosen = next(name for name, impl in IMPLEMENTATIONS.items()
                   if impl.automatic and reasons[name] is None)
     for name, impl in IMPLEMENTATIONS.items():
@@ -187,7 +234,7 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
             continue
         reasons[name] = (f"{chosen} is eligible and preferred" if impl.automatic else
                          f"never chosen automatically: {impl.manual_because}")
-    return ImplementationChoice(chosen, reasons, strategy(chosen))
+    return choice(chosen)
 
 
 class _CallableModule(types.ModuleType):

@@ -10,6 +10,13 @@ A blocked implementation provides
 with q ``[B, Lq, Hq, D]``, k/v ``[B, Lk, Hkv, D]``, bias ``[Bb, Hb, Lq, Lk]`` or None and
 ``delta = rowsum(dO * O) - d(lse)`` ``[B, Hq, Lq]`` float32; ``recompute_vjp`` wires them into
 one custom VJP. The dense reference has neither: plain autodiff differentiates it.
+An implementation may also provide a decode path, forward only, for a few query rows against a
+long (dense or paged) KV cache:
+  ``decode(cfg, q, k, v, masks, extras, page_table) -> (out, RowStats)``
+with ``page_table`` None (k/v ``[B, Lk, Hkv, D]``) or int32 ``[B, P]`` (k/v pages
+``[num_pages, page_size, Hkv, D]``, ids within range); its RowStats follow ``forward``'s
+convention, so the regular backward differentiates a dense decode call. ``decode_path`` says
+when it runs.
 The layers above (recompute_vjp, partitioned, ring) receive the chosen ``Implementation``;
 only the API (flash_attention, context_parallel, arguments) reads this table.
 """
@@ -53,6 +60,10 @@ class Implementation:
     interpreter_has_effects: bool = False
     # Why it cannot take a call's features (bias, mask, dropout ...), or None; None: takes all.
     call_unsupported: Callable[..., str | None] | None = None
+    # Few query rows against a long or paged cache (decode_path); None: dense calls run
+    # `forward`, paged calls cannot run here.
+    decode: Callable | None = None
+    decode_takes_pages: bool = True   # False: its decode reads dense caches only
 
     def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False,
                     features: CallFeatures | None = None) -> str | None:
@@ -87,7 +98,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
-        takes_position_offset=True),
+        takes_position_offset=True, decode=pallas_triton.decode, decode_takes_pages=False),
     "mosaic_gpu": Implementation(
         "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two wgmma consumers, persistent): forward (ping-ponging consumers), dK/dV "
@@ -103,11 +114,52 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         call_unsupported=cpu_kernel.unsupported, takes_position_offset=True),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
-        xla.forward, xla.backward, takes_position_offset=True),
+        xla.forward, xla.backward, takes_position_offset=True, decode=xla.decode),
     "reference": Implementation(
         "reference", "dense attention (materialises [Lq, Lk]); the oracle of the tests",
         automatic=False),
 }
+
+
+# The decode path runs for at most this many query rows against at least this many keys.
+DECODE_MAX_QUERY_ROWS = 16
+DECODE_MIN_KEYS = 512
+
+
+def decode_path(implementation: Implementation, *, lq: int, lk: int, features: CallFeatures,
+                paged: bool = False) -> str | None:
+    """Why ``implementation`` runs this call on its regular path, or None: its decode path.
+
+    A paged call has only the decode path (``paged_unsupported`` says when it cannot run)."""
+    if paged:
+        return None
+    if implementation.decode is None:
+        return f"{implementation.name} has no decode path"
+    if lq > DECODE_MAX_QUERY_ROWS:
+        return f"{lq} query rows (the decode path takes at most {DECODE_MAX_QUERY_ROWS})"
+    if lk < DECODE_MIN_KEYS:
+        return f"{lk} keys (the decode path starts at {DECODE_MIN_KEYS})"
+    for present, what in ((features.has_bias, "a bias"), (features.has_mask, "a dense mask"),
+                          (features.has_segment_ids, "segment ids"),
+                          (features.cfg.dropout_rate > 0, "dropout")):
+        if present:
+            return f"the decode path takes no {what}"
+    return None
+
+
+def paged_unsupported(implementation: Implementation) -> str | None:
+    """Why ``implementation`` cannot run a paged-cache call, or None."""
+    if implementation.decode is None or not implementation.decode_takes_pages:
+        what = (f"{implementation.name} has none" if implementation.decode is None
+                else f"{implementation.name}'s reads dense caches only")
+        return (f"a paged KV cache runs on an implementation's decode path; {what} "
+                f"(implementations that take pages: {', '.join(paged_capable())})")
+    return None
+
+
+def paged_capable() -> tuple[str, ...]:
+    return tuple(name for name, impl in IMPLEMENTATIONS.items()
+                 if impl.decode is not None and impl.decode_takes_pages)
 
 
 def get(name: str) -> Implementation:

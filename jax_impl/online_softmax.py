@@ -203,6 +203,25 @@ def merge(out_a, stats_a, out_b, stats_b):
     return out, RowStats(jnp.where(empty, jnp.inf, m), jnp.log(denom))
 
 
+def merge_runs(out, stats: RowStats):
+    """Partial results over ``runs`` disjoint key ranges -> their union (``merge``, pairwise).
+
+    out ``[runs, X, L, H, D]``, stats ``[runs, X, H, L]`` -> out ``[X, L, H, D]`` float32,
+    RowStats ``[X, H, L]`` (a split-K decode's runs; each a normalised partial result)."""
+    count, x = out.shape[:2]
+    out = out.reshape((count * x,) + out.shape[2:]).astype(jnp.float32)
+    stats = RowStats(*(s.reshape((count * x,) + s.shape[2:]) for s in stats))
+    while count > 1:
+        half = count // 2
+        first, second, rest = slice(0, half * x), slice(half * x, 2 * half * x), slice(2 * half * x, None)
+        merged, merged_stats = merge(out[first], RowStats(*(s[first] for s in stats)),
+                                     out[second], RowStats(*(s[second] for s in stats)))
+        out = jnp.concatenate([merged, out[rest]])
+        stats = RowStats(*(jnp.concatenate([m, s[rest]]) for m, s in zip(merged_stats, stats)))
+        count = half + count % 2
+    return out, stats
+
+
 # --- Base 2 (the Pallas kernels) ----------------------------------------------------------------
 # exp2 is one hardware instruction (PTX ex2.approx); exp is a libdevice call (__nv_expf, about
 # ten instructions). So the GPU kernels compute P = 2^(S log2(e) - m2) and fold log2(e) into the

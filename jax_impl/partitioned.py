@@ -160,7 +160,11 @@ def _backward_results(cfg, names):
 
 
 def _forward_body(implementation, cfg, names, *arrays):
-    out, stats = implementation.forward(cfg, *_unpack(dict(zip(names, arrays))))
+    q, k, v, bias, masks, extras = _unpack(dict(zip(names, arrays)))
+    if cfg.decode:  # implementations.decode_path chose it: no bias on this path
+        out, stats = implementation.decode(cfg, q, k, v, masks, extras, None)
+    else:
+        out, stats = implementation.forward(cfg, q, k, v, bias, masks, extras)
     return out, stats.max, stats.log_sum
 
 
@@ -292,6 +296,8 @@ def forward(implementation, cfg, q, k, v, bias, masks, extras=None):
     """Like ``Implementation.forward``, partitioned under jit."""
     if cfg.interpret and implementation.interpreter_has_effects:
         return implementation.forward(cfg, q, k, v, bias, masks, extras)
+    if cfg.decode and not implementation.decode:
+        raise ValueError(f"cfg.decode=True but {implementation.name} has no decode path")
     named = _named(q, k, v, bias, masks, extras)
     names = tuple(named)
     out, row_max, log_sum = _folded(_forward_op, implementation, cfg, names)(*named.values())

@@ -9,6 +9,7 @@ the backward runs with ``cfg.bias_gradient=False`` and writes no ``[B, Hq, Lq, L
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -44,7 +45,9 @@ def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
 def _attention_bwd(implementation, cfg, residuals: Residuals, cotangents):
     q, k, v, bias, masks, extras, out, stats = residuals.arrays
     d_out, delta = delta_of(out, cotangents)
-    dq, dk, dv, dbias = _first_order(implementation, residuals.cfg, q, k, v, bias, masks, stats,
+    # A decode forward's RowStats follow the regular convention: the regular backward reads them.
+    backward_cfg = dataclasses.replace(residuals.cfg, decode=False)
+    dq, dk, dv, dbias = _first_order(implementation, backward_cfg, q, k, v, bias, masks, stats,
                                      d_out, delta, extras)
     if dbias is not None:  # None: a constant bias, whose cotangent is a symbolic zero
         dbias = reduce_to(dbias, bias.shape).astype(bias.dtype)
@@ -77,6 +80,32 @@ def _first_order(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta,
 
 def _refuse_second_order(implementation, cfg, residuals, cotangents):
     raise NotImplementedError(SECOND_ORDER_ERROR)
+
+
+def paged_attention(implementation, cfg: AttentionConfig, q, k_pages, v_pages, masks, extras, page_table):
+    """A paged-cache call: the implementation's decode path, forward only. -> (out, lse)."""
+    out, stats = _paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras, page_table)
+    return out, online_softmax.logsumexp(stats)
+
+
+PAGED_GRADIENT_ERROR = (
+    "flash_attention with a paged KV cache (page_table=...) is forward only (inference): it has "
+    "no gradient with respect to the query, the pages or the sinks. To differentiate, gather "
+    "the cache into a dense [B, Lk, Hkv, D] key/value (jax_impl.kv_cache.gather) and call "
+    "flash_attention without page_table.")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras, page_table):
+    return implementation.decode(cfg, q, k_pages, v_pages, masks, extras, page_table)
+
+
+def _refuse_paged_gradient(implementation, cfg, residuals, cotangents):
+    raise NotImplementedError(PAGED_GRADIENT_ERROR)
+
+
+_paged_forward.defvjp(lambda implementation, cfg, *args: (_paged_forward(implementation, cfg, *args), None),
+                      _refuse_paged_gradient)
 
 
 for _pass in (_forward, _first_order):

@@ -198,3 +198,32 @@ def manual_attention(
         return out
     lse = torch.where(row_ok.squeeze(-1), lse, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device))
     return out, lse
+
+
+def paged_attention(
+    Q: torch.Tensor,           # [B, Hq, Lq, D]
+    K_pages: torch.Tensor,     # [num_pages, page_size, Hkv, D]
+    V_pages: torch.Tensor,     # [num_pages, page_size, Hkv, Dv]
+    page_table: torch.Tensor,  # [B, pages_per_sequence] integer page ids
+    **kwargs,
+):
+    """``manual_attention`` against a paged KV cache: row b's logical key j is slot
+    ``j % page_size`` of page ``page_table[b, j // page_size]``. The pages are gathered into a
+    dense [B, Hkv, pages_per_sequence * page_size, D] cache first (the oracle may copy)."""
+    if K_pages.dim() != 4 or K_pages.shape[:3] != V_pages.shape[:3]:
+        raise ValueError(f"K_pages/V_pages must be [num_pages, page_size, Hkv, D]; got "
+                         f"{tuple(K_pages.shape)} {tuple(V_pages.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != Q.shape[0]:
+        raise ValueError(f"page_table must be [B={Q.shape[0]}, pages_per_sequence]; got {tuple(page_table.shape)}")
+    num_pages = K_pages.shape[0]
+    ids = page_table.long().to(K_pages.device)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+        raise ValueError(f"page ids must lie in [0, {num_pages})")
+    batch, per_sequence = ids.shape
+
+    def dense(pages):  # [B, P, page_size, H, D] -> [B, H, P * page_size, D]
+        gathered = pages.index_select(0, ids.reshape(-1)).reshape(batch, per_sequence * pages.shape[1],
+                                                                  *pages.shape[2:])
+        return gathered.permute(0, 2, 1, 3)
+
+    return manual_attention(Q, dense(K_pages), dense(V_pages), **kwargs)

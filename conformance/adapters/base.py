@@ -36,6 +36,7 @@ class Adapter:
     description: str = ""
     explicit_scale = None  # str when the adapter itself supplies the scale (no default to probe)
     extras_ok = False  # takes attention sinks and jax_impl's hashed dropout pattern
+    paged_ok = False   # takes a paged KV cache (Case.page_size)
 
     def on(self, device: str) -> "Adapter":
         return dataclasses.replace(self, device=device)
@@ -53,6 +54,8 @@ class Adapter:
     def unsupported(self, case: Case) -> str | None:
         if (case.dropout or case.sinks) and not self.extras_ok:
             return "no attention sinks / no dropout with a given pattern"
+        if case.page_size and not self.paged_ok:
+            return "no paged KV cache"
         return self.available() or self._reason(case)
 
     def prepare(self, inputs: Inputs, *, backward: bool) -> Prepared:

@@ -30,12 +30,18 @@ class JaxImplAdapter(Adapter):
 
     implementation: str = "xla"
     extras_ok = True  # takes attention sinks and hashed dropout (Inputs.dropout_key)
+    paged_ok = True
 
     @property
     def interpret(self) -> bool:
         return self.implementation in ("pallas_triton", "mosaic_gpu") and self.device == "cpu"
 
     def _reason(self, case):
+        if case.page_size:
+            from jax_impl.implementations import get, paged_unsupported
+            reason = paged_unsupported(get(self.implementation))
+            if reason:
+                return reason
         reason = _jax_impl_unsupported(self.implementation, case, self.device)
         if reason is None and self.interpret and not case.interpret_ok:
             reason = "too large for the Pallas interpreter on CPU (runs on a GPU)"
@@ -50,9 +56,36 @@ class JaxImplAdapter(Adapter):
             extra.update(dropout_rng=inputs.dropout_key(), broadcast_dropout=False, deterministic=False)
 
         def attn(q, k, v, bias, mask, **kw):
+            if inputs.case.page_size:
+                k, v, kw = _paged(inputs.case, k, v, kw)
             return flash_attention(q, k, v, bias, mask, **extra, **kw)
         return JaxPrepared(attn, inputs, backward=backward, device=self.device,
                            info={"interpret": self.interpret})
+
+
+def _paged(case: Case, k, v, kw):
+    """The same keys as pages of ``case.page_size`` in a shuffled order (a seeded page table),
+    with the key lengths given (default: the dense Lk, so that the last page's padding takes no
+    part). -> (k_pages, v_pages, keywords with page_table)."""
+    import jax.numpy as jnp
+    import numpy as np
+    b, lk = k.shape[:2]
+    size = case.page_size
+    per_sequence = -(-lk // size)
+    num_pages = b * per_sequence + 3  # spare pages nobody reads
+    table = np.random.default_rng(case.seed).permutation(num_pages)[:b * per_sequence]
+    table = table.reshape(b, per_sequence).astype(np.int32)
+
+    def pages(x):
+        # NaN in the last page's slots past Lk and in the pages nobody's table holds: read but
+        # not attended (slots), or not read at all (pages), they must not reach the output.
+        x = jnp.pad(x, ((0, 0), (0, per_sequence * size - lk), (0, 0), (0, 0)), constant_values=jnp.nan)
+        pool = jnp.full((num_pages, size) + x.shape[2:], jnp.nan, x.dtype)
+        return pool.at[table.reshape(-1)].set(x.reshape((b * per_sequence, size) + x.shape[2:]))
+
+    kw = dict(kw, page_table=jnp.asarray(table))
+    kw.setdefault("key_value_seq_lengths", jnp.full((b,), lk, jnp.int32))
+    return pages(k), pages(v), kw
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,3 +32,11 @@ def test_quick_case_passes(case, implementation):
         assert result.reason, "a case declared not supported must say why"
         pytest.skip(result.reason)
     assert result.status == harness.PASS, (result.status, result.reason, result.worst)
+
+
+@pytest.mark.parametrize("implementation", ("jax_impl.xla", "jax_impl.cpu"))
+@pytest.mark.parametrize("case", SUITES["decode"], ids=lambda case: case.name)
+def test_decode_case_passes(case, implementation):
+    """Few query rows against a longer dense or paged cache (xla's decode path; cpu runs the
+    dense ones on its regular path and declares the paged ones not supported)."""
+    test_quick_case_passes(case, implementation)

@@ -1,0 +1,135 @@
+"""Split-K decode kernel (flash-decoding) for a dense KV cache: one program per (key run,
+batch row, kv head).
+
+The rows of a program's tile are the packed queries of one kv head: the Hq / Hkv query heads
+of its group times the Lq query rows (row r is query r // G of group head r % G), padded to a
+power of two of at least 16 (Triton's dot). Each program walks its run of the key tiles any
+query can need (masking.kv_block_range, cut into ``runs`` equal shares) with the forward's
+online softmax (base 2, common.key_tile_logits: the mask and the non-finite rule) and writes a
+normalised partial output with its RowStats; XLA merges the runs exactly
+(online_softmax.merge_runs), a sink joining as one more run. Runs are chosen so that the grid
+has at least ``DECODE_TARGET_PROGRAMS`` programs where the cache is long enough: a decode step
+with B=1 and Hkv=8 then fills an H100's 132 SMs instead of launching 8 programs.
+Tested in the Pallas interpreter, and compiled for sm_90a without a GPU (B=1, Hkv=8, Hq=32,
+1 query row, 65,536 bf16 keys: 264 programs, 75 registers, 0 spills); never run on a GPU yet
+(docs/limitations.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_impl import masking, online_softmax, platform, vma
+from jax_impl.config import AttentionConfig
+from jax_impl.dropout_sinks import SinksAndDropout
+from jax_impl.pallas_triton import common
+from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
+
+DECODE_TARGET_PROGRAMS = 264  # two waves of an H100's 132 SMs
+
+
+def decode_runs(batch: int, kv_heads: int, key_tiles: int) -> int:
+    """Key runs per (batch row, kv head): enough programs to fill the GPU, at least one tile each."""
+    return max(1, min(key_tiles, -(-DECODE_TARGET_PROGRAMS // (batch * kv_heads))))
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, key_poison_ref,
+                   o_ref, max_ref, log_sum_ref, *, cfg: AttentionConfig, layout: Layout,
+                   lq: int, groups: int, runs: int, block_r: int):
+    run, b = pl.program_id(0), pl.program_id(1)
+    block_k = layout.blocks.block_k
+    q_len, kv_len = q_len_ref[b], kv_len_ref[b]
+    offset = common.position_offset(offset_ref, b)
+    packed = jnp.arange(block_r, dtype=jnp.int32)
+    row_ok, feature_ok = within(packed, lq * groups), layout.features_within()
+    q = load(q_ref, row_ok, feature_ok)                                   # [R, Dp]
+    query = common.QueryTile.create(q, (packed // groups)[:, None], row_ok, None, q_len, kv_len, offset)
+    refs = (k_ref, v_ref, None, None, None, key_poison_ref)
+    softmax = online_softmax.Base2Softmax.create(cfg, False)
+
+    def key_tile(j, carry):
+        acc, row_max, row_sum = carry
+        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, True,
+                                      finite_kv=False)
+        rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, tile.t, tile.allowed)
+        acc = rescale[:, None] * acc + common.dot(p.astype(tile.v.dtype), tile.v, cfg.precision)
+        return acc, row_max, row_sum
+
+    lo, hi = masking.kv_block_range(cfg.mask, 0, lq, block_k, q_len, kv_len, offset)
+    share = lax.div(jnp.maximum(hi - lo, 0) + (runs - 1), runs)
+    start = lo + run * share
+    end = jnp.minimum(start + share, hi)
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_r,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_r,), jnp.float32))
+    acc, row_max, row_sum = lax.fori_loop(start, jnp.maximum(end, start), key_tile, init)
+    out, stats = online_softmax.finalize(acc, row_max, row_sum)
+    store(o_ref, out, None, None)
+    store(max_ref, stats.max, None)
+    store(log_sum_ref, stats.log_sum, None)
+
+
+def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None, page_table=None):
+    """``Implementation.decode`` for a dense cache: q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] ->
+    (out [B, Lq, Hq, D], RowStats [B, Hq, Lq]). A paged cache (``page_table``) is refused."""
+    if page_table is not None:
+        raise NotImplementedError("pallas_triton.decode reads a dense cache only; paged caches run on xla")
+    if masks.mask is not None or masks.q_segment_ids is not None or cfg.dropout_rate:
+        raise ValueError("pallas_triton.decode takes no dense mask, segment ids or dropout")
+    extras = extras or SinksAndDropout()
+    b, lq, hq, d = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    rows = lq * groups
+    block_r = max(16, 1 << (rows - 1).bit_length())
+    layout = Layout.create(rows, lk, d, q.dtype, cfg.block_sizes, cfg.mask.is_causal)
+    block_k = layout.blocks.block_k
+    runs = decode_runs(b, hkv, tiles(lk, block_k))
+    cfg = dataclasses.replace(cfg, mask=masking.with_padding(
+        cfg.mask, queries_padded=False, keys_padded=layout.lk_tiled != lk))
+    q, k, v, masks = vma.like((q, k, v, masks), vma.axes_of(q, k, v, masks))
+    if not cfg.interpret:
+        q = platform.requires_cuda(q, common.PLATFORM_ERROR)
+    # Packed rows, the query side of the non-finite rule applied (as the forward's q).
+    q_rows = jnp.moveaxis(online_softmax.poisoned_rows(q).reshape(b, lq, hkv, groups, d), 1, 2)
+    q_rows = q_rows.reshape(b, hkv, rows, d)
+    d_tile, lk_tiled = layout.d_tile, layout.lk_tiled
+    in_specs = [
+        pl.BlockSpec((None, None, block_r, d_tile), lambda r, i, h: (i, h, 0, 0)),
+        pl.BlockSpec((None, lk_tiled, None, d_tile), lambda r, i, h: (i, 0, h, 0)),
+        pl.BlockSpec((None, lk_tiled, None, d_tile), lambda r, i, h: (i, 0, h, 0)),
+        pl.BlockSpec((b,), lambda r, i, h: (0,)),
+        pl.BlockSpec((b,), lambda r, i, h: (0,)),
+        common.per_row_spec(masks.position_offset, b),
+        pl.BlockSpec((None, None, lk_tiled), lambda r, i, h: (i, h, 0)),  # key poison
+    ]
+    stats_spec = pl.BlockSpec((None, None, None, block_r), lambda r, i, h: (r, i, h, 0))
+    out_specs = [pl.BlockSpec((None, None, None, block_r, d_tile), lambda r, i, h: (r, i, h, 0, 0)),
+                 stats_spec, stats_spec]
+    out_shape = [common.out_struct((runs, b, hkv, block_r, d_tile), jnp.float32, q),
+                 common.out_struct((runs, b, hkv, block_r), jnp.float32, q),
+                 common.out_struct((runs, b, hkv, block_r), jnp.float32, q)]
+    kernel = functools.partial(_decode_kernel, cfg=cfg, layout=layout, lq=lq, groups=groups,
+                               runs=runs, block_r=block_r)
+    out, row_max, log_sum = pl.pallas_call(
+        kernel, grid=(runs, b, hkv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_decode",
+        compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
+    )(q_rows, k, v, masks.q_len, masks.kv_len, masks.position_offset,
+      online_softmax.key_poison(k, v).transpose(0, 2, 1))
+    out = out[..., :rows, :d].reshape(runs, b * hkv, rows, 1, d)
+    stats = online_softmax.RowStats(*(x[..., :rows].reshape(runs, b * hkv, 1, rows) for x in (row_max, log_sum)))
+    out, stats = online_softmax.merge_runs(out, stats)
+    if extras.sinks is not None:  # one more run: no value, logit = the sink
+        sink = jnp.broadcast_to(extras.sinks.astype(jnp.float32).reshape(extras.sinks.shape[0], -1, 1),
+                                (b, hq, lq))
+        sink = jnp.moveaxis(sink.reshape(b, hkv, groups, lq), 3, 2).reshape(b * hkv, 1, rows)
+        out, stats = online_softmax.merge(out, stats, jnp.zeros_like(out), online_softmax.RowStats(
+            jnp.where(sink > -jnp.inf, sink, jnp.inf), jnp.zeros_like(sink)))
+    out = jnp.moveaxis(out.reshape(b, hkv, lq, groups, d), 2, 1).reshape(b, lq, hq, d)
+    stats = online_softmax.RowStats(*(jnp.moveaxis(x.reshape(b, hkv, lq, groups), 3, 2).reshape(b, hq, lq)
+                                      for x in stats))
+    return out.astype(q.dtype), stats
