@@ -23,7 +23,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
                    q_segment_ids=None, kv_segment_ids=None, logits_soft_cap: float | None = None,
                    implementation: str | None = "xla", block_sizes=None, precision=None,
                    interpret: bool = False, layout: str = "zigzag",
-                   return_residual: bool = False):
+                   attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
+                   broadcast_dropout: bool = True, return_residual: bool = False):
     """Exact attention over a sequence sharded along mesh axis ``axis_name`` (call inside
     ``jax.shard_map``). Forward and backward are rings of ``lax.ppermute`` steps.
 
@@ -41,6 +42,13 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
       visiting key chunk. The bias is differentiable; its gradient has the same layout.
     query_seq_lengths, key_value_seq_lengths: global, ``[batch...]``; concrete values outside
       [0, global length] are refused, traced ones clamped (as ``flash_attention``).
+    attention_sinks: as ``flash_attention`` (``[..., Hq]``, the same on every device): each
+      query row's denominator takes them once, after the ring's merge; their gradient is the
+      sum over the ring.
+    dropout_rng / dropout_rate / broadcast_dropout: as ``flash_attention``; every step hashes
+      global (query, key) positions, so the pattern is the one-device call's, bit for bit
+      (the batch index hashed is this device's: shard the batch outside and it is local).
+      Needs an implementation that hashes at an offset (``"xla"``).
     Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
     """
     try:
@@ -60,7 +68,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
         local_window_size=local_window_size, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
         implementation=implementation, block_sizes=block_sizes, precision=precision,
-        interpret=interpret)
+        interpret=interpret, attention_sinks=attention_sinks, dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout)
     if call.cfg.interpret and vma.axes_of(call.q, call.k, call.v):
         raise ValueError("implementation='pallas_triton' with interpret=True inside jax.shard_map "
                          "needs check_vma=False on the shard_map (the Pallas interpreter mixes "
@@ -89,10 +98,14 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
                                          **arguments.features(call.cfg, bias, masks, call.extras)._asdict())
         if reason:
             raise ValueError(f"implementation={chosen.name!r} cannot run this ring: {reason}")
+    if call.cfg.dropout_rate and not chosen.takes_dropout_offset:
+        raise ValueError(f"implementation={chosen.name!r} cannot run dropout in a ring: its kernels "
+                         "hash local positions; use implementation='xla' (hashes the ring's global "
+                         "positions)")
     description = ring.Ring(axis_name, num_devices, layout, chosen,
                             dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
     q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
-    out, lse = ring.ring_vjp(description, q, call.k, call.v, bias, masks)
+    out, lse = ring.ring_vjp(description, q, call.k, call.v, bias, masks, call.extras)
     out = out.reshape(call.batch_shape + out.shape[1:])
     if not return_residual:
         return out

@@ -122,8 +122,8 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -
         else:
             notes.append(f"sequence sharding over {seq} not supported for this call (the ring "
                          f"needs a local kernel that takes position offsets (explain_implementation "
-                         f"names it), no dropout, "
-                         f"sinks or position offset, one mesh axis not also used by batch or "
+                         f"names it; with dropout one that hashes global positions: xla), no "
+                         f"position offset, one mesh axis not also used by batch or "
                          f"heads, sequences divisible by {chunks}): all-gathered")
     if dim:
         notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
@@ -175,9 +175,10 @@ def _backward_body(implementation, cfg, names, *arrays):
 
 def ring_supported(implementation, names) -> bool:
     """Whether a call can run as a ring: a local implementation that takes
-    MaskInputs.position_offset, and no offset of its own already. Sinks and dropout are not
-    threaded through the ring's merge and global offsets yet."""
-    return implementation.takes_position_offset and not {"offset", *_PER_HEAD} & set(names)
+    MaskInputs.position_offset, and no offset of its own already; with dropout, one that hashes
+    at the ring's global positions (``takes_dropout_offset``). Sinks join after the merge."""
+    dropout_ok = "seeds" not in names or implementation.takes_dropout_offset
+    return implementation.takes_position_offset and dropout_ok and "offset" not in names
 
 
 def _local_plan(implementation, mesh, arg_shapes, names):
@@ -189,21 +190,21 @@ def _local_plan(implementation, mesh, arg_shapes, names):
 
 
 def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
-    q, k, v, bias, masks, _ = _unpack(dict(zip(names, arrays)))
+    q, k, v, bias, masks, extras = _unpack(dict(zip(names, arrays)))
     out, stats = ring.contiguous_forward(ring.zigzag_ring(cfg, axis, n, implementation),
-                                         q, k, v, masks, bias)
+                                         q, k, v, masks, bias, extras)
     return out, stats.max, stats.log_sum
 
 
 def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
     named = dict(zip(names, arrays))
-    q, k, v, bias, masks, _ = _unpack(named)
+    q, k, v, bias, masks, extras = _unpack(named)
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
     if bias is not None:  # the op's dbias is [B, Hq, Lq, Lk] (recompute_vjp reduces it, across
         bias = jnp.broadcast_to(bias, q.shape[:1] + q.shape[2:3] + bias.shape[2:])  # devices too)
     *grads, dbias = ring.contiguous_backward(
         ring.zigzag_ring(cfg, axis, n, implementation), q, k, v, masks, stats,
-        named["d_out"], named["delta"], bias)
+        named["d_out"], named["delta"], bias, extras)
     return tuple(grads) + (() if dbias is None else (dbias,))
 
 
