@@ -61,3 +61,5 @@ class AttentionConfig:
     # Attention dropout on P (dropout_sinks.py); the seeds are a traced input (SinksAndDropout.dropout_seeds).
     dropout_rate: float = 0.0
     bias_gradient: bool = True  # False: the bias is a constant; backward computes no dbias
+    # A sequence-sharded call's collective (cp_cost.STRATEGIES), None: the cost model picks.
+    context_parallel_strategy: str | None = None

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_impl import dropout_sinks, masking, online_softmax, ring
+from jax_impl import cp_cost, dropout_sinks, masking, online_softmax, ring, ulysses
 
 
 class ShardingWarning(UserWarning):
@@ -68,12 +68,14 @@ class ShardingPlan:
     batch: tuple      # mesh axes of the batch dim
     heads: tuple      # mesh axes of the query-head dim
     kv_heads: tuple   # mesh axes of the kv-head dim (heads, or () for MQA)
-    sequence: tuple   # mesh axes of the sequence dim honoured (ring); () otherwise
+    sequence: tuple   # mesh axes of the sequence dim honoured (ring/all-to-all); () otherwise
     notes: tuple      # what was not honoured, and why
+    strategy: str = "ring"  # with ``sequence``: cp_cost's choice, "ring" or "all_to_all"
+    choice: cp_cost.Choice | None = None  # the cost model's numbers, when sequence sharded
 
     def describe(self) -> str:
         if self.sequence:
-            how = f"ring over {self.sequence} (context parallelism)"
+            how = f"{self.strategy} over {self.sequence} (context parallelism)"
         elif self.batch or self.heads:
             how = f"local: batch over {self.batch or 'none'}, heads over {self.heads or 'none'}, no collective"
         else:
@@ -91,8 +93,19 @@ def _size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -> ShardingPlan:
-    """The plan for q sharded as ``q_spec`` (a PartitionSpec over ``mesh``)."""
+@dataclasses.dataclass(frozen=True)
+class SequenceCall:
+    """What the choice of a context-parallel strategy needs beyond the shapes."""
+
+    has_bias_or_mask: bool = False
+    itemsize: int = 4
+    requested: str | None = None  # context_parallel_strategy
+
+
+def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
+                  call: SequenceCall | None = None) -> ShardingPlan:
+    """The plan for q sharded as ``q_spec`` (a PartitionSpec over ``mesh``). ``call`` None:
+    no all-to-all (the ring or a gather)."""
     spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
     batch, seq, heads, dim = (_axes(s) for s in spec[:4])
     b, lq, hq, _ = q_shape
@@ -113,22 +126,42 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -
             notes.append(f"splitting {hq} query heads over {heads} would separate kv heads "
                          f"({hkv}) from their query groups: heads replicated")
             heads = kv_heads = ()
-    sequence = ()
+    sequence, strategy, choice = (), "ring", None
     if seq:
-        chunks = 2 * _size(mesh, seq)
-        if (allow_ring and len(seq) == 1 and lq % chunks == 0 and lk % chunks == 0
-                and not set(seq) & set(batch + heads)):
-            sequence = seq
+        n = _size(mesh, seq)
+        chunks = 2 * n
+        common = None
+        if len(seq) != 1:
+            common = f"the sequence is sharded over two mesh axes {seq} (no hybrid yet)"
+        elif set(seq) & set(batch + heads):
+            common = f"mesh axis {seq} also shards batch or heads"
+        ring_reason = common or (
+            None if allow_ring and lq % chunks == 0 and lk % chunks == 0 else
+            f"the ring needs a local kernel that takes position offsets (explain_implementation "
+            f"names it; with dropout one that hashes global positions: xla), no position "
+            f"offset, sequences divisible by {chunks}")
+        # Per device after the batch and head splits (a kv head goes with its query group).
+        b_loc, hq_loc = b // _size(mesh, batch), hq // _size(mesh, heads)
+        hkv_loc = hkv // _size(mesh, kv_heads)
+        a2a_reason = common or (
+            "not offered for this call" if call is None else
+            f"sequences {lq}, {lk} do not divide over {n} devices" if lq % n or lk % n else
+            ulysses.unavailable(n, hq_loc, hkv_loc, call.has_bias_or_mask))
+        choice = cp_cost.choose(n, (b_loc, lq, lk, hq_loc, hkv_loc, q_shape[3],
+                                    call.itemsize if call else 4),
+                                ring_unavailable=ring_reason, all_to_all_unavailable=a2a_reason,
+                                requested=call.requested if call else None)
+        if choice.strategy in ("ring", "all_to_all"):
+            sequence, strategy = seq, choice.strategy
         else:
-            notes.append(f"sequence sharding over {seq} not supported for this call (the ring "
-                         f"needs a local kernel that takes position offsets (explain_implementation "
-                         f"names it; with dropout one that hashes global positions: xla), no "
-                         f"position offset, one mesh axis not also used by batch or "
-                         f"heads, sequences divisible by {chunks}): all-gathered")
+            notes.append(f"sequence sharding over {seq} not supported for this call (ring: "
+                         f"{ring_reason}; all-to-all: {a2a_reason}): all-gathered"
+                         if choice.unavailable.keys() >= {"ring", "all_to_all"} else
+                         f"sequence sharding over {seq}: all-gathered (requested)")
     if dim:
         notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
                      "needs the whole head): all-gathered")
-    return ShardingPlan(batch, heads, kv_heads, sequence, tuple(notes))
+    return ShardingPlan(batch, heads, kv_heads, sequence, tuple(notes), strategy, choice)
 
 
 def _specs(plan: ShardingPlan, named_shapes: dict, hq: int, b: int) -> dict:
@@ -181,12 +214,34 @@ def ring_supported(implementation, names) -> bool:
     return implementation.takes_position_offset and dropout_ok and "offset" not in names
 
 
-def _local_plan(implementation, mesh, arg_shapes, names):
+def sequence_call(cfg, names, dtype) -> SequenceCall:
+    return SequenceCall(has_bias_or_mask="bias" in names or "mask" in names,
+                        itemsize=jnp.dtype(dtype).itemsize,
+                        requested=getattr(cfg, "context_parallel_strategy", None))
+
+
+def _local_plan(implementation, cfg, mesh, arg_shapes, names):
     named = dict(zip(names, arg_shapes))
     q = named["q"]
     spec = q.sharding.spec if isinstance(q.sharding, NamedSharding) else P()
-    plan = sharding_plan(mesh, spec, q.shape, named["k"].shape, allow_ring=ring_supported(implementation, names))
+    plan = sharding_plan(mesh, spec, q.shape, named["k"].shape,
+                         allow_ring=ring_supported(implementation, names),
+                         call=sequence_call(cfg, names, q.dtype))
     return plan, named
+
+
+def _a2a_forward_body(axis, n, implementation, cfg, names, *arrays):
+    q, k, v, _, masks, extras = _unpack(dict(zip(names, arrays)))
+    out, stats = ulysses.forward(ulysses.Ulysses(axis, n, implementation, cfg), q, k, v, masks, extras)
+    return out, stats.max, stats.log_sum
+
+
+def _a2a_backward_body(axis, n, implementation, cfg, names, *arrays):
+    named = dict(zip(names, arrays))
+    q, k, v, _, masks, extras = _unpack(named)
+    stats = online_softmax.RowStats(named["max"], named["log_sum"])
+    return ulysses.backward(ulysses.Ulysses(axis, n, implementation, cfg), q, k, v, masks, stats,
+                            named["d_out"], named["delta"], extras)
 
 
 def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
@@ -215,19 +270,20 @@ def _shardings(mesh, plan, named, results):
     return tuple(to(n) for n in named), tuple(to(n) for n in results)
 
 
-def _make_op(body, ring_body, results_of):
+def _make_op(body, ring_body, a2a_body, results_of):
     def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        plan, named = _local_plan(implementation, mesh, arg_shapes, names)
+        plan, named = _local_plan(implementation, cfg, mesh, arg_shapes, names)
         return _shardings(mesh, plan, named, results_of(cfg, names))[1]
 
     def partition(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        plan, named = _local_plan(implementation, mesh, arg_shapes, names)
+        plan, named = _local_plan(implementation, cfg, mesh, arg_shapes, names)
         for note in plan.notes:
             warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
         args, results = _shardings(mesh, plan, named, results_of(cfg, names))
         if plan.sequence:
             (axis,) = plan.sequence
-            local = functools.partial(ring_body, axis, mesh.shape[axis], implementation, cfg, names)
+            sequence_body = ring_body if plan.strategy == "ring" else a2a_body
+            local = functools.partial(sequence_body, axis, mesh.shape[axis], implementation, cfg, names)
         else:
             local = functools.partial(body, implementation, cfg, names)
         return mesh, local, results, args
@@ -261,8 +317,9 @@ def sharding_rule(names, results, operand_types):
     return (rule, {"g": groups}) if h == "(n g)" else rule
 
 
-_forward_op = _make_op(_forward_body, _ring_forward_body, lambda cfg, names: FORWARD_RESULTS)
-_backward_op = _make_op(_backward_body, _ring_backward_body, _backward_results)
+_forward_op = _make_op(_forward_body, _ring_forward_body, _a2a_forward_body,
+                       lambda cfg, names: FORWARD_RESULTS)
+_backward_op = _make_op(_backward_body, _ring_backward_body, _a2a_backward_body, _backward_results)
 
 
 # --- vmap: fold the mapped axis into the batch axis ------------------------------------------
@@ -312,23 +369,34 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
     return tuple(grads) + ((None,) if bias is None or not cfg.bias_gradient else ())
 
 
-def explain(implementation, q, q_shape, k_shape, has_bias_or_mask: bool) -> str | None:
+def explain(implementation, q, q_shape, k_shape, has_bias_or_mask: bool, cfg=None,
+            extras=None) -> str | None:
     """The strategy for ``q`` (an array or ShapeDtypeStruct with a NamedSharding), or None when
-    it carries no multi-device NamedSharding."""
+    it carries no multi-device NamedSharding. A sequence-sharded call names cp_cost's choice
+    with its estimated bytes per device."""
     sharding = getattr(q, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
         return None
-    names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ())
+    names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ()) + tuple(
+        short for field, short in _EXTRA_FIELDS if extras is not None and getattr(extras, field) is not None)
     plan = sharding_plan(sharding.mesh, _canonical_spec(sharding.spec, len(q.shape)), q_shape, k_shape,
-                         allow_ring=ring_supported(implementation, names))
+                         allow_ring=ring_supported(implementation, names),
+                         call=sequence_call(cfg, names, q.dtype))
     if plan.sequence:
         (axis,) = plan.sequence
-        pairwise = ("; bias/mask: query rows sharded over the same axis, every key column, "
-                    "sliced per step" if has_bias_or_mask else "")
-        return (f"ring over {axis!r} in {sharding.mesh.shape[axis]} steps (context parallelism, "
-                f"zigzag layout, local kernel {implementation.name}){pairwise}"
-                + "".join(f"; {n}" for n in plan.notes))
-    return plan.describe()
+        n = sharding.mesh.shape[axis]
+        if plan.strategy == "ring":
+            pairwise = ("; bias/mask: query rows sharded over the same axis, every key column, "
+                        "sliced per step" if has_bias_or_mask else "")
+            how = (f"ring over {axis!r} in {n} steps (context parallelism, zigzag layout, local "
+                   f"kernel {implementation.name}){pairwise}")
+        else:
+            how = (f"all_to_all over {axis!r} (context parallelism, Ulysses: whole sequences for "
+                   f"1/{n} of the heads per device, local kernel {implementation.name})")
+        return (how + f"; cost model: {plan.choice.describe(n, axis)}"
+                + "".join(f"; {note}" for note in plan.notes))
+    return plan.describe() + ("" if plan.choice is None else
+                              f"; cost model: {plan.choice.describe(_size(sharding.mesh, _axes(_canonical_spec(sharding.spec, len(q.shape))[1])), 'sequence')}")
 
 
 def _canonical_spec(spec, ndim: int):

@@ -1,8 +1,9 @@
-"""Dropout and attention sinks through the ring on 8 devices, fwd+bwd.
+"""Dropout and attention sinks through the ring / the all-to-all on 8 devices, fwd+bwd.
 
 argv: "jit" (flash_attention under plain jax.jit, q/k/v sharded P(None, "seq"): partitioned.py
-      routes to the ring) or "shard_map" (ring_attention inside jax.shard_map, both layouts),
-      then config names (CONFIGS).
+      routes to the ring) or "shard_map" (ring_attention inside jax.shard_map, both layouts);
+      "jit_a2a" / "shard_map_a2a": the same with context_parallel_strategy="all_to_all" /
+      ulysses_attention; then config names (CONFIGS).
 Prints {config: {errors: vs torch_ref float64 (dropout: with jax_impl.dropout_mask's pattern,
 the definition of the pattern), single: max |ring - one-device call| (out and grads), pattern:
 the kept (query, key) pairs read off the ring's output (V = one-hot of the key index, so
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from _common import max_errors, problem
 from torch_ref import attention_with_grads, manual_attention
 from jax_impl import dropout_mask, ring
-from jax_impl.context_parallel import ring_attention
+from jax_impl.context_parallel import ring_attention, ulysses_attention
 from jax_impl.flash_attention import flash_attention
 
 N = 8
@@ -38,11 +39,22 @@ CONFIGS = {
     # V = one-hot of the key index (D = Lk): the output exposes each row's kept pairs.
     "dropout_pattern_causal": (1, 64, 64, 2, 2, 64, "zigzag", dict(is_causal=True), None,
                                dict(broadcast_dropout=False)),
+    # The all-to-all needs heads divisible by the 8 devices.
+    "a2a_causal_gqa_dropout_sinks": (2, 64, 64, 16, 8, 16, "contiguous", dict(is_causal=True),
+                                     (16,), dict(broadcast_dropout=False)),
+    "a2a_bottom_right_window_lengths_segments": (
+        2, 32, 64, 8, 8, 16, "contiguous",
+        dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(21, None),
+             query_seq_lengths=np.array([29, 32], np.int32),
+             key_value_seq_lengths=np.array([64, 40], np.int32), segments=True), None, None),
+    "a2a_dropout_pattern_causal": (1, 64, 64, 8, 8, 64, "contiguous", dict(is_causal=True), None,
+                                   dict(broadcast_dropout=False)),
 }
 
 
 def _setup(name):
     b, lq, lk, hq, hkv, d, layout, kwargs, sinks_shape, dropout = CONFIGS[name]
+    kwargs = dict(kwargs)
     seed = np.random.SeedSequence().entropy % 2**31
     arrays, rng = problem(seed, b, lq, lk, hq, hkv, d)
     if "pattern" in name:
@@ -50,6 +62,9 @@ def _setup(name):
                                       (b, lk, hkv, lk)).copy()
     if sinks_shape is not None:
         arrays["sinks"] = rng.standard_normal(sinks_shape).astype(np.float32)
+    if kwargs.pop("segments", False):
+        kwargs = dict(kwargs, **{f"{side}_segment_ids": np.sort(rng.integers(0, 3, (b, n)), 1).astype(np.int32)
+                                 for side, n in (("q", lq), ("kv", lk))})
     features = {}
     if dropout is not None:
         features = dict(dropout_rng=jax.random.key(int(rng.integers(2**31))), dropout_rate=RATE,
@@ -98,7 +113,7 @@ def _results(name, arrays, kwargs, features, sharded_attend, hlo_of):
     single_diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
                       for x, y in zip((out,) + tuple(grads), (out_1,) + tuple(grads_1)))
     result = dict(errors=errors, single=single_diff, all_gathers=hlo.count("all-gather"),
-                  permutes=hlo.count("collective-permute"))
+                  permutes=hlo.count("collective-permute"), all_to_alls=hlo.count("all-to-all("))
     if "pattern" in name:
         kept = np.moveaxis(np.asarray(out) > 0, 2, 1)  # [B, Hq, Lq, Lk]
         lq, lk = kept.shape[-2:]
@@ -110,14 +125,15 @@ def _results(name, arrays, kwargs, features, sharded_attend, hlo_of):
     return result
 
 
-def run_jit(name):
+def run_jit(name, strategy=None):
     arrays, _, kwargs, features = _setup(name)
     mesh = Mesh(np.array(jax.devices()[:N]), ("seq",))
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
 
     def attend(a):
         return flash_attention(a["q"], a["k"], a["v"], attention_sinks=a.get("sinks"),
-                               implementation="xla", **kwargs, **features)
+                               implementation="xla", context_parallel_strategy=strategy,
+                               **kwargs, **features)
 
     def hlo_of(grad, args):
         specs = {n: P(None, "seq") if n in ("q", "k", "v", "ct") else P() for n in arrays}
@@ -128,7 +144,7 @@ def run_jit(name):
     return _results(name, arrays, kwargs, features, attend, hlo_of)
 
 
-def run_shard_map(name):
+def run_shard_map(name, attention=ring_attention):
     arrays, layout, kwargs, features = _setup(name)
     mesh = Mesh(np.array(jax.devices()[:N]), ("seq",))
     zigzag = layout == "zigzag"
@@ -137,18 +153,23 @@ def run_shard_map(name):
     seq = P(None, "seq")
     rng = features.get("dropout_rng")
     options = {n: v for n, v in features.items() if n != "dropout_rng"}
-    lengths = {n: kwargs[n] for n in ("query_seq_lengths", "key_value_seq_lengths") if n in kwargs}
+    traced = [n for n in ("query_seq_lengths", "key_value_seq_lengths", "q_segment_ids",
+                          "kv_segment_ids") if n in kwargs]
+    specs = {n: P() if "lengths" in n else seq for n in traced}
+    lengths = {n: order(kwargs[n]) if "segment" in n else kwargs[n] for n in traced}
     static = {n: v for n, v in kwargs.items() if n not in lengths}
+    if attention is ring_attention:
+        static["layout"] = layout
 
     def body(q, k, v, sinks, key, lens):
-        return ring_attention(q, k, v, axis_name="seq", layout=layout, implementation="xla",
-                              attention_sinks=sinks, dropout_rng=key, **lens, **static, **options)
+        return attention(q, k, v, axis_name="seq", implementation="xla",
+                         attention_sinks=sinks, dropout_rng=key, **lens, **static, **options)
 
     def attend(a):
         sinks = a.get("sinks")
         key = rng if rng is not None else None
         sharded = jax.shard_map(body, mesh=mesh, out_specs=seq,
-                                in_specs=(seq, seq, seq, P(), P(), P()))
+                                in_specs=(seq, seq, seq, P(), P(), specs))
         return unorder(sharded(order(a["q"]), order(a["k"]), order(a["v"]), sinks, key, lengths))
 
     return _results(name, arrays, kwargs, features, attend,
@@ -157,5 +178,7 @@ def run_shard_map(name):
 
 if __name__ == "__main__":
     mode, names = sys.argv[1], sys.argv[2:]
-    run = run_jit if mode == "jit" else run_shard_map
+    run = dict(jit=lambda n: run_jit(n, "ring"), shard_map=run_shard_map,
+               jit_a2a=lambda n: run_jit(n, "all_to_all"),
+               shard_map_a2a=lambda n: run_shard_map(n, ulysses_attention))[mode]
     print(json.dumps({name: run(name) for name in names}))
