@@ -129,34 +129,46 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
     sequence, strategy, choice = (), "ring", None
     if seq:
         n = _size(mesh, seq)
-        chunks = 2 * n
-        common = None
-        if len(seq) != 1:
-            common = f"the sequence is sharded over two mesh axes {seq} (no hybrid yet)"
-        elif set(seq) & set(batch + heads):
-            common = f"mesh axis {seq} also shards batch or heads"
-        ring_reason = common or (
-            None if allow_ring and lq % chunks == 0 and lk % chunks == 0 else
-            f"the ring needs a local kernel that takes position offsets (explain_implementation "
-            f"names it; with dropout one that hashes global positions: xla), no position "
-            f"offset, sequences divisible by {chunks}")
         # Per device after the batch and head splits (a kv head goes with its query group).
         b_loc, hq_loc = b // _size(mesh, batch), hq // _size(mesh, heads)
         hkv_loc = hkv // _size(mesh, kv_heads)
-        a2a_reason = common or (
-            "not offered for this call" if call is None else
-            f"sequences {lq}, {lk} do not divide over {n} devices" if lq % n or lk % n else
-            ulysses.unavailable(n, hq_loc, hkv_loc, call.has_bias_or_mask))
-        choice = cp_cost.choose(n, (b_loc, lq, lk, hq_loc, hkv_loc, q_shape[3],
-                                    call.itemsize if call else 4),
-                                ring_unavailable=ring_reason, all_to_all_unavailable=a2a_reason,
-                                requested=call.requested if call else None)
-        if choice.strategy in ("ring", "all_to_all"):
+        shape = (b_loc, lq, lk, hq_loc, hkv_loc, q_shape[3], call.itemsize if call else 4)
+        ring_needs = ("a local kernel that takes position offsets (explain_implementation names "
+                      "it; with dropout one that hashes global positions: xla), no position offset")
+        requested = call.requested if call else None
+        if set(seq) & set(batch + heads):
+            why = f"mesh axis {seq} also shards batch or heads"
+            choice = cp_cost.choose(n, shape, ring_unavailable=why, all_to_all_unavailable=why,
+                                    requested=requested)
+        elif len(seq) == 2:  # the hybrid: all-to-all over the inner axis, ring over the outer
+            outer, inner = (mesh.shape[a] for a in seq)
+            why = (None if call is not None else "not offered for this call") or (
+                None if allow_ring else f"its ring needs {ring_needs}") or (
+                None if lq % (2 * n) == 0 and lk % (2 * n) == 0 else
+                f"sequences {lq}, {lk} must be divisible by {2 * n}") or ulysses.unavailable(
+                    inner, hq_loc, hkv_loc, call.has_bias_or_mask)
+            choice = cp_cost.choose(n, shape, hybrid_inner=inner, hybrid_unavailable=why,
+                                    requested=requested)
+        elif len(seq) > 2:
+            raise_reason = f"the sequence is sharded over {len(seq)} mesh axes {seq} (at most two)"
+            choice = cp_cost.choose(n, shape, ring_unavailable=raise_reason,
+                                    all_to_all_unavailable=raise_reason, requested=requested)
+        else:
+            chunks = 2 * n
+            ring_reason = (None if allow_ring and lq % chunks == 0 and lk % chunks == 0 else
+                           f"the ring needs {ring_needs}, sequences divisible by {chunks}")
+            a2a_reason = (
+                "not offered for this call" if call is None else
+                f"sequences {lq}, {lk} do not divide over {n} devices" if lq % n or lk % n else
+                ulysses.unavailable(n, hq_loc, hkv_loc, call.has_bias_or_mask))
+            choice = cp_cost.choose(n, shape, ring_unavailable=ring_reason,
+                                    all_to_all_unavailable=a2a_reason, requested=requested)
+        if choice.strategy != "all_gather":
             sequence, strategy = seq, choice.strategy
         else:
-            notes.append(f"sequence sharding over {seq} not supported for this call (ring: "
-                         f"{ring_reason}; all-to-all: {a2a_reason}): all-gathered"
-                         if choice.unavailable.keys() >= {"ring", "all_to_all"} else
+            reasons = "; ".join(f"{s}: {r}" for s, r in choice.unavailable.items())
+            notes.append(f"sequence sharding over {seq} not supported for this call ({reasons}): "
+                         "all-gathered" if not choice.requested else
                          f"sequence sharding over {seq}: all-gathered (requested)")
     if dim:
         notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
@@ -270,7 +282,27 @@ def _shardings(mesh, plan, named, results):
     return tuple(to(n) for n in named), tuple(to(n) for n in results)
 
 
-def _make_op(body, ring_body, a2a_body, results_of):
+def _hybrid(axes, sizes, implementation, cfg):
+    """(all-to-all over the inner axis, ring over the outer) of a two-axis sequence."""
+    return (ulysses.Ulysses(axes[1], sizes[1], implementation, cfg),
+            ring.zigzag_ring(cfg, axes[0], sizes[0], implementation))
+
+
+def _hybrid_forward_body(axes, sizes, implementation, cfg, names, *arrays):
+    q, k, v, _, masks, extras = _unpack(dict(zip(names, arrays)))
+    out, stats = ulysses.hybrid_forward(*_hybrid(axes, sizes, implementation, cfg), q, k, v, masks, extras)
+    return out, stats.max, stats.log_sum
+
+
+def _hybrid_backward_body(axes, sizes, implementation, cfg, names, *arrays):
+    named = dict(zip(names, arrays))
+    q, k, v, _, masks, extras = _unpack(named)
+    stats = online_softmax.RowStats(named["max"], named["log_sum"])
+    return ulysses.hybrid_backward(*_hybrid(axes, sizes, implementation, cfg), q, k, v, masks,
+                                   stats, named["d_out"], named["delta"], extras)
+
+
+def _make_op(body, ring_body, a2a_body, hybrid_body, results_of):
     def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
         plan, named = _local_plan(implementation, cfg, mesh, arg_shapes, names)
         return _shardings(mesh, plan, named, results_of(cfg, names))[1]
@@ -280,7 +312,10 @@ def _make_op(body, ring_body, a2a_body, results_of):
         for note in plan.notes:
             warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
         args, results = _shardings(mesh, plan, named, results_of(cfg, names))
-        if plan.sequence:
+        if plan.strategy == "hybrid" and plan.sequence:
+            local = functools.partial(hybrid_body, plan.sequence, tuple(mesh.shape[a] for a in plan.sequence),
+                                      implementation, cfg, names)
+        elif plan.sequence:
             (axis,) = plan.sequence
             sequence_body = ring_body if plan.strategy == "ring" else a2a_body
             local = functools.partial(sequence_body, axis, mesh.shape[axis], implementation, cfg, names)
@@ -317,9 +352,10 @@ def sharding_rule(names, results, operand_types):
     return (rule, {"g": groups}) if h == "(n g)" else rule
 
 
-_forward_op = _make_op(_forward_body, _ring_forward_body, _a2a_forward_body,
+_forward_op = _make_op(_forward_body, _ring_forward_body, _a2a_forward_body, _hybrid_forward_body,
                        lambda cfg, names: FORWARD_RESULTS)
-_backward_op = _make_op(_backward_body, _ring_backward_body, _a2a_backward_body, _backward_results)
+_backward_op = _make_op(_backward_body, _ring_backward_body, _a2a_backward_body,
+                        _hybrid_backward_body, _backward_results)
 
 
 # --- vmap: fold the mapped axis into the batch axis ------------------------------------------
@@ -382,6 +418,13 @@ def explain(implementation, q, q_shape, k_shape, has_bias_or_mask: bool, cfg=Non
     plan = sharding_plan(sharding.mesh, _canonical_spec(sharding.spec, len(q.shape)), q_shape, k_shape,
                          allow_ring=ring_supported(implementation, names),
                          call=sequence_call(cfg, names, q.dtype))
+    if plan.sequence and plan.strategy == "hybrid":
+        outer, inner = plan.sequence
+        return (f"hybrid over {plan.sequence} (context parallelism: all-to-all over {inner!r}, "
+                f"then a ring over {outer!r} in {sharding.mesh.shape[outer]} steps, local kernel "
+                f"{implementation.name}); cost model: "
+                f"{plan.choice.describe(_size(sharding.mesh, plan.sequence), plan.sequence)}"
+                + "".join(f"; {note}" for note in plan.notes))
     if plan.sequence:
         (axis,) = plan.sequence
         n = sharding.mesh.shape[axis]

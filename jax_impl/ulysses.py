@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_impl import dropout_sinks, masking, online_softmax, vma
+from jax_impl import dropout_sinks, masking, online_softmax, ring, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
 
@@ -132,3 +132,29 @@ def _primal(u, q, k, v, masks, extras):
 
 ulysses_vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
 ulysses_vjp.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+# --- Hybrid (USP): all-to-all over the inner mesh axis, ring over the outer -----------------
+# The sequence is sharded over (outer, inner): device (o, i) holds block o * |inner| + i. The
+# all-to-all over ``inner`` gives each device block o of |outer| (contiguous: the inner blocks
+# in order) for 1/|inner| of the heads; ``ring.contiguous_forward`` over ``outer`` runs on it
+# (global positions unchanged: the outer blocks tile the whole sequence), and the result goes
+# back by one more all-to-all. Fast links (inside a host) carry the all-to-all, the ring's
+# N_outer steps cross the slow ones.
+
+def hybrid_forward(u: Ulysses, ring_description, q, k, v, masks, extras=None):
+    masks, extras = _local_inputs(u, masks, extras)
+    heads = lambda x: to_heads(x, u.axis_name)
+    out, stats = ring.contiguous_forward(ring_description, heads(q), heads(k), heads(v), masks,
+                                         None, extras)
+    back = lambda x, s=1, h=2: to_sequence(x, u.axis_name, s, h)
+    return back(out), online_softmax.RowStats(back(stats.max, 2, 1), back(stats.log_sum, 2, 1))
+
+
+def hybrid_backward(u: Ulysses, ring_description, q, k, v, masks, stats, d_out, delta, extras=None):
+    masks, extras = _local_inputs(u, masks, extras)
+    heads = lambda x, s=1, h=2: to_heads(x, u.axis_name, s, h)
+    stats = online_softmax.RowStats(heads(stats.max, 2, 1), heads(stats.log_sum, 2, 1))
+    dq, dk, dv, _ = ring.contiguous_backward(ring_description, heads(q), heads(k), heads(v), masks,
+                                             stats, heads(d_out), heads(delta, 2, 1), None, extras)
+    return tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))

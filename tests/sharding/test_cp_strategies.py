@@ -27,6 +27,21 @@ def test_all_to_all_is_exact_and_gathers_nothing(mode):
     assert pattern["same_as_single"] and pattern["same_as_mask"], pattern
 
 
+def test_hybrid_on_a_2x4_mesh_is_exact_and_gathers_nothing():
+    """The sequence over both axes of a (host=2, chip=4) mesh: all-to-all over "chip", ring
+    over "host"; GQA, dropout, sinks, lengths, segment ids, window; fwd+bwd vs torch_ref."""
+    names = ("hybrid_causal_gqa_dropout_sinks", "a2a_bottom_right_window_lengths_segments",
+             "a2a_dropout_pattern_causal")
+    results = run_script("ring_features.py", "jit_hybrid", *names)
+    for name, r in results.items():
+        assert r["all_gathers"] == 0 and r["all_to_alls"] > 0 and r["permutes"] > 0, (name, r)
+        assert max(r["errors"].values()) < TOL, (name, r["errors"])
+        assert r["single"] < TOL, (name, r["single"])
+    assert "dsinks" in results["hybrid_causal_gqa_dropout_sinks"]["errors"]
+    pattern = results["a2a_dropout_pattern_causal"]["pattern"]
+    assert pattern["same_as_single"] and pattern["same_as_mask"], pattern
+
+
 def test_all_to_all_memory_per_device_at_8_devices():
     """L=32768, H=8, D=64 fp32 causal fwd+bwd, compiled: arguments + temporaries per device
     <= 0.3x one device, with all-to-alls and no all-gather (the ring's figure beside it)."""

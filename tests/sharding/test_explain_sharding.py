@@ -13,6 +13,7 @@ def test_strategy_for_sharded_inputs():
     assert s["sequence_pallas"].startswith("ring over 'seq' in 8 steps")
     assert "local kernel pallas_triton" in s["sequence_pallas"]
     assert s["sequence_bias"].startswith("ring over 'seq'") and "query rows sharded" in s["sequence_bias"]
-    assert "all-gathered" in s["sequence_two_axes"] and "two mesh axes" in s["sequence_two_axes"]
+    assert s["sequence_two_axes"].startswith("hybrid over ('data', 'model')")
+    assert "all-to-all over 'model', then a ring over 'data' in 2 steps" in s["sequence_two_axes"]
     assert "head_dim" in s["head_dim"] and "all-gathered" in s["head_dim"]
     assert s["unsharded"] is None

@@ -3,7 +3,8 @@
 argv: "jit" (flash_attention under plain jax.jit, q/k/v sharded P(None, "seq"): partitioned.py
       routes to the ring) or "shard_map" (ring_attention inside jax.shard_map, both layouts);
       "jit_a2a" / "shard_map_a2a": the same with context_parallel_strategy="all_to_all" /
-      ulysses_attention; then config names (CONFIGS).
+      ulysses_attention; "jit_hybrid": a (2, 4) mesh, the sequence over both axes
+      (P(None, ("host", "chip"))), context_parallel_strategy="hybrid"; then config names.
 Prints {config: {errors: vs torch_ref float64 (dropout: with jax_impl.dropout_mask's pattern,
 the definition of the pattern), single: max |ring - one-device call| (out and grads), pattern:
 the kept (query, key) pairs read off the ring's output (V = one-hot of the key index, so
@@ -47,6 +48,8 @@ CONFIGS = {
         dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(21, None),
              query_seq_lengths=np.array([29, 32], np.int32),
              key_value_seq_lengths=np.array([64, 40], np.int32), segments=True), None, None),
+    "hybrid_causal_gqa_dropout_sinks": (2, 64, 64, 8, 4, 16, "contiguous", dict(is_causal=True),
+                                        (2, 8), dict(broadcast_dropout=False)),
     "a2a_dropout_pattern_causal": (1, 64, 64, 8, 8, 64, "contiguous", dict(is_causal=True), None,
                                    dict(broadcast_dropout=False)),
 }
@@ -127,7 +130,11 @@ def _results(name, arrays, kwargs, features, sharded_attend, hlo_of):
 
 def run_jit(name, strategy=None):
     arrays, _, kwargs, features = _setup(name)
-    mesh = Mesh(np.array(jax.devices()[:N]), ("seq",))
+    if strategy == "hybrid":  # (2, 4): the sequence over both axes, all-to-all over "chip"
+        mesh = Mesh(np.array(jax.devices()[:N]).reshape(2, 4), ("host", "chip"))
+        seq_axes = ("host", "chip")
+    else:
+        mesh, seq_axes = Mesh(np.array(jax.devices()[:N]), ("seq",)), "seq"
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
 
     def attend(a):
@@ -136,7 +143,7 @@ def run_jit(name, strategy=None):
                                **kwargs, **features)
 
     def hlo_of(grad, args):
-        specs = {n: P(None, "seq") if n in ("q", "k", "v", "ct") else P() for n in arrays}
+        specs = {n: P(None, seq_axes) if n in ("q", "k", "v", "ct") else P() for n in arrays}
         sharded = [put(x, specs[n]) for n, x in zip([n for n in ("q", "k", "v", "sinks", "ct")
                                                       if n in arrays], args)]
         return grad.lower(*sharded).compile().as_text(), sharded
@@ -179,6 +186,6 @@ def run_shard_map(name, attention=ring_attention):
 if __name__ == "__main__":
     mode, names = sys.argv[1], sys.argv[2:]
     run = dict(jit=lambda n: run_jit(n, "ring"), shard_map=run_shard_map,
-               jit_a2a=lambda n: run_jit(n, "all_to_all"),
+               jit_a2a=lambda n: run_jit(n, "all_to_all"), jit_hybrid=lambda n: run_jit(n, "hybrid"),
                shard_map_a2a=lambda n: run_shard_map(n, ulysses_attention))[mode]
     print(json.dumps({name: run(name) for name in names}))
