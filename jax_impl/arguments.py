@@ -54,10 +54,11 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
              implementation=None, return_residual=False, causal_alignment="top_left",
              q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None, block_sizes=None,
-             precision=None, interpret=False, attention_sinks=None, dropout_rng=None,
+             precision=None, interpret=False, attention_sinks=None, context_parallel_strategy=None,
+             dropout_rng=None,
              dropout_rate=0.0, broadcast_dropout=True, deterministic=None, dtype=None,
              module=None, force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
-             attn_weights_value_einsum=None, context_parallel_strategy=None) -> Call:
+             attn_weights_value_einsum=None) -> Call:
     """flash_attention's arguments checked (each error names its argument and the rule) and
     brought to canonical shapes. The defaults are flash_attention's (a test keeps them equal)."""
     mask = _validate_flax_keywords(dropout_rate, deterministic, module, qk_attn_weights_einsum,
