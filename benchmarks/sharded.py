@@ -126,7 +126,7 @@ def markdown(rows: list[dict], env: dict | None = None) -> str:
     lines = []
     if env:
         lines += ["# Sharded suite: per-device memory and collectives vs devices", ""]
-        lines += [f"- {k}: {v}" for k, v in env.items()] + [""]
+        lines += [f"- {k}: {v}" for k, v in env.items() if k != "timed"] + [""]
     lines += ["| sharding | program | devices | shape | strategy run | est. MiB sent per device (fwd+bwd) "
               "| args+temps per device (MiB) | vs 1 device | collectives (static count in the HLO) |",
               "|---|---|---|---|---|---|---|---|---|"]

@@ -119,7 +119,9 @@ def _bwd(u, residuals: Residuals, cotangents):
     if extras.sinks is not None:  # this device's rows' share; an unvarying sink sums them
         d_sinks = reduce_to(dropout_sinks.sink_gradient(
             extras.sinks, online_softmax.logsumexp(stats), delta), extras.sinks.shape)
-        if u.axis_name not in vma.axes_of(extras.sinks):
+        # With varying axes tracked (check_vma), an unvarying sink takes the sum over the axis;
+        # untracked (check_vma=False), shard_map's transpose sums the devices' shares itself.
+        if u.axis_name in vma.axes_of(q) and u.axis_name not in vma.axes_of(extras.sinks):
             d_sinks = lax.psum(d_sinks, u.axis_name)
         d_extras = d_extras._replace(sinks=d_sinks.astype(extras.sinks.dtype))
     return dq, dk, dv, jax.tree.map(lambda _: None, masks), d_extras

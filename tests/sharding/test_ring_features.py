@@ -34,3 +34,10 @@ def test_ring_dropout_with_a_kernel_that_hashes_local_positions_is_refused():
     with pytest.raises(ValueError, match="cannot run dropout in a ring.*implementation='xla'"):
         _ring_shapes(8, 8, implementation="cpu", dropout_rate=0.1,
                      dropout_rng=jax.random.key(0))
+
+
+def test_dsinks_are_summed_once_with_and_without_check_vma():
+    """An unvarying sink's gradient is the sum of the devices' shares: taken by psum when
+    shard_map tracks varying axes, by shard_map's own transpose when check_vma=False."""
+    errors = run_script("ring_features.py", "sinks_without_vma")
+    assert len(errors) == 4 and max(errors.values()) < TOL, errors

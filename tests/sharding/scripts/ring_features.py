@@ -183,7 +183,33 @@ def run_shard_map(name, attention=ring_attention):
                     lambda grad, args: (grad.lower(*args).compile().as_text(), args))
 
 
+def sinks_without_vma():
+    """dsinks of ring_attention and ulysses_attention under check_vma True and False (the
+    Pallas interpreter's setting), max |error| against the one-device call's."""
+    mesh = Mesh(np.array(jax.devices()[:N]), ("seq",))
+    rng = np.random.default_rng(np.random.SeedSequence().entropy % 2**31)
+    q = rng.standard_normal((1, 64, 8, 16)).astype(np.float32)
+    sinks = rng.standard_normal((8,)).astype(np.float32)
+    seq = P(None, "seq")
+    one = jax.grad(lambda s: jnp.sum(jnp.sin(flash_attention(
+        q, q, q, attention_sinks=s, implementation="xla"))))(sinks)
+    errors = {}
+    for attention in (ring_attention, ulysses_attention):
+        for check in (True, False):
+            kw = dict(layout="contiguous") if attention is ring_attention else {}
+            mapped = jax.shard_map(
+                lambda q, s: attention(q, q, q, axis_name="seq", attention_sinks=s,
+                                       implementation="xla", **kw),
+                mesh=mesh, in_specs=(seq, P()), out_specs=seq, check_vma=check)
+            got = jax.grad(lambda s: jnp.sum(jnp.sin(mapped(q, s))))(sinks)
+            errors[f"{attention.__name__}_{check}"] = float(np.max(np.abs(got - one)))
+    return errors
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "sinks_without_vma":
+        print(json.dumps(sinks_without_vma()))
+        sys.exit()
     mode, names = sys.argv[1], sys.argv[2:]
     run = dict(jit=lambda n: run_jit(n, "ring"), shard_map=run_shard_map,
                jit_a2a=lambda n: run_jit(n, "all_to_all"), jit_hybrid=lambda n: run_jit(n, "hybrid"),
