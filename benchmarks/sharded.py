@@ -1,9 +1,14 @@
 """Sharded suite: per-device memory and collectives of the compiled program vs device count.
 
 At fixed L (default 32768, H=8, D=64 fp32, causal), for 1, 2, 4, 8 devices and each sharding
-(sequence: the ring; heads: local), compiles flash_attention's forward and fwd+bwd under plain
-jit (never runs them) and records ``compiled.memory_analysis()`` (arguments + temporaries per
-device) and the collectives in ``compiled.as_text()``. The local kernel is ``xla`` on a CPU
+(sequence: each context-parallel strategy side by side, ``context_parallel_strategy=`` ring,
+all_to_all, and hybrid on a (2, N/2) mesh; heads: local), compiles flash_attention's forward
+and fwd+bwd under plain jit (never runs them) and records ``compiled.memory_analysis()``
+(arguments + temporaries per device), the collectives in ``compiled.as_text()`` and the cost
+model's estimated bytes sent per device (cp_cost.py, fwd+bwd). With ``--time-length`` it also
+runs fwd+bwd of each strategy at that (short) L on the 8 virtual CPU devices, ``--repeats``
+times: median and min-max seconds (virtual devices share the host's cores: a ranking of the
+strategies' overheads, not a multi-device speed). The local kernel is ``xla`` on a CPU
 host (the Pallas interpreter's memory says nothing about the kernel) and the default (the
 Pallas kernels) on a GPU. Step times vs devices need several GPUs: not measured here.
 
@@ -27,34 +32,93 @@ CPU_DEVICES = 8
 NAME = "bench_sharded"
 
 
+def _layouts(n: int, batch: int, length: int, heads: int, head_dim: int):
+    """(sharding name, strategy, mesh shape, axis names, q spec, shape) for n devices."""
+    from jax.sharding import PartitionSpec as P
+    seq, short = (batch, length, heads, head_dim), (batch, length // 4, heads, head_dim)
+    yield "sequence", None, (n,), ("x",), P(None, "x"), seq
+    if n > 1:
+        yield "sequence ring", "ring", (n,), ("x",), P(None, "x"), seq
+        yield "sequence all_to_all", "all_to_all", (n,), ("x",), P(None, "x"), seq
+    if n >= 4:
+        yield "sequence hybrid (2 x N/2)", "hybrid", (2, n // 2), ("o", "i"), P(None, ("o", "i")), seq
+    yield "heads", None, (n,), ("x",), P(None, None, "x"), short
+
+
+def _estimated_mib(mesh, spec, shape, strategy):
+    from jax_impl import cp_cost, partitioned
+    plan = partitioned.sharding_plan(mesh, spec, shape, shape, allow_ring=True,
+                                     call=partitioned.SequenceCall(itemsize=4, requested=strategy))
+    if plan.choice is None:
+        return None, None
+    return plan.choice.strategy, plan.choice.bytes_per_device.get(plan.choice.strategy, 0) / 2**20
+
+
 def measure(length: int = 32768, heads: int = 8, head_dim: int = 64, batch: int = 1,
             devices=(1, 2, 4, 8), implementation: str | None = "xla") -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
 
     from jax_impl.flash_attention import flash_attention
 
-    attend = lambda q, k, v: flash_attention(q, k, v, is_causal=True, implementation=implementation)
-    grad = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)), argnums=(0, 1, 2))
     rows = []
     for n in devices:
         if n > jax.device_count():
             continue
-        for layout, spec, shape in (
-                ("sequence", P(None, "x"), (batch, length, heads, head_dim)),
-                ("heads", P(None, None, "x"), (batch, length // 4, heads, head_dim))):
-            mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+        for layout, strategy, mesh_shape, names, spec, shape in _layouts(n, batch, length, heads, head_dim):
+            attend = lambda q, k, v, s=strategy: flash_attention(
+                q, k, v, is_causal=True, implementation=implementation, context_parallel_strategy=s)
+            grad = jax.grad(lambda q, k, v, a=attend: jnp.sum(a(q, k, v)), argnums=(0, 1, 2))
+            mesh = Mesh(np.array(jax.devices()[:n]).reshape(mesh_shape), names)
             arg = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+            chosen, estimate = (_estimated_mib(mesh, spec, shape, strategy) if layout.startswith("sequence")
+                                and n > 1 else (None, None))
             for program, fn in (("forward", attend), ("forward_backward", grad)):
                 compiled = jax.jit(fn).lower(arg, arg, arg).compile()
                 memory = compiled.memory_analysis()
                 hlo = compiled.as_text()
                 rows.append(dict(
                     devices=n, sharding=layout, program=program, shape=list(shape),
+                    strategy=chosen, estimated_mib_sent=estimate if program == "forward_backward" else None,
                     per_device_mib=(memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 2**20,
                     collectives={c: hlo.count(c + "(") + hlo.count(c + "-start(") for c in COLLECTIVES}))
+    return rows
+
+
+def time_strategies(length: int, repeats: int, heads: int = 8, head_dim: int = 64,
+                    implementation: str | None = "xla") -> list[dict]:
+    """fwd+bwd seconds of each strategy on all devices: median and min-max over ``repeats``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    from jax_impl.flash_attention import flash_attention
+
+    n = jax.device_count()
+    rows = []
+    rng = np.random.default_rng(0)
+    for layout, strategy, mesh_shape, names, spec, shape in _layouts(n, 1, length, heads, head_dim):
+        if not layout.startswith("sequence ") and layout != "heads":
+            continue
+        if layout == "heads":
+            shape = (1, length, heads, head_dim)
+        mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
+        args = [jax.device_put(rng.standard_normal(shape).astype(np.float32), NamedSharding(mesh, spec))
+                for _ in range(3)]
+        loss = lambda q, k, v, s=strategy: jnp.sum(flash_attention(
+            q, k, v, is_causal=True, implementation=implementation, context_parallel_strategy=s))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        jax.block_until_ready(step(*args))  # compile
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            seconds.append(time.perf_counter() - start)
+        rows.append(dict(sharding=layout, devices=n, length=length, median_s=float(np.median(seconds)),
+                         min_s=min(seconds), max_s=max(seconds), repeats=repeats))
     return rows
 
 
@@ -62,16 +126,25 @@ def markdown(rows: list[dict], env: dict | None = None) -> str:
     lines = []
     if env:
         lines += ["# Sharded suite: per-device memory and collectives vs devices", ""]
-        lines += [f"- {k}: {v}" for k, v in env.items()] + [""]
-    lines += ["| sharding | program | devices | shape | args+temps per device (MiB) | vs 1 device | collectives |",
-              "|---|---|---|---|---|---|---|"]
-    one = {(r["sharding"], r["program"]): r["per_device_mib"] for r in rows if r["devices"] == 1}
+        lines += [f"- {k}: {v}" for k, v in env.items() if k != "timed"] + [""]
+    lines += ["| sharding | program | devices | shape | strategy run | est. MiB sent per device (fwd+bwd) "
+              "| args+temps per device (MiB) | vs 1 device | collectives (static count in the HLO) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    one = {(r["sharding"].split()[0], r["program"]): r["per_device_mib"] for r in rows if r["devices"] == 1}
     for r in rows:
         coll = ", ".join(f"{k} {v}" for k, v in r["collectives"].items() if v) or "none"
-        base = one.get((r["sharding"], r["program"]))
+        base = one.get((r["sharding"].split()[0], r["program"]))
         ratio = f"{r['per_device_mib'] / base:.2f}x" if base else "n/a"
+        sent = "" if r.get("estimated_mib_sent") is None else f"{r['estimated_mib_sent']:.1f}"
         lines.append(f"| {r['sharding']} | {r['program']} | {r['devices']} | {r['shape']} | "
-                     f"{r['per_device_mib']:.1f} | {ratio} | {coll} |")
+                     f"{r.get('strategy') or ''} | {sent} | {r['per_device_mib']:.1f} | {ratio} | {coll} |")
+    timed = (env or {}).get("timed")
+    if timed:
+        lines += ["", f"fwd+bwd seconds on {timed[0]['devices']} virtual CPU devices (shared host cores), "
+                  f"L={timed[0]['length']}, median (min-max) of {timed[0]['repeats']} runs:", "",
+                  "| sharding | median s | min-max s |", "|---|---|---|"]
+        lines += [f"| {t['sharding']} | {t['median_s']:.3f} | {t['min_s']:.3f}-{t['max_s']:.3f} |"
+                  for t in timed]
     return "\n".join(lines) + "\n"
 
 
@@ -83,24 +156,30 @@ def write(out: pathlib.Path, rows: list[dict], env: dict) -> list[pathlib.Path]:
     return paths
 
 
-def _measure_and_write(out: pathlib.Path, length: int, implementation: str | None) -> list[pathlib.Path]:
+def _measure_and_write(out: pathlib.Path, length: int, implementation: str | None,
+                       time_length: int = 0, repeats: int = 3) -> list[pathlib.Path]:
     import jax
     start = time.perf_counter()
     rows = measure(length=length, implementation=implementation)
+    timed = time_strategies(time_length, repeats, implementation=implementation) if time_length else []
     env = dict(command="python -m benchmarks --suite sharded", jax=jax.__version__,
                devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
                implementation=implementation or "default (pallas_triton on a GPU)",
                seconds=round(time.perf_counter() - start, 1),
                note="compiled, never run: memory_analysis() arguments + temporaries per device; "
                     "step time vs devices needs several GPUs and is not measured")
+    if timed:
+        env["timed"] = timed
     paths = write(out, rows, env)
-    print(markdown(rows))
+    print(markdown(rows, dict(timed=timed) if timed else None))
     return paths
 
 
 def run_suite(out_dir, device: str, length: int = 32768) -> list[pathlib.Path]:
-    """``python -m benchmarks --suite sharded``: writes bench_sharded.json and .md to out_dir."""
+    """``python -m benchmarks --suite sharded``: writes bench_sharded.json and .md to out_dir;
+    on a CPU host it also times each strategy's fwd+bwd at min(L, 2048)."""
     out_dir = pathlib.Path(out_dir)
+    time_length = min(length, 2048)
     if device != "cpu":
         return _measure_and_write(out_dir, length, None)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -109,7 +188,7 @@ def run_suite(out_dir, device: str, length: int = 32768) -> list[pathlib.Path]:
     root = pathlib.Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     subprocess.run([sys.executable, "-m", "benchmarks.sharded", "--out", str(out_dir),
-                    "--length", str(length)], env=env, check=True)
+                    "--length", str(length), "--time-length", str(time_length)], env=env, check=True)
     return [out_dir / f"{NAME}.json", out_dir / f"{NAME}.md"]
 
 
@@ -117,8 +196,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=32768)
     parser.add_argument("--out", required=True, type=pathlib.Path)
+    parser.add_argument("--time-length", type=int, default=0,
+                        help="also time fwd+bwd of each strategy at this L (0: no timing)")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    _measure_and_write(args.out, args.length, "xla")
+    _measure_and_write(args.out, args.length, "xla", args.time_length, args.repeats)
 
 
 if __name__ == "__main__":

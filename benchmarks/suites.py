@@ -128,8 +128,10 @@ def _sharded() -> Suite:
         "sharded",
         "many devices: per-device memory (arguments + temporaries) and collectives of the "
         "compiled forward and forward+backward under plain jit vs device count (1, 2, 4, 8) at "
-        "L=32768, H=8, D=64 fp32 causal, sequence sharded (ring) and heads sharded (local); "
-        "compiled, never run (on a CPU host: 8 virtual devices in a subprocess)",
+        "L=32768, H=8, D=64 fp32 causal, sequence sharded (the cost model's choice, and ring, "
+        "all-to-all and hybrid side by side, with their estimated bytes sent) and heads sharded "
+        "(local); compiled, never run (on a CPU host: 8 virtual devices in a subprocess, which "
+        "also times each strategy's fwd+bwd at min(L, 2048))",
         (), runner="benchmarks.sharded")
 
 

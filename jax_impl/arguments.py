@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import dropout_sinks, implementations, masking, platform
+from jax_impl import cp_cost, dropout_sinks, implementations, masking, platform
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.mosaic_gpu.config import Config as MosaicConfig
 
@@ -56,7 +56,8 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
              implementation=None, return_residual=False, causal_alignment="top_left",
              q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None, block_sizes=None,
-             precision=None, interpret=False, attention_sinks=None, dropout_rng=None,
+             precision=None, interpret=False, attention_sinks=None, context_parallel_strategy=None,
+             dropout_rng=None,
              dropout_rate=0.0, broadcast_dropout=True, deterministic=None, dtype=None,
              module=None, force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
              attn_weights_value_einsum=None, page_table=None) -> Call:
@@ -159,7 +160,8 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     cfg = AttentionConfig(scale=float(scale), mask=spec,
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                           block_sizes=block_sizes, interpret=bool(interpret),
-                          precision=_precision(precision, query.dtype), dropout_rate=rate)
+                          precision=_precision(precision, query.dtype), dropout_rate=rate,
+                          context_parallel_strategy=_strategy(context_parallel_strategy))
     if implementation in ("cpu", "mosaic_gpu"):  # the platform is judged where the call is lowered
         reason = implementations.unsupported(
             implementation, head_dim=head_dim, platform="cpu" if implementation == "cpu" else "cuda",
@@ -241,6 +243,14 @@ def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, valu
         if mask.dtype != jnp.bool_:
             mask = mask != 0
     return mask
+
+
+def _strategy(strategy):
+    """context_parallel_strategy: None (the cost model, cp_cost.py, picks) or one of cp_cost.STRATEGIES."""
+    if strategy is not None and strategy not in cp_cost.STRATEGIES:
+        raise ValueError(f"context_parallel_strategy={strategy!r} must be None (chosen by the cost "
+                         f"model) or one of {cp_cost.STRATEGIES}")
+    return strategy
 
 
 def _sinks(sinks, batch_shape, hq):

@@ -64,3 +64,5 @@ class AttentionConfig:
     # The forward runs the implementation's decode path (few query rows, long cache; chosen
     # by implementations.decode_path); the backward is always the regular one.
     decode: bool = False
+    # A sequence-sharded call's collective (cp_cost.STRATEGIES), None: the cost model picks.
+    context_parallel_strategy: str | None = None

@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from jax_impl import arguments, implementations, ring, vma
+from jax_impl import arguments, implementations, ring, ulysses, vma
 
 
 def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
@@ -23,7 +23,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
                    q_segment_ids=None, kv_segment_ids=None, logits_soft_cap: float | None = None,
                    implementation: str | None = "xla", block_sizes=None, precision=None,
                    interpret: bool = False, layout: str = "zigzag",
-                   return_residual: bool = False):
+                   attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
+                   broadcast_dropout: bool = True, return_residual: bool = False):
     """Exact attention over a sequence sharded along mesh axis ``axis_name`` (call inside
     ``jax.shard_map``). Forward and backward are rings of ``lax.ppermute`` steps.
 
@@ -41,6 +42,13 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
       visiting key chunk. The bias is differentiable; its gradient has the same layout.
     query_seq_lengths, key_value_seq_lengths: global, ``[batch...]``; concrete values outside
       [0, global length] are refused, traced ones clamped (as ``flash_attention``).
+    attention_sinks: as ``flash_attention`` (``[..., Hq]``, the same on every device): each
+      query row's denominator takes them once, after the ring's merge; their gradient is the
+      sum over the ring.
+    dropout_rng / dropout_rate / broadcast_dropout: as ``flash_attention``; every step hashes
+      global (query, key) positions, so the pattern is the one-device call's, bit for bit
+      (the batch index hashed is this device's: shard the batch outside and it is local).
+      Needs an implementation that hashes at an offset (``"xla"``).
     Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
     """
     try:
@@ -60,7 +68,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
         local_window_size=local_window_size, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
         implementation=implementation, block_sizes=block_sizes, precision=precision,
-        interpret=interpret)
+        interpret=interpret, attention_sinks=attention_sinks, dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout)
     if call.cfg.interpret and vma.axes_of(call.q, call.k, call.v):
         raise ValueError("implementation='pallas_triton' with interpret=True inside jax.shard_map "
                          "needs check_vma=False on the shard_map (the Pallas interpreter mixes "
@@ -89,10 +98,14 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
                                          **arguments.features(call.cfg, bias, masks, call.extras)._asdict())
         if reason:
             raise ValueError(f"implementation={chosen.name!r} cannot run this ring: {reason}")
+    if call.cfg.dropout_rate and not chosen.takes_dropout_offset:
+        raise ValueError(f"implementation={chosen.name!r} cannot run dropout in a ring: its kernels "
+                         "hash local positions; use implementation='xla' (hashes the ring's global "
+                         "positions)")
     description = ring.Ring(axis_name, num_devices, layout, chosen,
                             dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
     q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
-    out, lse = ring.ring_vjp(description, q, call.k, call.v, bias, masks)
+    out, lse = ring.ring_vjp(description, q, call.k, call.v, bias, masks, call.extras)
     out = out.reshape(call.batch_shape + out.shape[1:])
     if not return_residual:
         return out
@@ -116,3 +129,57 @@ def _global_lengths(name, lengths, batch_shape, global_len: int):
     except ValueError as err:
         raise ValueError(f"{err} (in ring_attention lengths are global, the same on every device "
                          f"of the ring: at most the global sequence length {global_len})") from None
+
+
+def ulysses_attention(query, key, value, *, axis_name, scale: float | None = None,
+                      is_causal: bool = False, causal_alignment: str = "top_left",
+                      local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None,
+                      q_segment_ids=None, kv_segment_ids=None, logits_soft_cap: float | None = None,
+                      implementation: str = "xla", block_sizes=None, precision=None,
+                      attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
+                      broadcast_dropout: bool = True, return_residual: bool = False):
+    """Exact attention over a sequence sharded along ``axis_name`` (call inside
+    ``jax.shard_map``) by all-to-all (DeepSpeed-Ulysses, ``ulysses.py``): each device gets the
+    whole sequence for ``1/N`` of the heads, runs ``implementation`` there, and the output goes
+    back to sequence blocks. Device r holds chunk r of N (the natural, contiguous layout).
+
+    The arguments mean what they mean for ``flash_attention`` for the GLOBAL sequence, as in
+    ``ring_attention``; lengths are global. Query and kv heads must divide the axis size (kv
+    heads travel with their query groups). No bias or dense mask (use ``ring_attention``).
+    Dropout and sinks hash and apply by global head index: the pattern is the one-device call's.
+    Returns ``[..., Lq_loc, Hq, D]`` (and with return_residual the logsumexp ``[..., Lq_loc, Hq]``).
+    """
+    try:
+        num_devices = lax.axis_size(axis_name)
+    except (NameError, KeyError, ValueError) as err:
+        raise ValueError(f"axis_name={axis_name!r} is not a mesh axis bound here: call "
+                         "ulysses_attention inside jax.shard_map over a mesh with that axis") from err
+    chosen = implementations.get(implementation)
+    if chosen.forward is None:
+        raise ValueError(f"{implementation=} has no blocked forward; ulysses_attention runs one "
+                         f"of {tuple(n for n in implementations.IMPLEMENTATIONS if implementations.get(n).forward)}")
+    call = arguments.validate(
+        query, key, value, scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
+        local_window_size=local_window_size, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
+        implementation=implementation, block_sizes=block_sizes, precision=precision,
+        attention_sinks=attention_sinks, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout)
+    lq, lk = call.q.shape[1], call.k.shape[1]
+    reason = ulysses.unavailable(num_devices, call.q.shape[2], call.k.shape[2], False)
+    if reason:
+        raise ValueError(f"ulysses_attention over {axis_name!r}: {reason}; use ring_attention")
+    spec = dataclasses.replace(call.cfg.mask, has_q_lengths=query_seq_lengths is not None,
+                               has_kv_lengths=key_value_seq_lengths is not None)
+    masks = call.masks._replace(
+        q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape,
+                              num_devices * lq),
+        kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape,
+                               num_devices * lk))
+    description = ulysses.Ulysses(axis_name, num_devices, chosen, dataclasses.replace(call.cfg, mask=spec))
+    q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
+    out, lse = ulysses.ulysses_vjp(description, q, call.k, call.v, masks, call.extras)
+    out = out.reshape(call.batch_shape + out.shape[1:])
+    if not return_residual:
+        return out
+    return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])

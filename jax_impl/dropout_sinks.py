@@ -39,6 +39,10 @@ class SinksAndDropout(NamedTuple):
 
     sinks: jax.Array | None = None          # [Bs, Hs] float32, Bs in {1, B}, Hs in {1, Hq}
     dropout_seeds: jax.Array | None = None  # [Bs, Hs] uint32 (see head_seeds)
+    # int32 [2]: the global (query, key) index of local index (0, 0), added before hashing, so
+    # a ring step's slice draws the one-device pattern. Only implementations with
+    # ``takes_dropout_offset`` read it; the ring (ring.py) alone sets it.
+    dropout_offset: jax.Array | None = None
 
 
 def _u32(x):

@@ -42,6 +42,7 @@ def flash_attention(
     precision=None,
     interpret: bool = False,
     attention_sinks=None,
+    context_parallel_strategy: str | None = None,
     # Keywords that Flax's attention modules pass to an `attention_fn`:
     dropout_rng=None,
     dropout_rate: float = 0.0,
@@ -95,6 +96,10 @@ def flash_attention(
       attention_sinks: float, broadcastable to ``[..., Hq]``: one learnable logit per head that
         joins every row's softmax denominator and carries no value (gpt-oss); differentiable.
         It enters the logsumexp; a row with no allowed key gives output 0.
+      context_parallel_strategy: for inputs whose sequence is sharded over a mesh axis, under
+        ``jit``: "ring", "all_to_all" (Ulysses: heads resharded) or "all_gather"; None lets the
+        cost model (``cp_cost.py``) pick by bytes moved per device. ``explain_implementation(...)
+        .strategy`` names the choice and its estimates; an unavailable choice is refused.
       dropout_rate / dropout_rng / broadcast_dropout / deterministic: attention dropout as Flax
         means it: active when ``dropout_rate > 0`` and not ``deterministic`` (None: as Flax's
         ``dot_product_attention``, not deterministic); P is dropped with a pattern hashed from
@@ -201,7 +206,8 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                               interpret=interpret, **kwargs)
     platform = platform or jax.default_backend()
     strategy = lambda chosen: partitioned.explain(  # --- sharded inputs (partitioned.py)
-        implementations.get(chosen), query, call.q.shape, call.k.shape, bias is not None or mask is not None)
+        implementations.get(chosen), query, call.q.shape, call.k.shape, bias is not None or mask is not None,
+        cfg=call.cfg, extras=call.extras)
     features = arguments.features(call.cfg, call.bias, call.masks, call.extras, call.q.dtype)
     paged = call.page_table is not None
     reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,

@@ -55,6 +55,8 @@ class Implementation:
     manual_because: str = "it materialises the [Lq, Lk] logits"
     # Takes MaskInputs.position_offset (ring.py's local step, a key slice with its global band).
     takes_position_offset: bool = False
+    # Hashes dropout at SinksAndDropout.dropout_offset (the ring's global positions).
+    takes_dropout_offset: bool = False
     # Its interpreter (interpret=True) runs ordered io callbacks, which custom_partitioning cannot
     # lower: interpreted calls run unpartitioned (partitioned.py), on one device.
     interpreter_has_effects: bool = False
@@ -114,7 +116,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         call_unsupported=cpu_kernel.unsupported, takes_position_offset=True),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
-        xla.forward, xla.backward, takes_position_offset=True, decode=xla.decode),
+        xla.forward, xla.backward, takes_position_offset=True, takes_dropout_offset=True,
+        decode=xla.decode),
     "reference": Implementation(
         "reference", "dense attention (materialises [Lq, Lk]); the oracle of the tests",
         automatic=False),

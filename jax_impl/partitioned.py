@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_impl import dropout_sinks, masking, online_softmax, ring
+from jax_impl import cp_cost, dropout_sinks, masking, online_softmax, ring, ulysses
 
 
 class ShardingWarning(UserWarning):
@@ -68,12 +68,14 @@ class ShardingPlan:
     batch: tuple      # mesh axes of the batch dim
     heads: tuple      # mesh axes of the query-head dim
     kv_heads: tuple   # mesh axes of the kv-head dim (heads, or () for MQA)
-    sequence: tuple   # mesh axes of the sequence dim honoured (ring); () otherwise
+    sequence: tuple   # mesh axes of the sequence dim honoured (ring/all-to-all); () otherwise
     notes: tuple      # what was not honoured, and why
+    strategy: str = "ring"  # with ``sequence``: cp_cost's choice, "ring" or "all_to_all"
+    choice: cp_cost.Choice | None = None  # the cost model's numbers, when sequence sharded
 
     def describe(self) -> str:
         if self.sequence:
-            how = f"ring over {self.sequence} (context parallelism)"
+            how = f"{self.strategy} over {self.sequence} (context parallelism)"
         elif self.batch or self.heads:
             how = f"local: batch over {self.batch or 'none'}, heads over {self.heads or 'none'}, no collective"
         else:
@@ -91,8 +93,19 @@ def _size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -> ShardingPlan:
-    """The plan for q sharded as ``q_spec`` (a PartitionSpec over ``mesh``)."""
+@dataclasses.dataclass(frozen=True)
+class SequenceCall:
+    """What the choice of a context-parallel strategy needs beyond the shapes."""
+
+    has_bias_or_mask: bool = False
+    itemsize: int = 4
+    requested: str | None = None  # context_parallel_strategy
+
+
+def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
+                  call: SequenceCall | None = None) -> ShardingPlan:
+    """The plan for q sharded as ``q_spec`` (a PartitionSpec over ``mesh``). ``call`` None:
+    no all-to-all (the ring or a gather)."""
     spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
     batch, seq, heads, dim = (_axes(s) for s in spec[:4])
     b, lq, hq, _ = q_shape
@@ -113,22 +126,54 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False) -
             notes.append(f"splitting {hq} query heads over {heads} would separate kv heads "
                          f"({hkv}) from their query groups: heads replicated")
             heads = kv_heads = ()
-    sequence = ()
+    sequence, strategy, choice = (), "ring", None
     if seq:
-        chunks = 2 * _size(mesh, seq)
-        if (allow_ring and len(seq) == 1 and lq % chunks == 0 and lk % chunks == 0
-                and not set(seq) & set(batch + heads)):
-            sequence = seq
+        n = _size(mesh, seq)
+        # Per device after the batch and head splits (a kv head goes with its query group).
+        b_loc, hq_loc = b // _size(mesh, batch), hq // _size(mesh, heads)
+        hkv_loc = hkv // _size(mesh, kv_heads)
+        shape = (b_loc, lq, lk, hq_loc, hkv_loc, q_shape[3], call.itemsize if call else 4)
+        ring_needs = ("a local kernel that takes position offsets (explain_implementation names "
+                      "it; with dropout one that hashes global positions: xla), no position offset")
+        requested = call.requested if call else None
+        if set(seq) & set(batch + heads):
+            why = f"mesh axis {seq} also shards batch or heads"
+            choice = cp_cost.choose(n, shape, ring_unavailable=why, all_to_all_unavailable=why,
+                                    requested=requested)
+        elif len(seq) == 2:  # the hybrid: all-to-all over the inner axis, ring over the outer
+            outer, inner = (mesh.shape[a] for a in seq)
+            why = (None if call is not None else "not offered for this call") or (
+                None if allow_ring else f"its ring needs {ring_needs}") or (
+                None if lq % (2 * n) == 0 and lk % (2 * n) == 0 else
+                f"sequences {lq}, {lk} must be divisible by {2 * n}") or ulysses.unavailable(
+                    inner, hq_loc, hkv_loc, call.has_bias_or_mask)
+            choice = cp_cost.choose(n, shape, hybrid_inner=inner, hybrid_unavailable=why,
+                                    requested=requested)
+        elif len(seq) > 2:
+            raise_reason = f"the sequence is sharded over {len(seq)} mesh axes {seq} (at most two)"
+            choice = cp_cost.choose(n, shape, ring_unavailable=raise_reason,
+                                    all_to_all_unavailable=raise_reason, requested=requested)
         else:
-            notes.append(f"sequence sharding over {seq} not supported for this call (the ring "
-                         f"needs a local kernel that takes position offsets (explain_implementation "
-                         f"names it), no dropout, "
-                         f"sinks or position offset, one mesh axis not also used by batch or "
-                         f"heads, sequences divisible by {chunks}): all-gathered")
+            chunks = 2 * n
+            ring_reason = (None if allow_ring and lq % chunks == 0 and lk % chunks == 0 else
+                           f"the ring needs {ring_needs}, sequences divisible by {chunks}")
+            a2a_reason = (
+                "not offered for this call" if call is None else
+                f"sequences {lq}, {lk} do not divide over {n} devices" if lq % n or lk % n else
+                ulysses.unavailable(n, hq_loc, hkv_loc, call.has_bias_or_mask))
+            choice = cp_cost.choose(n, shape, ring_unavailable=ring_reason,
+                                    all_to_all_unavailable=a2a_reason, requested=requested)
+        if choice.strategy != "all_gather":
+            sequence, strategy = seq, choice.strategy
+        else:
+            reasons = "; ".join(f"{s}: {r}" for s, r in choice.unavailable.items())
+            notes.append(f"sequence sharding over {seq} not supported for this call ({reasons}): "
+                         "all-gathered" if not choice.requested else
+                         f"sequence sharding over {seq}: all-gathered (requested)")
     if dim:
         notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
                      "needs the whole head): all-gathered")
-    return ShardingPlan(batch, heads, kv_heads, sequence, tuple(notes))
+    return ShardingPlan(batch, heads, kv_heads, sequence, tuple(notes), strategy, choice)
 
 
 def _specs(plan: ShardingPlan, named_shapes: dict, hq: int, b: int) -> dict:
@@ -179,35 +224,58 @@ def _backward_body(implementation, cfg, names, *arrays):
 
 def ring_supported(implementation, names) -> bool:
     """Whether a call can run as a ring: a local implementation that takes
-    MaskInputs.position_offset, and no offset of its own already. Sinks and dropout are not
-    threaded through the ring's merge and global offsets yet."""
-    return implementation.takes_position_offset and not {"offset", *_PER_HEAD} & set(names)
+    MaskInputs.position_offset, and no offset of its own already; with dropout, one that hashes
+    at the ring's global positions (``takes_dropout_offset``). Sinks join after the merge."""
+    dropout_ok = "seeds" not in names or implementation.takes_dropout_offset
+    return implementation.takes_position_offset and dropout_ok and "offset" not in names
 
 
-def _local_plan(implementation, mesh, arg_shapes, names):
+def sequence_call(cfg, names, dtype) -> SequenceCall:
+    return SequenceCall(has_bias_or_mask="bias" in names or "mask" in names,
+                        itemsize=jnp.dtype(dtype).itemsize,
+                        requested=getattr(cfg, "context_parallel_strategy", None))
+
+
+def _local_plan(implementation, cfg, mesh, arg_shapes, names):
     named = dict(zip(names, arg_shapes))
     q = named["q"]
     spec = q.sharding.spec if isinstance(q.sharding, NamedSharding) else P()
-    plan = sharding_plan(mesh, spec, q.shape, named["k"].shape, allow_ring=ring_supported(implementation, names))
+    plan = sharding_plan(mesh, spec, q.shape, named["k"].shape,
+                         allow_ring=ring_supported(implementation, names),
+                         call=sequence_call(cfg, names, q.dtype))
     return plan, named
 
 
+def _a2a_forward_body(axis, n, implementation, cfg, names, *arrays):
+    q, k, v, _, masks, extras = _unpack(dict(zip(names, arrays)))
+    out, stats = ulysses.forward(ulysses.Ulysses(axis, n, implementation, cfg), q, k, v, masks, extras)
+    return out, stats.max, stats.log_sum
+
+
+def _a2a_backward_body(axis, n, implementation, cfg, names, *arrays):
+    named = dict(zip(names, arrays))
+    q, k, v, _, masks, extras = _unpack(named)
+    stats = online_softmax.RowStats(named["max"], named["log_sum"])
+    return ulysses.backward(ulysses.Ulysses(axis, n, implementation, cfg), q, k, v, masks, stats,
+                            named["d_out"], named["delta"], extras)
+
+
 def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
-    q, k, v, bias, masks, _ = _unpack(dict(zip(names, arrays)))
+    q, k, v, bias, masks, extras = _unpack(dict(zip(names, arrays)))
     out, stats = ring.contiguous_forward(ring.zigzag_ring(cfg, axis, n, implementation),
-                                         q, k, v, masks, bias)
+                                         q, k, v, masks, bias, extras)
     return out, stats.max, stats.log_sum
 
 
 def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
     named = dict(zip(names, arrays))
-    q, k, v, bias, masks, _ = _unpack(named)
+    q, k, v, bias, masks, extras = _unpack(named)
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
     if bias is not None:  # the op's dbias is [B, Hq, Lq, Lk] (recompute_vjp reduces it, across
         bias = jnp.broadcast_to(bias, q.shape[:1] + q.shape[2:3] + bias.shape[2:])  # devices too)
     *grads, dbias = ring.contiguous_backward(
         ring.zigzag_ring(cfg, axis, n, implementation), q, k, v, masks, stats,
-        named["d_out"], named["delta"], bias)
+        named["d_out"], named["delta"], bias, extras)
     return tuple(grads) + (() if dbias is None else (dbias,))
 
 
@@ -218,19 +286,43 @@ def _shardings(mesh, plan, named, results):
     return tuple(to(n) for n in named), tuple(to(n) for n in results)
 
 
-def _make_op(body, ring_body, results_of):
+def _hybrid(axes, sizes, implementation, cfg):
+    """(all-to-all over the inner axis, ring over the outer) of a two-axis sequence."""
+    return (ulysses.Ulysses(axes[1], sizes[1], implementation, cfg),
+            ring.zigzag_ring(cfg, axes[0], sizes[0], implementation))
+
+
+def _hybrid_forward_body(axes, sizes, implementation, cfg, names, *arrays):
+    q, k, v, _, masks, extras = _unpack(dict(zip(names, arrays)))
+    out, stats = ulysses.hybrid_forward(*_hybrid(axes, sizes, implementation, cfg), q, k, v, masks, extras)
+    return out, stats.max, stats.log_sum
+
+
+def _hybrid_backward_body(axes, sizes, implementation, cfg, names, *arrays):
+    named = dict(zip(names, arrays))
+    q, k, v, _, masks, extras = _unpack(named)
+    stats = online_softmax.RowStats(named["max"], named["log_sum"])
+    return ulysses.hybrid_backward(*_hybrid(axes, sizes, implementation, cfg), q, k, v, masks,
+                                   stats, named["d_out"], named["delta"], extras)
+
+
+def _make_op(body, ring_body, a2a_body, hybrid_body, results_of):
     def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        plan, named = _local_plan(implementation, mesh, arg_shapes, names)
+        plan, named = _local_plan(implementation, cfg, mesh, arg_shapes, names)
         return _shardings(mesh, plan, named, results_of(cfg, names))[1]
 
     def partition(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        plan, named = _local_plan(implementation, mesh, arg_shapes, names)
+        plan, named = _local_plan(implementation, cfg, mesh, arg_shapes, names)
         for note in plan.notes:
             warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
         args, results = _shardings(mesh, plan, named, results_of(cfg, names))
-        if plan.sequence:
+        if plan.strategy == "hybrid" and plan.sequence:
+            local = functools.partial(hybrid_body, plan.sequence, tuple(mesh.shape[a] for a in plan.sequence),
+                                      implementation, cfg, names)
+        elif plan.sequence:
             (axis,) = plan.sequence
-            local = functools.partial(ring_body, axis, mesh.shape[axis], implementation, cfg, names)
+            sequence_body = ring_body if plan.strategy == "ring" else a2a_body
+            local = functools.partial(sequence_body, axis, mesh.shape[axis], implementation, cfg, names)
         else:
             local = functools.partial(body, implementation, cfg, names)
         return mesh, local, results, args
@@ -264,8 +356,10 @@ def sharding_rule(names, results, operand_types):
     return (rule, {"g": groups}) if h == "(n g)" else rule
 
 
-_forward_op = _make_op(_forward_body, _ring_forward_body, lambda cfg, names: FORWARD_RESULTS)
-_backward_op = _make_op(_backward_body, _ring_backward_body, _backward_results)
+_forward_op = _make_op(_forward_body, _ring_forward_body, _a2a_forward_body, _hybrid_forward_body,
+                       lambda cfg, names: FORWARD_RESULTS)
+_backward_op = _make_op(_backward_body, _ring_backward_body, _a2a_backward_body,
+                        _hybrid_backward_body, _backward_results)
 
 
 # --- vmap: fold the mapped axis into the batch axis ------------------------------------------
@@ -317,23 +411,41 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
     return tuple(grads) + ((None,) if bias is None or not cfg.bias_gradient else ())
 
 
-def explain(implementation, q, q_shape, k_shape, has_bias_or_mask: bool) -> str | None:
+def explain(implementation, q, q_shape, k_shape, has_bias_or_mask: bool, cfg=None,
+            extras=None) -> str | None:
     """The strategy for ``q`` (an array or ShapeDtypeStruct with a NamedSharding), or None when
-    it carries no multi-device NamedSharding."""
+    it carries no multi-device NamedSharding. A sequence-sharded call names cp_cost's choice
+    with its estimated bytes per device."""
     sharding = getattr(q, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
         return None
-    names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ())
+    names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ()) + tuple(
+        short for field, short in _EXTRA_FIELDS if extras is not None and getattr(extras, field) is not None)
     plan = sharding_plan(sharding.mesh, _canonical_spec(sharding.spec, len(q.shape)), q_shape, k_shape,
-                         allow_ring=ring_supported(implementation, names))
+                         allow_ring=ring_supported(implementation, names),
+                         call=sequence_call(cfg, names, q.dtype))
+    if plan.sequence and plan.strategy == "hybrid":
+        outer, inner = plan.sequence
+        return (f"hybrid over {plan.sequence} (context parallelism: all-to-all over {inner!r}, "
+                f"then a ring over {outer!r} in {sharding.mesh.shape[outer]} steps, local kernel "
+                f"{implementation.name}); cost model: "
+                f"{plan.choice.describe(_size(sharding.mesh, plan.sequence), plan.sequence)}"
+                + "".join(f"; {note}" for note in plan.notes))
     if plan.sequence:
         (axis,) = plan.sequence
-        pairwise = ("; bias/mask: query rows sharded over the same axis, every key column, "
-                    "sliced per step" if has_bias_or_mask else "")
-        return (f"ring over {axis!r} in {sharding.mesh.shape[axis]} steps (context parallelism, "
-                f"zigzag layout, local kernel {implementation.name}){pairwise}"
-                + "".join(f"; {n}" for n in plan.notes))
-    return plan.describe()
+        n = sharding.mesh.shape[axis]
+        if plan.strategy == "ring":
+            pairwise = ("; bias/mask: query rows sharded over the same axis, every key column, "
+                        "sliced per step" if has_bias_or_mask else "")
+            how = (f"ring over {axis!r} in {n} steps (context parallelism, zigzag layout, local "
+                   f"kernel {implementation.name}){pairwise}")
+        else:
+            how = (f"all_to_all over {axis!r} (context parallelism, Ulysses: whole sequences for "
+                   f"1/{n} of the heads per device, local kernel {implementation.name})")
+        return (how + f"; cost model: {plan.choice.describe(n, axis)}"
+                + "".join(f"; {note}" for note in plan.notes))
+    return plan.describe() + ("" if plan.choice is None else
+                              f"; cost model: {plan.choice.describe(_size(sharding.mesh, _axes(_canonical_spec(sharding.spec, len(q.shape))[1])), 'sequence')}")
 
 
 def _canonical_spec(spec, ndim: int):

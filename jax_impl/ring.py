@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import masking, online_softmax, vma
+from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
 
@@ -132,19 +132,41 @@ def _rotate(tree, ring: Ring):
     return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
 
 
+def pair_extras(ring: Ring, extras, q_chunk, kv_chunk, cq: int, ck: int):
+    """The local step's SinksAndDropout: the dropout seeds with the pair's global (query, key)
+    start, so each step hashes global positions (the one-device pattern, bit for bit); no
+    sinks (they join each row once, after the merge: ``with_sinks``). None without dropout."""
+    if extras is None or extras.dropout_seeds is None or not ring.cfg.dropout_rate:
+        return None
+    start = jnp.stack([q_chunk * cq, kv_chunk * ck]).astype(jnp.int32)
+    return dropout_sinks.SinksAndDropout(dropout_seeds=extras.dropout_seeds, dropout_offset=start)
+
+
+def with_sinks(out, stats: online_softmax.RowStats, sinks):
+    """Merge the sinks ``[Bs, Hs]`` into the merged ring output as one more partial result:
+    a key with logit ``sink`` and value 0 (each row's denominator gets it once)."""
+    if sinks is None:
+        return out, stats
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, :, None], stats.max.shape)
+    sink_stats = online_softmax.RowStats(jnp.where(sink > -jnp.inf, sink, jnp.inf),  # -inf: none
+                                         jnp.zeros_like(sink))
+    return online_softmax.merge(out, stats, jnp.zeros_like(out), sink_stats)
+
+
 # --- Forward and backward rings -------------------------------------------------------------
 
-def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None):
+def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None, extras=None):
     """-> (out ``[B, Lq_loc, Hq, D]`` in q's dtype, global RowStats ``[B, Hq, Lq_loc]``).
 
-    ``masks.mask`` and ``bias``: ``[Bx, Hx, Lq_loc, Lk]`` (rows local, every key column)."""
+    ``masks.mask`` and ``bias``: ``[Bx, Hx, Lq_loc, Lk]`` (rows local, every key column).
+    ``extras``: SinksAndDropout with ``[Bs, Hs]`` sinks and dropout seeds (global batch, head)."""
     impl = ring.implementation
     b, lq, hq, d = q.shape
     cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
     me = lax.axis_index(ring.axis_name)
     q_ids = chunk_ids(ring.layout, ring.num_devices, me)
     qs, q_segs = _split(q, ring.chunks, 1), _split(masks.q_segment_ids, ring.chunks, 1)
-    axes = vma.axes_of(q, k, v, masks, bias, me)  # fresh buffers vary like the operands
+    axes = vma.axes_of(q, k, v, masks, bias, extras, me)  # fresh buffers vary like the operands
 
     def step(s, carry):
         kv, outs, stats = carry
@@ -159,10 +181,11 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None):
                 pm = pm._replace(mask=pair_columns(masks.mask, a, kv_ids[c], cq, ck))
                 o, st = lax.cond(
                     pair_active(ring, pm, cq, ck),
-                    lambda qa, kc, vc, bp, pm: impl.forward(ring.cfg, qa, kc, vc, bp, pm),
-                    lambda qa, kc, vc, bp, pm: vma.like(
+                    lambda qa, kc, vc, bp, pm, ex: impl.forward(ring.cfg, qa, kc, vc, bp, pm, ex),
+                    lambda qa, kc, vc, bp, pm, ex: vma.like(
                         (jnp.zeros(qa.shape, qa.dtype), online_softmax.empty_stats((b, hq, cq))), axes),
-                    qs[a], ks[c], vs[c], pair_columns(bias, a, kv_ids[c], cq, ck), pm)
+                    qs[a], ks[c], vs[c], pair_columns(bias, a, kv_ids[c], cq, ck), pm,
+                    pair_extras(ring, extras, q_ids[a], kv_ids[c], cq, ck))
                 outs[a], stats[a] = online_softmax.merge(outs[a], stats[a], o, st)
         return incoming, tuple(outs), tuple(stats)
 
@@ -170,14 +193,17 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None):
     stats = vma.like(tuple(online_softmax.empty_stats((b, hq, cq)) for _ in range(ring.chunks)), axes)
     kv = (k, v, masks.kv_segment_ids)
     _, outs, stats = lax.fori_loop(0, ring.num_devices, step, (kv, outs, stats))
-    out = jnp.concatenate(outs, axis=1).astype(q.dtype)
-    return out, online_softmax.RowStats(*(jnp.concatenate(x, axis=2) for x in zip(*stats)))
+    out, stats = with_sinks(jnp.concatenate(outs, axis=1),
+                            online_softmax.RowStats(*(jnp.concatenate(x, axis=2) for x in zip(*stats))),
+                            None if extras is None else extras.sinks)
+    return out.astype(q.dtype), stats
 
 
-def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
+def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, extras=None):
     """-> (dq, dk, dv, dbias or None) of the local blocks; dK/dV accumulators travel with K and
     V; dbias (float32, ``bias``'s shape: rows local, every key column) stays home, and is None
-    when ``ring.cfg.bias_gradient`` is False (a constant bias)."""
+    when ``ring.cfg.bias_gradient`` is False (a constant bias). The sinks need nothing here:
+    the global statistics include them (dsinks: ``dropout_sinks.sink_gradient``)."""
     impl = ring.implementation
     lq = q.shape[1]
     cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
@@ -189,7 +215,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
     deltas = split_rows(delta)
     row_stats = [online_softmax.RowStats(m, l)
                  for m, l in zip(split_rows(stats.max), split_rows(stats.log_sum))]
-    axes = vma.axes_of(q, k, v, masks, bias, stats, d_out, delta, me)
+    axes = vma.axes_of(q, k, v, masks, bias, stats, d_out, delta, extras, me)
     with_dbias = bias is not None and ring.cfg.bias_gradient
 
     def step(s, carry):
@@ -206,8 +232,8 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
                 pm = pm._replace(mask=pair_columns(masks.mask, a, kv_ids[c], cq, ck))
                 bp = pair_columns(bias, a, kv_ids[c], cq, ck)
 
-                def compute(qa, kc, vc, bp, pm, st, do, dl):
-                    dq, dk, dv, db = impl.backward(ring.cfg, qa, kc, vc, bp, pm, st, do, dl)
+                def compute(qa, kc, vc, bp, pm, st, do, dl, ex):
+                    dq, dk, dv, db = impl.backward(ring.cfg, qa, kc, vc, bp, pm, st, do, dl, ex)
                     db = reduce_to(db, bp.shape).astype(jnp.float32) if with_dbias else None
                     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), db
 
@@ -217,7 +243,8 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
                                      jnp.zeros(bp.shape, jnp.float32) if with_dbias else None), axes)
 
                 dq, dk, dv, db = lax.cond(pair_active(ring, pm, cq, ck), compute, skip, qs[a], ks[c],
-                                          vs[c], bp, pm, row_stats[a], dos[a], deltas[a])
+                                          vs[c], bp, pm, row_stats[a], dos[a], deltas[a],
+                                          pair_extras(ring, extras, q_ids[a], kv_ids[c], cq, ck))
                 if dbias is not None:  # each (row chunk, key chunk) is visited exactly once
                     dbias = lax.dynamic_update_slice(dbias, db, (0, 0, a * cq, kv_ids[c] * ck))
                 dqs[a] = dqs[a] + dq
@@ -236,25 +263,36 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
             dbias)
 
 
-def _ring_fwd(ring, q, k, v, bias, masks):
+def _ring_fwd(ring, q, k, v, bias, masks, extras):
     # symbolic_zeros=True: every array arrives as a CustomVJPPrimal(value, perturbed).
-    backward_cfg, (q, k, v, bias, masks) = from_primals(ring.cfg, bias, (q, k, v, bias, masks))
-    out, stats = ring_forward(ring, q, k, v, masks, bias)
+    backward_cfg, (q, k, v, bias, masks, extras) = from_primals(ring.cfg, bias,
+                                                                (q, k, v, bias, masks, extras))
+    out, stats = ring_forward(ring, q, k, v, masks, bias, extras)
     return ((out, online_softmax.logsumexp(stats)),
-            Residuals((q, k, v, bias, masks, out, stats), backward_cfg))
+            Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))
 
 
 def _ring_bwd(ring, residuals: Residuals, cotangents):
-    q, k, v, bias, masks, out, stats = residuals.arrays
+    q, k, v, bias, masks, extras, out, stats = residuals.arrays
     d_out, delta = delta_of(out, cotangents)
     ring = dataclasses.replace(ring, cfg=residuals.cfg)
-    dq, dk, dv, dbias = ring_backward(ring, q, k, v, masks, stats, d_out, delta, bias)
+    dq, dk, dv, dbias = ring_backward(ring, q, k, v, masks, stats, d_out, delta, bias,
+                                      extras._replace(sinks=None))
     dbias = None if dbias is None else dbias.astype(bias.dtype)  # None: a constant bias
-    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, masks)
+    d_extras = jax.tree.map(lambda _: None, extras)
+    if extras.sinks is not None:  # this device's rows' share; an unvarying sink sums the ring's
+        d_sinks = reduce_to(dropout_sinks.sink_gradient(
+            extras.sinks, online_softmax.logsumexp(stats), delta), extras.sinks.shape)
+        # With varying axes tracked (check_vma), an unvarying sink takes the sum over the axis;
+        # untracked (check_vma=False), shard_map's transpose sums the devices' shares itself.
+        if ring.axis_name in vma.axes_of(q) and ring.axis_name not in vma.axes_of(extras.sinks):
+            d_sinks = lax.psum(d_sinks, ring.axis_name)
+        d_extras = d_extras._replace(sinks=d_sinks.astype(extras.sinks.dtype))
+    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, masks), d_extras
 
 
-def _ring_primal(ring, q, k, v, bias, masks):
-    out, stats = ring_forward(ring, q, k, v, masks, bias)
+def _ring_primal(ring, q, k, v, bias, masks, extras):
+    out, stats = ring_forward(ring, q, k, v, masks, bias, extras)
     return out, online_softmax.logsumexp(stats)
 
 
@@ -313,17 +351,18 @@ def _local_masks(masks, axis, n: int):
                           kv_segment_ids=seq(masks.kv_segment_ids), mask=seq(masks.mask, 2))
 
 
-def contiguous_forward(description: Ring, q, k, v, masks, bias=None):
+def contiguous_forward(description: Ring, q, k, v, masks, bias=None, extras=None):
     """Local body of the partitioned forward: contiguous blocks in and out."""
     axis, n = description.axis_name, description.num_devices
     seq = lambda x, a=1: to_zigzag_local(x, axis, n, a)
     out, stats = ring_forward(description, seq(q), seq(k), seq(v),
-                                   _local_masks(masks, axis, n), seq(bias, 2))
+                              _local_masks(masks, axis, n), seq(bias, 2), extras)
     back = lambda x, a: from_zigzag_local(x, axis, n, a)
     return back(out, 1), online_softmax.RowStats(back(stats.max, 2), back(stats.log_sum, 2))
 
 
-def contiguous_backward(description: Ring, q, k, v, masks, stats, d_out, delta, bias=None):
+def contiguous_backward(description: Ring, q, k, v, masks, stats, d_out, delta, bias=None,
+                        extras=None):
     """Local body of the partitioned backward: -> (dq, dk, dv, dbias | None) in contiguous
     blocks; dbias float32 in the bias's (reduced) shape."""
     axis, n = description.axis_name, description.num_devices
@@ -331,6 +370,6 @@ def contiguous_backward(description: Ring, q, k, v, masks, stats, d_out, delta, 
     stats = online_softmax.RowStats(seq(stats.max, 2), seq(stats.log_sum, 2))
     *grads, dbias = ring_backward(description, seq(q), seq(k), seq(v),
                                        _local_masks(masks, axis, n), stats, seq(d_out),
-                                       seq(delta, 2), seq(bias, 2))
+                                       seq(delta, 2), seq(bias, 2), extras)
     grads = tuple(from_zigzag_local(g, axis, n, 1) for g in grads)
     return grads + (None if dbias is None else from_zigzag_local(dbias, axis, n, 2),)

@@ -153,6 +153,7 @@ class _Tiles:
         # [Bs, Hs] -> [Bs, Hkv|1, G|1]: per-(batch, head) sinks and dropout seeds.
         self.sinks, self.seeds = (None if x is None else self.per_head(x)
                                   for x in (extras.sinks, extras.dropout_seeds))
+        self.dropout_offset = extras.dropout_offset  # a ring step: global index of local 0
 
     def per_head(self, x):  # [Bs, Hq|1] -> [Bs, Hkv|1, G|1]
         return x.reshape(x.shape[0], self.hkv, self.groups) if x.shape[1] > 1 else x[:, :, None]
@@ -164,6 +165,8 @@ class _Tiles:
             return None
         rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
         cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
+        if self.dropout_offset is not None:
+            rows, cols = rows + self.dropout_offset[0], cols + self.dropout_offset[1]
         keep = dropout_sinks.keep(self.seeds[..., None, None], rows, cols, self.cfg.dropout_rate)
         # Materialised once per tile: fused into its consumers, XLA would recompute the hash
         # for every (batch, head) that a broadcast pattern shares.

@@ -27,7 +27,7 @@ JAX_IMPL_LAYERS = {
     "core": ["masking", "config", "online_softmax", "dropout_sinks", "vma", "platform", "symbolic_zeros"],
     "backends": ["xla", "cpu_kernel", "pallas_triton", "mosaic_gpu", "reference"],
     "table": ["implementations"],
-    "distribution": ["ring", "partitioned", "recompute_vjp"],
+    "distribution": ["ring", "ulysses", "cp_cost", "partitioned", "recompute_vjp"],
     "arguments": ["arguments"],
     "api": ["flash_attention", "context_parallel", "kv_cache"],
     "face": [""],  # jax_impl/__init__.py

@@ -13,12 +13,25 @@ def test_sharded_suite_writes_its_table_to_out(tmp_path):
     rows = {(r["sharding"], r["program"], r["devices"]): r for r in report["rows"]}
     assert {n for _, _, n in rows} == {1, 2, 4, 8}
     for program in ("forward", "forward_backward"):
-        ring = rows[("sequence", program, 8)]
+        ring = rows[("sequence ring", program, 8)]
         assert ring["collectives"]["all-gather"] == 0 and ring["collectives"]["collective-permute"] > 0
+        a2a = rows[("sequence all_to_all", program, 8)]
+        assert a2a["collectives"]["all-gather"] == 0 and a2a["collectives"]["all-to-all"] > 0
+        hybrid = rows[("sequence hybrid (2 x N/2)", program, 8)]
+        assert hybrid["collectives"]["all-gather"] == 0 and hybrid["collectives"]["all-to-all"] > 0
+        assert hybrid["collectives"]["collective-permute"] > 0
         local = rows[("heads", program, 8)]
         assert sum(local["collectives"].values()) == 0  # heads computed locally
-        assert ring["per_device_mib"] < rows[("sequence", program, 1)]["per_device_mib"]
-    assert "| sequence | forward | 8 |" in (tmp_path / "bench_sharded.md").read_text()
+        for r in (ring, a2a, hybrid):
+            assert r["per_device_mib"] < rows[("sequence", program, 1)]["per_device_mib"]
+    # H=8 over 8 devices: the cost model picks the all-to-all, and says how many bytes.
+    chosen = rows[("sequence", "forward_backward", 8)]
+    assert chosen["strategy"] == "all_to_all" and chosen["collectives"]["all-to-all"] > 0
+    assert 0 < chosen["estimated_mib_sent"] < rows[("sequence ring", "forward_backward", 8)]["estimated_mib_sent"]
+    timed = {t["sharding"] for t in report["environment"]["timed"]}
+    assert timed == {"sequence ring", "sequence all_to_all", "sequence hybrid (2 x N/2)", "heads"}
+    text = (tmp_path / "bench_sharded.md").read_text()
+    assert "| sequence | forward | 8 |" in text and "| sequence all_to_all | forward_backward | 8 |" in text
 
 
 @pytest.mark.parametrize("extra", [["--seq-lens", "256,512"], ["--heads", "2"], ["--impl", "jax.dense"]])

@@ -17,8 +17,10 @@ explain = lambda mesh, spec, **kw: explain_implementation(
 print(json.dumps({
     "batch_heads": explain(grid, P("data", None, "model"), implementation="xla"),
     "sequence": explain(line, P(None, "seq"), implementation="xla"),
+    "sequence_ring": explain(line, P(None, "seq"), implementation="xla",
+                             context_parallel_strategy="ring"),
     "sequence_pallas": explain(line, P(None, "seq"), implementation="pallas_triton",
-                               interpret=True),
+                               interpret=True, context_parallel_strategy="ring"),
     "sequence_bias": explain(line, P(None, "seq"), implementation="xla",
                              bias=rng.standard_normal((2, 8, 64, 64)).astype(np.float32)),
     "sequence_two_axes": explain(grid, P(None, ("data", "model")), implementation="xla"),

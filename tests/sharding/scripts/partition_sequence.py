@@ -82,15 +82,16 @@ def memory():
     shape = (1, 32768, 8, 64)
 
     def grad(q, k, v):
-        f = lambda q, k, v: jnp.sum(flash_attention(q, k, v, is_causal=True, implementation="xla"))
+        f = lambda q, k, v: jnp.sum(flash_attention(q, k, v, is_causal=True, implementation="xla",
+                                                    context_parallel_strategy="ring"))
         return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
 
     figures = {}
     for n in (1, 8):
         mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
         arg = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P(None, "seq")))
-        for name, fn in (("forward", lambda q, k, v: flash_attention(q, k, v, is_causal=True,
-                                                                      implementation="xla")),
+        for name, fn in (("forward", lambda q, k, v: flash_attention(
+                q, k, v, is_causal=True, implementation="xla", context_parallel_strategy="ring")),
                          ("forward_backward", grad)):
             compiled = jax.jit(fn).lower(arg, arg, arg).compile()
             m = compiled.memory_analysis()

@@ -1,0 +1,162 @@
+"""Context parallelism by all-to-all (DeepSpeed-Ulysses): trade the sequence split for a head split.
+
+Each device holds a block of the sequence with every head. One ``lax.all_to_all`` per operand
+over the sequence axis gives each device the WHOLE sequence for ``1/N`` of the heads; the
+chosen implementation then runs locally (any mask rule, dropout, sinks: positions are global
+already), and one more all-to-all per result gives the sequence split back. Forward and
+backward each move every operand once, ``(N-1)/N`` of its bytes, instead of ring attention's
+N-1 sends of K and V.
+
+GQA: device r takes query heads ``[r Hq/N, (r+1) Hq/N)`` and kv heads ``[r Hkv/N, ...)``, which
+are exactly those heads' kv groups; so kv heads must divide the axis size (``unavailable``
+says why not). Heads enter the dropout hash and the sinks by their GLOBAL index: the
+per-head seeds and sinks ``[Bs, Hq]`` are sliced to the device's block. Segment ids (no head
+axis) travel by the same all-to-all over a size-N axis of copies, never an all-gather.
+Bias and dense mask (``[.., Lq, Lk]`` per device rows) are not taken: the ring is.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_impl import dropout_sinks, masking, online_softmax, ring, vma
+from jax_impl.config import AttentionConfig
+from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
+
+
+def unavailable(num_devices: int, hq: int, hkv: int, has_bias_or_mask: bool) -> str | None:
+    """Why the all-to-all strategy cannot run over ``num_devices``, or None."""
+    if has_bias_or_mask:
+        return "a bias or dense mask (sharded along its query rows) is not resharded by head"
+    if hq % num_devices or hkv % num_devices:
+        return (f"{hq} query / {hkv} kv heads do not divide over {num_devices} devices (each "
+                f"device takes whole kv heads with their query groups)")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ulysses:
+    """Static description: hashable, a nondiff argument of the custom VJP."""
+
+    axis_name: str
+    num_devices: int
+    implementation: object  # implementations.Implementation
+    cfg: AttentionConfig
+
+
+def to_heads(x, axis_name, seq_axis: int = 1, head_axis: int = 2):
+    """Sequence block, every head -> whole sequence, this device's block of heads."""
+    return lax.all_to_all(x, axis_name, head_axis, seq_axis, tiled=True)
+
+
+def to_sequence(x, axis_name, seq_axis: int = 1, head_axis: int = 2):
+    """Inverse of ``to_heads``."""
+    return lax.all_to_all(x, axis_name, seq_axis, head_axis, tiled=True)
+
+
+def _whole_ids(ids, axis_name, n: int):
+    """Segment ids ``[B, L_loc]`` -> ``[B, L]`` by all-to-all over N copies (no all-gather)."""
+    if ids is None:
+        return None
+    copies = jnp.broadcast_to(ids[:, :, None], ids.shape + (n,))
+    return lax.all_to_all(copies, axis_name, 2, 1, tiled=True)[:, :, 0]
+
+
+def _head_block(x, axis_name, blocks: int):
+    """This device's block of a per-head ``[Bs, Hs]`` array (Hs = 1: shared by every head)."""
+    if x is None or x.shape[1] == 1:
+        return x
+    size = x.shape[1] // blocks
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * size, size, axis=1)
+
+
+def _local_inputs(u: Ulysses, masks: masking.MaskInputs, extras):
+    ids = lambda x: _whole_ids(x, u.axis_name, u.num_devices)
+    masks = masks._replace(q_segment_ids=ids(masks.q_segment_ids),
+                           kv_segment_ids=ids(masks.kv_segment_ids))
+    extras = extras or dropout_sinks.SinksAndDropout()
+    extras = extras._replace(sinks=_head_block(extras.sinks, u.axis_name, u.num_devices),
+                             dropout_seeds=_head_block(extras.dropout_seeds, u.axis_name, u.num_devices))
+    return masks, extras
+
+
+def forward(u: Ulysses, q, k, v, masks, extras=None):
+    """Sequence blocks in, sequence blocks out: (out ``[B, L_loc, Hq, D]``, RowStats
+    ``[B, Hq, L_loc]``)."""
+    masks, extras = _local_inputs(u, masks, extras)
+    heads = lambda x: to_heads(x, u.axis_name)
+    out, stats = u.implementation.forward(u.cfg, heads(q), heads(k), heads(v), None, masks, extras)
+    back = lambda x, s=1, h=2: to_sequence(x, u.axis_name, s, h)
+    return back(out), online_softmax.RowStats(back(stats.max, 2, 1), back(stats.log_sum, 2, 1))
+
+
+def backward(u: Ulysses, q, k, v, masks, stats, d_out, delta, extras=None):
+    """-> (dq, dk, dv) in sequence blocks. The sinks need nothing here (the statistics hold them)."""
+    masks, extras = _local_inputs(u, masks, extras)
+    heads = lambda x, s=1, h=2: to_heads(x, u.axis_name, s, h)
+    stats = online_softmax.RowStats(heads(stats.max, 2, 1), heads(stats.log_sum, 2, 1))
+    dq, dk, dv, _ = u.implementation.backward(u.cfg, heads(q), heads(k), heads(v), None, masks,
+                                              stats, heads(d_out), heads(delta, 2, 1), extras)
+    return tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))
+
+
+# --- The explicit function's custom VJP (context_parallel.ulysses_attention) ----------------
+
+def _fwd(u, q, k, v, masks, extras):
+    _, (q, k, v, masks, extras) = from_primals(u.cfg, None, (q, k, v, masks, extras))
+    out, stats = forward(u, q, k, v, masks, extras)
+    return (out, online_softmax.logsumexp(stats)), Residuals((q, k, v, masks, extras, out, stats), u.cfg)
+
+
+def _bwd(u, residuals: Residuals, cotangents):
+    q, k, v, masks, extras, out, stats = residuals.arrays
+    d_out, delta = delta_of(out, cotangents)
+    dq, dk, dv = backward(u, q, k, v, masks, stats, d_out, delta, extras._replace(sinks=None))
+    d_extras = jax.tree.map(lambda _: None, extras)
+    if extras.sinks is not None:  # this device's rows' share; an unvarying sink sums them
+        d_sinks = reduce_to(dropout_sinks.sink_gradient(
+            extras.sinks, online_softmax.logsumexp(stats), delta), extras.sinks.shape)
+        # With varying axes tracked (check_vma), an unvarying sink takes the sum over the axis;
+        # untracked (check_vma=False), shard_map's transpose sums the devices' shares itself.
+        if u.axis_name in vma.axes_of(q) and u.axis_name not in vma.axes_of(extras.sinks):
+            d_sinks = lax.psum(d_sinks, u.axis_name)
+        d_extras = d_extras._replace(sinks=d_sinks.astype(extras.sinks.dtype))
+    return dq, dk, dv, jax.tree.map(lambda _: None, masks), d_extras
+
+
+def _primal(u, q, k, v, masks, extras):
+    out, stats = forward(u, q, k, v, masks, extras)
+    return out, online_softmax.logsumexp(stats)
+
+
+ulysses_vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
+ulysses_vjp.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+# --- Hybrid (USP): all-to-all over the inner mesh axis, ring over the outer -----------------
+# The sequence is sharded over (outer, inner): device (o, i) holds block o * |inner| + i. The
+# all-to-all over ``inner`` gives each device block o of |outer| (contiguous: the inner blocks
+# in order) for 1/|inner| of the heads; ``ring.contiguous_forward`` over ``outer`` runs on it
+# (global positions unchanged: the outer blocks tile the whole sequence), and the result goes
+# back by one more all-to-all. Fast links (inside a host) carry the all-to-all, the ring's
+# N_outer steps cross the slow ones.
+
+def hybrid_forward(u: Ulysses, ring_description, q, k, v, masks, extras=None):
+    masks, extras = _local_inputs(u, masks, extras)
+    heads = lambda x: to_heads(x, u.axis_name)
+    out, stats = ring.contiguous_forward(ring_description, heads(q), heads(k), heads(v), masks,
+                                         None, extras)
+    back = lambda x, s=1, h=2: to_sequence(x, u.axis_name, s, h)
+    return back(out), online_softmax.RowStats(back(stats.max, 2, 1), back(stats.log_sum, 2, 1))
+
+
+def hybrid_backward(u: Ulysses, ring_description, q, k, v, masks, stats, d_out, delta, extras=None):
+    masks, extras = _local_inputs(u, masks, extras)
+    heads = lambda x, s=1, h=2: to_heads(x, u.axis_name, s, h)
+    stats = online_softmax.RowStats(heads(stats.max, 2, 1), heads(stats.log_sum, 2, 1))
+    dq, dk, dv, _ = ring.contiguous_backward(ring_description, heads(q), heads(k), heads(v), masks,
+                                             stats, heads(d_out), heads(delta, 2, 1), None, extras)
+    return tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))

@@ -1,0 +1,96 @@
+"""The all-to-all (Ulysses) strategy and the cost model that picks ring / all-to-all / gather."""
+import numpy as np
+import pytest
+
+from _spawn import run_script
+
+TOL = 2e-5
+A2A = ("a2a_causal_gqa_dropout_sinks", "a2a_bottom_right_window_lengths_segments",
+       "a2a_dropout_pattern_causal")
+
+
+@pytest.mark.parametrize("mode", ["jit_a2a", "shard_map_a2a"])
+def test_all_to_all_is_exact_and_gathers_nothing(mode):
+    """flash_attention(context_parallel_strategy="all_to_all") on P(None, "seq") inputs, and
+    ulysses_attention in shard_map: GQA (kv heads resharded with their groups), dropout (global
+    head index in the hash: the one-device pattern bit for bit), sinks (dsinks), bottom-right
+    causal with a window, lengths and segment ids; vs torch_ref float64 and the one-device call."""
+    results = run_script("ring_features.py", mode, *A2A)
+    for name, r in results.items():
+        assert r["all_gathers"] == 0 and r["permutes"] == 0, (name, r)
+        assert r["all_to_alls"] > 0, name
+        expected = {"out", "dq", "dk", "dv"} | ({"dsinks"} if "sinks" in name else set())
+        assert set(r["errors"]) == expected, name
+        assert max(r["errors"].values()) < TOL, (name, r["errors"])
+        assert r["single"] < TOL, (name, r["single"])
+    pattern = results["a2a_dropout_pattern_causal"]["pattern"]
+    assert pattern["same_as_single"] and pattern["same_as_mask"], pattern
+
+
+def test_hybrid_on_a_2x4_mesh_is_exact_and_gathers_nothing():
+    """The sequence over both axes of a (host=2, chip=4) mesh: all-to-all over "chip", ring
+    over "host"; GQA, dropout, sinks, lengths, segment ids, window; fwd+bwd vs torch_ref."""
+    names = ("hybrid_causal_gqa_dropout_sinks", "a2a_bottom_right_window_lengths_segments",
+             "a2a_dropout_pattern_causal")
+    results = run_script("ring_features.py", "jit_hybrid", *names)
+    for name, r in results.items():
+        assert r["all_gathers"] == 0 and r["all_to_alls"] > 0 and r["permutes"] > 0, (name, r)
+        assert max(r["errors"].values()) < TOL, (name, r["errors"])
+        assert r["single"] < TOL, (name, r["single"])
+    assert "dsinks" in results["hybrid_causal_gqa_dropout_sinks"]["errors"]
+    pattern = results["a2a_dropout_pattern_causal"]["pattern"]
+    assert pattern["same_as_single"] and pattern["same_as_mask"], pattern
+
+
+def test_all_to_all_memory_per_device_at_8_devices():
+    """L=32768, H=8, D=64 fp32 causal fwd+bwd, compiled: arguments + temporaries per device
+    <= 0.3x one device, with all-to-alls and no all-gather (the ring's figure beside it)."""
+    f = run_script("strategy_memory.py", "32768", "ring", "all_to_all")
+    one, a2a, ring = f["one_1"], f["all_to_all_8"], f["ring_8"]
+    assert a2a["all_gathers"] == 0 and a2a["all_to_alls"] > 0 and a2a["permutes"] == 0
+    assert a2a["bytes"] <= 0.3 * one["bytes"], a2a["bytes"] / one["bytes"]
+    assert ring["all_gathers"] == 0 and ring["bytes"] <= 0.3 * one["bytes"]
+
+
+def test_cost_model_picks_by_bytes_and_names_why_not():
+    from jax_impl import cp_cost
+    mha = (1, 32768, 32768, 8, 8, 64, 2)
+    choice = cp_cost.choose(8, mha, ring_unavailable=None, all_to_all_unavailable=None)
+    assert choice.strategy == "all_to_all"  # 2/N of the ring's bytes for MHA
+    ring, a2a = choice.bytes_per_device["ring"], choice.bytes_per_device["all_to_all"]
+    assert a2a < ring
+    # The estimates in closed form: ring sends K, V N times forward, K, V, dK, dV (f32) backward.
+    kv_block = 32768 // 8 * 8 * 64 * 2
+    assert ring == 8 * 2 * kv_block + 8 * (2 * kv_block + 2 * kv_block * 2)
+    gqa = (1, 32768, 32768, 32, 1, 64, 2)  # one kv head: the ring moves little
+    assert cp_cost.choose(8, gqa, ring_unavailable=None, all_to_all_unavailable=None).strategy == "ring"
+    fallback = cp_cost.choose(8, mha, ring_unavailable="x", all_to_all_unavailable="y")
+    assert fallback.strategy == "all_gather" and fallback.unavailable == {"ring": "x", "all_to_all": "y"}
+    assert cp_cost.choose(8, mha, ring_unavailable=None, all_to_all_unavailable=None,
+                          requested="ring").strategy == "ring"
+    with pytest.raises(ValueError, match="context_parallel_strategy='all_to_all' cannot run.*heads"):
+        cp_cost.choose(8, gqa, ring_unavailable=None, requested="all_to_all",
+                       all_to_all_unavailable="32 query / 1 kv heads do not divide")
+    text = choice.describe(8, "seq")
+    assert "all_to_all over 'seq'" in text and "MiB" in text and "ring" in text
+
+
+def test_context_parallel_strategy_is_validated_by_name():
+    from jax_impl import flash_attention
+    x = np.random.default_rng().standard_normal((1, 8, 1, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match="context_parallel_strategy='ulysses' must be None.*'all_to_all'"):
+        flash_attention(x, x, x, context_parallel_strategy="ulysses")
+
+
+def test_ulysses_refuses_kv_heads_that_do_not_divide_the_axis():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax_impl.context_parallel import ulysses_attention
+    q = jax.ShapeDtypeStruct((1, 64, 8, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+    mapped = jax.shard_map(lambda q, k: ulysses_attention(q, k, k, axis_name="seq"),
+                           mesh=AbstractMesh((8,), ("seq",)), in_specs=(P(None, "seq"),) * 2,
+                           out_specs=P(None, "seq"))
+    with pytest.raises(ValueError, match="8 query / 2 kv heads do not divide over 8 devices.*ring_attention"):
+        jax.eval_shape(mapped, q, kv)

@@ -1,0 +1,43 @@
+"""Dropout and attention sinks inside the ring (8 virtual CPU devices, fwd+bwd): no gathers,
+the one-device dropout pattern bit for bit, sinks once per row, dsinks summed over the ring."""
+import pytest
+
+from _spawn import run_script
+
+TOL = 2e-5  # float32 blocked attention vs float64 dense, unit-normal inputs, L <= 64
+NAMES = ("dropout_causal_gqa", "sinks_causal_gqa", "dropout_sinks_bottom_right_lengths",
+         "dropout_pattern_causal")
+
+
+@pytest.mark.parametrize("mode", ["jit", "shard_map"])
+def test_dropout_and_sinks_run_in_the_ring_exactly(mode):
+    """jit: flash_attention on P(None, "seq") inputs (partitioned.py's ring, natural order in
+    and out); shard_map: ring_attention (zigzag and contiguous layouts). Judged against
+    torch_ref float64 with jax_impl.dropout_mask's pattern, and against the one-device call."""
+    results = run_script("ring_features.py", mode, *NAMES)
+    assert set(results) == set(NAMES)
+    for name, r in results.items():
+        assert r["all_gathers"] == 0, (name, r)
+        assert r["permutes"] > 0, name
+        expected = {"out", "dq", "dk", "dv"} | ({"dsinks"} if "sinks" in name else set())
+        assert set(r["errors"]) == expected, name
+        assert max(r["errors"].values()) < TOL, (name, r["errors"])
+        assert r["single"] < TOL, (name, r["single"])  # the one-device call, same pattern
+    pattern = results["dropout_pattern_causal"]["pattern"]
+    assert pattern["same_as_single"] and pattern["same_as_mask"], pattern
+    assert 0.6 < pattern["kept_fraction"] < 0.8  # rate 0.3: the pattern is not trivial
+
+
+def test_ring_dropout_with_a_kernel_that_hashes_local_positions_is_refused():
+    import jax
+    from test_ring_attention import _ring_shapes
+    with pytest.raises(ValueError, match="cannot run dropout in a ring.*implementation='xla'"):
+        _ring_shapes(8, 8, implementation="cpu", dropout_rate=0.1,
+                     dropout_rng=jax.random.key(0))
+
+
+def test_dsinks_are_summed_once_with_and_without_check_vma():
+    """An unvarying sink's gradient is the sum of the devices' shares: taken by psum when
+    shard_map tracks varying axes, by shard_map's own transpose when check_vma=False."""
+    errors = run_script("ring_features.py", "sinks_without_vma")
+    assert len(errors) == 4 and max(errors.values()) < TOL, errors
