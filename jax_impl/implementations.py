@@ -66,6 +66,8 @@ class Implementation:
     # `forward`, paged calls cannot run here.
     decode: Callable | None = None
     decode_takes_pages: bool = True   # False: its decode reads dense caches only
+    # Why its decode cannot take a call (q_len=, dtype=, has_bias= ...), or None: takes it.
+    decode_unsupported: Callable[..., str | None] | None = None
 
     def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False,
                     features: CallFeatures | None = None) -> str | None:
@@ -113,6 +115,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         interpreter_has_effects=True),
     "cpu": Implementation(
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
+        decode=cpu_kernel.decode, decode_unsupported=cpu_kernel.decode_unsupported,
+        decode_takes_pages=False,  # its kernel reads pages; the paged dispatch to it is not wired yet
         call_unsupported=cpu_kernel.unsupported, takes_position_offset=True),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
@@ -138,6 +142,13 @@ def decode_path(implementation: Implementation, *, lq: int, lk: int, features: C
         return None
     if implementation.decode is None:
         return f"{implementation.name} has no decode path"
+    if implementation.decode_unsupported is not None:
+        why = implementation.decode_unsupported(
+            q_len=lq, dtype=features.dtype, has_bias=features.has_bias,
+            has_mask=features.has_mask, has_segment_ids=features.has_segment_ids,
+            dropout_rate=features.cfg.dropout_rate)
+        if why is not None:
+            return why
     if lq > DECODE_MAX_QUERY_ROWS:
         return f"{lq} query rows (the decode path takes at most {DECODE_MAX_QUERY_ROWS})"
     if lk < DECODE_MIN_KEYS:
