@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_impl import arguments, cpu_kernel, platform
+from benchmarks import measure
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 ISSUE_SHAPE = dict(batch=2, cached=16384, q_rows=1, dtype="float32")
@@ -52,27 +53,7 @@ def _paged(k, v, page_size: int, rng):
 
 
 def interleaved_rotating(calls: dict, baseline: str, repeats: int) -> dict:
-    """``measure.interleaved_ratios`` with the order rotated by one call every repeat: a call
-    that leaves the memory system busy (torch's SDPA writes its repeated K/V heads) does not
-    always hand that cost to the same next call. -> name -> {median_ms, ratio_median,
-    ratio_q1, ratio_q3, times_ms}."""
-    names = list(calls)
-    seconds = {name: [] for name in names}
-    for repeat in range(repeats):
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            calls[name]()
-            seconds[name].append(time.perf_counter() - start)
-    base = np.asarray(seconds[baseline])
-    summary = {}
-    for name, times in seconds.items():
-        ratios = np.asarray(times) / base
-        summary[name] = dict(median_ms=1e3 * float(np.median(times)), ratio_median=float(np.median(ratios)),
-                             ratio_q1=float(np.percentile(ratios, 25)),
-                             ratio_q3=float(np.percentile(ratios, 75)),
-                             times_ms=[round(1e3 * t, 3) for t in times])
-    return summary
+    return measure.interleaved_ratios(calls, baseline, repeats, rotate=True)
 
 
 def time_decode(batch: int, cached: int, q_rows: int, dtype: str = "float32", *, repeats: int = 7,

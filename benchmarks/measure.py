@@ -346,7 +346,7 @@ def add_speedups(rows: list[Row], baseline: str = "torch.manual") -> None:
 
 # --- interleaved per-pair ratios ----------------------------------------------------------------
 
-def interleaved_ratios(calls: dict, baseline: str, repeats: int) -> dict:
+def interleaved_ratios(calls: dict, baseline: str, repeats: int, rotate: bool = False) -> dict:
     """Time each of ``calls`` (name -> a blocking function of no arguments) once per repeat, in
     order, and divide by the ``baseline`` call of the same repeat: load from other work then
     hits both sides of a ratio alike. Call each once beforehand to compile/warm up.
@@ -354,11 +354,13 @@ def interleaved_ratios(calls: dict, baseline: str, repeats: int) -> dict:
     -> name -> {median_ms, ratio_median, ratio_q1, ratio_q3} (the quartiles of the per-repeat
     ratios; the baseline's ratios are all 1).
     """
-    seconds = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
+    names = list(calls)
+    seconds = {name: [] for name in names}
+    for repeat in range(repeats):
+        shift = repeat % len(names) if rotate else 0  # rotate: no call always runs first
+        for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            call()
+            calls[name]()
             seconds[name].append(time.perf_counter() - start)
     base = np.asarray(seconds[baseline])
     summary = {}
@@ -366,5 +368,6 @@ def interleaved_ratios(calls: dict, baseline: str, repeats: int) -> dict:
         ratios = np.asarray(times) / base
         summary[name] = dict(median_ms=1e3 * float(np.median(times)), ratio_median=float(np.median(ratios)),
                              ratio_q1=float(np.percentile(ratios, 25)),
-                             ratio_q3=float(np.percentile(ratios, 75)))
+                             ratio_q3=float(np.percentile(ratios, 75)),
+                             times_ms=[round(1e3 * t, 3) for t in times])
     return summary
