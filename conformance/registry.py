@@ -34,11 +34,13 @@ class UnknownImplementation(ValueError):
 @functools.cache
 def adapters(device: str = "cpu") -> dict[str, Adapter]:
     """name -> Adapter bound to ``device``, in report order."""
-    jax_impl = [JaxImplAdapter(f"jax_impl.{impl}", "jax", device, ("jax",), implementation=impl,
+    jax_impl = [JaxImplAdapter(f"jax_impl.{impl}", "jax", device, ("jax",), implementation=impl, devices=devices,
                                description=f"jax_impl.flash_attention(implementation={impl!r}){note}")
-                for impl, note in (("cpu", ""), ("xla", ""), ("pallas_triton", ", interpret=True on CPU"),
-                                  ("mosaic_gpu", ", interpret=True on CPU (jax >= 0.11)"),
-                                  ("reference", ""))]
+                for impl, note, devices in (
+                    ("cpu", "", ("cpu", "cuda")), ("xla", "", ("cpu", "cuda")),
+                    ("pallas_triton", ", interpret=True on CPU", ("cpu", "cuda")),
+                    ("mosaic_gpu", ", interpret=True on CPU (jax >= 0.11)", ("cpu", "cuda")),
+                    ("reference", "", ("cpu", "cuda")), ("cudnn", ": jax.nn's cuDNN kernel", ("cuda",)))]
     jax_nn = [JaxNNAdapter(f"jax.nn.{impl}", "jax", device, ("jax",), devices=devices, fn=jax_nn_attention,
                            fixed_kwargs=(("implementation", impl),), reason_fn=jax_nn_reason,
                            description=f"jax.nn.dot_product_attention(implementation={impl!r})")

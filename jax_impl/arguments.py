@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import cp_cost, dropout_sinks, implementations, masking, platform
+from jax_impl import cp_cost, cudnn, dropout_sinks, implementations, masking, platform
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.mosaic_gpu.config import Config as MosaicConfig
 
@@ -65,7 +65,7 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     brought to canonical shapes. The defaults are flash_attention's (a test keeps them equal)."""
     mask = _validate_flax_keywords(dropout_rate, deterministic, module, qk_attn_weights_einsum,
                                    attn_weights_value_einsum, mask)
-    del force_fp32_for_softmax, return_residual  # the softmax is always fp32; the API returns the lse
+    del force_fp32_for_softmax  # the softmax is always fp32
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     if dtype is not None:
         query, key, value = (x.astype(dtype) for x in (query, key, value))
@@ -138,7 +138,7 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         raise TypeError(f"block_sizes must be a jax_impl.BlockSizes (or, with "
                         f"implementation='mosaic_gpu', a jax_impl.mosaic_gpu.Config); got "
                         f"{type(block_sizes).__name__}")
-    if implementation is not None:
+    if implementation is not None and implementation != cudnn.NAME:
         implementations.get(implementation)  # a clear error for an unknown name
     if interpret and implementation not in (None, "pallas_triton", "mosaic_gpu"):
         raise ValueError(f"interpret=True runs a Pallas kernel in its interpreter; it does not "
@@ -168,6 +168,17 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
             interpret=bool(interpret), features=features(cfg, bias, masks, extras, query.dtype))
         if reason:
             raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    if implementation == cudnn.NAME:
+        reason = cudnn.unsupported(
+            dtype=query.dtype, batch_dims=len(batch_shape), lq=lq, lk=lk, is_causal=spec.is_causal,
+            bottom_right=spec.bottom_right, has_window=window_left is not None or window_right is not None,
+            has_lengths=spec.has_q_lengths or spec.has_kv_lengths, has_mask=mask is not None,
+            has_segment_ids=q_segment_ids is not None, has_sinks=attention_sinks is not None,
+            soft_cap=logits_soft_cap, dropout=bool(rate), page_table=page_table is not None,
+            block_sizes=block_sizes is not None, precision=precision is not None,
+            return_residual=bool(return_residual), strategy=context_parallel_strategy is not None)
+        if reason:
+            raise ValueError(f"implementation={cudnn.NAME!r} cannot run this call: {reason}")
     if page_table is not None and implementation is not None:
         reason = implementations.paged_unsupported(implementations.get(implementation))
         if reason:

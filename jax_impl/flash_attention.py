@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jax_impl import arguments, implementations, partitioned, recompute_vjp, reference
+from jax_impl import arguments, cudnn, implementations, partitioned, recompute_vjp, reference
 from jax_impl.config import BlockSizes
 from jax_impl.implementations import IMPLEMENTATIONS
 
@@ -75,8 +75,11 @@ def flash_attention(
       implementation: "pallas_triton" (the GPU kernel), "mosaic_gpu" (FlashAttention-3's forward
         for H100/H200, by name only; 16-bit, head_dim 64/128), "cpu" (the fused C++ CPU kernel, built
         on first use), "xla" (the same blocked algorithm in plain JAX, linear memory, any
-        device), "reference" (dense; for checking), or None: pallas_triton on a CUDA GPU and cpu
-        on a CPU where eligible, xla elsewhere; ``explain_implementation`` says why.
+        device), "reference" (dense; for checking), "cudnn" (jax.nn.dot_product_attention's
+        cuDNN kernel, by name only, for the calls whose meaning is this library's: 16-bit, no
+        mask, lengths, window or additions; others are refused with the reason), or None:
+        pallas_triton on a CUDA GPU and cpu on a CPU where eligible, xla elsewhere;
+        ``explain_implementation`` says why.
 
     Additions:
       causal_alignment: "top_left" or "bottom_right" (the last valid query aligns with the last
@@ -125,6 +128,10 @@ def flash_attention(
     refused with an error, so the function is usable as ``attention_fn`` directly.
     """
     call = arguments.validate(**locals())
+    if call.implementation == cudnn.NAME:  # jax.nn's kernel, by name (cudnn.py)
+        out = cudnn.attention(call.q, call.k, call.v, call.bias, scale=call.cfg.scale,
+                              is_causal=call.cfg.mask.is_causal)
+        return out.reshape(call.batch_shape + out.shape[1:])
     out, lse = _dispatch(call)
     out = out.reshape(call.batch_shape + out.shape[1:])
     if not return_residual:
@@ -227,6 +234,10 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                f"{call.q.shape[1]} query rows against {lk} keys, no bias, mask, segment ids or dropout")
         return ImplementationChoice(chosen, reasons, None if paged else strategy(chosen), "decode", why)
 
+    if call.implementation == cudnn.NAME:
+        return ImplementationChoice(cudnn.NAME, {name: f"implementation={cudnn.NAME!r} was requested"
+                                                 for name in reasons} | {cudnn.NAME: None},
+                                    path_reason="jax.nn.dot_product_attention(implementation='cudnn')")
     if call.implementation is not None:
         chosen = call.implementation
         for name in reasons:

@@ -3,7 +3,7 @@ higher one, no backend importing another backend, and a bounded import chain.
 
 jax_impl, bottom to top (docs/design.md, "Layers"):
   core          the mask rule, the per-tile math, config, dropout and sinks, platform facts
-  backends      xla, cpu_kernel, pallas_triton, mosaic_gpu, reference: each imports the core only
+  backends      xla, cpu_kernel, pallas_triton, mosaic_gpu, reference, cudnn: each imports the core only
   table         implementations: which backend can run a call
   distribution  the custom VJP, partitioning under jit, the ring: handed the chosen
                 implementation, they never read the table
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 JAX_IMPL_LAYERS = {
     "core": ["masking", "config", "online_softmax", "dropout_sinks", "vma", "platform", "symbolic_zeros"],
-    "backends": ["xla", "cpu_kernel", "pallas_triton", "mosaic_gpu", "reference"],
+    "backends": ["xla", "cpu_kernel", "pallas_triton", "mosaic_gpu", "reference", "cudnn"],
     "table": ["implementations"],
     "distribution": ["ring", "ulysses", "cp_cost", "partitioned", "recompute_vjp"],
     "arguments": ["arguments"],

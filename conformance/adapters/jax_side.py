@@ -24,6 +24,18 @@ def _jax_impl_unsupported(implementation: str, case: Case, device: str) -> str |
                        interpret=device == "cpu", features=features)
 
 
+def _cudnn_unsupported(case: Case) -> str | None:
+    """jax_impl's rule for implementation="cudnn" (jax_impl/cudnn.py) for the case's features."""
+    from jax_impl import cudnn
+    return cudnn.unsupported(
+        dtype=case.dtype, batch_dims=1, lq=case.q_len, lk=case.kv_len, is_causal=case.causal is not None,
+        bottom_right=case.causal == "bottom_right", has_window=case.window is not None,
+        has_lengths=case.lengths, has_mask=case.mask != "none", has_segment_ids=case.segments,
+        has_sinks=case.sinks, soft_cap=case.soft_cap, dropout=bool(case.dropout),
+        page_table=bool(case.page_size), block_sizes=False, precision=False, return_residual=False,
+        strategy=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class JaxImplAdapter(Adapter):
     """``jax_impl.flash_attention`` with one implementation forced."""
@@ -37,6 +49,8 @@ class JaxImplAdapter(Adapter):
         return self.implementation in ("pallas_triton", "mosaic_gpu") and self.device == "cpu"
 
     def _reason(self, case):
+        if self.implementation == "cudnn":
+            return _cudnn_unsupported(case)
         if case.page_size:
             from jax_impl.implementations import get, paged_unsupported
             reason = paged_unsupported(get(self.implementation))

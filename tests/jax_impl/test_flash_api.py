@@ -35,7 +35,7 @@ BAD_CALLS = {
     "window": (lambda q, k, v: flash_attention(q, k, v, local_window_size=(-1, 2)), ValueError, "local_window_size"),
     "scale": (lambda q, k, v: flash_attention(q, k, v, scale=-1.0), ValueError, "scale"),
     "soft_cap": (lambda q, k, v: flash_attention(q, k, v, logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
-    "implementation": (lambda q, k, v: flash_attention(q, k, v, implementation="cudnn"), ValueError, "jax.nn"),
+    "implementation": (lambda q, k, v: flash_attention(q, k, v, implementation="cuDNN"), ValueError, "must be one of"),
     "interpret_xla": (lambda q, k, v: flash_attention(q, k, v, implementation="xla", interpret=True), ValueError, "interpret=True"),
     "block_sizes_type": (lambda q, k, v: flash_attention(q, k, v, block_sizes=(64, 64)), TypeError, "block_sizes"),
     "head_dim_pallas": (lambda q, k, v: flash_attention(*(jnp.ones((1, 4, 1, 512)),) * 3, implementation="pallas_triton"), ValueError, "head_dim=512"),
