@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The Mosaic GPU compile lane: the sm_90a compile report's tests
+# (tests/benchmarks/test_mosaic_compile_report.py: 0 spills, shared memory, TMA, wgmma,
+# setmaxnreg) under jax 0.11.2 with its CUDA 13 plugin, which needs Python >= 3.12. No GPU: XLA
+# compiles for a compile-only H100 and the machine's ptxas (CUDA 13) assembles.
+# The lane's environment is a venv of its own (default .venv-mosaic, about 1 GB: jax, jaxlib,
+# the plugin without NVIDIA's library wheels, pytest), made on first use. The lane is skipped,
+# saying why, where there is no Python >= 3.12 or no ptxas; any other failure fails it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${MOSAIC_LANE_VENV:-.venv-mosaic}
+JAX_VERSION=0.11.2
+
+find_python() {
+  local v
+  for v in python3.12 python3.13; do
+    if "$v" -c "" 2>/dev/null; then echo "$v"; return; fi
+  done
+  if command -v pyenv >/dev/null; then  # pyenv's shims need the version named
+    v=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-3]\.[0-9]+$' | head -n1 || true)
+    if [ -n "$v" ]; then echo "env PYENV_VERSION=$v python${v%.*}"; return; fi
+  fi
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  PY=$(find_python)
+  if [ -z "$PY" ]; then echo "mosaic lane skipped: no Python >= 3.12 (jax $JAX_VERSION's CUDA plugin needs it)"; exit 0; fi
+  $PY -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" "pytest>=8"
+  "$VENV/bin/python" -m pip install -q --no-deps "jax-cuda13-plugin==$JAX_VERSION" "jax-cuda13-pjrt==$JAX_VERSION"
+fi
+if ! command -v ptxas >/dev/null; then echo "mosaic lane skipped: no ptxas on PATH (CUDA 13)"; exit 0; fi
+MOSAIC_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/benchmarks/test_mosaic_compile_report.py
