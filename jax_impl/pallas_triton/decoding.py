@@ -1,5 +1,5 @@
-"""Split-K decode kernel (flash-decoding) for a dense KV cache: one program per (key run,
-batch row, kv head).
+"""Split-K decode kernel (flash-decoding) for a dense or paged KV cache: one program per (key
+run, batch row, kv head).
 
 The rows of a program's tile are the packed queries of one kv head: the Hq / Hkv query heads
 of its group times the Lq query rows (row r is query r // G of group head r % G), padded to a
@@ -10,9 +10,12 @@ normalised partial output with its RowStats; XLA merges the runs exactly
 (online_softmax.merge_runs), a sink joining as one more run. Runs are chosen so that the grid
 has at least ``DECODE_TARGET_PROGRAMS`` programs where the cache is long enough: a decode step
 with B=1 and Hkv=8 then fills an H100's 132 SMs instead of launching 8 programs.
+A paged cache is read in place: the program sees every page of its kv head and loads each key
+tile's page id from the row's page table; a tile lies within one page (``block_k`` divides the
+page size, which must be a multiple of 16: ``pages_unsupported``).
 Tested in the Pallas interpreter, and compiled for sm_90a without a GPU (B=1, Hkv=8, Hq=32,
-1 query row, 65,536 bf16 keys: 264 programs, 75 registers, 0 spills); never run on a GPU yet
-(docs/limitations.md).
+1 query row, 65,536 bf16 keys: 264 programs, 0 spills; 75 registers dense, 64 and 77 with
+pages of 16 and 64); never run on a GPU yet (docs/limitations.md).
 """
 from __future__ import annotations
 

@@ -162,3 +162,16 @@ def test_page_sizes_the_kernel_cannot_tile_run_on_xla():
     _, q, k_pages, v_pages, table = _pages(0, b=2, lq=1, hq=4, hkv=2, d=16, page_size=32, per_sequence=4)
     choice = explain_implementation(q, k_pages, v_pages, page_table=table, platform="cuda")
     assert choice.chosen == "pallas_triton" and choice.path == "decode"
+
+
+def test_paged_decode_kernel_clamps_traced_page_ids():
+    """Under jit a page id past the pages (or negative) reads a clamped page, never out of
+    bounds: the answer is the oracle's on the clamped table."""
+    _, q, k_pages, v_pages, table = _pages(9, b=2, lq=1, hq=4, hkv=2, d=16, page_size=16, per_sequence=6)
+    wild = table.at[0, 2].set(10 ** 6).at[1, 0].set(-3)
+    call = jax.jit(lambda t: flash_attention(q, k_pages, v_pages, page_table=t,
+                                             implementation="pallas_triton", interpret=True))
+    clamped = np.clip(np.asarray(wild), 0, k_pages.shape[0] - 1)
+    expected = torch_ref.paged_attention(T(q).permute(0, 2, 1, 3), T(k_pages), T(v_pages),
+                                         torch.tensor(clamped)).permute(0, 2, 1, 3).numpy()
+    np.testing.assert_allclose(np.asarray(call(wild)), expected, atol=2e-5, rtol=0)
