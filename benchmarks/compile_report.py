@@ -109,8 +109,11 @@ def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal:
 
 
 def decode_kernel(*, batch: int = 1, q_len: int = 1, q_heads: int = 32, kv_heads: int = 8,
-                  kv_len: int = 65536, head_dim: int = 128, dtype="bfloat16") -> tuple:
-    """The split-K decode kernel (pallas_triton/decoding.py) lowered for CUDA: (its TTIR, its grid)."""
+                  kv_len: int = 65536, head_dim: int = 128, dtype="bfloat16",
+                  page_size: int | None = None) -> tuple:
+    """The split-K decode kernel (pallas_triton/decoding.py) lowered for CUDA: (its TTIR, its grid).
+    ``page_size``: the paged kernel, reading pages [batch * kv_len / page_size, page_size, ...]
+    through a page table [batch, kv_len / page_size]."""
     from jax.interpreters.mlir import ir
     from jax_impl import masking
     from jax_impl.config import AttentionConfig
@@ -119,15 +122,18 @@ def decode_kernel(*, batch: int = 1, q_len: int = 1, q_heads: int = 32, kv_heads
     cfg = AttentionConfig(scale=head_dim ** -0.5, mask=masking.MaskSpec(
         is_causal=True, bottom_right=True, has_kv_lengths=True))
 
-    def call(q, k, v, kv_len):
+    def call(q, k, v, kv_len, table=None):
         masks = masking.MaskInputs(jnp.full((batch,), q_len, jnp.int32), kv_len, None, None, None)
-        return decode_module.decode(cfg, q, k, v, masks)
+        return decode_module.decode(cfg, q, k, v, masks, None, table)
 
     dt = jnp.dtype(dtype)
+    cache = ((batch, kv_len, kv_heads, head_dim) if page_size is None
+             else (batch * kv_len // page_size, page_size, kv_heads, head_dim))
     args = (jax.ShapeDtypeStruct((batch, q_len, q_heads, head_dim), dt),
-            jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), dt),
-            jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), dt),
+            jax.ShapeDtypeStruct(cache, dt), jax.ShapeDtypeStruct(cache, dt),
             jax.ShapeDtypeStruct((batch,), jnp.int32))
+    if page_size is not None:
+        args += (jax.ShapeDtypeStruct((batch, kv_len // page_size), jnp.int32),)
     with cuda_target():
         lowered = jit_for_cuda(call).trace(*args).lower(lowering_platforms=("cuda",))
     found = []

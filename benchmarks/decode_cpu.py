@@ -1,5 +1,5 @@
-"""CPU decode: ``cpu_kernel.decode`` (jitted, dense and paged caches) beside torch SDPA and a
-plain streaming read of the same cache, in one process, interleaved.
+"""CPU decode: ``cpu_kernel.decode`` and ``flash_attention`` (jitted, dense and paged caches)
+beside torch SDPA and a plain streaming read of the same cache, in one process, interleaved.
 
     python3 -m benchmarks.decode_cpu [--repeats 7] [--quick] [--out benchmarks/results/cpu/NAME]
 
@@ -10,7 +10,9 @@ the median and quartiles of its per-repeat ratio to torch SDPA, the achieved ban
 cache's bytes over the median time: the kernel reads each K and V row once) and its fraction
 of the streaming read's. The streaming read is the faster (by median) of numpy's sum over the
 bytes of k and v viewed as int64 (single-threaded; any dtype, no float work) and torch's
-``sum`` over k and v (its intra-op threads), measured in the same repeats. Prints a markdown table; with
+``sum`` over k and v (its intra-op threads), measured in the same repeats. Paged calls through
+flash_attention are also given as the median and quartiles of their per-repeat ratio to the
+dense flash_attention call (``paged_over_dense``). Prints a markdown table; with
 ``--out`` writes NAME.json and NAME.md as well. ``time_decode`` is importable (the decode
 suite of ``python -m benchmarks`` may call it).
 """
@@ -27,12 +29,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jax_impl import arguments, cpu_kernel, platform
+from jax_impl import arguments, cpu_kernel, flash_attention, platform
 from benchmarks import measure
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 ISSUE_SHAPE = dict(batch=2, cached=16384, q_rows=1, dtype="float32")
 TORCH = "torch.sdpa"
+API_DENSE, API_PAGED = "flash_attention dense", "flash_attention paged"
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
@@ -80,12 +83,19 @@ def time_decode(batch: int, cached: int, q_rows: int, dtype: str = "float32", *,
     def paged(q, k, v, masks, table):
         return cpu_kernel.decode(cfg, q, k, v, masks, extras, table)[0]
 
-    calls = {"cpu_kernel.decode": lambda: dense(qj, kj, vj, call.masks).block_until_ready()}
+    # The public API as a user calls it (dispatch, argument checks, the paged path's clamps).
+    api_kw = dict(is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=jnp.asarray(lengths))
+    api = jax.jit(lambda q, k, v, table=None: flash_attention(q, k, v, page_table=table, **api_kw))
+
+    calls = {"cpu_kernel.decode": lambda: dense(qj, kj, vj, call.masks).block_until_ready(),
+             API_DENSE: lambda: api(qj, kj, vj).block_until_ready()}
     for size in page_sizes:
         kp, vp, table = _paged(k, v, size, rng)
         kp, vp, table = jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(table)
         calls[f"cpu_kernel.decode paged {size}"] = (
             lambda kp=kp, vp=vp, table=table: paged(qj, kp, vp, call.masks, table).block_until_ready())
+        calls[f"{API_PAGED} {size}"] = (
+            lambda kp=kp, vp=vp, table=table: api(qj, kp, vp, table).block_until_ready())
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     to_torch = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to(torch_dtype).transpose(1, 2).contiguous()
     tq, tk, tv = to_torch(q), to_torch(k), to_torch(v)
@@ -109,10 +119,18 @@ def time_decode(batch: int, cached: int, q_rows: int, dtype: str = "float32", *,
     for row in summary.values():
         row["GB_per_s"] = cache_bytes / (row["median_ms"] * 1e-3) / 1e9
         row["fraction_of_stream"] = stream / row["median_ms"]
+    # Paged over dense through flash_attention, per repeat (same repeat: the same load).
+    dense_times = np.asarray(summary[API_DENSE]["times_ms"])
+    paged_over_dense = {}
+    for size in page_sizes:
+        ratios = np.asarray(summary[f"{API_PAGED} {size}"]["times_ms"]) / dense_times
+        paged_over_dense[str(size)] = dict(median=float(np.median(ratios)), q1=float(np.percentile(ratios, 25)),
+                                           q3=float(np.percentile(ratios, 75)))
     return dict(batch=batch, cached=cached, q_rows=q_rows, dtype=dtype, hq=HQ, hkv=HKV, head_dim=HEAD_DIM,
                 cache_bytes=int(cache_bytes), repeats=repeats, splits=cpu_kernel.decode_splits(batch, cached),
                 threads=platform.host_threads(), max_abs_diff_vs_torch=worst,
-                load_average=[load_start, os.getloadavg()[0]], calls=summary)
+                load_average=[load_start, os.getloadavg()[0]], calls=summary,
+                paged_over_dense=paged_over_dense)
 
 
 def grid(quick: bool):
@@ -136,6 +154,13 @@ def markdown(results: list[dict]) -> str:
             lines.append(f"| {r['batch']} | {r['cached']} | {r['q_rows']} | {r['dtype']} | {name} | "
                          f"{c['median_ms']:.2f} | {c['ratio_median']:.2f} ({c['ratio_q1']:.2f}-{c['ratio_q3']:.2f}) | "
                          f"{c['GB_per_s']:.1f} | {c['fraction_of_stream']:.2f} |")
+    paged = [(r, size, x) for r in results for size, x in r.get("paged_over_dense", {}).items()]
+    if paged:
+        lines += ["", "| B | cached | Lq | dtype | page size | flash_attention paged / dense (q1-q3) | load average (start, end) |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['cached']} | {r['q_rows']} | {r['dtype']} | {size} | "
+                  f"{x['median']:.3f} ({x['q1']:.3f}-{x['q3']:.3f}) | "
+                  f"{r['load_average'][0]:.2f}, {r['load_average'][1]:.2f} |" for r, size, x in paged]
     return "\n".join(lines)
 
 

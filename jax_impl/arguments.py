@@ -180,7 +180,9 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         if reason:
             raise ValueError(f"implementation={cudnn.NAME!r} cannot run this call: {reason}")
     if page_table is not None and implementation is not None:
-        reason = implementations.paged_unsupported(implementations.get(implementation))
+        reason = implementations.paged_unsupported(
+            implementations.get(implementation), lq=query.shape[-3], dtype=key.dtype,
+            page_size=key.shape[1], head_dim=head_dim)
         if reason:
             raise ValueError(f"implementation={implementation!r} cannot take page_table: {reason}")
     flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])

@@ -168,7 +168,9 @@ def _attention(q, k, v, bias, masks, extras, page_table, *, implementation, cfg)
     per_platform = {platform: run(name) for platform, name in (("cuda", "pallas_triton"), ("cpu", "cpu"))
                     if implementations.unsupported(name, head_dim=q.shape[-1], platform=platform,
                                                    features=features) is None
-                    and not (paged and implementations.paged_unsupported(implementations.get(name)))}
+                    and not (paged and implementations.paged_unsupported(
+                        implementations.get(name), lq=q.shape[1], dtype=k.dtype,
+                        page_size=k.shape[1], head_dim=q.shape[-1]))}
     if not per_platform:
         return run("xla")(q, k, v, bias, masks, extras, page_table)
     return lax.platform_dependent(q, k, v, bias, masks, extras, page_table, **per_platform,
@@ -219,7 +221,9 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     paged = call.page_table is not None
     reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,
                                       interpret=call.cfg.interpret, features=features)
-                     or (implementations.paged_unsupported(impl) if paged else None)
+                     or (implementations.paged_unsupported(
+                         impl, lq=call.q.shape[1], dtype=call.k.dtype, page_size=call.k.shape[1],
+                         head_dim=call.q.shape[-1]) if paged else None)
                for name, impl in IMPLEMENTATIONS.items()}
     lk = call.page_table.shape[1] * call.k.shape[1] if paged else call.k.shape[1]
 

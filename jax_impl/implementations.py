@@ -68,6 +68,8 @@ class Implementation:
     decode_takes_pages: bool = True   # False: its decode reads dense caches only
     # Why its decode cannot take a call (q_len=, dtype=, has_bias= ...), or None: takes it.
     decode_unsupported: Callable[..., str | None] | None = None
+    # Why its decode cannot read pages of this shape (page_size=, head_dim=), or None: takes them.
+    pages_unsupported: Callable[..., str | None] | None = None
 
     def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False,
                     features: CallFeatures | None = None) -> str | None:
@@ -102,7 +104,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
-        takes_position_offset=True, decode=pallas_triton.decode, decode_takes_pages=False),
+        takes_position_offset=True, decode=pallas_triton.decode,
+        decode_unsupported=pallas_triton.decode_unsupported,
+        pages_unsupported=pallas_triton.pages_unsupported),
     "mosaic_gpu": Implementation(
         "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two wgmma consumers, persistent): forward (ping-ponging consumers), dK/dV "
@@ -116,7 +120,6 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "cpu": Implementation(
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
         decode=cpu_kernel.decode, decode_unsupported=cpu_kernel.decode_unsupported,
-        decode_takes_pages=False,  # its kernel reads pages; the paged dispatch to it is not wired yet
         call_unsupported=cpu_kernel.unsupported, takes_position_offset=True),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
@@ -161,13 +164,24 @@ def decode_path(implementation: Implementation, *, lq: int, lk: int, features: C
     return None
 
 
-def paged_unsupported(implementation: Implementation) -> str | None:
-    """Why ``implementation`` cannot run a paged-cache call, or None."""
+def paged_unsupported(implementation: Implementation, *, lq: int | None = None, dtype=None,
+                      page_size: int | None = None, head_dim: int | None = None) -> str | None:
+    """Why ``implementation`` cannot run a paged-cache call, or None. A paged call has only the
+    decode path, so the decode's own limits (query rows, cache dtype, page shape) refuse it too;
+    unknown arguments (None) are not judged."""
     if implementation.decode is None or not implementation.decode_takes_pages:
         what = (f"{implementation.name} has none" if implementation.decode is None
                 else f"{implementation.name}'s reads dense caches only")
         return (f"a paged KV cache runs on an implementation's decode path; {what} "
                 f"(implementations that take pages: {', '.join(paged_capable())})")
+    if implementation.decode_unsupported is not None:
+        why = implementation.decode_unsupported(q_len=lq, dtype=dtype)
+        if why is not None:
+            return f"its decode path cannot take this paged call: {why}"
+    if implementation.pages_unsupported is not None:
+        why = implementation.pages_unsupported(page_size=page_size, head_dim=head_dim)
+        if why is not None:
+            return f"its decode path cannot read these pages: {why}"
     return None
 
 

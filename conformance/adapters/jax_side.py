@@ -53,7 +53,8 @@ class JaxImplAdapter(Adapter):
             return _cudnn_unsupported(case)
         if case.page_size:
             from jax_impl.implementations import get, paged_unsupported
-            reason = paged_unsupported(get(self.implementation))
+            reason = paged_unsupported(get(self.implementation), lq=case.q_len, dtype=case.dtype,
+                                       page_size=case.page_size, head_dim=case.head_dim)
             if reason:
                 return reason
         reason = _jax_impl_unsupported(self.implementation, case, self.device)

@@ -974,6 +974,14 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
     const int64_t j1 = std::min(keys.hi, j0 + bk), n = j1 - j0, nw = round_up(n, W);
     FLASH_CPU_CHECK(0 <= j0 && j1 <= P.Lk);
     const bool whole = P.whole(b, 0, P.Lq, j0, j1);
+    // Pages lie anywhere: the next tile's pages are touched ahead (its key rows' first lines),
+    // so that their address translation and the streaming prefetch start while this tile runs.
+    if (cache.page_table != nullptr)
+      for (int64_t j = j1; j < std::min(keys.hi, j1 + bk); ++j) {
+        const int64_t off = cache.row(P, b, 0, j);
+        __builtin_prefetch(kc + off);
+        __builtin_prefetch(vc + off);
+      }
     // First pass, in memory order: each key's rows of every kv head lie together in the cache
     // (dense, or within a page); they are checked for non-finite values (float32 read in
     // place) or converted into the scratch (16-bit, or a head_dim to pad), streaming.

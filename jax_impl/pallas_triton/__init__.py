@@ -10,7 +10,8 @@ from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.backward import backward_call
-from jax_impl.pallas_triton.decoding import decode  # noqa: F401 (Implementation.decode)
+from jax_impl.pallas_triton.decoding import (  # noqa: F401 (Implementation.decode*)
+    decode, decode_unsupported, pages_unsupported)
 from jax_impl.pallas_triton.forward import forward_call
 from jax_impl.pallas_triton.layout import Layout
 

@@ -60,7 +60,7 @@ class KeyTile(NamedTuple):
 
 
 def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: int,
-                    masked: bool, *, finite_kv: bool) -> KeyTile:
+                    masked: bool, *, finite_kv: bool, page_slot=None) -> KeyTile:
     """Key tile ``j`` of the forward and dQ kernels: its loads (masked at the edges), the mask
     rule and the logits. ``refs``: (k, v, kv segment ids, mask, bias, key poison); segment ids,
     mask and bias may be None.
@@ -70,9 +70,14 @@ def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: in
     rows' poison came with q (``QueryTile``). ``finite_kv``: k and v are copies with their
     non-finite entries as 0 (the dQ kernel, whose dq = dS k reads k at excluded pairs too);
     else (the forward) a masked tile makes v finite, as P V reads it where P = 0, and k stays as
-    loaded (S's excluded entries are replaced)."""
+    loaded (S's excluded entries are replaced).
+    ``page_slot``: (page id, first slot) of the page that holds this whole tile (paged decode:
+    k, v ``[num_pages, page_size, Dp]``, key poison ``[num_pages, page_size]``); the mask still
+    sees logical key positions."""
     k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref, key_poison_ref = refs
     keys = pl.ds(j * block_k, block_k)
+    # Where the tile's K, V and key poison rows lie: logical keys, or slots of one page.
+    cache_rows = (keys,) if page_slot is None else (page_slot[0], pl.ds(page_slot[1], block_k))
     key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
     # An interior tile (masked=False) lies below kv_len <= Lk: no load of it needs a mask.
     key_ok = within(key_positions, layout.lk) if masked else None
@@ -83,12 +88,12 @@ def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: in
         None if kv_seg_ref is None else load(kv_seg_ref.at[keys], key_ok),
         pair_tile(mask_ref), structural=masked, position_offset=query.offset)
     feature_ok = layout.features_within()
-    k, v = (load(ref.at[keys, :], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
+    k, v = (load(ref.at[(*cache_rows, slice(None))], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
     if allowed is not None and not finite_kv:
         v = online_softmax.finite_or_zero(v)
     qk = dot(query.q, k, cfg.precision, trans_b=True)                # [bq, bk]
     t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref))
-    t = t + online_softmax.per_row(load(key_poison_ref.at[keys], key_ok), transposed=True)
+    t = t + online_softmax.per_row(load(key_poison_ref.at[cache_rows], key_ok), transposed=True)
     return KeyTile(cols, key_ok, allowed, t, capped, k, v)
 
 

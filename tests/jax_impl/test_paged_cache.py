@@ -62,6 +62,24 @@ def test_paged_matches_the_oracle_and_the_dense_cache(page_size, pages_per_seque
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("page_size,pages_per_sequence,shuffled", [
+    (1, 600, True), (16, 40, False), (16, 40, True), (64, 10, True)])
+def test_cpu_kernel_paged_equals_dense(page_size, pages_per_sequence, shuffled):
+    """implementation='cpu' reads the pages in place (C++ kernel): the float64 oracle's answer,
+    and the C++ kernel's own answer on the gathered dense cache; GQA, bottom-right causal with
+    per-row lengths."""
+    rng, q, k_pages, v_pages, table = _setup(20 + page_size, lq=2, page_size=page_size,
+                                             pages_per_sequence=pages_per_sequence, shuffled=shuffled)
+    capacity = page_size * pages_per_sequence
+    lengths = jnp.asarray([capacity - 5, int(rng.integers(2, capacity // 2))], jnp.int32)
+    kw = dict(is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=lengths)
+    out = flash_attention(q, k_pages, v_pages, page_table=table, implementation="cpu", **kw)
+    np.testing.assert_allclose(np.asarray(out), _oracle(q, k_pages, v_pages, table, **kw), atol=2e-5, rtol=0)
+    dense = flash_attention(q, kv_cache.gather(k_pages, table), kv_cache.gather(v_pages, table),
+                            implementation="cpu", **kw)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense), atol=2e-6, rtol=0)
+
+
 def test_paged_many_query_rows_run_by_the_same_code():
     _, q, k_pages, v_pages, table = _setup(11, lq=40, hq=4, hkv=4, d=8, page_size=8, pages_per_sequence=12)
     kw = dict(is_causal=True, causal_alignment="bottom_right")
@@ -77,28 +95,45 @@ def test_paged_bfloat16_pages():
     assert np.abs(np.asarray(out, np.float64) - expected).max() < 2e-2
 
 
-def test_pages_are_read_in_place():
+@pytest.mark.parametrize("implementation", ["xla", "cpu"])
+def test_pages_are_read_in_place(implementation):
     """No cache-shaped array ([..., Hkv, D]) as large as the gathered cache [B, Lk, Hkv, D] in
-    the compiled HLO, other than the pages themselves: each step gathers one tile per split."""
+    the compiled HLO, other than the pages themselves: xla gathers one tile per split and step;
+    the C++ kernel receives the pages themselves."""
     b, page_size, per_sequence, hkv, d = 2, 16, 256, 2, 8
     _, q, k_pages, v_pages, table = _setup(0, b=b, lq=16, hq=8, hkv=hkv, d=d, page_size=page_size,
                                            pages_per_sequence=per_sequence)
     call = jax.jit(lambda q, k, v, t: flash_attention(q, k, v, page_table=t, is_causal=True,
-                                                      causal_alignment="bottom_right"))
+                                                      causal_alignment="bottom_right",
+                                                      implementation=implementation))
     hlo = call.lower(q, k_pages, v_pages, table).compile().as_text()
     gathered = b * per_sequence * page_size * hkv * d
     sizes = [int(np.prod([int(n) for n in dims.split(",")]))
              for dims in re.findall(rf"(?:f32|bf16)\[([\d,]*,{hkv},{d})\]", hlo)]
     pages = k_pages.size
-    assert pages > gathered and sizes
-    assert max(n for n in sizes if n != pages) < gathered, sorted(set(sizes))[-5:]
+    assert pages > gathered and pages in sizes
+    assert max([n for n in sizes if n != pages], default=0) < gathered, sorted(set(sizes))[-5:]
+    assert ("jax_flash_attention_cpu_decode" in hlo) == (implementation == "cpu")
 
 
 def test_explain_reports_the_decode_path_for_pages():
+    """On the CPU a paged call runs on the C++ kernel's decode path; more query rows than its
+    decode takes run on xla's, and explain says why."""
     _, q, k_pages, v_pages, table = _setup(1)
     choice = explain_implementation(q, k_pages, v_pages, page_table=table, platform="cpu")
+    assert choice.chosen == "cpu" and choice.path == "decode" and choice.reasons["cpu"] is None
+    many = jnp.concatenate([q] * 17, axis=1)
+    choice = explain_implementation(many, k_pages, v_pages, page_table=table, platform="cpu")
     assert choice.chosen == "xla" and choice.path == "decode"
-    assert "decode path" in choice.reasons["cpu"]
+    assert "17 query rows" in choice.reasons["cpu"]
+
+
+def test_paged_calls_go_to_the_cpu_kernel():
+    """The default CPU paged call lowers to the C++ decode kernel (not xla's gathers)."""
+    _, q, k_pages, v_pages, table = _setup(5)
+    hlo = jax.jit(lambda q, k, v, t: flash_attention(q, k, v, page_table=t)).lower(
+        q, k_pages, v_pages, table).as_text()
+    assert "jax_flash_attention_cpu_decode" in hlo
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -111,17 +146,18 @@ def test_explain_reports_the_decode_path_for_pages():
     (dict(q_segment_ids=jnp.zeros((2, 1), jnp.int32), kv_segment_ids=jnp.zeros((2, 640), jnp.int32)),
      "segment_ids cannot be used"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate > 0 cannot be used"),
-    (dict(implementation="cpu"), "implementation='cpu' cannot take page_table"),
+    (dict(query=jnp.ones((2, 17, 8, 16)), implementation="cpu"),
+     "implementation='cpu' cannot take page_table: .*17 query rows"),
     (dict(implementation="reference"), "implementation='reference' cannot take page_table"),
     (dict(value=jnp.zeros((87, 16, 2, 8))), "key and value must have the same shape"),
     (dict(key=jnp.zeros((2, 87, 16, 2, 16)), value=jnp.zeros((2, 87, 16, 2, 16))), "key and value are pages"),
 ])
 def test_paged_arguments_are_validated(bad, message):
     _, q, k_pages, v_pages, table = _setup(2)
-    args = dict(key=k_pages, value=v_pages, page_table=table)
+    args = dict(query=q, key=k_pages, value=v_pages, page_table=table)
     args.update(bad)
     with pytest.raises((ValueError, TypeError), match=message):
-        flash_attention(q, args.pop("key"), args.pop("value"), **args)
+        flash_attention(args.pop("query"), args.pop("key"), args.pop("value"), **args)
 
 
 def test_traced_page_ids_and_lengths_are_clamped():
