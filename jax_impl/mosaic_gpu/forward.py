@@ -210,62 +210,140 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         plgpu.barrier_wait(q_loaded.at[wg])
         pl.when(wg == 1)(schedule_sync)  # one phase behind warpgroup 0: the ping-pong
 
-        def attend(j, carry, masked: bool):
-            acc, row_max, row_sum, step = carry
-            slot = lax.rem(step, c.num_stages)
-            plgpu.barrier_wait(k_produced.at[slot])
-
-            def logits(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-                schedule_sync()  # the other warpgroup's GEMMs go next
-                return acc_ref[...]
-
-            qk = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            t, _ = softmax.logits(qk, cfg)
+        def softmax_of(s, j, masked: bool, row_max, row_sum):
+            """The online softmax of key tile ``j``'s logits: (rescale, P in fp32, stats)."""
+            t, _ = softmax.logits(s, cfg)
             allowed = None
             if masked:
                 allowed = masking.structural_allowed(
                     cfg.mask, it.q_start + iota(0), j * c.block_kv + iota(1), it.q_len,
                     it.kv_len, it.offset)
             rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
-            acc = acc * online_softmax.rows_to(rescale, acc)
-            p = p.astype(geometry.dtype)
+            return rescale, p, row_max, row_sum
+
+        def end_of_tile(slot, state):
+            """After a tile's softmax: the other warpgroup's GEMMs go; then this tile's V."""
             # JAX's and tokamax's kernels: finishing the softmax before the barrier keeps the
             # other warpgroup's GEMMs from splitting it.
-            acc, row_max, row_sum, p = lax.optimization_barrier((acc, row_max, row_sum, p))
+            state = lax.optimization_barrier(state)
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(v_produced.at[slot])
             plgpu.barrier_wait(schedule)
+            return state
 
-            acc = _accumulate_values(acc, p, v_smem.at[slot], interpreted)
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, row_max, row_sum, step + 1
+        def first(j, carry):
+            """The first key tile this warpgroup attends: S, its softmax, no P V yet (the
+            pipeline's prologue; the mask rule is applied, right for any tile)."""
+            acc, row_max, row_sum, p_prev, step = carry
+            slot = lax.rem(step, c.num_stages)
+            plgpu.barrier_wait(k_produced.at[slot])
+
+            def logits(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+                schedule_sync()  # the other warpgroup's GEMMs go next
+                return s_ref[...]
+
+            s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            rescale, p, row_max, row_sum = softmax_of(s, j, True, row_max, row_sum)
+            p = p.astype(geometry.dtype)
+            acc = acc * online_softmax.rows_to(rescale, acc)
+            acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
+            return acc, row_max, row_sum, p, step + 1
+
+        def attend(j, carry, masked: bool):
+            """Key tile ``j`` (FA3's intra-warpgroup pipelining): S_j = Q K_j^T and
+            O += P_{j-1} V_{j-1} are issued together, tile j's softmax runs once S_j is ready
+            while P V may still run on the tensor cores, then O takes tile j's rescale."""
+            acc, row_max, row_sum, p_prev, step = carry
+            slot = lax.rem(step, c.num_stages)
+            prev = lax.rem(step + c.num_stages - 1, c.num_stages)
+            plgpu.barrier_wait(k_produced.at[slot])
+
+            def between(s, row_max=row_max, row_sum=row_sum):
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                return softmax_of(s, j, masked, row_max, row_sum)
+
+            acc, (rescale, p, row_max, row_sum) = _pipelined_gemms(
+                acc, q_smem, k_smem.at[slot], p_prev, v_smem.at[prev], schedule_sync, between,
+                interpreted)
+            plgpu.barrier_arrive(v_consumed.at[prev])
+            # P in 16 bits only now: registers that the next P V reads, written while this
+            # one runs, make ptxas serialise every wgmma (its warning C7513).
+            p = p.astype(geometry.dtype)
+            acc = acc * online_softmax.rows_to(rescale, acc)
+            acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
+            return acc, row_max, row_sum, p, step + 1
+
+        def last(carry):
+            """The pipeline's epilogue: O += P V of the last attended tile."""
+            acc, row_max, row_sum, p_prev, step = carry
+            prev = lax.rem(step + c.num_stages - 1, c.num_stages)
+            acc = _accumulate_values(acc, p_prev, v_smem.at[prev], interpreted)
+            plgpu.barrier_arrive(v_consumed.at[prev])
+            return acc, row_max, row_sum, p_prev, step
 
         def pass_(j, carry):
             """A tile of the CTA's range that none of this warpgroup's rows may see: the ring's
             barriers and the schedule go on as if it were read."""
-            acc, row_max, row_sum, step = carry
-            slot = lax.rem(step, c.num_stages)
+            slot = lax.rem(carry[-1], c.num_stages)
             plgpu.barrier_wait(k_produced.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
             schedule_sync()
             plgpu.barrier_wait(v_produced.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
             schedule_sync()
-            return acc, row_max, row_sum, step + 1
+            return (*carry[:-1], carry[-1] + 1)
 
-        masked = functools.partial(attend, masked=True)
-        bodies = (pass_, masked, functools.partial(attend, masked=False), masked, pass_)
-        carry = (acc, row_max, row_sum, step)
-        for start, stop, body in zip(it.bounds[:-1], it.bounds[1:], bodies):
-            carry = lax.fori_loop(start, stop, body, carry)
-        acc, row_max, row_sum, step = carry
+        # The stretches (kv_block_split): pass, masked, unmasked, masked, pass. The attended
+        # ones are contiguous: the first of them is the prologue, the others pipelined.
+        b = it.bounds
+        p_prev = plgpu.layout_cast(jnp.zeros(tile, geometry.dtype), plgpu.Layout.WGMMA)
+        carry = lax.fori_loop(b[0], b[1], pass_, (acc, row_max, row_sum, p_prev, step))
+        attends = b[1] < b[4]
+        carry = lax.cond(attends, lambda x: first(b[1], x), lambda x: x, carry)
+        after_first = b[1] + 1
+        for start, stop, masked in ((b[1], b[2], True), (b[2], b[3], False), (b[3], b[4], True)):
+            carry = lax.fori_loop(jnp.maximum(start, after_first), stop,
+                                  functools.partial(attend, masked=masked), carry)
+        carry = lax.cond(attends, last, lambda x: x, carry)
+        carry = lax.fori_loop(b[4], b[5], pass_, carry)
+        acc, row_max, row_sum, _, step = carry
         pl.when(wg == 0)(schedule_sync)
         _store(geometry, refs, it, acc, row_max, row_sum, q_smem, max_smem, log_sum_smem)
         return step
 
     order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+
+
+def _pipelined_gemms(acc, q_tile, k_tile, p_prev, v_prev, after_issue, between,
+                     interpreted: bool):
+    """S = Q K^T and O = acc + P_prev V_prev, issued back to back (two wgmma groups);
+    ``after_issue()`` runs once both are issued, ``between(S)`` once S is ready (``wait_group
+    1``: the P V group may still run), and O is read last (``wait_group 0``). -> (O, what
+    ``between`` returned). O lives in an accumulator initialised from ``acc``'s registers.
+    Interpreted (the interpreter of jax 0.11 runs neither a register-operand wgmma nor a
+    partial wait): S by a wgmma waited at once and P V as a plain dot, the same barrier order."""
+    tile = (q_tile.shape[0], k_tile.shape[0])
+    if interpreted:
+        def logits(s_ref):
+            plgpu.wgmma(s_ref, q_tile, k_tile.T)
+            after_issue()
+            return s_ref[...]
+
+        s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
+        acc = acc + jnp.dot(p_prev, v_prev[...], preferred_element_type=jnp.float32)
+        return acc, between(s)
+
+    def gemms(o_ref, s_ref):
+        o_ref[...] = acc
+        plgpu.wgmma(s_ref, q_tile, k_tile.T)
+        plgpu.wgmma(o_ref, p_prev, v_prev)
+        after_issue()
+        found = between(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+        return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), found
+
+    return pl.run_scoped(gemms, plgpu.ACC(acc.shape, jnp.float32), plgpu.ACC(tile, jnp.float32))
 
 
 def _accumulate_values(acc, p, v_tile, interpreted: bool):
