@@ -48,6 +48,7 @@ from jax_impl.mosaic_gpu.scheduler import WorkOrder
 CONSUMER_REGISTERS = 232  # per thread; 2 x 128 x 232 + 128 x 40 = 64512 of the SM's 65536
 PRODUCER_REGISTERS = 40
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per query row of a WGMMA tile
+_COLUMN = plgpu.Layout.WGMMA.reduce(0)  # one value per key column of a WGMMA tile
 _MEMORY_WARPGROUP = CONSUMERS        # warpgroups 0 and 1 compute, 2 loads
 
 
@@ -120,14 +121,16 @@ class _Item:
                            self.hi]
 
 
-def _split_refs(refs, has_offset: bool, has_sinks: bool):
+def _split_refs(refs, has_offset: bool, has_sinks: bool, has_segments: bool):
     refs = list(refs)
     q, k, v, q_len, kv_len = refs[:5]
     rest = refs[5:]
     offset = rest.pop(0) if has_offset else None
     sinks = rest.pop(0) if has_sinks else None
+    q_segments, kv_segments = (rest.pop(0), rest.pop(0)) if has_segments else (None, None)
     out, row_max, log_sum = rest
-    return _KernelRefs(q, k, v, q_len, kv_len, offset, sinks, out, row_max, log_sum)
+    return _KernelRefs(q, k, v, q_len, kv_len, offset, sinks, out, row_max, log_sum,
+                       q_segments, kv_segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +145,8 @@ class _KernelRefs:
     out: object       # [B, Lq, Hq, D]
     row_max: object   # [B, Hq, lq_stats] float32
     log_sum: object   # [B, Hq, lq_stats] float32
+    q_segments: object = None   # [B, lq_stats] int32 or None (padded: every row a load reads)
+    kv_segments: object = None  # [B, whole key tiles] int32 or None
 
 
 def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem, barriers):
@@ -205,6 +210,9 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             0 if refs.sinks.shape[0] == 1 else b, 0 if refs.sinks.shape[1] == 1 else head]
         row_max, row_sum = (plgpu.layout_cast(x, _ROW)
                             for x in dropout_sinks.initial_stats(sink, (c.block_q,)))
+        # Segment ids by plain loads from global memory (a few bytes per row and key).
+        q_segments = None if refs.q_segments is None else plgpu.load(
+            refs.q_segments.at[b, pl.ds(it.q_start, c.block_q)], layout=_ROW, optimized=False)
         acc = plgpu.layout_cast(jnp.zeros((c.block_q, geometry.head_dim), jnp.float32),
                                 plgpu.Layout.WGMMA)
         plgpu.barrier_wait(q_loaded.at[wg])
@@ -218,6 +226,13 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 allowed = masking.structural_allowed(
                     cfg.mask, it.q_start + iota(0), j * c.block_kv + iota(1), it.q_len,
                     it.kv_len, it.offset)
+            if q_segments is not None:  # every pair's rule: on every tile, the interior too
+                kv_segments = plgpu.load(
+                    refs.kv_segments.at[it.b, pl.ds(j * c.block_kv, c.block_kv)],
+                    layout=_COLUMN, optimized=False)
+                same = (online_softmax.rows_to(q_segments, s)
+                        == lax.broadcast_in_dim(kv_segments, tile, (1,)))
+                allowed = same if allowed is None else allowed & same
             rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
             return rescale, p, row_max, row_sum
 
@@ -380,13 +395,22 @@ def _store(geometry: Geometry, refs: _KernelRefs, it: _Item, acc, row_max, row_s
 
 
 def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_len, offset=None,
-                 sinks=None, *, num_sms: int | None = None, interpret=None):
+                 sinks=None, q_segment_ids=None, kv_segment_ids=None, *,
+                 num_sms: int | None = None, interpret=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), q_len/kv_len [B] int32, offset [B] int32
-    or None, sinks [Bs, Hs] float32 or None -> (out [B, Lq, Hq, D], row max and log-sum
-    [B, Hq, Lq] float32, natural log)."""
+    or None, sinks [Bs, Hs] float32 or None, segment ids [B, Lq] and [B, Lk] int32 or None ->
+    (out [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32, natural log)."""
     c = geometry.config
     lq, lk = geometry.lq, geometry.lk
     q, k, v, geometry = _rows_of_eight(q, k, v, geometry)
+    has_segments = q_segment_ids is not None
+    if has_segments:
+        # Whole tiles, so that every row a tile's load reads exists; the padded rows and keys
+        # lie past the lengths (the length rule is on there), their ids are never compared.
+        pad = lambda ids, n, fill: jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, n - ids.shape[1])),
+                                           constant_values=fill)
+        q_segment_ids = pad(q_segment_ids, geometry.lq_stats, -1)
+        kv_segment_ids = pad(kv_segment_ids, -(-geometry.lk // c.block_kv) * c.block_kv, -2)
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=geometry.lq % geometry.rows_per_cta != 0 or geometry.lq != lq,
         keys_padded=geometry.lk % c.block_kv != 0 or geometry.lk != lk))
@@ -396,7 +420,7 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
     has_offset, has_sinks = offset is not None, sinks is not None
 
     def entry(*refs):
-        kernel_refs = _split_refs(refs, has_offset, has_sinks)
+        kernel_refs = _split_refs(refs, has_offset, has_sinks, has_segments)
 
         def body(smem, barriers):
             wg = lax.axis_index("wg")
@@ -410,7 +434,8 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
                       *tiles, *barriers, collective_axes="wg")
 
     stats = jax.ShapeDtypeStruct((geometry.batch, geometry.heads, geometry.lq_stats), jnp.float32)
-    operands = [q, k, v, q_len, kv_len] + [x for x in (offset, sinks) if x is not None]
+    operands = [q, k, v, q_len, kv_len] + [x for x in (offset, sinks, q_segment_ids,
+                                                       kv_segment_ids) if x is not None]
     kernel = plgpu.kernel(
         entry, out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats),
         grid=(order.num_ctas,), grid_names=("cta",), num_threads=CONSUMERS + 1, thread_name="wg",
