@@ -93,6 +93,8 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
             ("lengths, bottom-right, window, soft cap, sinks", "bfloat16", 128, True, None,
              dict(lengths=True, bottom_right=True, window=(512, 0), soft_cap=30.0, sinks=True)),
             ("GQA 8:2", "bfloat16", 128, True, None, dict(kv_heads=2)),
+            *(("segment ids", "bfloat16", d, causal, None, dict(segments=True))
+              for d, causal in ((64, True), (128, True), (128, False))),
             ("3 stages", "bfloat16", 64, True, Config(64, 128, 3), {}),
             ("block_kv=64", "bfloat16", 128, True, Config(64, 64, 2), {}),
             ("not persistent", "bfloat16", 128, True, Config(persistent=False), {}),
@@ -130,9 +132,10 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
             struct((BATCH, length, kv_heads, head_dim), dtype),
             struct((BATCH,), jnp.int32), struct((BATCH,), jnp.int32)]
     sinks = struct((1, HEADS), jnp.float32) if options.get("sinks") else None
+    segments = ([struct((BATCH, length), jnp.int32)] * 2) if options.get("segments") else []
 
-    def forward(q, k, v, q_len, kv_len, sinks=None):
-        return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks)
+    def forward(q, k, v, q_len, kv_len, sinks, *segments):
+        return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks, *segments)
 
     facts = Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q, config.block_kv,
                   config.num_stages, config.persistent, length,
@@ -142,7 +145,7 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
         raise ValueError(f"over the shared-memory budget: {facts.shared_estimate / 1024:.1f} KiB "
                          f"> {SHARED_MEMORY_BUDGET // 1024} KiB, not compiled")
     start = time.perf_counter()
-    jax.jit(forward).lower(*args, *([sinks] if sinks is not None else [])).compile()
+    jax.jit(forward).lower(*args, sinks, *segments).compile()
     facts.compile_s = round(time.perf_counter() - start, 2)
     return facts
 
@@ -232,8 +235,9 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                                               topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
-            if config is not None or head_dim > 128:
-                continue  # forward tiles, or a head_dim the kernel does not offer
+            if config is not None or head_dim > 128 or options.get("segments"):
+                continue  # forward tiles, a head_dim the kernel does not offer, or segment
+                # ids (their backward is pallas_triton's)
             dump = Path(root) / f"backward_{index}"
             dump.mkdir()
             os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)

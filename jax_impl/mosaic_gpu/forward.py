@@ -20,7 +20,11 @@ warpgroups:
 Each consumer walks every key tile of its CTA's range (the producer loads each once for both)
 in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outside its own
 range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
-the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none.
+the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none
+(segment ids, when given, apply on every tile). Inside a consumer the attended tiles are
+pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
+with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
+first attended tile is the prologue (no P V yet), an epilogue adds the last P V.
 Edges: a last query or key tile may run past Lq or Lk; TMA loads there read zeros and stores are
 clipped by the hardware, and ``masking.with_padding`` switches on the length rule, so no operand
 is padded and no shape needs to divide by a tile.
