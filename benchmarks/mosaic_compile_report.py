@@ -31,6 +31,7 @@ TARGET = Path(__file__).resolve().parent / "gpu_targets" / "h100_sxm.txtpb"
 SEQ_LEN = 4096
 BATCH, HEADS, KV_HEADS = 1, 8, 8
 REGENERATE = "python -m benchmarks.mosaic_compile_report --out benchmarks/results/mosaic_compile_report_sm90"
+CANDIDATES = "python -m benchmarks.mosaic_compile_report --out benchmarks/results/mosaic_forward_tiles_sm90"
 
 
 @dataclasses.dataclass
@@ -58,6 +59,8 @@ class Facts:
     tma_loads: int = 0                  # cp.async.bulk.tensor global -> shared
     tma_stores: int = 0                 # cp.async.bulk(.tensor) shared -> global (1-D: the row stats)
     mbarrier_waits: int = 0
+    partial_waits: int = 0              # wgmma.wait_group N > 0: a GEMM left running (pipelining)
+    serialized: list = dataclasses.field(default_factory=list)  # ptxas C75xx: wgmma serialised
     kernel: str = "forward"             # forward, dK/dV or dQ
 
 
@@ -67,6 +70,12 @@ def _environment(dump: str):
     os.environ.update(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
 
 
+# The forward's tile sweep (``--only candidates``; docs/design.md, "Forward tiles"), the same
+# candidates that run_gpu.sh times (benchmarks/mosaic_tiles.py). Those over the shared-memory
+# budget are listed, not compiled.
+from benchmarks.mosaic_tiles import TILE_CANDIDATES  # noqa: E402  (imports no jax)
+
+
 def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     """(label, dtype, head_dim, causal, Config or None, extra call options): the shipped
     defaults (16-bit, D=64/128, causal and not); ``all`` adds masked edges, the mask features,
@@ -74,12 +83,18 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
              for d in (64, 128) for causal in (False, True)]
+    if only == "candidates":
+        return [(f"candidate {c.block_q}/{c.block_kv}/{c.num_stages}", "bfloat16", d, causal, c, {})
+                for d in (64, 128) for causal in (False, True)
+                for c in (Config(q, kv, stages) for q, kv, stages in TILE_CANDIDATES)]
     if only == "all":
         found += [
             ("edges: L=4001 (padded to 4008)", "bfloat16", 128, True, None, dict(seq_len=seq_len - 95)),
             ("lengths, bottom-right, window, soft cap, sinks", "bfloat16", 128, True, None,
              dict(lengths=True, bottom_right=True, window=(512, 0), soft_cap=30.0, sinks=True)),
             ("GQA 8:2", "bfloat16", 128, True, None, dict(kv_heads=2)),
+            *(("segment ids", "bfloat16", d, causal, None, dict(segments=True))
+              for d, causal in ((64, True), (128, True), (128, False))),
             ("3 stages", "bfloat16", 64, True, Config(64, 128, 3), {}),
             ("block_kv=64", "bfloat16", 128, True, Config(64, 64, 2), {}),
             ("not persistent", "bfloat16", 128, True, Config(persistent=False), {}),
@@ -117,15 +132,20 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
             struct((BATCH, length, kv_heads, head_dim), dtype),
             struct((BATCH,), jnp.int32), struct((BATCH,), jnp.int32)]
     sinks = struct((1, HEADS), jnp.float32) if options.get("sinks") else None
+    segments = ([struct((BATCH, length), jnp.int32)] * 2) if options.get("segments") else []
 
-    def forward(q, k, v, q_len, kv_len, sinks=None):
-        return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks)
+    def forward(q, k, v, q_len, kv_len, sinks, *segments):
+        return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks, *segments)
 
     facts = Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q, config.block_kv,
                   config.num_stages, config.persistent, length,
                   config.shared_memory_bytes(head_dim, dtype))
+    from jax_impl.mosaic_gpu.config import SHARED_MEMORY_BUDGET
+    if facts.shared_estimate > SHARED_MEMORY_BUDGET:
+        raise ValueError(f"over the shared-memory budget: {facts.shared_estimate / 1024:.1f} KiB "
+                         f"> {SHARED_MEMORY_BUDGET // 1024} KiB, not compiled")
     start = time.perf_counter()
-    jax.jit(forward).lower(*args, *([sinks] if sinks is not None else [])).compile()
+    jax.jit(forward).lower(*args, sinks, *segments).compile()
     facts.compile_s = round(time.perf_counter() - start, 2)
     return facts
 
@@ -191,6 +211,10 @@ def _read_dump(facts: Facts, dump: Path, prefix: str = "") -> None:
     facts.tma_loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global", ptx))
     facts.tma_stores = len(re.findall(r"cp\.async\.bulk(?:\.tensor\.\w+)?\.global\.shared::cta", ptx))
     facts.mbarrier_waits = len(re.findall(r"mbarrier\.try_wait", ptx))
+    facts.partial_waits = len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[1-9]", ptx))
+    # "Potential Performance Loss: wgmma.mma_async instructions are serialized due to ...":
+    # ptxas then waits after every wgmma, and no GEMM overlaps anything.
+    facts.serialized = sorted(set(re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", ptxas)))
     facts.ok = facts.registers is not None
 
 
@@ -211,8 +235,9 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                                               topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
-            if config is not None or head_dim > 128:
-                continue  # forward tiles, or a head_dim the kernel does not offer
+            if config is not None or head_dim > 128 or options.get("segments"):
+                continue  # forward tiles, a head_dim the kernel does not offer, or segment
+                # ids (their backward is pallas_triton's)
             dump = Path(root) / f"backward_{index}"
             dump.mkdir()
             os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
@@ -265,37 +290,41 @@ def report(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
     return rows
 
 
-def markdown(rows: list[Facts]) -> str:
+def markdown(rows: list[Facts], only: str = "all") -> str:
     import jax
     kib = lambda n: "-" if n is None else f"{n / 1024:.1f}"
     lines = [
         "# The Mosaic GPU kernels compiled for sm_90a (H100/H200), without a GPU",
         "",
-        f"Regenerate: `{REGENERATE} --only all` (jax {jax.__version__}, its CUDA plugin's ptxas; "
+        f"Regenerate: `{REGENERATE if only != 'candidates' else CANDIDATES} --only {only}` (jax {jax.__version__}, its CUDA plugin's ptxas; "
         f"B={BATCH}, Hq={HEADS}, Hkv={KV_HEADS} unless the label says otherwise). Registers: ptxas's "
         "launch allocation per thread (65536 / 384 threads); `setmaxnreg` then gives the two "
         "consumer warpgroups and takes from the producer (its values below). Shared memory: "
         "Mosaic's scratch beside `Config.shared_memory_bytes` (KiB; the budget is 227). TMA: "
         "`cp.async.bulk.tensor` loads (Q, K, V) and bulk stores (O by a tensor copy, the row max and log-sum by 1-D bulk copies) in the PTX; "
-        "wgmma: `wgmma.mma_async` instructions (each loop body of the kernel holds its own). "
+        "wgmma: `wgmma.mma_async` instructions (each loop body of the kernel holds its own); "
+        "partial waits: `wgmma.wait_group` with N > 0 (a GEMM left running while the softmax "
+        "runs: the forward's intra-warpgroup pipelining); serialised: ptxas's C75xx warning "
+        "that it serialised every wgmma (none is the bar). "
         "The backward rows (dK/dV, dQ) have their own tiles (`BackwardConfig`: q, kv, stages) "
         "and registers (`setmaxnreg` 240 for the two compute warpgroups, 24 for the memory one); "
         "their TMA loads: K, V, Q, dO and the row vectors.",
         "",
-        "| kernel | call | dtype | D | causal | tiles (q, kv, stages) | persistent | L | compiled | registers | spills (st/ld B) | smem KiB (estimate) | setmaxnreg | wgmma | TMA ld/st | mbarrier waits |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | call | dtype | D | causal | tiles (q, kv, stages) | persistent | L | compiled | registers | spills (st/ld B) | smem KiB (estimate) | setmaxnreg | wgmma | partial waits | serialised | TMA ld/st | mbarrier waits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if not r.ok:
             lines.append(f"| {r.kernel} | {r.label or 'plain'} | {r.dtype} | {r.head_dim} | {r.causal} | "
                          f"{r.block_q}, {r.block_kv}, {r.num_stages} | {r.persistent} | {r.seq_len} | "
-                         f"no: {r.error} | | | ({kib(r.shared_estimate)}) | | | | |")
+                         f"no: {r.error} | | | ({kib(r.shared_estimate)}) | | | | | | |")
             continue
         lines.append(
             f"| {r.kernel} | {r.label or 'plain'} | {r.dtype} | {r.head_dim} | {r.causal} | {r.block_q}, {r.block_kv}, "
             f"{r.num_stages} | {r.persistent} | {r.seq_len} | {r.compile_s} s | {r.registers} | "
             f"{r.spill_stores}/{r.spill_loads} | {kib(r.shared)} ({kib(r.shared_estimate)}) | "
-            f"{', '.join(sorted(set(r.setmaxnreg)))} | {r.wgmma} | {r.tma_loads}/{r.tma_stores} | "
+            f"{', '.join(sorted(set(r.setmaxnreg)))} | {r.wgmma} | {r.partial_waits} | "
+            f"{', '.join(r.serialized) or 'no'} | {r.tma_loads}/{r.tma_stores} | "
             f"{r.mbarrier_waits} |")
     return "\n".join(lines) + "\n"
 
@@ -303,7 +332,7 @@ def markdown(rows: list[Facts]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
-    parser.add_argument("--only", choices=("defaults", "all"), default="defaults")
+    parser.add_argument("--only", choices=("defaults", "all", "candidates"), default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
     args = parser.parse_args(argv)
@@ -312,12 +341,13 @@ def main(argv=None) -> int:
     rows = report(configs, args.seq_len) if args.kernels != "backward" else []
     if args.kernels != "forward":
         rows += report_backward(configs, args.seq_len)
-    table = markdown(rows)
+    table = markdown(rows, args.only)
     if args.out:
         Path(args.out + ".md").write_text(table)
         Path(args.out + ".json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
     print(table)
-    return 0 if all(r.ok for r in rows if r.head_dim <= 128) else 1
+    # A candidate that does not fit or compile is a result of the sweep, not a failure.
+    return 0 if all(r.ok for r in rows if r.head_dim <= 128 and not r.label.startswith("candidate")) else 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@
 #      on exit; the winners stay in $OUT/tuned_blocks.json),
 #   3. the gpu benchmark suite (its GPU implementations, each result also checked against
 #      the float64 oracle before it is timed), with what is left of TOTAL_BUDGET,
+#   3b. the Mosaic GPU forward's tile candidates (python -m benchmarks --suite mosaic_tiles:
+#      benchmarks/mosaic_tiles.py, each beside the default tiles and torch's cuDNN, L=8192
+#      forward), TILES_BUDGET s (default 120; 0 skips it), taken out of step 3's budget; its
+#      table is $OUT/bench_mosaic_tiles.md (choose jax_impl/mosaic_gpu/config.py's defaults from it),
 #   4. JAX's Hopper kernel (jax.pallas.mgpu, Mosaic GPU) at L=4096/8192, in a process of its
 #      own so that a crash there cannot cost step 3's results (skipped when time is short),
 #   5. the decode suite (python -m benchmarks --suite decode: a few query rows against a long dense
@@ -27,8 +31,9 @@
 # TUNE_TIMEOUT (110; the sweep's own --time-budget of 70 s cuts earlier), SKIP_TUNING (0), TUNE_ARGS
 # (extra arguments of benchmarks.tune_blocks), PEER_BUDGET (45 s for step 4; 0 skips it),
 # TOTAL_BUDGET (450 s for steps 1-3 and 5: the benchmark's --time-budget is what is left, at least 120).
-# Step 5's DECODE_BUDGET comes out of TOTAL_BUDGET. The whole script then ends within about
-# TOTAL_BUDGET + 60 + PEER_BUDGET + 60 + 60 s (about 11 minutes).
+# Step 5's DECODE_BUDGET and step 3b's TILES_BUDGET come out of TOTAL_BUDGET. The whole script then ends within about
+# TOTAL_BUDGET + 60 + PEER_BUDGET + 60 + 60 s (about 11 minutes), plus step 3b's process start and
+# the last measurement it began before its budget ran out (its timeout allows 60 s more).
 set -u
 OUT=${OUT:-./out}
 PYTHON=${PYTHON:-python3}
@@ -94,7 +99,7 @@ if [ "${SKIP_TUNING:-0}" != "1" ]; then
 fi
 
 start=$SECONDS
-budget=$(( ${TOTAL_BUDGET:-450} - SECONDS - ${DECODE_BUDGET:-90} ))  # step 5's share comes out of step 3's
+budget=$(( ${TOTAL_BUDGET:-450} - SECONDS - ${DECODE_BUDGET:-90} - ${TILES_BUDGET:-120} ))  # steps 3b's and 5's shares come out of step 3's
 [ "$budget" -lt 120 ] && budget=120
 budget_arg=""
 [ "$SUITE" = "gpu" ] && budget_arg="--time-budget $budget"  # runner suites (sharded, dropout) take none
@@ -104,6 +109,19 @@ timeout "${BENCH_TIMEOUT:-$((budget + 60))}" "$PYTHON" -m benchmarks --suite "$S
 bench_rc=$?
 log "benchmarks exit $bench_rc in $((SECONDS - start)) s (124 = timed out)"
 tail -n 60 "$WORK/benchmarks.log" >> "$LOG"
+
+tiles_rc=skipped
+tiles_budget=${TILES_BUDGET:-120}
+if [ "$SUITE" = "gpu" ] && [ "$tiles_budget" -gt 0 ]; then
+  start=$SECONDS
+  timeout $((tiles_budget + 60)) "$PYTHON" -m benchmarks --suite mosaic_tiles --device "$DEVICE" \
+    --time-budget "$tiles_budget" --out "$WORK/benchmarks_mosaic_tiles" > "$WORK/benchmarks_mosaic_tiles.log" 2>&1
+  tiles_rc=$?
+  log "Mosaic forward tiles exit $tiles_rc in $((SECONDS - start)) s"
+  tail -n 30 "$WORK/benchmarks_mosaic_tiles.log" >> "$LOG"
+  [ -f "$WORK/benchmarks_mosaic_tiles/bench_mosaic_tiles.md" ] && \
+    cp "$WORK/benchmarks_mosaic_tiles/bench_mosaic_tiles.md" "$OUT/bench_mosaic_tiles.md"
+fi
 
 peer_rc=skipped
 peer_budget=${PEER_BUDGET:-45}
@@ -129,7 +147,7 @@ if [ "$decode_budget" -gt 0 ]; then
   [ -f "$WORK/benchmarks_decode/bench_decode.md" ] && cp "$WORK/benchmarks_decode/bench_decode.md" "$OUT/bench_decode.md"
 fi
 
-echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc mgpu=$peer_rc decode=$decode_rc" > "$WORK/exit_codes.txt"
+echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc tiles=$tiles_rc mgpu=$peer_rc decode=$decode_rc" > "$WORK/exit_codes.txt"
 cp "$LOG" "$WORK/run_gpu.log"
 [ -f "$WORK/benchmarks/bench_$SUITE.md" ] && cp "$WORK/benchmarks/bench_$SUITE.md" "$OUT/bench_summary.md"
 [ -f "$WORK/benchmarks/bench_$SUITE.json" ] && cp "$WORK/benchmarks/bench_$SUITE.json" "$OUT/bench_$SUITE.json"

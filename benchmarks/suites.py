@@ -123,6 +123,19 @@ def _gpu() -> Suite:
         max_repeats=30, min_repeats=5, measure_budget_s=0.25, input_sets=3, time_budget_s=360.0)
 
 
+def _mosaic_tiles() -> Suite:
+    from benchmarks.mosaic_tiles import PLUGINS
+    return Suite(
+        "mosaic_tiles",
+        "the Mosaic GPU forward's tile candidates (benchmarks/mosaic_tiles.py) beside its default "
+        "tiles and torch's cuDNN: bf16, B=1, H=8, L=8192, D=64/128, causal and not, forward "
+        "only; a time budget of 120 s (run_gpu.sh's step 3b, TILES_BUDGET)",
+        tuple(Config(Shape(1, 8, 8192, d, "bfloat16"), c, "fwd") for d in (64, 128)
+              for c in (None, "top_left")),
+        impls={"cuda": ("jax_impl.mosaic_gpu", *PLUGINS, "torch.sdpa.cudnn")},
+        max_repeats=30, min_repeats=5, measure_budget_s=0.25, input_sets=2, time_budget_s=120.0)
+
+
 def _sharded() -> Suite:
     return Suite(
         "sharded",
@@ -163,7 +176,7 @@ def _decode() -> Suite:
         (), runner="benchmarks.decode")
 
 
-SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _sharded(), _dropout(), _cpu(),
+SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _mosaic_tiles(), _sharded(), _dropout(), _cpu(),
                               _decode())}
 
 

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax_impl import masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
-from jax_impl.mosaic_gpu.config import BackwardConfig, Config, default_backward_config, default_config
+from jax_impl.mosaic_gpu.config import (SHARED_MEMORY_BUDGET, BackwardConfig, Config,
+                                        default_backward_config, default_config)
 
 __all__ = ["Config", "BackwardConfig", "forward", "backward", "backward_unsupported", "unsupported", "unavailable", "HEAD_DIMS", "DTYPES"]
 
@@ -64,7 +65,8 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                 has_segment_ids: bool = False) -> str | None:
     """Why the Mosaic GPU forward cannot run such a call, or None. Every feature it does not
     take yet is named."""
-    del has_sinks  # taken
+    del has_sinks, has_segment_ids  # taken (segment ids: the forward; the backward is
+    # pallas_triton's then, backward_unsupported)
     if _UNAVAILABLE:
         return _UNAVAILABLE
     if head_dim not in HEAD_DIMS:
@@ -75,14 +77,18 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
         return "a bias is not taken yet"
     if has_mask:
         return "a dense mask is not taken yet"
-    if has_segment_ids:
-        return "segment ids are not taken yet"
     if cfg is not None:
         if cfg.dropout_rate:
             return "dropout is not taken yet"
         if cfg.block_sizes is not None and not isinstance(cfg.block_sizes, Config):
             return ("block_sizes is a BlockSizes (the Triton kernels' tiles); this kernel takes "
                     "jax_impl.mosaic_gpu.Config")
+        if isinstance(cfg.block_sizes, Config):
+            need = cfg.block_sizes.shared_memory_bytes(head_dim, jnp.bfloat16)  # 16-bit only
+            if need > SHARED_MEMORY_BUDGET:
+                return (f"block_sizes={cfg.block_sizes} needs {need / 1024:.1f} KiB of shared "
+                        f"memory at head_dim={head_dim}, over the {SHARED_MEMORY_BUDGET // 1024} "
+                        "KiB an sm_90 block may take: fewer num_stages or a smaller block_kv")
     return None
 
 
@@ -121,8 +127,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     q, k, v = _nonfinite_rule(q, k, v)
     out, row_max, log_sum = forward_call(
         cfg, geometry, q, k, v, masks.q_len, masks.kv_len, masks.position_offset,
-        None if sinks is None else sinks.astype(jnp.float32), num_sms=_num_sms(),
-        interpret=interpret)
+        None if sinks is None else sinks.astype(jnp.float32), masks.q_segment_ids,
+        masks.kv_segment_ids, num_sms=_num_sms(), interpret=interpret)
     return out, online_softmax.RowStats(row_max, log_sum)
 
 
@@ -133,10 +139,14 @@ def _nonfinite_rule(q, k, v):
             online_softmax.finite_or_zero(v))
 
 
-def backward_unsupported(cfg: AttentionConfig) -> str | None:
+def backward_unsupported(cfg: AttentionConfig, masks: masking.MaskInputs | None = None
+                         ) -> str | None:
     """Why this package's backward kernels do not differentiate a call that its forward runs,
-    or None: the caller chose another backward (``Config.backward``), or the call is
-    interpreted and chose none (the interpreted backward can hang: docs/limitations.md)."""
+    or None: the call has segment ids (the forward takes them, these kernels not yet), the
+    caller chose another backward (``Config.backward``), or the call is interpreted and chose
+    none (the interpreted backward can hang: docs/limitations.md)."""
+    if masks is not None and masks.q_segment_ids is not None:
+        return "segment ids: the Mosaic GPU backward kernels do not take them yet"
     config = cfg.block_sizes
     chosen = config.backward if isinstance(config, Config) else None
     if chosen == "pallas_triton":
@@ -154,8 +164,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     (``backward_unsupported``)."""
     from jax_impl.mosaic_gpu.backward import backward_call
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
-                         has_mask=masks.mask is not None, dtype=q.dtype,
-                         has_segment_ids=masks.q_segment_ids is not None)
+                         has_mask=masks.mask is not None, dtype=q.dtype)
+    if masks.q_segment_ids is not None:
+        reason = backward_unsupported(cfg, masks)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
     axes = vma.axes_of(q, k, v, masks, d_out, stats, delta)

@@ -13,6 +13,7 @@ import numpy as np
 
 SHARED_MEMORY_BUDGET = 227 * 1024  # bytes a CTA may take on sm_90 (232448 opt-in less 1 KiB)
 CONSUMERS = 2  # compute warpgroups per CTA (FlashAttention-3's forward)
+ALIGNMENT_SLACK = 3 * 1024  # Mosaic's padding between the forward's buffers (shared_memory_bytes)
 BACKWARDS = ("mosaic_gpu", "pallas_triton")
 
 
@@ -61,22 +62,39 @@ class Config:
 
     def shared_memory_bytes(self, head_dim: int, dtype) -> int:
         """Bytes of the kernel's scratch: Q (reused for O) per consumer, the K and V ring, the
-        row statistics per consumer, and one 8-byte mbarrier per stage and role."""
+        row statistics per consumer, one 8-byte mbarrier per stage and role, and Mosaic's
+        alignment of the buffers (measured: 2.9-3.0 KiB above their sum in every compiled
+        configuration, benchmarks/results/mosaic_forward_tiles_sm90.md)."""
         item = np.dtype(dtype).itemsize
         q = CONSUMERS * self.block_q * head_dim * item
         kv = 2 * self.num_stages * self.block_kv * head_dim * item
         stats = 2 * CONSUMERS * self.block_q * 4
         barriers = 8 * (4 * self.num_stages + CONSUMERS + 1)
-        return q + kv + stats + barriers
+        return q + kv + stats + barriers + ALIGNMENT_SLACK
+
+
+PREVIOUS_DEFAULT = Config(block_q=64, block_kv=128, num_stages=2)  # every head_dim until 0.2.0
 
 
 def default_config(head_dim: int, dtype) -> Config:
-    """The tiles for a call: 64 query rows per consumer, 128 keys per stage and two stages at
-    head_dim 64 and 128 (JAX's and tokamax's choice for FlashAttention-3 on H100); at 256, 64
-    keys per stage, so that the K/V ring and the accumulators fit."""
+    """The tiles for a call, chosen from the compiled sweep (docs/design.md, "Forward tiles";
+    benchmarks/results/mosaic_forward_tiles_sm90.md), not yet from GPU timings:
+
+    - head_dim 64: 128 query rows per consumer (a 256-row CTA), 64 keys per stage, two stages:
+      each K/V tile brought into shared memory serves twice the query rows of 64 x 128 (half the
+      ring's traffic per FLOP, where D=64 has the least arithmetic per byte; FA3 too takes its
+      largest query blocks at hdim 64), with the same accumulator registers per thread
+      (S 128 x 64 = 64 x 128 in fp32), 0 spills and 68 KiB of shared memory;
+    - head_dim 128: 64 x 128 x 2 (``PREVIOUS_DEFAULT``): the only 128-key candidate that fits
+      (a third stage or 192 keys need 228 KiB), and 128 query rows spill;
+    - head_dim 256 (not offered): 64 keys per stage, so that the ring and the accumulators fit.
+
+    ``Config(64, 128, 2)`` (``PREVIOUS_DEFAULT``) stays selectable at every head_dim."""
     del dtype  # 16-bit only (unsupported() refuses the rest)
+    if head_dim <= 64:
+        return Config(block_q=128, block_kv=64, num_stages=2)
     if head_dim <= 128:
-        return Config(block_q=64, block_kv=128, num_stages=2)
+        return PREVIOUS_DEFAULT
     return Config(block_q=64, block_kv=64, num_stages=2)
 
 

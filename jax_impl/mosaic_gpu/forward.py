@@ -20,7 +20,11 @@ warpgroups:
 Each consumer walks every key tile of its CTA's range (the producer loads each once for both)
 in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outside its own
 range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
-the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none.
+the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none
+(segment ids, when given, apply on every tile). Inside a consumer the attended tiles are
+pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
+with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
+first attended tile is the prologue (no P V yet), an epilogue adds the last P V.
 Edges: a last query or key tile may run past Lq or Lk; TMA loads there read zeros and stores are
 clipped by the hardware, and ``masking.with_padding`` switches on the length rule, so no operand
 is padded and no shape needs to divide by a tile.
@@ -48,6 +52,7 @@ from jax_impl.mosaic_gpu.scheduler import WorkOrder
 CONSUMER_REGISTERS = 232  # per thread; 2 x 128 x 232 + 128 x 40 = 64512 of the SM's 65536
 PRODUCER_REGISTERS = 40
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per query row of a WGMMA tile
+_COLUMN = plgpu.Layout.WGMMA.reduce(0)  # one value per key column of a WGMMA tile
 _MEMORY_WARPGROUP = CONSUMERS        # warpgroups 0 and 1 compute, 2 loads
 
 
@@ -120,14 +125,16 @@ class _Item:
                            self.hi]
 
 
-def _split_refs(refs, has_offset: bool, has_sinks: bool):
+def _split_refs(refs, has_offset: bool, has_sinks: bool, has_segments: bool):
     refs = list(refs)
     q, k, v, q_len, kv_len = refs[:5]
     rest = refs[5:]
     offset = rest.pop(0) if has_offset else None
     sinks = rest.pop(0) if has_sinks else None
+    q_segments, kv_segments = (rest.pop(0), rest.pop(0)) if has_segments else (None, None)
     out, row_max, log_sum = rest
-    return _KernelRefs(q, k, v, q_len, kv_len, offset, sinks, out, row_max, log_sum)
+    return _KernelRefs(q, k, v, q_len, kv_len, offset, sinks, out, row_max, log_sum,
+                       q_segments, kv_segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +149,8 @@ class _KernelRefs:
     out: object       # [B, Lq, Hq, D]
     row_max: object   # [B, Hq, lq_stats] float32
     log_sum: object   # [B, Hq, lq_stats] float32
+    q_segments: object = None   # [B, lq_stats] int32 or None (padded: every row a load reads)
+    kv_segments: object = None  # [B, whole key tiles] int32 or None
 
 
 def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem, barriers):
@@ -205,67 +214,155 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             0 if refs.sinks.shape[0] == 1 else b, 0 if refs.sinks.shape[1] == 1 else head]
         row_max, row_sum = (plgpu.layout_cast(x, _ROW)
                             for x in dropout_sinks.initial_stats(sink, (c.block_q,)))
+        # Segment ids by plain loads from global memory (a few bytes per row and key).
+        q_segments = None if refs.q_segments is None else plgpu.load(
+            refs.q_segments.at[b, pl.ds(it.q_start, c.block_q)], layout=_ROW, optimized=False)
         acc = plgpu.layout_cast(jnp.zeros((c.block_q, geometry.head_dim), jnp.float32),
                                 plgpu.Layout.WGMMA)
         plgpu.barrier_wait(q_loaded.at[wg])
         pl.when(wg == 1)(schedule_sync)  # one phase behind warpgroup 0: the ping-pong
 
-        def attend(j, carry, masked: bool):
-            acc, row_max, row_sum, step = carry
-            slot = lax.rem(step, c.num_stages)
-            plgpu.barrier_wait(k_produced.at[slot])
-
-            def logits(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-                schedule_sync()  # the other warpgroup's GEMMs go next
-                return acc_ref[...]
-
-            qk = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            t, _ = softmax.logits(qk, cfg)
+        def softmax_of(s, j, masked: bool, row_max, row_sum):
+            """The online softmax of key tile ``j``'s logits: (rescale, P in fp32, stats)."""
+            t, _ = softmax.logits(s, cfg)
             allowed = None
             if masked:
                 allowed = masking.structural_allowed(
                     cfg.mask, it.q_start + iota(0), j * c.block_kv + iota(1), it.q_len,
                     it.kv_len, it.offset)
+            if q_segments is not None:  # every pair's rule: on every tile, the interior too
+                kv_segments = plgpu.load(
+                    refs.kv_segments.at[it.b, pl.ds(j * c.block_kv, c.block_kv)],
+                    layout=_COLUMN, optimized=False)
+                same = (online_softmax.rows_to(q_segments, s)
+                        == lax.broadcast_in_dim(kv_segments, tile, (1,)))
+                allowed = same if allowed is None else allowed & same
             rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
-            acc = acc * online_softmax.rows_to(rescale, acc)
-            p = p.astype(geometry.dtype)
+            return rescale, p, row_max, row_sum
+
+        def end_of_tile(slot, state):
+            """After a tile's softmax: the other warpgroup's GEMMs go; then this tile's V."""
             # JAX's and tokamax's kernels: finishing the softmax before the barrier keeps the
             # other warpgroup's GEMMs from splitting it.
-            acc, row_max, row_sum, p = lax.optimization_barrier((acc, row_max, row_sum, p))
+            state = lax.optimization_barrier(state)
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(v_produced.at[slot])
             plgpu.barrier_wait(schedule)
+            return state
 
-            acc = _accumulate_values(acc, p, v_smem.at[slot], interpreted)
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, row_max, row_sum, step + 1
+        def first(j, carry):
+            """The first key tile this warpgroup attends: S, its softmax, no P V yet (the
+            pipeline's prologue; the mask rule is applied, right for any tile)."""
+            acc, row_max, row_sum, p_prev, step = carry
+            slot = lax.rem(step, c.num_stages)
+            plgpu.barrier_wait(k_produced.at[slot])
+
+            def logits(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+                schedule_sync()  # the other warpgroup's GEMMs go next
+                return s_ref[...]
+
+            s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            rescale, p, row_max, row_sum = softmax_of(s, j, True, row_max, row_sum)
+            p = p.astype(geometry.dtype)
+            acc = acc * online_softmax.rows_to(rescale, acc)
+            acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
+            return acc, row_max, row_sum, p, step + 1
+
+        def attend(j, carry, masked: bool):
+            """Key tile ``j`` (FA3's intra-warpgroup pipelining): S_j = Q K_j^T and
+            O += P_{j-1} V_{j-1} are issued together, tile j's softmax runs once S_j is ready
+            while P V may still run on the tensor cores, then O takes tile j's rescale."""
+            acc, row_max, row_sum, p_prev, step = carry
+            slot = lax.rem(step, c.num_stages)
+            prev = lax.rem(step + c.num_stages - 1, c.num_stages)
+            plgpu.barrier_wait(k_produced.at[slot])
+
+            def between(s, row_max=row_max, row_sum=row_sum):
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                return softmax_of(s, j, masked, row_max, row_sum)
+
+            acc, (rescale, p, row_max, row_sum) = _pipelined_gemms(
+                acc, q_smem, k_smem.at[slot], p_prev, v_smem.at[prev], schedule_sync, between,
+                interpreted)
+            plgpu.barrier_arrive(v_consumed.at[prev])
+            # P in 16 bits only now: registers that the next P V reads, written while this
+            # one runs, make ptxas serialise every wgmma (its warning C7513).
+            p = p.astype(geometry.dtype)
+            acc = acc * online_softmax.rows_to(rescale, acc)
+            acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
+            return acc, row_max, row_sum, p, step + 1
+
+        def last(carry):
+            """The pipeline's epilogue: O += P V of the last attended tile."""
+            acc, row_max, row_sum, p_prev, step = carry
+            prev = lax.rem(step + c.num_stages - 1, c.num_stages)
+            acc = _accumulate_values(acc, p_prev, v_smem.at[prev], interpreted)
+            plgpu.barrier_arrive(v_consumed.at[prev])
+            return acc, row_max, row_sum, p_prev, step
 
         def pass_(j, carry):
             """A tile of the CTA's range that none of this warpgroup's rows may see: the ring's
             barriers and the schedule go on as if it were read."""
-            acc, row_max, row_sum, step = carry
-            slot = lax.rem(step, c.num_stages)
+            slot = lax.rem(carry[-1], c.num_stages)
             plgpu.barrier_wait(k_produced.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
             schedule_sync()
             plgpu.barrier_wait(v_produced.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
             schedule_sync()
-            return acc, row_max, row_sum, step + 1
+            return (*carry[:-1], carry[-1] + 1)
 
-        masked = functools.partial(attend, masked=True)
-        bodies = (pass_, masked, functools.partial(attend, masked=False), masked, pass_)
-        carry = (acc, row_max, row_sum, step)
-        for start, stop, body in zip(it.bounds[:-1], it.bounds[1:], bodies):
-            carry = lax.fori_loop(start, stop, body, carry)
-        acc, row_max, row_sum, step = carry
+        # The stretches (kv_block_split): pass, masked, unmasked, masked, pass. The attended
+        # ones are contiguous: the first of them is the prologue, the others pipelined.
+        b = it.bounds
+        p_prev = plgpu.layout_cast(jnp.zeros(tile, geometry.dtype), plgpu.Layout.WGMMA)
+        carry = lax.fori_loop(b[0], b[1], pass_, (acc, row_max, row_sum, p_prev, step))
+        attends = b[1] < b[4]
+        carry = lax.cond(attends, lambda x: first(b[1], x), lambda x: x, carry)
+        after_first = b[1] + 1
+        for start, stop, masked in ((b[1], b[2], True), (b[2], b[3], False), (b[3], b[4], True)):
+            carry = lax.fori_loop(jnp.maximum(start, after_first), stop,
+                                  functools.partial(attend, masked=masked), carry)
+        carry = lax.cond(attends, last, lambda x: x, carry)
+        carry = lax.fori_loop(b[4], b[5], pass_, carry)
+        acc, row_max, row_sum, _, step = carry
         pl.when(wg == 0)(schedule_sync)
         _store(geometry, refs, it, acc, row_max, row_sum, q_smem, max_smem, log_sum_smem)
         return step
 
     order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+
+
+def _pipelined_gemms(acc, q_tile, k_tile, p_prev, v_prev, after_issue, between,
+                     interpreted: bool):
+    """S = Q K^T and O = acc + P_prev V_prev, issued back to back (two wgmma groups);
+    ``after_issue()`` runs once both are issued, ``between(S)`` once S is ready (``wait_group
+    1``: the P V group may still run), and O is read last (``wait_group 0``). -> (O, what
+    ``between`` returned). O lives in an accumulator initialised from ``acc``'s registers.
+    Interpreted (the interpreter of jax 0.11 runs neither a register-operand wgmma nor a
+    partial wait): S by a wgmma waited at once and P V as a plain dot, the same barrier order."""
+    tile = (q_tile.shape[0], k_tile.shape[0])
+    if interpreted:
+        def logits(s_ref):
+            plgpu.wgmma(s_ref, q_tile, k_tile.T)
+            after_issue()
+            return s_ref[...]
+
+        s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
+        acc = acc + jnp.dot(p_prev, v_prev[...], preferred_element_type=jnp.float32)
+        return acc, between(s)
+
+    def gemms(o_ref, s_ref):
+        o_ref[...] = acc
+        plgpu.wgmma(s_ref, q_tile, k_tile.T)
+        plgpu.wgmma(o_ref, p_prev, v_prev)
+        after_issue()
+        found = between(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+        return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), found
+
+    return pl.run_scoped(gemms, plgpu.ACC(acc.shape, jnp.float32), plgpu.ACC(tile, jnp.float32))
 
 
 def _accumulate_values(acc, p, v_tile, interpreted: bool):
@@ -302,13 +399,22 @@ def _store(geometry: Geometry, refs: _KernelRefs, it: _Item, acc, row_max, row_s
 
 
 def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_len, offset=None,
-                 sinks=None, *, num_sms: int | None = None, interpret=None):
+                 sinks=None, q_segment_ids=None, kv_segment_ids=None, *,
+                 num_sms: int | None = None, interpret=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), q_len/kv_len [B] int32, offset [B] int32
-    or None, sinks [Bs, Hs] float32 or None -> (out [B, Lq, Hq, D], row max and log-sum
-    [B, Hq, Lq] float32, natural log)."""
+    or None, sinks [Bs, Hs] float32 or None, segment ids [B, Lq] and [B, Lk] int32 or None ->
+    (out [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32, natural log)."""
     c = geometry.config
     lq, lk = geometry.lq, geometry.lk
     q, k, v, geometry = _rows_of_eight(q, k, v, geometry)
+    has_segments = q_segment_ids is not None
+    if has_segments:
+        # Whole tiles, so that every row a tile's load reads exists; the padded rows and keys
+        # lie past the lengths (the length rule is on there), their ids are never compared.
+        pad = lambda ids, n, fill: jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, n - ids.shape[1])),
+                                           constant_values=fill)
+        q_segment_ids = pad(q_segment_ids, geometry.lq_stats, -1)
+        kv_segment_ids = pad(kv_segment_ids, -(-geometry.lk // c.block_kv) * c.block_kv, -2)
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=geometry.lq % geometry.rows_per_cta != 0 or geometry.lq != lq,
         keys_padded=geometry.lk % c.block_kv != 0 or geometry.lk != lk))
@@ -318,7 +424,7 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
     has_offset, has_sinks = offset is not None, sinks is not None
 
     def entry(*refs):
-        kernel_refs = _split_refs(refs, has_offset, has_sinks)
+        kernel_refs = _split_refs(refs, has_offset, has_sinks, has_segments)
 
         def body(smem, barriers):
             wg = lax.axis_index("wg")
@@ -332,7 +438,8 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
                       *tiles, *barriers, collective_axes="wg")
 
     stats = jax.ShapeDtypeStruct((geometry.batch, geometry.heads, geometry.lq_stats), jnp.float32)
-    operands = [q, k, v, q_len, kv_len] + [x for x in (offset, sinks) if x is not None]
+    operands = [q, k, v, q_len, kv_len] + [x for x in (offset, sinks, q_segment_ids,
+                                                       kv_segment_ids) if x is not None]
     kernel = plgpu.kernel(
         entry, out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats),
         grid=(order.num_ctas,), grid_names=("cta",), num_threads=CONSUMERS + 1, thread_name="wg",

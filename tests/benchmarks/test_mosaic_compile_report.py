@@ -1,7 +1,8 @@
 """The Mosaic GPU kernels' (forward, dK/dV, dQ) shipped configurations compiled for sm_90a without a GPU
 (benchmarks/mosaic_compile_report.py): each compiles, with 0 spill bytes, shared memory within
-227 KiB and no more than Config.shared_memory_bytes plus 4 KiB, TMA loads and stores, wgmma
-dots, and setmaxnreg giving the consumers 232 registers and the producer 40.
+227 KiB and no more than Config.shared_memory_bytes (plus 4 KiB for the backward's), TMA loads
+and stores, wgmma dots, and setmaxnreg giving the consumers 232 registers and the producer 40;
+the forward's softmax runs between a partial and a full wgmma wait, unserialised by ptxas.
 
 Needs jax >= 0.11 with its CUDA plugin (Python >= 3.12; CI's jax 0.10 skips it with the reason);
 runs the tool in a process of its own (it sets JAX_PLATFORMS=cpu before importing jax): about
@@ -67,7 +68,8 @@ def test_every_shipped_configuration_compiles_without_spills_within_shared_memor
         assert r["ok"], f"{label}: {r['error']}"
         assert r["spill_stores"] == r["spill_loads"] == r["stack_frame"] == 0, label
         assert r["shared"] <= 227 * 1024, label
-        assert r["shared"] <= r["shared_estimate"] + 4096, label
+        # the forward's estimate counts Mosaic's alignment: an upper bound
+        assert r["shared"] <= r["shared_estimate"] + (0 if r["kernel"] == "forward" else 4096), label
 
 
 def test_the_design_is_in_the_ptx(rows):
@@ -82,5 +84,12 @@ def test_the_design_is_in_the_ptx(rows):
         assert r["wgmma"] > 0 and r["mbarrier_waits"] > 0, label
         want = {"inc 232", "dec 40"} if r["kernel"] == "forward" else {"inc 240", "dec 24"}
         assert set(r["setmaxnreg"]) == want, label
+        if r["kernel"] == "forward":
+            # FA3's intra-warpgroup pipelining: the next S = Q K^T and this P V in flight
+            # together, the softmax between their waits (wait_group 1, then 0), and ptxas did
+            # not serialise the wgmmas (C7513 when registers a running wgmma reads are
+            # written, C7512 when registers run short)
+            assert r["partial_waits"] >= 1, label
+            assert r["serialized"] == [], label
         if r["kernel"] != "forward":  # dK/dV: S^T, dP^T, dV, dK per tile; dQ: S, dP, dQ
             assert r["wgmma"] >= (4 if r["kernel"] == "dK/dV" else 3), label

@@ -54,9 +54,11 @@ def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
     (dict(dtype=jnp.float32), "dtype float32 is not bfloat16 or float16"),
     (dict(has_bias=True), "a bias is not taken yet"),
     (dict(has_mask=True), "a dense mask is not taken yet"),
-    (dict(has_segment_ids=True), "segment ids are not taken yet"),
+    (dict(has_segment_ids=True), None),  # the forward takes them; the backward is Triton's
     (dict(dropout_rate=0.1), "dropout is not taken yet"),
     (dict(block_sizes=BlockSizes()), "block_sizes is a BlockSizes"),
+    (dict(block_sizes=Config(64, 128, 3), head_dim=128), "block_sizes=Config(block_q=64, block_kv=128, num_stages=3"),
+    (dict(block_sizes=Config(64, 128, 3)), None),  # the same tiles fit at head_dim 64
     (dict(), None),
     (dict(has_sinks=True, soft_cap=3.0, block_sizes=Config()), None),
 ], ids=lambda x: str(x)[:40])
@@ -108,6 +110,58 @@ def test_config_is_validated(kwargs, message):
 def test_default_tiles_fit_the_shared_memory_budget(head_dim):
     config = default_config(head_dim, jnp.bfloat16)
     assert config.shared_memory_bytes(head_dim, jnp.bfloat16) <= 227 * 1024
+
+
+def test_default_tiles_are_the_sweeps_clean_candidates():
+    """The defaults at head_dim 64 and 128 are among the committed sm_90a sweep
+    (benchmarks/results/mosaic_forward_tiles_sm90.json), causal and not: compiled with 0 spill
+    bytes, no wgmma serialisation, the softmax pipelined (a partial wgmma wait), within 227 KiB
+    and the estimate; the previous default stays selectable."""
+    import json
+    from pathlib import Path
+    from jax_impl.mosaic_gpu.config import PREVIOUS_DEFAULT
+    rows = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" /
+                       "mosaic_forward_tiles_sm90.json").read_text())
+    assert default_config(64, jnp.bfloat16) == Config(128, 64, 2)
+    assert default_config(128, jnp.bfloat16) == PREVIOUS_DEFAULT == Config(64, 128, 2)
+    for head_dim in (64, 128):
+        config = default_config(head_dim, jnp.bfloat16)
+        found = [r for r in rows if r["head_dim"] == head_dim and
+                 (r["block_q"], r["block_kv"], r["num_stages"]) ==
+                 (config.block_q, config.block_kv, config.num_stages)]
+        assert {r["causal"] for r in found} == {False, True}, head_dim
+        for r in found:
+            assert r["ok"] and r["spill_stores"] == r["spill_loads"] == 0, r
+            assert not r["serialized"] and r["partial_waits"] >= 1, r
+            assert r["shared"] <= min(r["shared_estimate"], 227 * 1024), r
+    for head_dim in (64, 128):
+        assert mosaic_gpu.unsupported(head_dim=head_dim, dtype=jnp.bfloat16, cfg=AttentionConfig(
+            scale=1.0, mask=masking.MaskSpec(), block_sizes=PREVIOUS_DEFAULT)) in (
+                None, mosaic_gpu.unavailable())
+
+
+def test_tile_candidates_are_benchmark_plugins_that_pass_their_tiles(monkeypatch):
+    """run_gpu.sh's step 3b times each candidate of the sweep by name (benchmarks.mosaic_tiles
+    through the plug-in registry); a candidate whose ring does not fit says so."""
+    import jax_impl.flash_attention as api
+    from benchmarks import mosaic_tiles, suites
+    from conformance import registry
+    seen = []
+    monkeypatch.setattr(api, "flash_attention",
+                        lambda *a, **k: seen.append((k["implementation"], k["block_sizes"])))
+    suite = suites.get_suite("mosaic_tiles")
+    assert set(mosaic_tiles.PLUGINS) <= set(suite.impls["cuda"])
+    assert {c.mode for c in suite.configs} == {"fwd"}
+    for tiles, spec in zip(mosaic_tiles.TILE_CANDIDATES, mosaic_tiles.PLUGINS):
+        adapter = registry.get_adapter(spec, "cpu")
+        adapter.fn(None, None, None)
+        assert seen[-1] == ("mosaic_gpu", Config(*tiles))
+        d128 = adapter.fn.unsupported(Case("c", head_dim=128, dtype="bfloat16"))
+        fits = Config(*tiles).shared_memory_bytes(128, jnp.bfloat16) <= 227 * 1024
+        assert (d128 is None) == fits, (spec, d128)
+        assert adapter.fn.unsupported(Case("c", head_dim=64, dtype="bfloat16")) is None
+    assert registry.get_adapter("benchmarks.mosaic_tiles:q64_kv256_s2", "cpu").fn.unsupported(
+        Case("c", head_dim=128, dtype="bfloat16")).startswith("tiles q64_kv256_s2 need")
 
 
 @pytest.mark.parametrize("spec", [masking.MaskSpec(is_causal=True), masking.MaskSpec(),
@@ -251,6 +305,39 @@ def test_nonfinite_values_follow_the_rule_of_every_implementation(interpret):
     assert np.isnan(want).any() and not np.isnan(want).all()
     finite = ~np.isnan(want)
     np.testing.assert_allclose(got[finite], want[finite], atol=2e-2)
+
+
+# --- Segment ids (the forward's; the backward is pallas_triton's) ---------------------------
+
+SEGMENT_PROBLEMS = [  # packed segments on every tile (the interior too), with the band rules
+    Case("bf16-segments-causal-bottomright-lengths-gqa", q_len=200, kv_len=170, q_heads=4,
+         kv_heads=2, dtype="bfloat16", causal="bottom_right", lengths=True, segments=True, seed=60),
+    Case("fp16-segments-window-d128", q_len=150, kv_len=150, q_heads=2, kv_heads=2, head_dim=128,
+         dtype="float16", window=(40, 9), segments=True, seed=61),
+]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", SEGMENT_PROBLEMS, ids=lambda p: p.name)
+def test_segment_ids_match_the_float64_oracle(problem, interpret):
+    """Segment ids read per tile by plain loads (the query tile's once per item, each key
+    tile's beside its logits); gradients by pallas_triton's kernels from the same RowStats."""
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+def test_segment_ids_send_the_backward_to_pallas_triton_compiled_too(monkeypatch):
+    called = []
+    monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
+    monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
+    ids = jnp.zeros((1, 64), jnp.int32)
+    masks = masking.MaskInputs(None, None, ids, ids, None)
+    for config in (None, Config(backward="mosaic_gpu")):
+        cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=config)
+        implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, None, None,
+                                                   None)
+        assert mosaic_gpu.backward_unsupported(cfg, masks).startswith("segment ids")
+    assert called == ["pallas_triton"] * 2
 
 
 # --- The backward (backward.py) --------------------------------------------------------------
