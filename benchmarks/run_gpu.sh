@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Run from the repository root on a GPU machine:
-#   1. correctness on the GPU first (python -m conformance on the Pallas kernel, then the
+#   1. correctness on the GPU first (python -m conformance on the Pallas Triton and Mosaic GPU
+#      kernels and the cudnn route, then the
 #      test suite's gpu lane: pytest -m gpu, the same tests as on the CPU with the kernels
 #      compiled, bit-identity of repeated calls included),
-#   2. the tile sweep (python -m benchmarks.tune_blocks: a few candidate BlockSizes per head dim
+#   2. (off unless SKIP_TUNING=0: it ran on 2026-11-30) the Triton tile sweep (python -m benchmarks.tune_blocks: a few candidate BlockSizes per head dim
 #      64/128 x causal, bf16, L=8192, fwd+bwd); its winners replace
 #      jax_impl/pallas_triton/tuned_blocks.json while step 3 runs (the tracked file is restored
 #      on exit; the winners stay in $OUT/tuned_blocks.json),
@@ -11,13 +12,13 @@
 #      the float64 oracle before it is timed), with what is left of TOTAL_BUDGET,
 #   3b. the Mosaic GPU forward's tile candidates (python -m benchmarks --suite mosaic_tiles:
 #      benchmarks/mosaic_tiles.py, each beside the default tiles and torch's cuDNN, L=8192
-#      forward), TILES_BUDGET s (default 120; 0 skips it), taken out of step 3's budget; its
+#      forward), TILES_BUDGET s (default 75; 0 skips it), taken out of step 3's budget; its
 #      table is $OUT/bench_mosaic_tiles.md (choose jax_impl/mosaic_gpu/config.py's defaults from it),
-#   4. JAX's Hopper kernel (jax.pallas.mgpu, Mosaic GPU) at L=4096/8192, in a process of its
+#   4. (off unless PEER_BUDGET > 0: measured on 2026-11-30) JAX's Hopper kernel (jax.pallas.mgpu, Mosaic GPU) at L=4096/8192, in a process of its
 #      own so that a crash there cannot cost step 3's results (skipped when time is short),
 #   5. the decode suite (python -m benchmarks --suite decode: a few query rows against a long dense
 #      or paged KV cache beside torch SDPA, cuDNN and flash_attn_with_kvcache), DECODE_BUDGET s
-#      (default 90; 0 skips it); its table is $OUT/bench_decode.md,
+#      (default 60; 0 skips it); its table is $OUT/bench_decode.md,
 # and pack everything under $OUT (default ./out) into few files:
 #   $OUT/gpu_results.tar.gz   every log, table, CSV, JSON and plot
 #   $OUT/bench_summary.md     the benchmark's Markdown report (also in the archive)
@@ -25,22 +26,23 @@
 #   $OUT/tuned_blocks.json    the sweep's winners (commit it as jax_impl/pallas_triton/tuned_blocks.json)
 #   $OUT/tuning.md            every candidate's TFLOP/s beside its compiled facts
 # Knobs (environment): BENCH_DEVICE (cuda), BENCH_SUITE (gpu), BENCH_ARGS (extra arguments,
-# e.g. "--time-budget 300"), BENCH_TIMEOUT (its --time-budget + 60 s), CONF_SUITE (quick), CONF_IMPLS
-# ("jax_impl.pallas_triton"; the xla path is checked on CPU), CONF_TIMEOUT (100), SKIP_CONFORMANCE (0), PYTHON (python3),
-# GPU_TESTS_TIMEOUT (90; 0 skips the gpu lane),
-# TUNE_TIMEOUT (110; the sweep's own --time-budget of 70 s cuts earlier), SKIP_TUNING (0), TUNE_ARGS
-# (extra arguments of benchmarks.tune_blocks), PEER_BUDGET (45 s for step 4; 0 skips it),
-# TOTAL_BUDGET (450 s for steps 1-3 and 5: the benchmark's --time-budget is what is left, at least 120).
-# Step 5's DECODE_BUDGET and step 3b's TILES_BUDGET come out of TOTAL_BUDGET. The whole script then ends within about
-# TOTAL_BUDGET + 60 + PEER_BUDGET + 60 + 60 s (about 11 minutes), plus step 3b's process start and
-# the last measurement it began before its budget ran out (its timeout allows 60 s more).
+# e.g. "--time-budget 300"), BENCH_TIMEOUT (its --time-budget + 40 s), CONF_SUITE (quick), CONF_IMPLS
+# ("jax_impl.pallas_triton jax_impl.mosaic_gpu jax_impl.cudnn"; the xla path is checked on CPU),
+# CONF_TIMEOUT (120), SKIP_CONFORMANCE (0), PYTHON (python3), GPU_TESTS_TIMEOUT (90; 0 skips the
+# gpu lane), SKIP_TUNING (1), TUNE_TIMEOUT (110), TUNE_ARGS (extra arguments of
+# benchmarks.tune_blocks), PEER_BUDGET (0 s for step 4: skipped), TILES_BUDGET (75),
+# DECODE_BUDGET (60), TOTAL_BUDGET (450 s for steps 1-3b and 5: the benchmark's --time-budget is
+# what is left after steps 1-2 and the 3b and 5 shares, at least 120).
+# With the defaults the script ends within about TOTAL_BUDGET + 3 x 40 s of timeouts' slack; a
+# typical run (conformance and the gpu lane about a minute each) takes about 7.5 minutes: under
+# the device tool's 8, with the machine's start-up on top.
 set -u
 OUT=${OUT:-./out}
 PYTHON=${PYTHON:-python3}
 DEVICE=${BENCH_DEVICE:-cuda}
 SUITE=${BENCH_SUITE:-gpu}
 CONF_SUITE=${CONF_SUITE:-quick}
-CONF_IMPLS=${CONF_IMPLS:-"jax_impl.pallas_triton"}
+CONF_IMPLS=${CONF_IMPLS:-"jax_impl.pallas_triton jax_impl.mosaic_gpu jax_impl.cudnn"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
@@ -59,7 +61,7 @@ if [ "${SKIP_CONFORMANCE:-0}" != "1" ]; then
   impl_args=""
   for i in $CONF_IMPLS; do impl_args="$impl_args --impl $i"; done
   start=$SECONDS
-  timeout "${CONF_TIMEOUT:-100}" "$PYTHON" -m conformance --suite "$CONF_SUITE" --device "$DEVICE" $impl_args \
+  timeout "${CONF_TIMEOUT:-120}" "$PYTHON" -m conformance --suite "$CONF_SUITE" --device "$DEVICE" $impl_args \
     --out "$WORK/conformance" > "$WORK/conformance.log" 2>&1
   conf_rc=$?
   log "conformance exit $conf_rc in $((SECONDS - start)) s (124 = timed out; 1 = a jax_impl failure)"
@@ -77,7 +79,7 @@ if [ "${GPU_TESTS_TIMEOUT:-90}" -gt 0 ]; then
 fi
 
 tune_rc=skipped
-if [ "${SKIP_TUNING:-0}" != "1" ]; then
+if [ "${SKIP_TUNING:-1}" != "1" ]; then
   start=$SECONDS
   mkdir -p "$WORK/tuning"
   # shellcheck disable=SC2086
@@ -99,22 +101,22 @@ if [ "${SKIP_TUNING:-0}" != "1" ]; then
 fi
 
 start=$SECONDS
-budget=$(( ${TOTAL_BUDGET:-450} - SECONDS - ${DECODE_BUDGET:-90} - ${TILES_BUDGET:-120} ))  # steps 3b's and 5's shares come out of step 3's
+budget=$(( ${TOTAL_BUDGET:-450} - SECONDS - ${DECODE_BUDGET:-60} - ${TILES_BUDGET:-75} ))  # steps 3b's and 5's shares come out of step 3's
 [ "$budget" -lt 120 ] && budget=120
 budget_arg=""
 [ "$SUITE" = "gpu" ] && budget_arg="--time-budget $budget"  # runner suites (sharded, dropout) take none
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-$((budget + 60))}" "$PYTHON" -m benchmarks --suite "$SUITE" --device "$DEVICE" \
+timeout "${BENCH_TIMEOUT:-$((budget + 40))}" "$PYTHON" -m benchmarks --suite "$SUITE" --device "$DEVICE" \
   --out "$WORK/benchmarks" $budget_arg ${BENCH_ARGS:-} > "$WORK/benchmarks.log" 2>&1
 bench_rc=$?
 log "benchmarks exit $bench_rc in $((SECONDS - start)) s (124 = timed out)"
 tail -n 60 "$WORK/benchmarks.log" >> "$LOG"
 
 tiles_rc=skipped
-tiles_budget=${TILES_BUDGET:-120}
+tiles_budget=${TILES_BUDGET:-75}
 if [ "$SUITE" = "gpu" ] && [ "$tiles_budget" -gt 0 ]; then
   start=$SECONDS
-  timeout $((tiles_budget + 60)) "$PYTHON" -m benchmarks --suite mosaic_tiles --device "$DEVICE" \
+  timeout $((tiles_budget + 40)) "$PYTHON" -m benchmarks --suite mosaic_tiles --device "$DEVICE" \
     --time-budget "$tiles_budget" --out "$WORK/benchmarks_mosaic_tiles" > "$WORK/benchmarks_mosaic_tiles.log" 2>&1
   tiles_rc=$?
   log "Mosaic forward tiles exit $tiles_rc in $((SECONDS - start)) s"
@@ -124,7 +126,7 @@ if [ "$SUITE" = "gpu" ] && [ "$tiles_budget" -gt 0 ]; then
 fi
 
 peer_rc=skipped
-peer_budget=${PEER_BUDGET:-45}
+peer_budget=${PEER_BUDGET:-0}
 if [ "$SUITE" = "gpu" ] && [ "$peer_budget" -gt 0 ] && [ "$SECONDS" -lt $(( ${TOTAL_BUDGET:-450} + 60 )) ]; then
   start=$SECONDS
   timeout $((peer_budget + 60)) "$PYTHON" -m benchmarks --suite gpu --device "$DEVICE" --impl jax.pallas.mgpu \
@@ -136,10 +138,10 @@ if [ "$SUITE" = "gpu" ] && [ "$peer_budget" -gt 0 ] && [ "$SECONDS" -lt $(( ${TO
 fi
 
 decode_rc=skipped
-decode_budget=${DECODE_BUDGET:-90}
+decode_budget=${DECODE_BUDGET:-60}
 if [ "$decode_budget" -gt 0 ]; then
   start=$SECONDS
-  DECODE_BUDGET_S=$((decode_budget - 30)) timeout $((decode_budget + 60)) "$PYTHON" -m benchmarks --suite decode \
+  DECODE_BUDGET_S=$((decode_budget - 30)) timeout $((decode_budget + 40)) "$PYTHON" -m benchmarks --suite decode \
     --device "$DEVICE" --out "$WORK/benchmarks_decode" > "$WORK/benchmarks_decode.log" 2>&1
   decode_rc=$?
   log "decode suite exit $decode_rc in $((SECONDS - start)) s"
