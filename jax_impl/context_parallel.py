@@ -183,3 +183,79 @@ def ulysses_attention(query, key, value, *, axis_name, scale: float | None = Non
     if not return_residual:
         return out
     return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
+
+
+def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
+                     scale: float | None = None, is_causal: bool = False,
+                     causal_alignment: str = "top_left", local_window_size=None,
+                     query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
+                     kv_segment_ids=None, logits_soft_cap: float | None = None,
+                     implementation: str = "xla", block_sizes=None, precision=None,
+                     attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
+                     broadcast_dropout: bool = True, return_residual: bool = False):
+    """Exact attention over a sequence sharded over two mesh axes (call inside
+    ``jax.shard_map`` with the sequence spec ``P(..., (ring_axis, all_to_all_axis))``): the
+    hybrid ("USP") that plain jit runs for such a sequence. Device (o, i) holds block
+    ``o * |all_to_all_axis| + i`` of the sequence (the natural layout, no reordering). An
+    all-to-all over ``all_to_all_axis`` (fast links, inside a host) gives each device block o
+    of ``|ring_axis|`` for ``1/|all_to_all_axis|`` of the heads; a zigzag ring over
+    ``ring_axis`` (slow links, across hosts) runs ``implementation`` on it; one more
+    all-to-all gives the sequence blocks back.
+
+    The arguments mean what they mean for ``flash_attention`` for the GLOBAL sequence, as in
+    ``ring_attention``; lengths are global. Query and kv heads must divide the size of
+    ``all_to_all_axis`` (kv heads travel with their query groups, as in ``ulysses_attention``);
+    the global sequence must divide into ``2 * |ring_axis|`` chunks (the zigzag ring);
+    ``implementation`` is one of ``implementations.ring_capable()``, and ``"xla"`` with dropout.
+    No bias or dense mask (use ``ring_attention`` over one axis). Returns ``[..., Lq_loc, Hq, D]``
+    (and with return_residual the logsumexp ``[..., Lq_loc, Hq]``).
+    """
+    if all_to_all_axis == ring_axis:
+        raise ValueError(f"all_to_all_axis and ring_axis must be two different mesh axes (both "
+                         f"{ring_axis!r}); for one axis use ring_attention or ulysses_attention")
+    sizes = {}
+    for name, axis in (("all_to_all_axis", all_to_all_axis), ("ring_axis", ring_axis)):
+        try:
+            sizes[name] = lax.axis_size(axis)
+        except (NameError, KeyError, ValueError) as err:
+            raise ValueError(f"{name}={axis!r} is not a mesh axis bound here: call "
+                             "hybrid_attention inside jax.shard_map over a mesh with that "
+                             "axis") from err
+    inner, outer = sizes["all_to_all_axis"], sizes["ring_axis"]
+    if implementation not in implementations.ring_capable():
+        raise ValueError(f"{implementation=} must be one of {implementations.ring_capable()} "
+                         "for hybrid_attention (its ring step takes position offsets)")
+    call = arguments.validate(
+        query, key, value, scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
+        local_window_size=local_window_size, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
+        implementation=implementation, block_sizes=block_sizes, precision=precision,
+        attention_sinks=attention_sinks, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout)
+    chosen = implementations.get(implementation)
+    if call.cfg.dropout_rate and not chosen.takes_dropout_offset:
+        raise ValueError(f"implementation={chosen.name!r} cannot run dropout in the hybrid's ring: "
+                         "its kernels hash local positions; use implementation='xla'")
+    reason = ulysses.unavailable(inner, call.q.shape[2], call.k.shape[2], False)
+    if reason:
+        raise ValueError(f"hybrid_attention's all-to-all over {all_to_all_axis!r}: {reason}; "
+                         "use ring_attention")
+    lq, lk = (inner * outer * x.shape[1] for x in (call.q, call.k))
+    for name, length in (("query", lq), ("key", lk)):
+        if length % (2 * outer):
+            raise ValueError(f"{name}'s global sequence length {length} must divide into "
+                             f"2 * {outer} chunks (the zigzag ring over {ring_axis!r})")
+    spec = dataclasses.replace(call.cfg.mask, has_q_lengths=query_seq_lengths is not None,
+                               has_kv_lengths=key_value_seq_lengths is not None)
+    masks = call.masks._replace(
+        q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape, lq),
+        kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape, lk))
+    cfg = dataclasses.replace(call.cfg, mask=spec)
+    description = ulysses.Hybrid(ulysses.Ulysses(all_to_all_axis, inner, chosen, cfg),
+                                 ring.zigzag_ring(cfg, ring_axis, outer, chosen))
+    q = arguments.gpu_only_precision_guard(chosen.name, cfg, call.q)
+    out, lse = ulysses.ulysses_vjp(description, q, call.k, call.v, masks, call.extras)
+    out = out.reshape(call.batch_shape + out.shape[1:])
+    if not return_residual:
+        return out
+    return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])

@@ -103,32 +103,63 @@ def backward(u: Ulysses, q, k, v, masks, stats, d_out, delta, extras=None):
     return tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))
 
 
-# --- The explicit function's custom VJP (context_parallel.ulysses_attention) ----------------
+# --- The explicit functions' custom VJP (context_parallel.ulysses_attention, hybrid_attention) --
+
+@dataclasses.dataclass(frozen=True)
+class Hybrid:
+    """Static description of the hybrid: the all-to-all over the inner axis, then ``ring`` (a
+    zigzag ``ring.Ring`` over the outer axis) on the resharded blocks."""
+
+    all_to_all: Ulysses
+    ring: object  # ring.Ring
+
+    @property
+    def cfg(self) -> AttentionConfig:
+        return self.all_to_all.cfg
+
+
+def _axis_names(d) -> tuple:
+    return (d.all_to_all.axis_name, d.ring.axis_name) if isinstance(d, Hybrid) else (d.axis_name,)
+
+
+def _forward_of(d, q, k, v, masks, extras):
+    if isinstance(d, Hybrid):
+        return hybrid_forward(d.all_to_all, d.ring, q, k, v, masks, extras)
+    return forward(d, q, k, v, masks, extras)
+
+
+def _backward_of(d, q, k, v, masks, stats, d_out, delta, extras):
+    if isinstance(d, Hybrid):
+        return hybrid_backward(d.all_to_all, d.ring, q, k, v, masks, stats, d_out, delta, extras)
+    return backward(d, q, k, v, masks, stats, d_out, delta, extras)
+
 
 def _fwd(u, q, k, v, masks, extras):
     _, (q, k, v, masks, extras) = from_primals(u.cfg, None, (q, k, v, masks, extras))
-    out, stats = forward(u, q, k, v, masks, extras)
+    out, stats = _forward_of(u, q, k, v, masks, extras)
     return (out, online_softmax.logsumexp(stats)), Residuals((q, k, v, masks, extras, out, stats), u.cfg)
 
 
 def _bwd(u, residuals: Residuals, cotangents):
     q, k, v, masks, extras, out, stats = residuals.arrays
     d_out, delta = delta_of(out, cotangents)
-    dq, dk, dv = backward(u, q, k, v, masks, stats, d_out, delta, extras._replace(sinks=None))
+    dq, dk, dv = _backward_of(u, q, k, v, masks, stats, d_out, delta, extras._replace(sinks=None))
     d_extras = jax.tree.map(lambda _: None, extras)
     if extras.sinks is not None:  # this device's rows' share; an unvarying sink sums them
         d_sinks = reduce_to(dropout_sinks.sink_gradient(
             extras.sinks, online_softmax.logsumexp(stats), delta), extras.sinks.shape)
-        # With varying axes tracked (check_vma), an unvarying sink takes the sum over the axis;
+        # With varying axes tracked (check_vma), an unvarying sink takes the sum over the axes;
         # untracked (check_vma=False), shard_map's transpose sums the devices' shares itself.
-        if u.axis_name in vma.axes_of(q) and u.axis_name not in vma.axes_of(extras.sinks):
-            d_sinks = lax.psum(d_sinks, u.axis_name)
+        summed = tuple(a for a in _axis_names(u)
+                       if a in vma.axes_of(q) and a not in vma.axes_of(extras.sinks))
+        if summed:
+            d_sinks = lax.psum(d_sinks, summed)
         d_extras = d_extras._replace(sinks=d_sinks.astype(extras.sinks.dtype))
     return dq, dk, dv, jax.tree.map(lambda _: None, masks), d_extras
 
 
 def _primal(u, q, k, v, masks, extras):
-    out, stats = forward(u, q, k, v, masks, extras)
+    out, stats = _forward_of(u, q, k, v, masks, extras)
     return out, online_softmax.logsumexp(stats)
 
 

@@ -42,6 +42,51 @@ def test_hybrid_on_a_2x4_mesh_is_exact_and_gathers_nothing():
     assert pattern["same_as_single"] and pattern["same_as_mask"], pattern
 
 
+def test_hybrid_attention_in_shard_map_is_exact_and_agrees_with_plain_jit():
+    """hybrid_attention inside shard_map on a (host=2, chip=4) mesh, the sequence over both
+    axes in natural order: GQA, dropout, sinks, lengths, segment ids, window; fwd+bwd vs
+    torch_ref float64, the one-device call (dropout: its pattern), and the plain-jit hybrid on
+    the same arrays."""
+    names = ("hybrid_causal_gqa_dropout_sinks", "a2a_bottom_right_window_lengths_segments")
+    results = run_script("ring_features.py", "shard_map_hybrid", *names)
+    for name, r in results.items():
+        assert r["all_gathers"] == 0 and r["all_to_alls"] > 0 and r["permutes"] > 0, (name, r)
+        assert max(r["errors"].values()) < TOL, (name, r["errors"])
+        assert r["single"] < TOL and r["jit_agreement"] < TOL, (name, r)
+    assert "dsinks" in results["hybrid_causal_gqa_dropout_sinks"]["errors"]
+
+
+def _hybrid_shapes(hq, hkv, length=64, mesh=((2, 4), ("host", "chip")),
+                   axes=dict(all_to_all_axis="chip", ring_axis="host")):
+    """eval_shape of hybrid_attention inside shard_map on an abstract mesh (no devices)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax_impl import hybrid_attention
+    seq = P(None, mesh[1])
+    mapped = jax.shard_map(lambda q, k: hybrid_attention(q, k, k, **axes),
+                           mesh=AbstractMesh(*mesh), in_specs=(seq, seq), out_specs=seq)
+    return jax.eval_shape(mapped, jax.ShapeDtypeStruct((1, length, hq, 16), jnp.float32),
+                          jax.ShapeDtypeStruct((1, length, hkv, 16), jnp.float32))
+
+
+def test_hybrid_attention_refuses_what_it_cannot_run_by_name():
+    assert _hybrid_shapes(8, 4).shape == (1, 64, 8, 16)
+    with pytest.raises(ValueError, match="all-to-all over 'chip': 8 query / 2 kv heads do not "
+                                         "divide over 4 devices.*ring_attention"):
+        _hybrid_shapes(8, 2)
+    with pytest.raises(ValueError, match="global sequence length 40 must divide into 2 \\* 8 chunks"):
+        _hybrid_shapes(8, 4, length=40, mesh=((8, 1), ("host", "chip")))
+    one_axis = ((8,), ("seq",))
+    with pytest.raises(ValueError, match="must be two different mesh axes"):
+        _hybrid_shapes(8, 8, mesh=one_axis, axes=dict(all_to_all_axis="seq", ring_axis="seq"))
+    with pytest.raises(ValueError, match="ring_axis='nope' is not a mesh axis bound here"):
+        _hybrid_shapes(8, 8, mesh=one_axis, axes=dict(all_to_all_axis="seq", ring_axis="nope"))
+    with pytest.raises(ValueError, match="implementation='reference' must be one of"):
+        _hybrid_shapes(8, 4, axes=dict(all_to_all_axis="chip", ring_axis="host",
+                                       implementation="reference"))
+
+
 def test_all_to_all_memory_per_device_at_8_devices():
     """L=32768, H=8, D=64 fp32 causal fwd+bwd, compiled: arguments + temporaries per device
     <= 0.3x one device, with all-to-alls and no all-gather (the ring's figure beside it)."""
