@@ -2,8 +2,8 @@
 
 Strategies (``STRATEGIES``), for a sequence sharded over N devices:
 
-* ``"ring"`` (ring.py): K and V (and, backward, dK and dV in float32) travel N times around
-  the ring, one block per step; N sequential steps whose sends can overlap the step's compute;
+* ``"ring"`` (ring.py): K and V (and, backward, dK and dV in float32, one step behind, then
+  home once more) travel N times around the ring, one block per step; N sequential steps whose sends can overlap the step's compute;
   zigzag layout: causal work balanced (max/min 1.0).
 * ``"all_to_all"`` (ulysses.py): every operand and result crosses the axis once, (N-1)/N of
   its bytes; 2 collective rounds per pass; each device computes whole sequences for 1/N of
@@ -52,7 +52,12 @@ def estimates(n: int, b: int, lq: int, lk: int, hq: int, hkv: int, d: int, items
     kv_blk = b * lk // n * hkv * d * itemsize
     stats = b * hq * lq // n * 4  # one float32 per (row, head)
     share = (n - 1) / n
-    ring = n * 2 * kv_blk + n * (2 * kv_blk + 2 * kv_blk * 4 // itemsize)  # fwd K,V; bwd K,V,dK,dV f32
+
+    def ring_steps(steps: int) -> float:
+        # fwd: K, V per step; bwd: K, V, dK, dV (f32, one step behind) per step, then dK, dV home.
+        return steps * 2 * kv_blk + steps * (2 * kv_blk + 2 * kv_blk * 4 // itemsize) + 2 * kv_blk
+
+    ring = ring_steps(n)
     # fwd: q, k, v in; out and (max, log_sum) back. bwd: q, k, v, dO, stats, delta in; dq, dk, dv back.
     resharded = (2 * q_blk + 2 * kv_blk + 2 * stats) + (3 * q_blk + 4 * kv_blk + 3 * stats)
     all_to_all = share * resharded
@@ -63,8 +68,7 @@ def estimates(n: int, b: int, lq: int, lk: int, hq: int, hkv: int, d: int, items
     outer = n // inner
     # The inner all-to-all moves the same blocks over fewer devices; the outer ring's steps
     # carry blocks of L/outer rows for 1/inner of the kv heads: the same bytes per step.
-    hybrid = ((inner - 1) / inner * resharded
-              + outer * 2 * kv_blk + outer * (2 * kv_blk + 2 * kv_blk * 4 // itemsize))
+    hybrid = (inner - 1) / inner * resharded + ring_steps(outer)
     return dict(hybrid=hybrid, all_gather=all_gather)
 
 

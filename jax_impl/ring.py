@@ -263,12 +263,11 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
     kv = (k, v, masks.kv_segment_ids)
     dbias = zeros(bias) if with_dbias else None
     # Step 0 sends zeros (no block visited yet); after the loop each device holds the complete
-    # dK/dV of the block it visited last, block me+1's: one more send takes it home.
+    # dK/dV of the block it visited last, block me+1's: one more send (in k's dtype) takes it home.
     _, dkv, dqs, dbias = lax.fori_loop(0, ring.num_devices, step,
                                        (kv, (zeros(k), zeros(v)), dqs, dbias))
-    dk, dv = _rotate(dkv, ring)
-    return (jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            dbias)
+    dk, dv = _rotate((dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)), ring)
+    return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk, dv, dbias
 
 
 def _ring_fwd(ring, q, k, v, bias, masks, extras):

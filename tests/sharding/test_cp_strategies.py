@@ -104,9 +104,10 @@ def test_cost_model_picks_by_bytes_and_names_why_not():
     assert choice.strategy == "all_to_all"  # 2/N of the ring's bytes for MHA
     ring, a2a = choice.bytes_per_device["ring"], choice.bytes_per_device["all_to_all"]
     assert a2a < ring
-    # The estimates in closed form: ring sends K, V N times forward, K, V, dK, dV (f32) backward.
+    # The estimates in closed form: ring sends K, V N times forward, K, V, dK, dV (f32) N times
+    # backward, and dK, dV once more (home, in their dtype).
     kv_block = 32768 // 8 * 8 * 64 * 2
-    assert ring == 8 * 2 * kv_block + 8 * (2 * kv_block + 2 * kv_block * 2)
+    assert ring == 8 * 2 * kv_block + 8 * (2 * kv_block + 2 * kv_block * 2) + 2 * kv_block
     gqa = (1, 32768, 32768, 32, 1, 64, 2)  # one kv head: the ring moves little
     assert cp_cost.choose(8, gqa, ring_unavailable=None, all_to_all_unavailable=None).strategy == "ring"
     fallback = cp_cost.choose(8, mha, ring_unavailable="x", all_to_all_unavailable="y")
