@@ -140,3 +140,42 @@ def test_ulysses_refuses_kv_heads_that_do_not_divide_the_axis():
                            out_specs=P(None, "seq"))
     with pytest.raises(ValueError, match="8 query / 2 kv heads do not divide over 8 devices.*ring_attention"):
         jax.eval_shape(mapped, q, kv)
+
+
+def test_all_to_all_reshards_a_per_head_bias_and_mask_by_head():
+    """context_parallel_strategy="all_to_all" with a per-head bias (differentiated) and dense
+    mask, sharded along their query rows: resharded by head with the operands, dbias back along
+    the rows; fwd+bwd vs torch_ref float64, no permute, no all-gather."""
+    results = run_script("partition_sequence.py", "exact_a2a")
+    assert len(results) == 2
+    for name, r in results.items():
+        assert r["all_gathers"] == 0 and r["permutes"] == 0 and r["all_to_alls"] > 0, (name, r)
+        assert r["warnings"] == [] and r["dbias_spec"] == "(None, None, 'seq')", (name, r)
+        assert set(r["errors"]) == {"out", "dq", "dk", "dv", "dbias"}, name
+        assert max(r["errors"].values()) < TOL, (name, r["errors"])
+
+
+def test_cost_model_counts_the_bias_the_all_to_all_moves_and_refuses_a_shared_one():
+    import dataclasses
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax_impl import partitioned
+    mesh, shape = AbstractMesh((8,), ("seq",)), (1, 4096, 8, 64)
+
+    def plan(pairwise, requested=None):
+        call = partitioned.sequence_call(None, ("q", "k", "v") + tuple(pairwise), jnp.float32,
+                                         pairwise, hq=8)
+        return partitioned.sharding_plan(mesh, P(None, "seq"), shape, shape, allow_ring=True,
+                                         call=dataclasses.replace(call, requested=requested))
+    bias = jax.ShapeDtypeStruct((1, 8, 4096, 4096), jnp.float32)
+    plain, with_bias = plan({}), plan({"bias": bias})
+    assert plain.strategy == "all_to_all" and with_bias.strategy == "ring"  # the ring moves no bias
+    a2a = lambda p: p.choice.bytes_per_device["all_to_all"]
+    # Forward, backward and dbias: 3 passes of the whole bias, (N-1)/N of each device's 1/N.
+    assert a2a(with_bias) - a2a(plain) == 7 / 8 * 3 * bias.size * 4 / 8
+    assert with_bias.choice.bytes_per_device["ring"] == plain.choice.bytes_per_device["ring"]
+    assert plan({"bias": bias}, "all_to_all").strategy == "all_to_all"
+    shared = jax.ShapeDtypeStruct((1, 1, 4096, 4096), jnp.float32)
+    with pytest.raises(ValueError, match="all_to_all.*cannot run.*shared by every head"):
+        plan({"bias": shared}, "all_to_all")
