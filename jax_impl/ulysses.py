@@ -14,7 +14,7 @@ per-head seeds and sinks ``[Bs, Hq]`` are sliced to the device's block. Segment 
 axis) travel by the same all-to-all over a size-N axis of copies, never an all-gather.
 A per-head bias or dense mask ``[Bx, Hq, Lq_loc, Lk]`` (this device's query rows, every key
 column, as the ring takes it) is resharded the same way, to ``[Bx, Hq/N, Lq, Lk]``, and dbias
-back (plain jit only); one shared by every head is refused (``unavailable``).
+back (plain jit and ``ulysses_attention``); one shared by every head is refused (``unavailable``).
 """
 from __future__ import annotations
 
@@ -140,28 +140,36 @@ def _axis_names(d) -> tuple:
     return (d.all_to_all.axis_name, d.ring.axis_name) if isinstance(d, Hybrid) else (d.axis_name,)
 
 
-def _forward_of(d, q, k, v, masks, extras):
-    if isinstance(d, Hybrid):
+def _forward_of(d, q, k, v, bias, masks, extras):
+    if isinstance(d, Hybrid):  # no bias (hybrid_attention takes none)
         return hybrid_forward(d.all_to_all, d.ring, q, k, v, masks, extras)
-    return forward(d, q, k, v, masks, extras)
+    return forward(d, q, k, v, masks, extras, bias)
 
 
-def _backward_of(d, q, k, v, masks, stats, d_out, delta, extras):
+def _backward_of(d, q, k, v, bias, masks, stats, d_out, delta, extras):
+    """-> (dq, dk, dv, dbias or None)."""
     if isinstance(d, Hybrid):
-        return hybrid_backward(d.all_to_all, d.ring, q, k, v, masks, stats, d_out, delta, extras)
-    return backward(d, q, k, v, masks, stats, d_out, delta, extras)
+        return (*hybrid_backward(d.all_to_all, d.ring, q, k, v, masks, stats, d_out, delta, extras), None)
+    grads = backward(d, q, k, v, masks, stats, d_out, delta, extras, bias)
+    return grads if len(grads) == 4 else (*grads, None)
 
 
-def _fwd(u, q, k, v, masks, extras):
-    _, (q, k, v, masks, extras) = from_primals(u.cfg, None, (q, k, v, masks, extras))
-    out, stats = _forward_of(u, q, k, v, masks, extras)
-    return (out, online_softmax.logsumexp(stats)), Residuals((q, k, v, masks, extras, out, stats), u.cfg)
+def _fwd(u, q, k, v, bias, masks, extras):
+    backward_cfg, (q, k, v, bias, masks, extras) = from_primals(u.cfg, bias,
+                                                                (q, k, v, bias, masks, extras))
+    out, stats = _forward_of(u, q, k, v, bias, masks, extras)
+    return ((out, online_softmax.logsumexp(stats)),
+            Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))
 
 
 def _bwd(u, residuals: Residuals, cotangents):
-    q, k, v, masks, extras, out, stats = residuals.arrays
+    q, k, v, bias, masks, extras, out, stats = residuals.arrays
     d_out, delta = delta_of(out, cotangents)
-    dq, dk, dv = _backward_of(u, q, k, v, masks, stats, d_out, delta, extras._replace(sinks=None))
+    if isinstance(u, Ulysses):  # bias_gradient: whether the bias is differentiated
+        u = dataclasses.replace(u, cfg=residuals.cfg)
+    dq, dk, dv, dbias = _backward_of(u, q, k, v, bias, masks, stats, d_out, delta,
+                                     extras._replace(sinks=None))
+    dbias = None if dbias is None else dbias.astype(bias.dtype)  # None: a constant bias
     d_extras = jax.tree.map(lambda _: None, extras)
     if extras.sinks is not None:  # this device's rows' share; an unvarying sink sums them
         d_sinks = reduce_to(dropout_sinks.sink_gradient(
@@ -173,11 +181,11 @@ def _bwd(u, residuals: Residuals, cotangents):
         if summed:
             d_sinks = lax.psum(d_sinks, summed)
         d_extras = d_extras._replace(sinks=d_sinks.astype(extras.sinks.dtype))
-    return dq, dk, dv, jax.tree.map(lambda _: None, masks), d_extras
+    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, masks), d_extras
 
 
-def _primal(u, q, k, v, masks, extras):
-    out, stats = _forward_of(u, q, k, v, masks, extras)
+def _primal(u, q, k, v, bias, masks, extras):
+    out, stats = _forward_of(u, q, k, v, bias, masks, extras)
     return out, online_softmax.logsumexp(stats)
 
 
