@@ -5,6 +5,14 @@ import pytest
 from _spawn import run_script
 
 TOL = 2e-5
+
+
+def _abstract(shape, mesh, spec):
+    """A float32 ShapeDtypeStruct sharded over an abstract mesh (jax 0.11's shard_map checks it)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
 A2A = ("a2a_causal_gqa_dropout_sinks", "a2a_bottom_right_window_lengths_segments",
        "a2a_dropout_pattern_causal")
 
@@ -60,14 +68,13 @@ def _hybrid_shapes(hq, hkv, length=64, mesh=((2, 4), ("host", "chip")),
                    axes=dict(all_to_all_axis="chip", ring_axis="host")):
     """eval_shape of hybrid_attention inside shard_map on an abstract mesh (no devices)."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import AbstractMesh, PartitionSpec as P
     from jax_impl import hybrid_attention
-    seq = P(None, mesh[1])
+    seq, mesh = P(None, mesh[1]), AbstractMesh(*mesh)
     mapped = jax.shard_map(lambda q, k: hybrid_attention(q, k, k, **axes),
-                           mesh=AbstractMesh(*mesh), in_specs=(seq, seq), out_specs=seq)
-    return jax.eval_shape(mapped, jax.ShapeDtypeStruct((1, length, hq, 16), jnp.float32),
-                          jax.ShapeDtypeStruct((1, length, hkv, 16), jnp.float32))
+                           mesh=mesh, in_specs=(seq, seq), out_specs=seq)
+    return jax.eval_shape(mapped, _abstract((1, length, hq, 16), mesh, seq),
+                          _abstract((1, length, hkv, 16), mesh, seq))
 
 
 def test_hybrid_attention_refuses_what_it_cannot_run_by_name():
@@ -130,14 +137,12 @@ def test_context_parallel_strategy_is_validated_by_name():
 
 def test_ulysses_refuses_kv_heads_that_do_not_divide_the_axis():
     import jax
-    import jax.numpy as jnp
     from jax.sharding import AbstractMesh, PartitionSpec as P
     from jax_impl.context_parallel import ulysses_attention
-    q = jax.ShapeDtypeStruct((1, 64, 8, 16), jnp.float32)
-    kv = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+    mesh = AbstractMesh((8,), ("seq",))
+    q, kv = (_abstract((1, 64, h, 16), mesh, P(None, "seq")) for h in (8, 2))
     mapped = jax.shard_map(lambda q, k: ulysses_attention(q, k, k, axis_name="seq"),
-                           mesh=AbstractMesh((8,), ("seq",)), in_specs=(P(None, "seq"),) * 2,
-                           out_specs=P(None, "seq"))
+                           mesh=mesh, in_specs=(P(None, "seq"),) * 2, out_specs=P(None, "seq"))
     with pytest.raises(ValueError, match="8 query / 2 kv heads do not divide over 8 devices.*ring_attention"):
         jax.eval_shape(mapped, q, kv)
 
@@ -193,16 +198,14 @@ def test_ulysses_attention_takes_a_per_head_bias_and_mask():
 
 def test_ulysses_attention_refuses_a_bias_shared_by_every_head():
     import jax
-    import jax.numpy as jnp
     from jax.sharding import AbstractMesh, PartitionSpec as P
     from jax_impl import ulysses_attention
-    q = jax.ShapeDtypeStruct((1, 64, 8, 16), jnp.float32)
-    rows = P(None, None, "seq", None)
+    mesh, rows = AbstractMesh((8,), ("seq",)), P(None, None, "seq", None)
+    q = _abstract((1, 64, 8, 16), mesh, P(None, "seq"))
     for heads, ok in ((8, True), (1, False)):
-        bias = jax.ShapeDtypeStruct((1, heads, 64, 64), jnp.float32)  # rows sharded
+        bias = _abstract((1, heads, 64, 64), mesh, rows)
         mapped = jax.shard_map(lambda q, b: ulysses_attention(q, q, q, b, axis_name="seq"),
-                               mesh=AbstractMesh((8,), ("seq",)),
-                               in_specs=(P(None, "seq"), rows), out_specs=P(None, "seq"))
+                               mesh=mesh, in_specs=(P(None, "seq"), rows), out_specs=P(None, "seq"))
         if ok:
             assert jax.eval_shape(mapped, q, bias).shape == (1, 64, 8, 16)
         else:
