@@ -112,12 +112,12 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
 
 
-def _rows_local(name, x, shape):
-    """A bias/mask -> ``[Bx, Hx, Lq_loc, Lk]`` (arguments.pairwise), with the ring's layout rule named."""
+def _rows_local(name, x, shape, function="ring_attention"):
+    """A bias/mask -> ``[Bx, Hx, Lq_loc, Lk]`` (arguments.pairwise), with the layout rule named."""
     try:
         return arguments.pairwise(name, x, shape, is_mask=name == "mask")
     except ValueError as err:
-        raise ValueError(f"{err}; in ring_attention {name} holds this device's {shape[-2]} query "
+        raise ValueError(f"{err}; in {function} {name} holds this device's {shape[-2]} query "
                          f"rows and all {shape[-1]} key columns (the global key length)") from None
 
 
@@ -131,7 +131,8 @@ def _global_lengths(name, lengths, batch_shape, global_len: int):
                          f"of the ring: at most the global sequence length {global_len})") from None
 
 
-def ulysses_attention(query, key, value, *, axis_name, scale: float | None = None,
+def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
+                      scale: float | None = None,
                       is_causal: bool = False, causal_alignment: str = "top_left",
                       local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None,
                       q_segment_ids=None, kv_segment_ids=None, logits_soft_cap: float | None = None,
@@ -145,7 +146,10 @@ def ulysses_attention(query, key, value, *, axis_name, scale: float | None = Non
 
     The arguments mean what they mean for ``flash_attention`` for the GLOBAL sequence, as in
     ``ring_attention``; lengths are global. Query and kv heads must divide the axis size (kv
-    heads travel with their query groups). No bias or dense mask (use ``ring_attention``).
+    heads travel with their query groups). ``bias``/``mask``: as ``ring_attention``'s (this
+    device's query rows, every key column, ``[..., Hq, Lq_loc, Lk]``) but with one slice per
+    query head (one shared by every head is refused: ``ring_attention`` takes it); resharded by
+    head with q, k, v, dbias back in the same layout.
     Dropout and sinks hash and apply by global head index: the pattern is the one-device call's.
     Returns ``[..., Lq_loc, Hq, D]`` (and with return_residual the logsumexp ``[..., Lq_loc, Hq]``).
     """
@@ -166,19 +170,103 @@ def ulysses_attention(query, key, value, *, axis_name, scale: float | None = Non
         attention_sinks=attention_sinks, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
         broadcast_dropout=broadcast_dropout)
     lq, lk = call.q.shape[1], call.k.shape[1]
-    reason = ulysses.unavailable(num_devices, call.q.shape[2], call.k.shape[2], False)
+    bias, mask = (_rows_local(name, x, call.batch_shape + (call.q.shape[2], lq, num_devices * lk),
+                              "ulysses_attention") for name, x in (("bias", bias), ("mask", mask)))
+    shared = any(x is not None and x.shape[1] != call.q.shape[2] for x in (bias, mask))
+    reason = ulysses.unavailable(num_devices, call.q.shape[2], call.k.shape[2], shared)
     if reason:
         raise ValueError(f"ulysses_attention over {axis_name!r}: {reason}; use ring_attention")
+    if chosen.call_unsupported is not None and (bias is not None or mask is not None):
+        why = chosen.call_unsupported(head_dim=call.q.shape[-1], **arguments.features(
+            call.cfg, bias, call.masks._replace(mask=mask), call.extras)._asdict())
+        if why:
+            raise ValueError(f"implementation={chosen.name!r} cannot run this call: {why}")
     spec = dataclasses.replace(call.cfg.mask, has_q_lengths=query_seq_lengths is not None,
                                has_kv_lengths=key_value_seq_lengths is not None)
     masks = call.masks._replace(
         q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape,
                               num_devices * lq),
         kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape,
-                               num_devices * lk))
+                               num_devices * lk), mask=mask)
     description = ulysses.Ulysses(axis_name, num_devices, chosen, dataclasses.replace(call.cfg, mask=spec))
     q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
-    out, lse = ulysses.ulysses_vjp(description, q, call.k, call.v, masks, call.extras)
+    out, lse = ulysses.ulysses_vjp(description, q, call.k, call.v, bias, masks, call.extras)
+    out = out.reshape(call.batch_shape + out.shape[1:])
+    if not return_residual:
+        return out
+    return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
+
+
+def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
+                     scale: float | None = None, is_causal: bool = False,
+                     causal_alignment: str = "top_left", local_window_size=None,
+                     query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
+                     kv_segment_ids=None, logits_soft_cap: float | None = None,
+                     implementation: str = "xla", block_sizes=None, precision=None,
+                     attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
+                     broadcast_dropout: bool = True, return_residual: bool = False):
+    """Exact attention over a sequence sharded over two mesh axes (call inside
+    ``jax.shard_map`` with the sequence spec ``P(..., (ring_axis, all_to_all_axis))``): the
+    hybrid ("USP") that plain jit runs for such a sequence. Device (o, i) holds block
+    ``o * |all_to_all_axis| + i`` of the sequence (the natural layout, no reordering). An
+    all-to-all over ``all_to_all_axis`` (fast links, inside a host) gives each device block o
+    of ``|ring_axis|`` for ``1/|all_to_all_axis|`` of the heads; a zigzag ring over
+    ``ring_axis`` (slow links, across hosts) runs ``implementation`` on it; one more
+    all-to-all gives the sequence blocks back.
+
+    The arguments mean what they mean for ``flash_attention`` for the GLOBAL sequence, as in
+    ``ring_attention``; lengths are global. Query and kv heads must divide the size of
+    ``all_to_all_axis`` (kv heads travel with their query groups, as in ``ulysses_attention``);
+    the global sequence must divide into ``2 * |ring_axis|`` chunks (the zigzag ring);
+    ``implementation`` is one of ``implementations.ring_capable()``, and ``"xla"`` with dropout.
+    No bias or dense mask (use ``ring_attention`` over one axis). Returns ``[..., Lq_loc, Hq, D]``
+    (and with return_residual the logsumexp ``[..., Lq_loc, Hq]``).
+    """
+    if all_to_all_axis == ring_axis:
+        raise ValueError(f"all_to_all_axis and ring_axis must be two different mesh axes (both "
+                         f"{ring_axis!r}); for one axis use ring_attention or ulysses_attention")
+    sizes = {}
+    for name, axis in (("all_to_all_axis", all_to_all_axis), ("ring_axis", ring_axis)):
+        try:
+            sizes[name] = lax.axis_size(axis)
+        except (NameError, KeyError, ValueError) as err:
+            raise ValueError(f"{name}={axis!r} is not a mesh axis bound here: call "
+                             "hybrid_attention inside jax.shard_map over a mesh with that "
+                             "axis") from err
+    inner, outer = sizes["all_to_all_axis"], sizes["ring_axis"]
+    if implementation not in implementations.ring_capable():
+        raise ValueError(f"{implementation=} must be one of {implementations.ring_capable()} "
+                         "for hybrid_attention (its ring step takes position offsets)")
+    call = arguments.validate(
+        query, key, value, scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
+        local_window_size=local_window_size, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
+        implementation=implementation, block_sizes=block_sizes, precision=precision,
+        attention_sinks=attention_sinks, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout)
+    chosen = implementations.get(implementation)
+    if call.cfg.dropout_rate and not chosen.takes_dropout_offset:
+        raise ValueError(f"implementation={chosen.name!r} cannot run dropout in the hybrid's ring: "
+                         "its kernels hash local positions; use implementation='xla'")
+    reason = ulysses.unavailable(inner, call.q.shape[2], call.k.shape[2], False)
+    if reason:
+        raise ValueError(f"hybrid_attention's all-to-all over {all_to_all_axis!r}: {reason}; "
+                         "use ring_attention")
+    lq, lk = (inner * outer * x.shape[1] for x in (call.q, call.k))
+    for name, length in (("query", lq), ("key", lk)):
+        if length % (2 * outer):
+            raise ValueError(f"{name}'s global sequence length {length} must divide into "
+                             f"2 * {outer} chunks (the zigzag ring over {ring_axis!r})")
+    spec = dataclasses.replace(call.cfg.mask, has_q_lengths=query_seq_lengths is not None,
+                               has_kv_lengths=key_value_seq_lengths is not None)
+    masks = call.masks._replace(
+        q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape, lq),
+        kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape, lk))
+    cfg = dataclasses.replace(call.cfg, mask=spec)
+    description = ulysses.Hybrid(ulysses.Ulysses(all_to_all_axis, inner, chosen, cfg),
+                                 ring.zigzag_ring(cfg, ring_axis, outer, chosen))
+    q = arguments.gpu_only_precision_guard(chosen.name, cfg, call.q)
+    out, lse = ulysses.ulysses_vjp(description, q, call.k, call.v, None, masks, call.extras)
     out = out.reshape(call.batch_shape + out.shape[1:])
     if not return_residual:
         return out

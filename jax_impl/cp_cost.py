@@ -2,12 +2,14 @@
 
 Strategies (``STRATEGIES``), for a sequence sharded over N devices:
 
-* ``"ring"`` (ring.py): K and V (and, backward, dK and dV in float32) travel N times around
-  the ring, one block per step; N sequential steps whose sends can overlap the step's compute;
+* ``"ring"`` (ring.py): K and V (and, backward, dK and dV in float32, one step behind, then
+  home once more) travel N times around the ring, one block per step; N sequential steps whose sends can overlap the step's compute;
   zigzag layout: causal work balanced (max/min 1.0).
 * ``"all_to_all"`` (ulysses.py): every operand and result crosses the axis once, (N-1)/N of
   its bytes; 2 collective rounds per pass; each device computes whole sequences for 1/N of
-  the heads (balanced whatever the mask). Needs heads divisible by N, no bias/dense mask.
+  the heads (balanced whatever the mask). Needs heads divisible by N; a per-head bias or dense
+  mask is resharded by head too (its bytes counted: the ring moves none), one shared by every
+  head is not taken.
 * ``"hybrid"`` (a sequence over two mesh axes (outer, inner), ulysses.py): the all-to-all over
   the inner axis (fast links inside a host), then a ring over the outer one; heads divisible
   by the inner axis size.
@@ -45,17 +47,25 @@ def _mib(b: float) -> str:
 
 
 def estimates(n: int, b: int, lq: int, lk: int, hq: int, hkv: int, d: int, itemsize: int,
-              inner: int | None = None) -> dict:
+              inner: int | None = None, pairwise: float = 0) -> dict:
     """Bytes each device sends, forward + backward, per strategy (local blocks of L/N rows);
-    ``inner``: the inner axis size of a two-axis sequence (the hybrid), N = outer * inner."""
+    ``inner``: the inner axis size of a two-axis sequence (the hybrid), N = outer * inner;
+    ``pairwise``: bytes of the bias and dense mask as the all-to-all moves them (whole arrays,
+    each pass that reads them: the bias forward, backward and its gradient back; the ring
+    moves none of it)."""
     q_blk = b * lq // n * hq * d * itemsize
     kv_blk = b * lk // n * hkv * d * itemsize
     stats = b * hq * lq // n * 4  # one float32 per (row, head)
     share = (n - 1) / n
-    ring = n * 2 * kv_blk + n * (2 * kv_blk + 2 * kv_blk * 4 // itemsize)  # fwd K,V; bwd K,V,dK,dV f32
+
+    def ring_steps(steps: int) -> float:
+        # fwd: K, V per step; bwd: K, V, dK, dV (f32, one step behind) per step, then dK, dV home.
+        return steps * 2 * kv_blk + steps * (2 * kv_blk + 2 * kv_blk * 4 // itemsize) + 2 * kv_blk
+
+    ring = ring_steps(n)
     # fwd: q, k, v in; out and (max, log_sum) back. bwd: q, k, v, dO, stats, delta in; dq, dk, dv back.
     resharded = (2 * q_blk + 2 * kv_blk + 2 * stats) + (3 * q_blk + 4 * kv_blk + 3 * stats)
-    all_to_all = share * resharded
+    all_to_all = share * (resharded + pairwise / n)
     # Every device gathers the other N-1 blocks of q, k, v, twice (forward, backward).
     all_gather = (n - 1) * 2 * (q_blk + 2 * kv_blk)
     if inner is None:
@@ -63,18 +73,18 @@ def estimates(n: int, b: int, lq: int, lk: int, hq: int, hkv: int, d: int, items
     outer = n // inner
     # The inner all-to-all moves the same blocks over fewer devices; the outer ring's steps
     # carry blocks of L/outer rows for 1/inner of the kv heads: the same bytes per step.
-    hybrid = ((inner - 1) / inner * resharded
-              + outer * 2 * kv_blk + outer * (2 * kv_blk + 2 * kv_blk * 4 // itemsize))
+    hybrid = (inner - 1) / inner * resharded + ring_steps(outer)
     return dict(hybrid=hybrid, all_gather=all_gather)
 
 
 def choose(n: int, shape: tuple, *, ring_unavailable: str | None = None,
            all_to_all_unavailable: str | None = None, requested: str | None = None,
-           hybrid_inner: int | None = None, hybrid_unavailable: str | None = None) -> Choice:
+           hybrid_inner: int | None = None, hybrid_unavailable: str | None = None,
+           pairwise: float = 0) -> Choice:
     """``shape``: (b, lq, lk, hq, hkv, d, itemsize) of the GLOBAL call. ``*_unavailable``: why
     that strategy cannot run, or None. ``requested``: a strategy the caller insists on (an
     unavailable one raises ValueError naming why)."""
-    costs = estimates(n, *shape, inner=hybrid_inner)
+    costs = estimates(n, *shape, inner=hybrid_inner, pairwise=pairwise)
     why_not = ((("hybrid", hybrid_unavailable),) if hybrid_inner else
                (("ring", ring_unavailable), ("all_to_all", all_to_all_unavailable)))
     unavailable = {s: r for s, r in why_not if r}

@@ -215,7 +215,8 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                               interpret=interpret, **kwargs)
     platform = platform or jax.default_backend()
     strategy = lambda chosen: partitioned.explain(  # --- sharded inputs (partitioned.py)
-        implementations.get(chosen), query, call.q.shape, call.k.shape, bias is not None or mask is not None,
+        implementations.get(chosen), query, call.q.shape, call.k.shape,
+        {n: x for n, x in (("bias", call.bias), ("mask", call.masks.mask)) if x is not None},
         cfg=call.cfg, extras=call.extras)
     features = arguments.features(call.cfg, call.bias, call.masks, call.extras, call.q.dtype)
     paged = call.page_table is not None

@@ -11,8 +11,10 @@ gives both the forward and the backward (so the whole custom VJP) a rule, valid 
 * what cannot be honoured is resharded explicitly and said so (``sharding_plan().notes``,
   a ``ShardingWarning`` when the program is partitioned): head_dim, a head split that would
   separate a kv head from its group, a sequence axis the ring cannot take;
-* a sequence axis (one mesh axis) runs as a ring (``ring.py``): q, k, v and segment
-  ids sharded along it, bias/mask and dbias along their query rows with every key column.
+* a sequence axis (one mesh axis) runs as a ring (``ring.py``) or an all-to-all
+  (``ulysses.py``), two axes as the hybrid, as ``cp_cost`` chooses: q, k, v and segment ids
+  sharded along it, bias/mask and dbias along their query rows with every key column (the
+  all-to-all reshards a per-head one by head).
 
 Under ``vmap`` (which custom_partitioning does not support) the mapped axis is folded into
 the batch axis (``custom_vmap``).
@@ -100,6 +102,8 @@ class SequenceCall:
     has_bias_or_mask: bool = False
     itemsize: int = 4
     requested: str | None = None  # context_parallel_strategy
+    shared_pairwise: bool = False  # a bias or dense mask shared by every head (head axis 1)
+    pairwise_bytes: int = 0  # the bias and mask bytes an all-to-all moves (cp_cost.estimates)
 
 
 def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
@@ -145,8 +149,9 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
             why = (None if call is not None else "not offered for this call") or (
                 None if allow_ring else f"its ring needs {ring_needs}") or (
                 None if lq % (2 * n) == 0 and lk % (2 * n) == 0 else
-                f"sequences {lq}, {lk} must be divisible by {2 * n}") or ulysses.unavailable(
-                    inner, hq_loc, hkv_loc, call.has_bias_or_mask)
+                f"sequences {lq}, {lk} must be divisible by {2 * n}") or (
+                "a bias or dense mask is not taken by the hybrid (the ring over one axis takes "
+                "it)" if call.has_bias_or_mask else ulysses.unavailable(inner, hq_loc, hkv_loc))
             choice = cp_cost.choose(n, shape, hybrid_inner=inner, hybrid_unavailable=why,
                                     requested=requested)
         elif len(seq) > 2:
@@ -160,9 +165,11 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
             a2a_reason = (
                 "not offered for this call" if call is None else
                 f"sequences {lq}, {lk} do not divide over {n} devices" if lq % n or lk % n else
-                ulysses.unavailable(n, hq_loc, hkv_loc, call.has_bias_or_mask))
+                ulysses.unavailable(n, hq_loc, hkv_loc, call.shared_pairwise))
+            pairwise = (call.pairwise_bytes if call else 0) / (_size(mesh, batch) * _size(mesh, heads))
             choice = cp_cost.choose(n, shape, ring_unavailable=ring_reason,
-                                    all_to_all_unavailable=a2a_reason, requested=requested)
+                                    all_to_all_unavailable=a2a_reason, requested=requested,
+                                    pairwise=pairwise)
         if choice.strategy != "all_gather":
             sequence, strategy = seq, choice.strategy
         else:
@@ -230,34 +237,45 @@ def ring_supported(implementation, names) -> bool:
     return implementation.takes_position_offset and dropout_ok and "offset" not in names
 
 
-def sequence_call(cfg, names, dtype) -> SequenceCall:
+def sequence_call(cfg, names, dtype, pairwise=None, hq: int = 1) -> SequenceCall:
+    """``pairwise``: {"bias"|"mask": an array or ShapeDtypeStruct ``[Bx, Hx, Lq, Lk]``}."""
+    pairwise = pairwise or {}
+    # The all-to-all moves the bias forward, backward and dbias back; the mask twice.
+    moved = sum((3 if name == "bias" else 2) * math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                for name, x in pairwise.items())
     return SequenceCall(has_bias_or_mask="bias" in names or "mask" in names,
                         itemsize=jnp.dtype(dtype).itemsize,
-                        requested=getattr(cfg, "context_parallel_strategy", None))
+                        requested=getattr(cfg, "context_parallel_strategy", None),
+                        shared_pairwise=any(x.shape[1] != hq for x in pairwise.values()),
+                        pairwise_bytes=moved)
 
 
 def _local_plan(implementation, cfg, mesh, arg_shapes, names):
     named = dict(zip(names, arg_shapes))
     q = named["q"]
     spec = q.sharding.spec if isinstance(q.sharding, NamedSharding) else P()
+    pairwise = {n: named[n] for n in ("bias", "mask") if n in named}
     plan = sharding_plan(mesh, spec, q.shape, named["k"].shape,
                          allow_ring=ring_supported(implementation, names),
-                         call=sequence_call(cfg, names, q.dtype))
+                         call=sequence_call(cfg, names, q.dtype, pairwise, q.shape[2]))
     return plan, named
 
 
 def _a2a_forward_body(axis, n, implementation, cfg, names, *arrays):
-    q, k, v, _, masks, extras = _unpack(dict(zip(names, arrays)))
-    out, stats = ulysses.forward(ulysses.Ulysses(axis, n, implementation, cfg), q, k, v, masks, extras)
+    q, k, v, bias, masks, extras = _unpack(dict(zip(names, arrays)))
+    out, stats = ulysses.forward(ulysses.Ulysses(axis, n, implementation, cfg), q, k, v, masks,
+                                 extras, bias)
     return out, stats.max, stats.log_sum
 
 
 def _a2a_backward_body(axis, n, implementation, cfg, names, *arrays):
     named = dict(zip(names, arrays))
-    q, k, v, _, masks, extras = _unpack(named)
+    q, k, v, bias, masks, extras = _unpack(named)
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
+    if bias is not None:  # the op's dbias is [B, Hq, Lq, Lk], as the ring's
+        bias = jnp.broadcast_to(bias, q.shape[:1] + bias.shape[1:])
     return ulysses.backward(ulysses.Ulysses(axis, n, implementation, cfg), q, k, v, masks, stats,
-                            named["d_out"], named["delta"], extras)
+                            named["d_out"], named["delta"], extras, bias)
 
 
 def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
@@ -411,11 +429,13 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
     return tuple(grads) + ((None,) if bias is None or not cfg.bias_gradient else ())
 
 
-def explain(implementation, q, q_shape, k_shape, has_bias_or_mask: bool, cfg=None,
+def explain(implementation, q, q_shape, k_shape, pairwise: dict, cfg=None,
             extras=None) -> str | None:
     """The strategy for ``q`` (an array or ShapeDtypeStruct with a NamedSharding), or None when
-    it carries no multi-device NamedSharding. A sequence-sharded call names cp_cost's choice
-    with its estimated bytes per device."""
+    it carries no multi-device NamedSharding. ``pairwise``: {"bias"|"mask": ``[Bx, Hx, Lq,
+    Lk]``} of the call. A sequence-sharded call names cp_cost's choice with its estimated bytes
+    per device."""
+    has_bias_or_mask = bool(pairwise)
     sharding = getattr(q, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
         return None
@@ -423,7 +443,7 @@ def explain(implementation, q, q_shape, k_shape, has_bias_or_mask: bool, cfg=Non
         short for field, short in _EXTRA_FIELDS if extras is not None and getattr(extras, field) is not None)
     plan = sharding_plan(sharding.mesh, _canonical_spec(sharding.spec, len(q.shape)), q_shape, k_shape,
                          allow_ring=ring_supported(implementation, names),
-                         call=sequence_call(cfg, names, q.dtype))
+                         call=sequence_call(cfg, names, q.dtype, pairwise, q_shape[2]))
     if plan.sequence and plan.strategy == "hybrid":
         outer, inner = plan.sequence
         return (f"hybrid over {plan.sequence} (context parallelism: all-to-all over {inner!r}, "
@@ -440,8 +460,10 @@ def explain(implementation, q, q_shape, k_shape, has_bias_or_mask: bool, cfg=Non
             how = (f"ring over {axis!r} in {n} steps (context parallelism, zigzag layout, local "
                    f"kernel {implementation.name}){pairwise}")
         else:
+            pairwise = ("; bias/mask: resharded by head with the operands, dbias back along the "
+                        "query rows" if has_bias_or_mask else "")
             how = (f"all_to_all over {axis!r} (context parallelism, Ulysses: whole sequences for "
-                   f"1/{n} of the heads per device, local kernel {implementation.name})")
+                   f"1/{n} of the heads per device, local kernel {implementation.name}){pairwise}")
         return (how + f"; cost model: {plan.choice.describe(n, axis)}"
                 + "".join(f"; {note}" for note in plan.notes))
     return plan.describe() + ("" if plan.choice is None else

@@ -201,8 +201,14 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None, extr
 
 def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, extras=None):
     """-> (dq, dk, dv, dbias or None) of the local blocks; dK/dV accumulators travel with K and
-    V; dbias (float32, ``bias``'s shape: rows local, every key column) stays home, and is None
-    when ``ring.cfg.bias_gradient`` is False (a constant bias). The sinks need nothing here:
+    V, one step behind: at step s a device sends the accumulator of the block it visited at
+    step s-1 together with its K/V block, before the step's compute, and adds its own share to
+    the accumulator it receives after it (the visiting block's: the previous device visited it
+    at step s-1). Every send of a step is then independent of its compute, so XLA:GPU, which
+    combines a step's collective-permutes into one, can still overlap it with the compute
+    (sending dK/dV after the compute made the combined send wait for it). dbias (float32,
+    ``bias``'s shape: rows local, every key column) stays home, and is None when
+    ``ring.cfg.bias_gradient`` is False (a constant bias). The sinks need nothing here:
     the global statistics include them (dsinks: ``dropout_sinks.sink_gradient``)."""
     impl = ring.implementation
     lq = q.shape[1]
@@ -219,8 +225,8 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
     with_dbias = bias is not None and ring.cfg.bias_gradient
 
     def step(s, carry):
-        kv, dkv, dqs, dbias = carry
-        incoming = _rotate(kv, ring)
+        kv, dkv_sent, dqs, dbias = carry
+        incoming, dkv = _rotate((kv, dkv_sent), ring)  # both before the compute (docstring)
         k_blk, v_blk, kv_seg = kv
         kv_ids = chunk_ids(ring.layout, ring.num_devices, (me - s) % ring.num_devices)
         ks, vs, kv_segs = (_split(x, ring.chunks, 1) for x in (k_blk, v_blk, kv_seg))
@@ -250,17 +256,18 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
                 dqs[a] = dqs[a] + dq
                 dks[c] = dks[c] + dk
                 dvs[c] = dvs[c] + dv
-        dkv = (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
-        return incoming, _rotate(dkv, ring), tuple(dqs), dbias
+        return incoming, (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)), tuple(dqs), dbias
 
     zeros = lambda x: vma.like(jnp.zeros(x.shape, jnp.float32), axes)
     dqs = tuple(zeros(x) for x in qs)
     kv = (k, v, masks.kv_segment_ids)
     dbias = zeros(bias) if with_dbias else None
-    _, (dk, dv), dqs, dbias = lax.fori_loop(0, ring.num_devices, step,
-                                            (kv, (zeros(k), zeros(v)), dqs, dbias))
-    return (jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            dbias)
+    # Step 0 sends zeros (no block visited yet); after the loop each device holds the complete
+    # dK/dV of the block it visited last, block me+1's: one more send (in k's dtype) takes it home.
+    _, dkv, dqs, dbias = lax.fori_loop(0, ring.num_devices, step,
+                                       (kv, (zeros(k), zeros(v)), dqs, dbias))
+    dk, dv = _rotate((dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)), ring)
+    return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk, dv, dbias
 
 
 def _ring_fwd(ring, q, k, v, bias, masks, extras):

@@ -12,7 +12,9 @@ are exactly those heads' kv groups; so kv heads must divide the axis size (``una
 says why not). Heads enter the dropout hash and the sinks by their GLOBAL index: the
 per-head seeds and sinks ``[Bs, Hq]`` are sliced to the device's block. Segment ids (no head
 axis) travel by the same all-to-all over a size-N axis of copies, never an all-gather.
-Bias and dense mask (``[.., Lq, Lk]`` per device rows) are not taken: the ring is.
+A per-head bias or dense mask ``[Bx, Hq, Lq_loc, Lk]`` (this device's query rows, every key
+column, as the ring takes it) is resharded the same way, to ``[Bx, Hq/N, Lq, Lk]``, and dbias
+back (plain jit and ``ulysses_attention``); one shared by every head is refused (``unavailable``).
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ from jax_impl.config import AttentionConfig
 from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
 
 
-def unavailable(num_devices: int, hq: int, hkv: int, has_bias_or_mask: bool) -> str | None:
-    """Why the all-to-all strategy cannot run over ``num_devices``, or None."""
-    if has_bias_or_mask:
-        return "a bias or dense mask (sharded along its query rows) is not resharded by head"
+def unavailable(num_devices: int, hq: int, hkv: int, shared_pairwise: bool = False) -> str | None:
+    """Why the all-to-all strategy cannot run over ``num_devices``, or None. ``shared_pairwise``:
+    a bias or dense mask shared by every head (head axis 1), which would reach every device whole."""
+    if shared_pairwise:
+        return ("a bias or dense mask shared by every head is not resharded by head (each device "
+                "would hold it whole; the ring slices it)")
     if hq % num_devices or hkv % num_devices:
         return (f"{hq} query / {hkv} kv heads do not divide over {num_devices} devices (each "
                 f"device takes whole kv heads with their query groups)")
@@ -73,62 +77,115 @@ def _head_block(x, axis_name, blocks: int):
     return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * size, size, axis=1)
 
 
+def _pairwise_heads(x, axis_name):
+    """A bias/mask ``[Bx, Hq, Lq_loc, Lk]`` -> ``[Bx, Hq/N, Lq, Lk]`` (this device's heads, every row)."""
+    return None if x is None else to_heads(x, axis_name, seq_axis=2, head_axis=1)
+
+
 def _local_inputs(u: Ulysses, masks: masking.MaskInputs, extras):
     ids = lambda x: _whole_ids(x, u.axis_name, u.num_devices)
     masks = masks._replace(q_segment_ids=ids(masks.q_segment_ids),
-                           kv_segment_ids=ids(masks.kv_segment_ids))
+                           kv_segment_ids=ids(masks.kv_segment_ids),
+                           mask=_pairwise_heads(masks.mask, u.axis_name))
     extras = extras or dropout_sinks.SinksAndDropout()
     extras = extras._replace(sinks=_head_block(extras.sinks, u.axis_name, u.num_devices),
                              dropout_seeds=_head_block(extras.dropout_seeds, u.axis_name, u.num_devices))
     return masks, extras
 
 
-def forward(u: Ulysses, q, k, v, masks, extras=None):
+def forward(u: Ulysses, q, k, v, masks, extras=None, bias=None):
     """Sequence blocks in, sequence blocks out: (out ``[B, L_loc, Hq, D]``, RowStats
     ``[B, Hq, L_loc]``)."""
     masks, extras = _local_inputs(u, masks, extras)
     heads = lambda x: to_heads(x, u.axis_name)
-    out, stats = u.implementation.forward(u.cfg, heads(q), heads(k), heads(v), None, masks, extras)
+    out, stats = u.implementation.forward(u.cfg, heads(q), heads(k), heads(v),
+                                          _pairwise_heads(bias, u.axis_name), masks, extras)
     back = lambda x, s=1, h=2: to_sequence(x, u.axis_name, s, h)
     return back(out), online_softmax.RowStats(back(stats.max, 2, 1), back(stats.log_sum, 2, 1))
 
 
-def backward(u: Ulysses, q, k, v, masks, stats, d_out, delta, extras=None):
-    """-> (dq, dk, dv) in sequence blocks. The sinks need nothing here (the statistics hold them)."""
+def backward(u: Ulysses, q, k, v, masks, stats, d_out, delta, extras=None, bias=None):
+    """-> (dq, dk, dv) in sequence blocks, and dbias (``bias``'s shape, rows local) when a bias
+    is given and ``u.cfg.bias_gradient``. The sinks need nothing here (the statistics hold them)."""
     masks, extras = _local_inputs(u, masks, extras)
     heads = lambda x, s=1, h=2: to_heads(x, u.axis_name, s, h)
     stats = online_softmax.RowStats(heads(stats.max, 2, 1), heads(stats.log_sum, 2, 1))
-    dq, dk, dv, _ = u.implementation.backward(u.cfg, heads(q), heads(k), heads(v), None, masks,
-                                              stats, heads(d_out), heads(delta, 2, 1), extras)
-    return tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))
+    bias_heads = _pairwise_heads(bias, u.axis_name)
+    dq, dk, dv, dbias = u.implementation.backward(u.cfg, heads(q), heads(k), heads(v), bias_heads,
+                                                  masks, stats, heads(d_out), heads(delta, 2, 1),
+                                                  extras)
+    grads = tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))
+    if bias is None or not u.cfg.bias_gradient:
+        return grads
+    dbias = reduce_to(dbias, bias_heads.shape)
+    return grads + (to_sequence(dbias, u.axis_name, seq_axis=2, head_axis=1),)
 
 
-# --- The explicit function's custom VJP (context_parallel.ulysses_attention) ----------------
+# --- The explicit functions' custom VJP (context_parallel.ulysses_attention, hybrid_attention) --
 
-def _fwd(u, q, k, v, masks, extras):
-    _, (q, k, v, masks, extras) = from_primals(u.cfg, None, (q, k, v, masks, extras))
-    out, stats = forward(u, q, k, v, masks, extras)
-    return (out, online_softmax.logsumexp(stats)), Residuals((q, k, v, masks, extras, out, stats), u.cfg)
+@dataclasses.dataclass(frozen=True)
+class Hybrid:
+    """Static description of the hybrid: the all-to-all over the inner axis, then ``ring`` (a
+    zigzag ``ring.Ring`` over the outer axis) on the resharded blocks."""
+
+    all_to_all: Ulysses
+    ring: object  # ring.Ring
+
+    @property
+    def cfg(self) -> AttentionConfig:
+        return self.all_to_all.cfg
+
+
+def _axis_names(d) -> tuple:
+    return (d.all_to_all.axis_name, d.ring.axis_name) if isinstance(d, Hybrid) else (d.axis_name,)
+
+
+def _forward_of(d, q, k, v, bias, masks, extras):
+    if isinstance(d, Hybrid):  # no bias (hybrid_attention takes none)
+        return hybrid_forward(d.all_to_all, d.ring, q, k, v, masks, extras)
+    return forward(d, q, k, v, masks, extras, bias)
+
+
+def _backward_of(d, q, k, v, bias, masks, stats, d_out, delta, extras):
+    """-> (dq, dk, dv, dbias or None)."""
+    if isinstance(d, Hybrid):
+        return (*hybrid_backward(d.all_to_all, d.ring, q, k, v, masks, stats, d_out, delta, extras), None)
+    grads = backward(d, q, k, v, masks, stats, d_out, delta, extras, bias)
+    return grads if len(grads) == 4 else (*grads, None)
+
+
+def _fwd(u, q, k, v, bias, masks, extras):
+    backward_cfg, (q, k, v, bias, masks, extras) = from_primals(u.cfg, bias,
+                                                                (q, k, v, bias, masks, extras))
+    out, stats = _forward_of(u, q, k, v, bias, masks, extras)
+    return ((out, online_softmax.logsumexp(stats)),
+            Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))
 
 
 def _bwd(u, residuals: Residuals, cotangents):
-    q, k, v, masks, extras, out, stats = residuals.arrays
+    q, k, v, bias, masks, extras, out, stats = residuals.arrays
     d_out, delta = delta_of(out, cotangents)
-    dq, dk, dv = backward(u, q, k, v, masks, stats, d_out, delta, extras._replace(sinks=None))
+    if isinstance(u, Ulysses):  # bias_gradient: whether the bias is differentiated
+        u = dataclasses.replace(u, cfg=residuals.cfg)
+    dq, dk, dv, dbias = _backward_of(u, q, k, v, bias, masks, stats, d_out, delta,
+                                     extras._replace(sinks=None))
+    dbias = None if dbias is None else dbias.astype(bias.dtype)  # None: a constant bias
     d_extras = jax.tree.map(lambda _: None, extras)
     if extras.sinks is not None:  # this device's rows' share; an unvarying sink sums them
         d_sinks = reduce_to(dropout_sinks.sink_gradient(
             extras.sinks, online_softmax.logsumexp(stats), delta), extras.sinks.shape)
-        # With varying axes tracked (check_vma), an unvarying sink takes the sum over the axis;
+        # With varying axes tracked (check_vma), an unvarying sink takes the sum over the axes;
         # untracked (check_vma=False), shard_map's transpose sums the devices' shares itself.
-        if u.axis_name in vma.axes_of(q) and u.axis_name not in vma.axes_of(extras.sinks):
-            d_sinks = lax.psum(d_sinks, u.axis_name)
+        summed = tuple(a for a in _axis_names(u)
+                       if a in vma.axes_of(q) and a not in vma.axes_of(extras.sinks))
+        if summed:
+            d_sinks = lax.psum(d_sinks, summed)
         d_extras = d_extras._replace(sinks=d_sinks.astype(extras.sinks.dtype))
-    return dq, dk, dv, jax.tree.map(lambda _: None, masks), d_extras
+    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, masks), d_extras
 
 
-def _primal(u, q, k, v, masks, extras):
-    out, stats = forward(u, q, k, v, masks, extras)
+def _primal(u, q, k, v, bias, masks, extras):
+    out, stats = _forward_of(u, q, k, v, bias, masks, extras)
     return out, online_softmax.logsumexp(stats)
 
 

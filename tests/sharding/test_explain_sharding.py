@@ -13,6 +13,10 @@ def test_strategy_for_sharded_inputs():
     assert s["sequence_pallas"].startswith("ring over 'seq' in 8 steps")
     assert "local kernel pallas_triton" in s["sequence_pallas"]
     assert s["sequence_bias"].startswith("ring over 'seq'") and "query rows sharded" in s["sequence_bias"]
+    assert "all_to_all unavailable: a bias or dense mask shared by every head" in s["sequence_bias"]
+    # A per-head bias is resharded by head; at L=64 it is small, and the all-to-all still wins.
+    assert s["sequence_bias_per_head"].startswith("all_to_all over 'seq'")
+    assert "bias/mask: resharded by head" in s["sequence_bias_per_head"]
     assert s["sequence_two_axes"].startswith("hybrid over ('data', 'model')")
     assert "all-to-all over 'model', then a ring over 'data' in 2 steps" in s["sequence_two_axes"]
     assert "head_dim" in s["head_dim"] and "all-gathered" in s["head_dim"]

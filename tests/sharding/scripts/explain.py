@@ -22,7 +22,9 @@ print(json.dumps({
     "sequence_pallas": explain(line, P(None, "seq"), implementation="pallas_triton",
                                interpret=True, context_parallel_strategy="ring"),
     "sequence_bias": explain(line, P(None, "seq"), implementation="xla",
-                             bias=rng.standard_normal((2, 8, 64, 64)).astype(np.float32)),
+                             bias=rng.standard_normal((1, 1, 64, 64)).astype(np.float32)),
+    "sequence_bias_per_head": explain(line, P(None, "seq"), implementation="xla",
+                                      bias=rng.standard_normal((2, 8, 64, 64)).astype(np.float32)),
     "sequence_two_axes": explain(grid, P(None, ("data", "model")), implementation="xla"),
     "head_dim": explain(line, P(None, None, None, "seq"), implementation="xla"),
     "unsharded": explain_implementation(*(rng.standard_normal((2, 8, 2, 16)).astype(np.float32)

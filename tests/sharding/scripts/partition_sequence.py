@@ -3,6 +3,8 @@
 argv: "exact" [implementation] -> 8 devices, L<=64, errors vs torch_ref float64 and collective
       counts ("pallas_triton" runs in the Pallas interpreter); bias and mask arrive sharded along
       their query rows with every key column;
+      "exact_a2a" -> the same for per-head bias/mask configs with
+      context_parallel_strategy="all_to_all" (resharded by head);
       "memory" -> L=32768, H=8, D=64 fp32 causal: compiled per-device arguments + temporaries
       on 8 devices vs 1 (compiled only, never run).
 """
@@ -19,10 +21,17 @@ from _common import max_errors, problem, torch_oracle
 from jax_impl.flash_attention import flash_attention
 
 
-def exact(implementation="xla"):
+A2A_CONFIGS = {  # heads divisible by the 8 devices; bias/mask per head
+    "a2a_bias_mask_causal": (64, 64, 8, 8, dict(is_causal=True), (2, 8), (1, 8)),
+    "a2a_broadcast_batch_bias_bottom_right_lengths_gqa": (32, 64, 16, 8, dict(
+        is_causal=True, causal_alignment="bottom_right"), (1, 16), None),
+}
+
+
+def exact(implementation="xla", strategy=None):
     mesh = Mesh(np.array(jax.devices()), ("seq",))
     results = {}
-    configs = {  # name: (lq, lk, hq, hkv, kwargs, bias (Bb, Hb) or None, mask (Bm, Hm) or None)
+    configs = A2A_CONFIGS if strategy else {  # name: (lq, lk, hq, hkv, kwargs, bias (Bb, Hb) or None, mask (Bm, Hm) or None)
         "causal_top_left_gqa": (64, 64, 4, 2, dict(is_causal=True), None, None),
         "bottom_right_lengths_segments_window": (32, 64, 2, 2, dict(
             is_causal=True, causal_alignment="bottom_right", local_window_size=(17, None)),
@@ -34,6 +43,8 @@ def exact(implementation="xla"):
         "constant_bias_causal": (32, 32, 2, 2, dict(is_causal=True), (2, 2), None),
     }
     extra = dict(interpret=True) if implementation == "pallas_triton" else {}
+    if strategy:
+        extra["context_parallel_strategy"] = strategy
     for name, (lq, lk, hq, hkv, kwargs, bias_shape, mask_shape) in configs.items():
         arrays, rng = problem(np.random.SeedSequence().entropy % 2**31, 2, lq, lk, hq, hkv, 16,
                               bias=bias_shape or False)
@@ -72,6 +83,7 @@ def exact(implementation="xla"):
             grads["bias"] = dbias = dbias[0]
         results[name] = dict(
             all_gathers=hlo.count("all-gather"), permutes=hlo.count("collective-permute"),
+            all_to_alls=hlo.count("all-to-all("),
             out_spec=str(tuple(out.sharding.spec)[:2]), warnings=[str(w.message) for w in caught],
             dbias_spec=None if bias is None or constant else str(tuple(dbias.sharding.spec)),
             errors=max_errors(out, grads, ref_out, ref_grads))
@@ -101,4 +113,7 @@ def memory():
 
 
 if __name__ == "__main__":
-    print(json.dumps(exact(*sys.argv[2:]) if sys.argv[1] == "exact" else memory()))
+    if sys.argv[1] == "exact_a2a":
+        print(json.dumps(exact("xla", "all_to_all")))
+    else:
+        print(json.dumps(exact(*sys.argv[2:]) if sys.argv[1] == "exact" else memory()))

@@ -1,7 +1,7 @@
 """ring_attention inside shard_map over 8 devices vs torch_ref.manual_attention in float64.
 
 argv: implementation ("xla", "pallas_triton" in the Pallas interpreter, or "cpu", the fused
-C++ kernel: configs without bias or mask), then config names (CONFIGS). Prints {config: {out, dq, dk, dv[, dbias]: max |err|}}.
+C++ kernel: configs without bias or mask; "ulysses": ulysses_attention, kernel xla), then config names (CONFIGS). Prints {config: {out, dq, dk, dv[, dbias]: max |err|}}.
 
 Bias and mask are global ``[Bx, Hx, Lq, Lk]`` arrays in natural order; each device gets its
 query rows (reordered like the queries for the zigzag layout) and every key column.
@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from _common import max_errors, problem, torch_oracle
 from jax_impl import ring
-from jax_impl.context_parallel import ring_attention
+from jax_impl.context_parallel import ring_attention, ulysses_attention
 
 N = 8
 CONFIGS = {
@@ -40,6 +40,10 @@ CONFIGS = {
     # Not differentiated: the ring's backward computes no dbias.
     "constant_bias_causal": (2, 32, 32, 2, 2, 16, "zigzag", dict(is_causal=True), None, False,
                              {"bias": (2, 2)}),
+    # For ulysses_attention (argv "ulysses"): heads divisible by 8, a bias/mask per head.
+    "a2a_bias_mask_causal_gqa_lengths_segments": (
+        2, 32, 64, 16, 8, 16, "contiguous", dict(is_causal=True, causal_alignment="bottom_right"),
+        ([29, 32], [64, 40]), True, {"bias": (1, 16), "mask": (2, 16)}),
 }
 
 
@@ -70,13 +74,18 @@ def run(name, implementation):
     seq, rows = P(None, "seq"), P(None, None, "seq", None)
     seg_args = () if not segments else (order(jnp.asarray(full_kwargs["q_segment_ids"])),
                                         order(jnp.asarray(full_kwargs["kv_segment_ids"])))
-    options = dict(layout=layout, implementation=implementation,
-                   interpret=implementation == "pallas_triton", **kwargs)
+    attention = ring_attention
+    if implementation == "ulysses":  # ulysses_attention, local kernel xla
+        attention, implementation = ulysses_attention, "xla"
+        options = dict(implementation="xla", **kwargs)
+    else:
+        options = dict(layout=layout, implementation=implementation,
+                       interpret=implementation == "pallas_triton", **kwargs)
 
     def body(q, k, v, bias, mask, lens, *segs):
-        return ring_attention(q, k, v, bias, mask, axis_name="seq",
-                              **dict(zip(("q_segment_ids", "kv_segment_ids"), segs)),
-                              **lens, **options)
+        return attention(q, k, v, bias, mask, axis_name="seq",
+                         **dict(zip(("q_segment_ids", "kv_segment_ids"), segs)),
+                         **lens, **options)
 
     pair_spec = lambda x: None if x is None else rows
     bias = arrays.get("bias")

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from _common import max_errors, problem
 from torch_ref import attention_with_grads, manual_attention
 from jax_impl import dropout_mask, ring
-from jax_impl.context_parallel import ring_attention, ulysses_attention
+from jax_impl.context_parallel import hybrid_attention, ring_attention, ulysses_attention
 from jax_impl.flash_attention import flash_attention
 
 N = 8
@@ -116,7 +116,8 @@ def _results(name, arrays, kwargs, features, sharded_attend, hlo_of):
     single_diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
                       for x, y in zip((out,) + tuple(grads), (out_1,) + tuple(grads_1)))
     result = dict(errors=errors, single=single_diff, all_gathers=hlo.count("all-gather"),
-                  permutes=hlo.count("collective-permute"), all_to_alls=hlo.count("all-to-all("))
+                  permutes=hlo.count("collective-permute"), all_to_alls=hlo.count("all-to-all("),
+                  _values=(out,) + tuple(grads))
     if "pattern" in name:
         kept = np.moveaxis(np.asarray(out) > 0, 2, 1)  # [B, Hq, Lq, Lk]
         lq, lk = kept.shape[-2:]
@@ -128,8 +129,8 @@ def _results(name, arrays, kwargs, features, sharded_attend, hlo_of):
     return result
 
 
-def run_jit(name, strategy=None):
-    arrays, _, kwargs, features = _setup(name)
+def run_jit(name, strategy=None, setup=None):
+    arrays, _, kwargs, features = setup or _setup(name)
     if strategy == "hybrid":  # (2, 4): the sequence over both axes, all-to-all over "chip"
         mesh = Mesh(np.array(jax.devices()[:N]).reshape(2, 4), ("host", "chip"))
         seq_axes = ("host", "chip")
@@ -151,13 +152,17 @@ def run_jit(name, strategy=None):
     return _results(name, arrays, kwargs, features, attend, hlo_of)
 
 
-def run_shard_map(name, attention=ring_attention):
-    arrays, layout, kwargs, features = _setup(name)
-    mesh = Mesh(np.array(jax.devices()[:N]), ("seq",))
+def run_shard_map(name, attention=ring_attention, setup=None):
+    arrays, layout, kwargs, features = setup or _setup(name)
+    if attention is hybrid_attention:  # (host=2, chip=4): the sequence over both, natural order
+        mesh, layout = Mesh(np.array(jax.devices()[:N]).reshape(2, 4), ("host", "chip")), "contiguous"
+        seq_axes, axes = ("host", "chip"), dict(all_to_all_axis="chip", ring_axis="host")
+    else:
+        mesh, seq_axes, axes = Mesh(np.array(jax.devices()[:N]), ("seq",)), "seq", dict(axis_name="seq")
     zigzag = layout == "zigzag"
     order = lambda x: ring.to_zigzag(x, N, 1) if zigzag else x
     unorder = lambda x: ring.from_zigzag(x, N, 1) if zigzag else x
-    seq = P(None, "seq")
+    seq = P(None, seq_axes)
     rng = features.get("dropout_rng")
     options = {n: v for n, v in features.items() if n != "dropout_rng"}
     traced = [n for n in ("query_seq_lengths", "key_value_seq_lengths", "q_segment_ids",
@@ -169,7 +174,7 @@ def run_shard_map(name, attention=ring_attention):
         static["layout"] = layout
 
     def body(q, k, v, sinks, key, lens):
-        return attention(q, k, v, axis_name="seq", implementation="xla",
+        return attention(q, k, v, **axes, implementation="xla",
                          attention_sinks=sinks, dropout_rng=key, **lens, **static, **options)
 
     def attend(a):
@@ -183,6 +188,17 @@ def run_shard_map(name, attention=ring_attention):
                     lambda grad, args: (grad.lower(*args).compile().as_text(), args))
 
 
+def hybrid_both(name):
+    """hybrid_attention in shard_map on a (2, 4) mesh, and the plain-jit hybrid on the same
+    arrays: the former's result with ``jit_agreement``, max |shard_map - jit| (out and grads)."""
+    setup = _setup(name)
+    explicit = run_shard_map(name, hybrid_attention, setup)
+    under_jit = run_jit(name, "hybrid", setup)
+    explicit["jit_agreement"] = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+                                    for x, y in zip(explicit["_values"], under_jit["_values"]))
+    return explicit
+
+
 def sinks_without_vma():
     """dsinks of ring_attention and ulysses_attention under check_vma True and False (the
     Pallas interpreter's setting), max |error| against the one-device call's."""
@@ -194,13 +210,16 @@ def sinks_without_vma():
     one = jax.grad(lambda s: jnp.sum(jnp.sin(flash_attention(
         q, q, q, attention_sinks=s, implementation="xla"))))(sinks)
     errors = {}
-    for attention in (ring_attention, ulysses_attention):
+    two_axes = Mesh(np.array(jax.devices()[:N]).reshape(2, 4), ("host", "chip"))
+    for attention in (ring_attention, ulysses_attention, hybrid_attention):
         for check in (True, False):
-            kw = dict(layout="contiguous") if attention is ring_attention else {}
+            kw = dict(layout="contiguous", axis_name="seq") if attention is ring_attention else (
+                dict(axis_name="seq") if attention is ulysses_attention else
+                dict(all_to_all_axis="chip", ring_axis="host"))
+            on = (two_axes, P(None, ("host", "chip"))) if attention is hybrid_attention else (mesh, seq)
             mapped = jax.shard_map(
-                lambda q, s: attention(q, q, q, axis_name="seq", attention_sinks=s,
-                                       implementation="xla", **kw),
-                mesh=mesh, in_specs=(seq, P()), out_specs=seq, check_vma=check)
+                lambda q, s: attention(q, q, q, attention_sinks=s, implementation="xla", **kw),
+                mesh=on[0], in_specs=(on[1], P()), out_specs=on[1], check_vma=check)
             got = jax.grad(lambda s: jnp.sum(jnp.sin(mapped(q, s))))(sinks)
             errors[f"{attention.__name__}_{check}"] = float(np.max(np.abs(got - one)))
     return errors
@@ -213,5 +232,8 @@ if __name__ == "__main__":
     mode, names = sys.argv[1], sys.argv[2:]
     run = dict(jit=lambda n: run_jit(n, "ring"), shard_map=run_shard_map,
                jit_a2a=lambda n: run_jit(n, "all_to_all"), jit_hybrid=lambda n: run_jit(n, "hybrid"),
-               shard_map_a2a=lambda n: run_shard_map(n, ulysses_attention))[mode]
-    print(json.dumps({name: run(name) for name in names}))
+               shard_map_a2a=lambda n: run_shard_map(n, ulysses_attention),
+               shard_map_hybrid=lambda n: hybrid_both(n))[mode]
+    results = {name: run(name) for name in names}
+    print(json.dumps({name: {k: v for k, v in r.items() if k != "_values"}
+                      for name, r in results.items()}))
