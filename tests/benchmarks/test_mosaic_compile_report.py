@@ -33,9 +33,9 @@ def _toolchain_missing() -> str | None:
     return None
 
 
-# tests/mosaic_lane.sh sets MOSAIC_LANE=1: there a missing toolchain is a failure, not a skip.
-if os.environ.get("MOSAIC_LANE") == "1" and _toolchain_missing() is not None:
-    raise RuntimeError(f"MOSAIC_LANE=1 but {_toolchain_missing()}")
+# tests/cuda_compile_lane.sh sets CUDA_COMPILE_LANE=1: there a missing toolchain is a failure, not a skip.
+if os.environ.get("CUDA_COMPILE_LANE") == "1" and _toolchain_missing() is not None:
+    raise RuntimeError(f"CUDA_COMPILE_LANE=1 but {_toolchain_missing()}")
 pytestmark = pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_toolchain_missing()))
 
 

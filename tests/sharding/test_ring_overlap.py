@@ -6,6 +6,7 @@ backend (XLA:GPU splits collective-permutes into start/done and its latency-hidi
 moves the done past independent work) overlap them: inside the ring step's while body, the
 K/V permutes neither depend on the step's compute (the per-pair lax.cond) nor feed it."""
 import importlib.util
+import os
 
 import jax
 import pytest
@@ -31,6 +32,11 @@ def _no_cuda_compiler() -> str | None:
             importlib.util.find_spec("jax_cuda13_plugin") is None:
         return "compiling for CUDA without a GPU needs jax's CUDA plugin (pip install 'jax[cuda13]')"
     return None
+
+
+# tests/cuda_compile_lane.sh sets CUDA_COMPILE_LANE=1: there a missing toolchain is a failure.
+if os.environ.get("CUDA_COMPILE_LANE") == "1" and _no_cuda_compiler() is not None:
+    raise RuntimeError(f"CUDA_COMPILE_LANE=1 but {_no_cuda_compiler()}")
 
 
 @pytest.mark.skipif(_no_cuda_compiler() is not None, reason=str(_no_cuda_compiler()))

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The Mosaic GPU compile lane: the sm_90a compile report's tests
+# The CUDA compile lane: tests that compile for compile-only H100s under jax 0.11.2 with its
+# CUDA 13 plugin (Python >= 3.12), no GPU: the Mosaic GPU kernels' sm_90a compile report
 # (tests/benchmarks/test_mosaic_compile_report.py: 0 spills, shared memory, TMA, wgmma,
-# setmaxnreg) under jax 0.11.2 with its CUDA 13 plugin, which needs Python >= 3.12. No GPU: XLA
-# compiles for a compile-only H100 and the machine's ptxas (CUDA 13) assembles.
-# The lane's environment is a venv of its own (default .venv-mosaic, about 1 GB: jax, jaxlib,
+# setmaxnreg; the machine's ptxas, CUDA 13, assembles) and the ring's send/compute overlap in
+# XLA:GPU's schedule on 8 devices (tests/sharding/test_ring_overlap.py).
+# The lane's environment is a venv of its own (default .venv-cuda-compile, about 1 GB: jax, jaxlib,
 # the plugin without NVIDIA's library wheels, pytest), made on first use. The lane is skipped,
 # saying why, where there is no Python >= 3.12 or no ptxas; any other failure fails it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${MOSAIC_LANE_VENV:-.venv-mosaic}
+VENV=${CUDA_COMPILE_LANE_VENV:-.venv-cuda-compile}
 JAX_VERSION=0.11.2
 
 find_python() {
@@ -24,10 +25,11 @@ find_python() {
 
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(find_python)
-  if [ -z "$PY" ]; then echo "mosaic lane skipped: no Python >= 3.12 (jax $JAX_VERSION's CUDA plugin needs it)"; exit 0; fi
+  if [ -z "$PY" ]; then echo "cuda compile lane skipped: no Python >= 3.12 (jax $JAX_VERSION's CUDA plugin needs it)"; exit 0; fi
   $PY -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" "pytest>=8"
   "$VENV/bin/python" -m pip install -q --no-deps "jax-cuda13-plugin==$JAX_VERSION" "jax-cuda13-pjrt==$JAX_VERSION"
 fi
-if ! command -v ptxas >/dev/null; then echo "mosaic lane skipped: no ptxas on PATH (CUDA 13)"; exit 0; fi
-MOSAIC_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/benchmarks/test_mosaic_compile_report.py
+if ! command -v ptxas >/dev/null; then echo "cuda compile lane skipped: no ptxas on PATH (CUDA 13)"; exit 0; fi
+CUDA_COMPILE_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+  tests/benchmarks/test_mosaic_compile_report.py tests/sharding/test_ring_overlap.py -k "compile" 
