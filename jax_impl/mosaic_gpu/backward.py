@@ -177,19 +177,18 @@ def _two_products(shape, a, b_t, c, d_t):
     return pl.run_scoped(products, (plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32)))
 
 
-def _values_and_dp(dv, p_t, do_tile, v_tile, tile, interpreted: bool):
-    """(dV + P^T dO, dP^T = V dO^T). Compiled, both wgmmas in one group; interpreted, the first
-    as a plain dot (``_accumulate``)."""
+def _accumulate_two(acc_a, lhs_a, rhs_a, acc_b, lhs_b, rhs_b, interpreted: bool):
+    """(acc_a + lhs_a @ rhs_a, acc_b + lhs_b @ rhs_b): left operands (16-bit) in registers,
+    right ones in shared memory, one wgmma group. Interpreted, plain dots (``_accumulate``)."""
     if interpreted:
-        return _accumulate(dv, p_t, do_tile, True), _product(tile, v_tile, do_tile)
+        return (_accumulate(acc_a, lhs_a, rhs_a, True), _accumulate(acc_b, lhs_b, rhs_b, True))
 
     def both(refs):
-        dv_ref, dp_ref = refs
-        plgpu.wgmma(dv_ref, p_t, do_tile)
-        plgpu.wgmma(dp_ref, v_tile, do_tile.T)
+        a_ref, b_ref = refs
+        plgpu.wgmma(a_ref, lhs_a, rhs_a)
+        plgpu.wgmma(b_ref, lhs_b, rhs_b)
 
-    zeros = plgpu.layout_cast(jnp.zeros(tile, jnp.float32), plgpu.Layout.WGMMA)
-    return pl.run_state(both)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+    return pl.run_state(both)((plgpu.ACC.init(acc_a), plgpu.ACC.init(acc_b)))
 
 
 def _probs(cfg, softmax, t_raw, broadcast, row_max, log_sum, allowed):
@@ -213,6 +212,33 @@ def _logits_gradient(p, dp, capped, broadcast, delta, masked: bool):
     return dqk
 
 
+def _position_scratch(c: BackwardConfig):
+    """0..n-1 per compute warpgroup for a tile's rows and for its columns (int32)."""
+    return (plgpu.SMEM((CONSUMERS, max(c.block_q, c.block_kv)), jnp.int32),
+            plgpu.SMEM((CONSUMERS, max(c.block_q, c.block_kv)), jnp.int32))
+
+
+def _opaque_warpgroup(wg, step):
+    """``wg``, in a form the compiler cannot prove loop-invariant (``step`` is never negative):
+    the wgmma descriptors of a warpgroup's own tiles indexed by it are then formed inside the
+    loop instead of being hoisted and kept live in registers across every loop (D=128:
+    spills)."""
+    return jnp.where(step >= 0, wg, 0)
+
+
+def _write_positions(positions, wg, rows: int, cols: int):
+    """Writes a tile's row and column offsets (0..n-1) to shared memory once and returns
+    loaders of them in the tile's row and column layouts. An edge tile's mask reads them from
+    shared memory inside its loop: built from iotas, the compiler hoists every thread's
+    per-element positions out of all loops and keeps them live (D=128: spills)."""
+    row_ref, col_ref = (ref.at[wg] for ref in positions)
+    row_ref[...] = plgpu.broadcasted_iota(jnp.int32, row_ref.shape, 0, layout=_ROWS)
+    col_ref[...] = plgpu.broadcasted_iota(jnp.int32, col_ref.shape, 0, layout=_COLS)
+    plgpu.commit_smem()
+    return (lambda: plgpu.load(row_ref.at[pl.ds(0, rows)], (), layout=_ROWS),
+            lambda: plgpu.load(col_ref.at[pl.ds(0, cols)], (), layout=_COLS))
+
+
 # --- dK/dV ----------------------------------------------------------------------------------
 
 def _dkdv_scratch(g: Geometry):
@@ -221,7 +247,8 @@ def _dkdv_scratch(g: Geometry):
              _swizzled((CONSUMERS, c.block_kv, d), g.dtype),  # V, then dV
              _swizzled((c.num_stages, c.block_q, d), g.dtype),  # Q ring
              _swizzled((c.num_stages, c.block_q, d), g.dtype),  # dO ring
-             *[plgpu.SMEM((c.num_stages, c.block_q), jnp.float32)] * 3)  # max, log-sum, delta
+             *[plgpu.SMEM((c.num_stages, c.block_q), jnp.float32)] * 3,  # max, log-sum, delta
+             *_position_scratch(c))
     barriers = (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=CONSUMERS),
                 *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(5)],
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
@@ -232,12 +259,13 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     c = g.config
     wg = lax.axis_index("wg")
-    k_own, v_own, q_ring, do_ring, max_ring, log_sum_ring, delta_ring = smem
+    k_own, v_own, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *positions = smem
     k_loaded, v_loaded, *produced, consumed = barriers
-    k_own, v_own = k_own.at[wg], v_own.at[wg]
+    k_all, v_all = k_own, v_own
+    k_own, v_own = k_all.at[wg], v_all.at[wg]
     softmax = online_softmax.Base2Softmax.create(cfg, has_bias=False)
     tile = (c.block_kv, c.block_q)  # transposed: keys x queries
-    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis, layout=plgpu.Layout.WGMMA)
+    key_offsets, query_offsets = _write_positions(positions, wg, c.block_kv, c.block_q)
     cols = lambda x: lax.broadcast_in_dim(x, tile, (1,))
 
     def item(pair, kv_head, b, step):
@@ -261,22 +289,24 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             dk, dv, step = carry
             slot = lax.rem(step, c.num_stages)
             _wait_all(produced, slot)
-            s_t = _product(tile, k_own, q_ring.at[slot])
+            # S^T = K Q^T and dP^T = V dO^T in one group, then P^T and dS^T in their registers,
+            # then dV += P^T dO and dK += dS^T Q in one group: two fp32 tiles live beside dK
+            # and dV at most (D=128 fits 240 registers).
+            mine = _opaque_warpgroup(wg, step)
+            s_t, dp_t = _two_products(tile, k_all.at[mine], q_ring.at[slot], v_all.at[mine],
+                                      do_ring.at[slot])
             allowed = None
             if masked:
-                allowed = masking.structural_allowed(cfg.mask, i * c.block_q + iota(1),
-                                                     key_start + iota(0), q_len, kv_len, offset)
+                allowed = masking.structural_allowed(
+                    cfg.mask, lax.broadcast_in_dim(i * c.block_q + query_offsets(), tile, (1,)),
+                    lax.broadcast_in_dim(key_start + key_offsets(), tile, (0,)), q_len, kv_len,
+                    offset)
             load = lambda ref: plgpu.load(ref.at[slot], layout=_COLS)
             p_t, capped = _probs(cfg, softmax, s_t, cols, load(max_ring), load(log_sum_ring),
                                  allowed)
-            if masked:  # two wgmma groups on an edge tile: one would spill (D=128, causal)
-                dv = _accumulate(dv, p_t.astype(g.dtype), do_ring.at[slot], interpreted)
-                dp_t = _product(tile, v_own, do_ring.at[slot])
-            else:  # dV += P^T dO and dP^T = V dO^T in one wgmma group
-                dv, dp_t = _values_and_dp(dv, p_t.astype(g.dtype), do_ring.at[slot], v_own,
-                                          tile, interpreted)
             dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring), masked)
-            dk = _accumulate(dk, dqk_t.astype(g.dtype), q_ring.at[slot], interpreted)
+            dv, dk = _accumulate_two(dv, p_t.astype(g.dtype), do_ring.at[slot],
+                                     dk, dqk_t.astype(g.dtype), q_ring.at[slot], interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
             return dk, dv, step + 1
 
@@ -312,7 +342,7 @@ def _dkdv_walk(cfg, g: Geometry, refs):
         return g.groups, lo, hi
 
     def copies(kv_head, b, member, i, slot, smem, produced):
-        _, _, q_ring, do_ring, max_ring, log_sum_ring, delta_ring = smem
+        _, _, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *_ = smem
         head = kv_head * g.groups + member
         rows = pl.ds(i * c.block_q, c.block_q)
         for src, dst, barrier in zip(
@@ -334,7 +364,8 @@ def _dq_scratch(g: Geometry):
              *[plgpu.SMEM((CONSUMERS, c.block_q), jnp.float32)] * 3,  # max, log-sum, delta
              _swizzled((c.num_stages, c.block_kv, d), g.dtype),  # K ring
              _swizzled((c.num_stages, c.block_kv, d), g.dtype),  # V ring
-             plgpu.SMEM((c.num_stages, c.block_kv), jnp.float32))  # the keys' poison
+             plgpu.SMEM((c.num_stages, c.block_kv), jnp.float32),  # the keys' poison
+             *_position_scratch(c))
     barriers = (*[plgpu.Barrier(num_barriers=CONSUMERS) for _ in range(5)],
                 *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(3)],
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
@@ -345,12 +376,13 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     c = g.config
     wg = lax.axis_index("wg")
-    q_own, do_own, max_own, log_sum_own, delta_own, k_ring, v_ring, poison_ring = smem
+    (q_all, do_all, max_own, log_sum_own, delta_own, k_ring, v_ring, poison_ring,
+     *positions) = smem
     own_loaded, produced, consumed = barriers[:5], barriers[5:8], barriers[8]
-    q_own, do_own = q_own.at[wg], do_own.at[wg]
+    q_own, do_own = q_all.at[wg], do_all.at[wg]
     softmax = online_softmax.Base2Softmax.create(cfg, has_bias=False)
     tile = (c.block_q, c.block_kv)
-    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis, layout=plgpu.Layout.WGMMA)
+    query_offsets, key_offsets = _write_positions(positions, wg, c.block_q, c.block_kv)
     rows_of = lambda x: lax.broadcast_in_dim(x, tile, (0,))
 
     def item(pair, head, b, step):
@@ -380,13 +412,16 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             dq, step = carry
             slot = lax.rem(step, c.num_stages)
             _wait_all(produced, slot)
-            s, dp = _two_products(tile, q_own, k_ring.at[slot], do_own, v_ring.at[slot])
+            mine = _opaque_warpgroup(wg, step)
+            s, dp = _two_products(tile, q_all.at[mine], k_ring.at[slot], do_all.at[mine],
+                                  v_ring.at[slot])
             poison = plgpu.load(poison_ring.at[slot], layout=_COLS)
             allowed = None
             if masked:
-                allowed = masking.structural_allowed(cfg.mask, q_start + iota(0),
-                                                     j * c.block_kv + iota(1), q_len, kv_len,
-                                                     offset)
+                allowed = masking.structural_allowed(
+                    cfg.mask, lax.broadcast_in_dim(q_start + query_offsets(), tile, (0,)),
+                    lax.broadcast_in_dim(j * c.block_kv + key_offsets(), tile, (1,)), q_len,
+                    kv_len, offset)
             s = s + lax.broadcast_in_dim(poison, tile, (1,))
             p, capped = _probs(cfg, softmax, s, rows_of, row_max, log_sum, allowed)
             dqk = _logits_gradient(p, dp, capped, rows_of, delta, masked)
@@ -422,7 +457,7 @@ def _dq_walk(cfg, g: Geometry, refs):
         return 1, lo, hi
 
     def copies(head, b, _, j, slot, smem, produced):
-        k_ring, v_ring, poison_ring = smem[5:]
+        k_ring, v_ring, poison_ring = smem[5:8]
         kv_head = lax.div(head, g.groups)
         keys = pl.ds(j * c.block_kv, c.block_kv)
         for src, dst, barrier in zip(

@@ -122,14 +122,16 @@ class BackwardConfig:
     def shared_memory_bytes(self, head_dim: int, dtype) -> int:
         """The larger of the two kernels' scratch: dK/dV holds K and V per consumer and a ring
         of Q, dO and three row vectors; dQ holds Q, dO and three row vectors per consumer and a
-        ring of K, V and the keys' poison."""
+        ring of K, V and the keys' poison; both hold a tile's row and column offsets per
+        consumer (int32, read by the mask of edge tiles)."""
         item = np.dtype(dtype).itemsize
         own = lambda rows: CONSUMERS * 2 * rows * head_dim * item
         ring = lambda rows: self.num_stages * 2 * rows * head_dim * item
         dkdv = own(self.block_kv) + ring(self.block_q) + self.num_stages * 3 * self.block_q * 4
         dq = (own(self.block_q) + CONSUMERS * 3 * self.block_q * 4 + ring(self.block_kv)
               + self.num_stages * self.block_kv * 4)
-        return max(dkdv, dq) + 8 * (6 * self.num_stages + CONSUMERS * 3)
+        positions = 2 * CONSUMERS * max(self.block_q, self.block_kv) * 4  # edge tiles' offsets
+        return max(dkdv, dq) + positions + 8 * (6 * self.num_stages + CONSUMERS * 3)
 
 
 def default_backward_config(head_dim: int, dtype) -> BackwardConfig:
