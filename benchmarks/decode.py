@@ -45,7 +45,7 @@ def _repeats(device: str, cache_bytes: int) -> int:
 def _torch_calls(q, k, v, lq, torch_device):
     import torch
     import torch.nn.functional as F
-    to = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to(torch_device).to(
+    to = lambda x: torch.from_numpy(np.array(x, np.float32)).to(torch_device).to(
         torch.bfloat16 if q.dtype == jnp.bfloat16 else torch.float32).transpose(1, 2).contiguous()
     tq, tk, tv = map(to, (q, k, v))
     lk = tk.shape[2]
