@@ -23,7 +23,7 @@ from conformance import harness, outputs, probes as probes_mod, registry, report
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m conformance", description=__doc__.split("\n\n")[1])
     p.add_argument("--suite", default="quick", choices=sorted(cases_mod.SUITES),
-                   help="which cases (default quick: 23 small cases; probes: the probes only)")
+                   help="which cases (default quick: 25 small cases; probes: the probes only)")
     p.add_argument("--impl", action="append", default=None,
                    help="registry name, or module:function for a plug-in (the contract: conformance/README.md); "
                         "repeatable; default: every available one")
