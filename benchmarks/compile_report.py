@@ -76,7 +76,6 @@ class KernelFacts:
 def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal: bool,
                    seq_len: int = SEQ_LEN) -> list[TritonKernel]:
     """The three kernels of forward + backward at [1, seq_len, 2, head_dim], lowered for CUDA."""
-    from jax.interpreters.mlir import ir
 
     def loss(q, k, v):
         out = flash_attention(q, k, v, is_causal=causal, implementation="pallas_triton",
@@ -87,7 +86,14 @@ def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal:
     with cuda_target():
         lowered = jit_for_cuda(jax.grad(loss, argnums=(0, 1, 2))).trace(shape, shape, shape).lower(
             lowering_platforms=("cuda",))
-    found = {}
+    found = {kernel.name: kernel for kernel, _ in _triton_calls(lowered)}
+    return [found[name] for name in KERNELS if name in found]  # dkdv, or dv and dk (split_dkdv)
+
+
+def _triton_calls(lowered) -> list:
+    """Every Triton custom call of a lowered program, in program order: (TritonKernel, grid)."""
+    from jax.interpreters.mlir import ir
+    found = []
 
     def visit(op):
         for region in op.regions:
@@ -97,15 +103,16 @@ def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal:
                     if child.name == "stablehlo.custom_call" and "triton" in ir.StringAttr(
                             child.attributes["call_target_name"]).value:
                         config = child.attributes["mhlo.backend_config"]
-                        name = ir.StringAttr(config["name"]).value
-                        found[name] = TritonKernel(
-                            name, _ttir_text(ir.StringAttr(config["ir"]).value_bytes),
+                        found.append((TritonKernel(
+                            ir.StringAttr(config["name"]).value,
+                            _ttir_text(ir.StringAttr(config["ir"]).value_bytes),
                             ir.IntegerAttr(config["num_warps"]).value,
-                            ir.IntegerAttr(config["num_stages"]).value)
+                            ir.IntegerAttr(config["num_stages"]).value),
+                            tuple(ir.IntegerAttr(config[f"grid_{a}"]).value for a in "xyz")))
                     visit(child)
 
     visit(lowered.compiler_ir().operation)
-    return [found[name] for name in KERNELS if name in found]  # dkdv, or dv and dk (split_dkdv)
+    return found
 
 
 def decode_kernel(*, batch: int = 1, q_len: int = 1, q_heads: int = 32, kv_heads: int = 8,
@@ -114,7 +121,6 @@ def decode_kernel(*, batch: int = 1, q_len: int = 1, q_heads: int = 32, kv_heads
     """The split-K decode kernel (pallas_triton/decoding.py) lowered for CUDA: (its TTIR, its grid).
     ``page_size``: the paged kernel, reading pages [batch * kv_len / page_size, page_size, ...]
     through a page table [batch, kv_len / page_size]."""
-    from jax.interpreters.mlir import ir
     from jax_impl import masking
     from jax_impl.config import AttentionConfig
     from jax_impl.pallas_triton import decoding as decode_module
@@ -136,26 +142,7 @@ def decode_kernel(*, batch: int = 1, q_len: int = 1, q_heads: int = 32, kv_heads
         args += (jax.ShapeDtypeStruct((batch, kv_len // page_size), jnp.int32),)
     with cuda_target():
         lowered = jit_for_cuda(call).trace(*args).lower(lowering_platforms=("cuda",))
-    found = []
-
-    def visit(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    child = child.operation
-                    if child.name == "stablehlo.custom_call" and "triton" in ir.StringAttr(
-                            child.attributes["call_target_name"]).value:
-                        config = child.attributes["mhlo.backend_config"]
-                        found.append((TritonKernel(
-                            ir.StringAttr(config["name"]).value,
-                            _ttir_text(ir.StringAttr(config["ir"]).value_bytes),
-                            ir.IntegerAttr(config["num_warps"]).value,
-                            ir.IntegerAttr(config["num_stages"]).value),
-                            tuple(ir.IntegerAttr(config[f"grid_{a}"]).value for a in "xyz")))
-                    visit(child)
-
-    visit(lowered.compiler_ir().operation)
-    (kernel_and_grid,) = found
+    (kernel_and_grid,) = _triton_calls(lowered)
     return kernel_and_grid
 
 

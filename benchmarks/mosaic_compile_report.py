@@ -104,26 +104,31 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     return found
 
 
-def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
-    """Lower and compile the forward for ``device``: (Facts without the dump's numbers)."""
-    import jax
-    import jax.numpy as jnp
-
+def _attention_config(head_dim, causal, options):
+    """The call's AttentionConfig from a report row's options (window, bottom_right, lengths, soft_cap)."""
     from jax_impl import masking
     from jax_impl.config import AttentionConfig
-    from jax_impl.mosaic_gpu.config import default_config
-    from jax_impl.mosaic_gpu.forward import Geometry, forward_call
-
-    config = config or default_config(head_dim, dtype)
-    length = options.get("seq_len", seq_len)
-    kv_heads = options.get("kv_heads", KV_HEADS)
     window = options.get("window")
     spec = masking.MaskSpec(is_causal=causal, bottom_right=options.get("bottom_right", False),
                             window_left=None if window is None else window[0],
                             window_right=None if window is None else window[1],
                             has_q_lengths=options.get("lengths", False),
                             has_kv_lengths=options.get("lengths", False))
-    cfg = AttentionConfig(scale=head_dim ** -0.5, mask=spec, logits_soft_cap=options.get("soft_cap"))
+    return AttentionConfig(scale=head_dim ** -0.5, mask=spec, logits_soft_cap=options.get("soft_cap"))
+
+
+def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
+    """Lower and compile the forward for ``device``: (Facts without the dump's numbers)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.mosaic_gpu.config import default_config
+    from jax_impl.mosaic_gpu.forward import Geometry, forward_call
+
+    config = config or default_config(head_dim, dtype)
+    length = options.get("seq_len", seq_len)
+    kv_heads = options.get("kv_heads", KV_HEADS)
+    cfg = _attention_config(head_dim, causal, options)
     geometry = Geometry(BATCH, length, length, HEADS, kv_heads, head_dim, jnp.dtype(dtype), config)
     sharding = jax.sharding.SingleDeviceSharding(device)
     struct = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
@@ -158,21 +163,14 @@ def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
     import jax
     import jax.numpy as jnp
 
-    from jax_impl import masking, online_softmax
-    from jax_impl.config import AttentionConfig
+    from jax_impl import online_softmax
     from jax_impl.mosaic_gpu.backward import backward_call
     from jax_impl.mosaic_gpu.config import default_backward_config
 
     config = default_backward_config(head_dim, dtype)
     length = options.get("seq_len", seq_len)
     kv_heads = options.get("kv_heads", KV_HEADS)
-    window = options.get("window")
-    spec = masking.MaskSpec(is_causal=causal, bottom_right=options.get("bottom_right", False),
-                            window_left=None if window is None else window[0],
-                            window_right=None if window is None else window[1],
-                            has_q_lengths=options.get("lengths", False),
-                            has_kv_lengths=options.get("lengths", False))
-    cfg = AttentionConfig(scale=head_dim ** -0.5, mask=spec, logits_soft_cap=options.get("soft_cap"))
+    cfg = _attention_config(head_dim, causal, options)
     sharding = jax.sharding.SingleDeviceSharding(device)
     struct = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
     queries = struct((BATCH, length, HEADS, head_dim), dtype)

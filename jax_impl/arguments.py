@@ -51,6 +51,14 @@ class Call(NamedTuple):
     # [B, P] int32 with k/v pages [num_pages, page_size, Hkv, D]; None: a dense cache.
     page_table: Any = None
 
+    def to_user(self, out, lse, return_residual: bool):
+        """out [B, Lq, Hq, D] and lse [B, Hq, Lq] back in the caller's batch dims: out, or
+        (out, logsumexp [..., Lq, Hq]) with return_residual."""
+        out = out.reshape(self.batch_shape + out.shape[1:])
+        if not return_residual:
+            return out
+        return out, jnp.swapaxes(lse, 1, 2).reshape(self.batch_shape + out.shape[-3:-1])
+
 
 def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,

@@ -10,7 +10,7 @@ rows and every key column (``[..., Hq|1, Lq_loc, Lk_global]``, columns in global
 from __future__ import annotations
 
 import dataclasses
-import jax.numpy as jnp
+
 from jax import lax
 
 from jax_impl import arguments, implementations, ring, ulysses, vma
@@ -51,11 +51,7 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
       Needs an implementation that hashes at an offset (``"xla"``).
     Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
     """
-    try:
-        num_devices = lax.axis_size(axis_name)
-    except (NameError, KeyError, ValueError) as err:
-        raise ValueError(f"axis_name={axis_name!r} is not a mesh axis bound here: call "
-                         "ring_attention inside jax.shard_map over a mesh with that axis") from err
+    num_devices = _axis_size("axis_name", axis_name, "ring_attention")
     if layout not in ring.LAYOUTS:
         raise ValueError(f"{layout=} must be one of {ring.LAYOUTS}")
     if implementation is None:
@@ -80,14 +76,9 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
         if length % chunks:
             raise ValueError(f"{name}'s local sequence length {length} must be even for "
                              "layout='zigzag' (two chunks per device)")
-    spec = dataclasses.replace(call.cfg.mask, bottom_right=False,
-                               has_q_lengths=query_seq_lengths is not None,
-                               has_kv_lengths=key_value_seq_lengths is not None)
-    masks = call.masks._replace(
-        q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape,
-                              num_devices * lq),
-        kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape,
-                               num_devices * lk))
+    spec, masks = _global_masks(call, query_seq_lengths, key_value_seq_lengths,
+                                num_devices * lq, num_devices * lk)
+    spec = dataclasses.replace(spec, bottom_right=False)  # the ring passes the alignment itself
     bias, mask = (_rows_local(name, x, call.batch_shape + (call.q.shape[2], lq, num_devices * lk))
                   for name, x in (("bias", bias), ("mask", mask)))
     masks = masks._replace(mask=mask)
@@ -106,10 +97,7 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
                             dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
     q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
     out, lse = ring.ring_vjp(description, q, call.k, call.v, bias, masks, call.extras)
-    out = out.reshape(call.batch_shape + out.shape[1:])
-    if not return_residual:
-        return out
-    return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
+    return call.to_user(out, lse, return_residual)
 
 
 def _rows_local(name, x, shape, function="ring_attention"):
@@ -119,6 +107,27 @@ def _rows_local(name, x, shape, function="ring_attention"):
     except ValueError as err:
         raise ValueError(f"{err}; in {function} {name} holds this device's {shape[-2]} query "
                          f"rows and all {shape[-1]} key columns (the global key length)") from None
+
+
+def _axis_size(name, axis, function) -> int:
+    """The size of mesh axis ``axis`` (the argument ``name``), or an error saying where to call
+    ``function``."""
+    try:
+        return lax.axis_size(axis)
+    except (NameError, KeyError, ValueError) as err:
+        raise ValueError(f"{name}={axis!r} is not a mesh axis bound here: call {function} "
+                         "inside jax.shard_map over a mesh with that axis") from err
+
+
+def _global_masks(call, query_seq_lengths, key_value_seq_lengths, global_lq: int, global_lk: int):
+    """(mask spec, mask inputs) with the lengths judged against the GLOBAL sequence lengths."""
+    spec = dataclasses.replace(call.cfg.mask, has_q_lengths=query_seq_lengths is not None,
+                               has_kv_lengths=key_value_seq_lengths is not None)
+    masks = call.masks._replace(
+        q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape, global_lq),
+        kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape,
+                               global_lk))
+    return spec, masks
 
 
 def _global_lengths(name, lengths, batch_shape, global_len: int):
@@ -153,11 +162,7 @@ def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
     Dropout and sinks hash and apply by global head index: the pattern is the one-device call's.
     Returns ``[..., Lq_loc, Hq, D]`` (and with return_residual the logsumexp ``[..., Lq_loc, Hq]``).
     """
-    try:
-        num_devices = lax.axis_size(axis_name)
-    except (NameError, KeyError, ValueError) as err:
-        raise ValueError(f"axis_name={axis_name!r} is not a mesh axis bound here: call "
-                         "ulysses_attention inside jax.shard_map over a mesh with that axis") from err
+    num_devices = _axis_size("axis_name", axis_name, "ulysses_attention")
     chosen = implementations.get(implementation)
     if chosen.forward is None:
         raise ValueError(f"{implementation=} has no blocked forward; ulysses_attention runs one "
@@ -181,20 +186,13 @@ def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
             call.cfg, bias, call.masks._replace(mask=mask), call.extras)._asdict())
         if why:
             raise ValueError(f"implementation={chosen.name!r} cannot run this call: {why}")
-    spec = dataclasses.replace(call.cfg.mask, has_q_lengths=query_seq_lengths is not None,
-                               has_kv_lengths=key_value_seq_lengths is not None)
-    masks = call.masks._replace(
-        q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape,
-                              num_devices * lq),
-        kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape,
-                               num_devices * lk), mask=mask)
+    spec, masks = _global_masks(call, query_seq_lengths, key_value_seq_lengths,
+                                num_devices * lq, num_devices * lk)
+    masks = masks._replace(mask=mask)
     description = ulysses.Ulysses(axis_name, num_devices, chosen, dataclasses.replace(call.cfg, mask=spec))
     q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
     out, lse = ulysses.ulysses_vjp(description, q, call.k, call.v, bias, masks, call.extras)
-    out = out.reshape(call.batch_shape + out.shape[1:])
-    if not return_residual:
-        return out
-    return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
+    return call.to_user(out, lse, return_residual)
 
 
 def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
@@ -225,15 +223,8 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
     if all_to_all_axis == ring_axis:
         raise ValueError(f"all_to_all_axis and ring_axis must be two different mesh axes (both "
                          f"{ring_axis!r}); for one axis use ring_attention or ulysses_attention")
-    sizes = {}
-    for name, axis in (("all_to_all_axis", all_to_all_axis), ("ring_axis", ring_axis)):
-        try:
-            sizes[name] = lax.axis_size(axis)
-        except (NameError, KeyError, ValueError) as err:
-            raise ValueError(f"{name}={axis!r} is not a mesh axis bound here: call "
-                             "hybrid_attention inside jax.shard_map over a mesh with that "
-                             "axis") from err
-    inner, outer = sizes["all_to_all_axis"], sizes["ring_axis"]
+    inner = _axis_size("all_to_all_axis", all_to_all_axis, "hybrid_attention")
+    outer = _axis_size("ring_axis", ring_axis, "hybrid_attention")
     if implementation not in implementations.ring_capable():
         raise ValueError(f"{implementation=} must be one of {implementations.ring_capable()} "
                          "for hybrid_attention (its ring step takes position offsets)")
@@ -257,17 +248,10 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
         if length % (2 * outer):
             raise ValueError(f"{name}'s global sequence length {length} must divide into "
                              f"2 * {outer} chunks (the zigzag ring over {ring_axis!r})")
-    spec = dataclasses.replace(call.cfg.mask, has_q_lengths=query_seq_lengths is not None,
-                               has_kv_lengths=key_value_seq_lengths is not None)
-    masks = call.masks._replace(
-        q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape, lq),
-        kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape, lk))
+    spec, masks = _global_masks(call, query_seq_lengths, key_value_seq_lengths, lq, lk)
     cfg = dataclasses.replace(call.cfg, mask=spec)
     description = ulysses.Hybrid(ulysses.Ulysses(all_to_all_axis, inner, chosen, cfg),
                                  ring.zigzag_ring(cfg, ring_axis, outer, chosen))
     q = arguments.gpu_only_precision_guard(chosen.name, cfg, call.q)
     out, lse = ulysses.ulysses_vjp(description, q, call.k, call.v, None, masks, call.extras)
-    out = out.reshape(call.batch_shape + out.shape[1:])
-    if not return_residual:
-        return out
-    return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
+    return call.to_user(out, lse, return_residual)

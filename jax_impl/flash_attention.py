@@ -131,12 +131,9 @@ def flash_attention(
     if call.implementation == cudnn.NAME:  # jax.nn's kernel, by name (cudnn.py)
         out = cudnn.attention(call.q, call.k, call.v, call.bias, scale=call.cfg.scale,
                               is_causal=call.cfg.mask.is_causal)
-        return out.reshape(call.batch_shape + out.shape[1:])
+        return call.to_user(out, None, False)
     out, lse = _dispatch(call)
-    out = out.reshape(call.batch_shape + out.shape[1:])
-    if not return_residual:
-        return out
-    return out, jnp.swapaxes(lse, 1, 2).reshape(call.batch_shape + out.shape[-3:-1])
+    return call.to_user(out, lse, return_residual)
 
 
 # --- Dispatch ------------------------------------------------------------------------------

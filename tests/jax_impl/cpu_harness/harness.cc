@@ -65,18 +65,30 @@ void Write(const std::string& dir, const std::string& name, const T* data, int64
 
 bool Exists(const std::string& path) { return std::ifstream(path).good(); }
 
+// dir/params.txt: "name value" pairs; param("name") is one as an integer (missing: a failure).
+struct Params {
+  std::map<std::string, double> values;
+  explicit Params(const std::string& dir) {
+    std::ifstream in(dir + "/params.txt");
+    for (std::string name; in >> name;) in >> values[name];
+  }
+  int64_t operator()(const char* name) const {
+    auto it = values.find(name);
+    if (it == values.end()) Fail(std::string("params.txt lacks ") + name);
+    return static_cast<int64_t>(it->second);
+  }
+  double real(const char* name) const {  // missing: 0
+    auto it = values.find(name);
+    return it == values.end() ? 0.0 : it->second;
+  }
+};
+
 int Run(const std::string& dir) {
-  std::map<std::string, double> p;
-  std::ifstream params(dir + "/params.txt");
-  for (std::string name; params >> name;) params >> p[name];
-  auto I = [&](const char* name) {
-    if (!p.count(name)) Fail(std::string("params.txt lacks ") + name);
-    return static_cast<int64_t>(p[name]);
-  };
-  const int64_t B = I("B"), Lq = I("Lq"), Lk = I("Lk"), Hq = I("Hq"), Hkv = I("Hkv"), D = I("D");
-  const int64_t bq = I("block_q"), bk = I("block_k"), flags = I("flags"), chunks = I("chunks");
+  const Params param(dir);
+  const int64_t B = param("B"), Lq = param("Lq"), Lk = param("Lk"), Hq = param("Hq"), Hkv = param("Hkv"), D = param("D");
+  const int64_t bq = param("block_q"), bk = param("block_k"), flags = param("flags"), chunks = param("chunks");
   const int64_t lk_pad = flash_cpu::round_up(Lk, flash_cpu::PW);
-  ThreadPool pool{I("threads"), {}};
+  ThreadPool pool{param("threads"), {}};
 
   auto q_len = Read<int32_t>(dir, "q_len", B), kv_len = Read<int32_t>(dir, "kv_len", B);
   auto d_lo = Read<int32_t>(dir, "d_lo", B), d_hi = Read<int32_t>(dir, "d_hi", B);
@@ -93,23 +105,23 @@ int Run(const std::string& dir) {
   std::unique_ptr<float[]> bias, sinks;
   std::unique_ptr<uint32_t[]> seeds;
   if (flags & 2) {
-    mask = Read<bool>(dir, "mask", I("mask_b") * I("mask_h") * Lq * Lk);
-    P.mask = {mask.get(), I("mask_b"), I("mask_h"), Lq * Lk};
+    mask = Read<bool>(dir, "mask", param("mask_b") * param("mask_h") * Lq * Lk);
+    P.mask = {mask.get(), param("mask_b"), param("mask_h"), Lq * Lk};
   }
   if (flags & 4) {
-    bias = Read<float>(dir, "bias", I("bias_b") * I("bias_h") * Lq * Lk);
-    P.bias = {bias.get(), I("bias_b"), I("bias_h"), Lq * Lk};
+    bias = Read<float>(dir, "bias", param("bias_b") * param("bias_h") * Lq * Lk);
+    P.bias = {bias.get(), param("bias_b"), param("bias_h"), Lq * Lk};
   }
   if (flags & 8) {
-    sinks = Read<float>(dir, "sinks", I("sinks_b") * I("sinks_h"));
-    P.sinks = {sinks.get(), I("sinks_b"), I("sinks_h"), 1};
+    sinks = Read<float>(dir, "sinks", param("sinks_b") * param("sinks_h"));
+    P.sinks = {sinks.get(), param("sinks_b"), param("sinks_h"), 1};
   }
-  P.scale = static_cast<float>(p["scale"]);
-  P.soft_cap = static_cast<float>(p["soft_cap"]);
-  P.dropout_rate = static_cast<float>(p["dropout_rate"]);
+  P.scale = static_cast<float>(param.real("scale"));
+  P.soft_cap = static_cast<float>(param.real("soft_cap"));
+  P.dropout_rate = static_cast<float>(param.real("dropout_rate"));
   if (P.dropout_rate > 0.0f) {
-    seeds = Read<uint32_t>(dir, "seeds", I("seeds_b") * I("seeds_h"));
-    P.seeds = {seeds.get(), I("seeds_b"), I("seeds_h"), 1};
+    seeds = Read<uint32_t>(dir, "seeds", param("seeds_b") * param("seeds_h"));
+    P.seeds = {seeds.get(), param("seeds_b"), param("seeds_h"), 1};
   }
 
   auto q = Read<float>(dir, "q", B * Lq * Hq * D);  // [B, Lq, Hq, D]
@@ -145,31 +157,25 @@ int Run(const std::string& dir) {
 }
 
 int Decode(const std::string& dir) {
-  std::map<std::string, double> p;
-  std::ifstream params(dir + "/params.txt");
-  for (std::string name; params >> name;) params >> p[name];
-  auto I = [&](const char* name) {
-    if (!p.count(name)) Fail(std::string("params.txt lacks ") + name);
-    return static_cast<int64_t>(p[name]);
-  };
-  const int64_t B = I("B"), Lq = I("Lq"), Hq = I("Hq"), Hkv = I("Hkv"), Dp = I("Dp"), Dk = I("Dk");
-  const int64_t paged = I("paged"), type = I("cache_type"), splits = I("splits");
-  ThreadPool pool{I("threads"), {}};
+  const Params param(dir);
+  const int64_t B = param("B"), Lq = param("Lq"), Hq = param("Hq"), Hkv = param("Hkv"), Dp = param("Dp"), Dk = param("Dk");
+  const int64_t paged = param("paged"), type = param("cache_type"), splits = param("splits");
+  ThreadPool pool{param("threads"), {}};
   flash_cpu::KvCache cache;
   cache.type = type == 0 ? flash_cpu::CacheType::kF32 : flash_cpu::CacheType::kBF16;
   cache.Dk = Dk;
   int64_t Lk, rows_in_cache;
   std::unique_ptr<int32_t[]> table;
   if (paged) {
-    cache.num_pages = I("num_pages");
-    cache.page_size = I("page_size");
-    cache.pages_per_sequence = I("pages");
+    cache.num_pages = param("num_pages");
+    cache.page_size = param("page_size");
+    cache.pages_per_sequence = param("pages");
     table = Read<int32_t>(dir, "table", B * cache.pages_per_sequence);
     cache.page_table = table.get();
     Lk = cache.pages_per_sequence * cache.page_size;
     rows_in_cache = cache.num_pages * cache.page_size;
   } else {
-    cache.Lk_dense = Lk = I("Lk");
+    cache.Lk_dense = Lk = param("Lk");
     rows_in_cache = B * Lk;
   }
   const int64_t count = rows_in_cache * Hkv * Dk;
@@ -190,12 +196,12 @@ int Decode(const std::string& dir) {
   auto d_lo = Read<int32_t>(dir, "d_lo", B), d_hi = Read<int32_t>(dir, "d_hi", B);
   flash_cpu::Problem P{B, Lq, Lk, Hq, Hkv, Dp, q_len.get(), kv_len.get(), d_lo.get(), d_hi.get()};
   std::unique_ptr<float[]> sinks;
-  if (I("has_sinks")) {
+  if (param("has_sinks")) {
     sinks = Read<float>(dir, "sinks", Hq);
     P.sinks = {sinks.get(), 1, Hq, 1};
   }
-  P.scale = static_cast<float>(p["scale"]);
-  P.soft_cap = static_cast<float>(p["soft_cap"]);
+  P.scale = static_cast<float>(param.real("scale"));
+  P.soft_cap = static_cast<float>(param.real("soft_cap"));
   auto q = Read<float>(dir, "q", B * Lq * Hq * Dp);
   const int64_t rows = B * Hq * Lq;
   std::unique_ptr<float[]> out(new float[B * Lq * Hq * Dp]), row_max(new float[rows]),
