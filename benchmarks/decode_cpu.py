@@ -5,7 +5,8 @@ beside torch SDPA and a plain streaming read of the same cache, in one process, 
 
 Few query rows (1 token, or 4 for speculative decoding) against a KV cache of Lk keys, bottom-
 right causal with key lengths (all equal to Lk), Hq=32, Hkv=8, D=128. Each repeat times every
-call once, in turn, the order rotated by one each repeat (``interleaved_rotating``): the report gives each call's median time,
+call once, in a fresh random order each repeat (``measure.interleaved_ratios`` with a
+shuffle seed: no call always follows the same one): the report gives each call's median time,
 the median and quartiles of its per-repeat ratio to torch SDPA, the achieved bandwidth (the
 cache's bytes over the median time: the kernel reads each K and V row once) and its fraction
 of the streaming read's. The streaming read is the faster (by median) of numpy's sum over the
@@ -53,10 +54,6 @@ def _paged(k, v, page_size: int, rng):
         dst[order] = src
         out.append(dst)
     return out[0], out[1], table
-
-
-def interleaved_rotating(calls: dict, baseline: str, repeats: int) -> dict:
-    return measure.interleaved_ratios(calls, baseline, repeats, rotate=True)
 
 
 def time_decode(batch: int, cached: int, q_rows: int, dtype: str = "float32", *, repeats: int = 7,
@@ -113,7 +110,7 @@ def time_decode(batch: int, cached: int, q_rows: int, dtype: str = "float32", *,
     reference = sdpa().transpose(1, 2).float().numpy()
     worst = float(np.max(np.abs(np.asarray(dense(qj, kj, vj, call.masks), np.float32) - reference)))
     load_start = os.getloadavg()[0]
-    summary = interleaved_rotating(calls, TORCH, repeats)
+    summary = measure.interleaved_ratios(calls, TORCH, repeats, shuffle_seed=seed)
     cache_bytes = 2 * k.size * np.dtype(np_dtype).itemsize
     stream = min(summary["stream int64 sum"]["median_ms"], summary["stream torch.sum"]["median_ms"])
     for row in summary.values():

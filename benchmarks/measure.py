@@ -346,19 +346,24 @@ def add_speedups(rows: list[Row], baseline: str = "torch.manual") -> None:
 
 # --- interleaved per-pair ratios ----------------------------------------------------------------
 
-def interleaved_ratios(calls: dict, baseline: str, repeats: int, rotate: bool = False) -> dict:
+def interleaved_ratios(calls: dict, baseline: str, repeats: int, shuffle_seed: int | None = None) -> dict:
     """Time each of ``calls`` (name -> a blocking function of no arguments) once per repeat, in
     order, and divide by the ``baseline`` call of the same repeat: load from other work then
     hits both sides of a ratio alike. Call each once beforehand to compile/warm up.
+    ``shuffle_seed``: each repeat runs the calls in a fresh random order drawn from it, so that
+    no call always follows the same one (a fixed or rotated order does: a call after torch's,
+    in the rotated CPU decode runs, the call right after torch's ran the same kernel 1.3x slower
+    than it ran elsewhere; in shuffled runs the two measured the same).
 
     -> name -> {median_ms, ratio_median, ratio_q1, ratio_q3} (the quartiles of the per-repeat
     ratios; the baseline's ratios are all 1).
     """
     names = list(calls)
     seconds = {name: [] for name in names}
-    for repeat in range(repeats):
-        shift = repeat % len(names) if rotate else 0  # rotate: no call always runs first
-        for name in names[shift:] + names[:shift]:
+    rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
+    for _ in range(repeats):
+        for index in (range(len(names)) if rng is None else rng.permutation(len(names))):
+            name = names[index]
             start = time.perf_counter()
             calls[name]()
             seconds[name].append(time.perf_counter() - start)
