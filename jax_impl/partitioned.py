@@ -409,7 +409,7 @@ def forward(implementation, cfg, q, k, v, bias, masks, extras=None):
     if cfg.decode and not implementation.decode:
         raise ValueError(f"cfg.decode=True but {implementation.name} has no decode path")
     if cfg.interpret and implementation.interpreter_has_effects:
-        if cfg.decode:  # mosaic_gpu's decode is pallas_triton's kernel: interpreted, unpartitioned too
+        if cfg.decode:  # its decode path, interpreted, runs unpartitioned too
             return implementation.decode(cfg, q, k, v, masks, extras, None)
         return implementation.forward(cfg, q, k, v, bias, masks, extras)
     named = _named(q, k, v, bias, masks, extras)
