@@ -1,4 +1,5 @@
-"""python -m benchmarks [--suite quick|course|sweep|gpu|sharded|dropout|cpu] [--impl NAME|module:function ...]
+"""python -m benchmarks [--suite quick|course|sweep|gpu|gpu_large|mosaic_tiles|sharded|dropout|cpu|decode]
+[--impl NAME|module:function ...]
 [--out DIR | --update-reference] [--device cpu|cuda]
 
 Times every implementation of the registry (conformance.registry) on the suite's

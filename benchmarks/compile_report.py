@@ -10,6 +10,8 @@ dependency, in the ``test`` extra) to PTX and an sm_90a cubin, and read ``ptxas 
 spill bytes, shared memory (beside ``heuristics.shared_memory_estimate``), and which MMA
 instruction the dots became (Hopper's ``wgmma`` or the older ``mma.sync``). A ``--seq-len`` or
 head dim that is not a whole number of tiles compiles the masked edges (layout.py).
+The split-K decode kernel (dense and paged caches, ``DECODE_SHAPE``) gets the same facts and its
+grid; ``--decode-only`` recompiles only those rows and keeps the others of ``--out``'s JSON.
 """
 from __future__ import annotations
 
@@ -146,6 +148,63 @@ def decode_kernel(*, batch: int = 1, q_len: int = 1, q_heads: int = 32, kv_heads
     return kernel_and_grid
 
 
+# The decode rows: issue 25's point (B=1, Hkv=8, one query row, 65,536 bf16 keys, D=128; Hq=32),
+# a dense cache and pages of 16 and 64 keys.
+DECODE_SHAPE = dict(batch=1, q_len=1, q_heads=32, kv_heads=8, kv_len=65536, head_dim=128, dtype="bfloat16")
+DECODE_PAGE_SIZES = (None, 16, 64)
+
+
+@dataclasses.dataclass
+class DecodeFacts:
+    batch: int
+    q_len: int
+    q_heads: int
+    kv_heads: int
+    kv_len: int
+    head_dim: int
+    dtype: str
+    page_size: int | None    # None: a dense cache
+    grid: tuple              # (key runs, batch, kv heads)
+    num_warps: int
+    num_stages: int
+    dots: list
+    ptxas_ok: bool = False
+    error: str = ""
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    shared: int | None = None
+    wgmma: int = 0
+    mma_sync: int = 0
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+def decode_report(page_sizes=DECODE_PAGE_SIZES, workers: int | None = None) -> list[DecodeFacts]:
+    """The decode kernel at ``DECODE_SHAPE`` for each page size, lowered here and compiled."""
+    rows, jobs = [], []
+    for page_size in page_sizes:
+        kernel, grid = decode_kernel(page_size=page_size, **DECODE_SHAPE)
+        rows.append(DecodeFacts(**DECODE_SHAPE, page_size=page_size, grid=tuple(grid),
+                                num_warps=kernel.num_warps, num_stages=kernel.num_stages,
+                                dots=dot_shapes(kernel.ttir)))
+        jobs.append(kernel)
+    _compile_all(rows, jobs, workers)
+    return rows
+
+
+def _compile_all(rows, jobs, workers):
+    _triton()
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    # spawn: the workers need only triton, not a forked copy of JAX's threads
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for row, measured in zip(rows, pool.map(compile_kernel, jobs)):
+            for field, value in measured.items():
+                setattr(row, field, value)
+
+
 def _triton():
     try:
         import triton
@@ -273,13 +332,7 @@ def report(configs, workers: int | None = None, seq_len: int = SEQ_LEN) -> list[
         for kernel in kernels:
             rows.append(facts(SHORT_NAMES[kernel.name], dots=dot_shapes(kernel.ttir)))
             jobs.append(kernel)
-    _triton()
-    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
-    # spawn: the workers need only triton, not a forked copy of JAX's threads
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for row, measured in zip(rows, pool.map(compile_kernel, jobs)):
-            for field, value in measured.items():
-                setattr(row, field, value)
+    _compile_all(rows, jobs, workers)
     return rows + refused
 
 
@@ -287,7 +340,7 @@ def _kib(n):
     return "" if n is None else f"{n / 1024:.0f}"
 
 
-def markdown(rows: list[KernelFacts]) -> str:
+def markdown(rows: list[KernelFacts], decode_rows: list[DecodeFacts] = ()) -> str:
     lines = [
         "# Compiled Pallas kernels on sm_90a (H100/H200), measured without a GPU",
         "",
@@ -308,7 +361,57 @@ def markdown(rows: list[KernelFacts]) -> str:
         lines.append(f"| {r.head_dim} | {r.dtype} | {'yes' if r.causal else 'no'} | {tiles} | {r.kernel} | "
                      f"{ms} | {r.registers or ''} | {spills} | {_kib(r.shared)} | {_kib(r.shared_estimate)} | "
                      f"{r.wgmma} | {r.mma_sync} | {'ok' if r.ptxas_ok else r.error[:80]} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + decode_markdown(decode_rows)) + "\n"
+
+
+def decode_markdown(rows: list[DecodeFacts]) -> list[str]:
+    if not rows:
+        return []
+    r0 = rows[0]
+    lines = [
+        "",
+        "## The split-K decode kernel (pallas_triton/decoding.py)",
+        "",
+        f"B={r0.batch}, {r0.q_len} query row, Hq={r0.q_heads}, Hkv={r0.kv_heads}, {r0.kv_len:,} cached keys, "
+        f"D={r0.head_dim}, {r0.dtype}, bottom-right causal with lengths; grid = (key runs, batch, kv heads), "
+        "one program each (an H100/H200 has 132 SMs). The packed rows of a kv head's query group "
+        "(padded to 16) make dots of M=16: `mma.sync`, not `wgmma` (which needs M >= 64).",
+        "",
+        "| cache | grid | programs | dots M | warps/stages | regs | spill st/ld B | smem KiB | wgmma | mma.sync | ptxas |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cache = "dense" if r.page_size is None else f"pages of {r.page_size}"
+        spills = "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
+        ms = ",".join(sorted({str(d[0]) for d in r.dots}, key=int))
+        lines.append(f"| {cache} | {'x'.join(map(str, r.grid))} | {r.programs} | {ms} | "
+                     f"{r.num_warps}/{r.num_stages} | {r.registers or ''} | {spills} | {_kib(r.shared)} | "
+                     f"{r.wgmma} | {r.mma_sync} | {'ok' if r.ptxas_ok else r.error[:80]} |")
+    return lines
+
+
+def toolchain() -> dict:
+    """What the facts depend on: the TTIR comes from jaxlib, PTX and ptxas from pip triton."""
+    import jaxlib
+    return {"jaxlib": jaxlib.__version__, "triton": _triton().__version__}
+
+
+def to_json(rows: list[KernelFacts], decode_rows: list[DecodeFacts]) -> dict:
+    return {"toolchain": toolchain(), "kernels": [dataclasses.asdict(r) for r in rows],
+            "decode": [dataclasses.asdict(r) for r in decode_rows]}
+
+
+def load(path: str) -> tuple[list[KernelFacts], list[DecodeFacts], dict]:
+    """A report's JSON -> (kernel rows, decode rows, toolchain); a list is the format before the
+    decode rows (kernel rows only)."""
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, list):
+        data = {"kernels": data}
+    as_tuple = lambda d, *names: {**d, **{n: tuple(d[n]) for n in names}}
+    return ([KernelFacts(**as_tuple(d, "block_sizes")) for d in data.get("kernels", [])],
+            [DecodeFacts(**as_tuple(d, "grid")) for d in data.get("decode", [])],
+            data.get("toolchain", {}))
 
 
 def parse_block_sizes(text: str) -> BlockSizes:
@@ -332,7 +435,19 @@ def main(argv=None) -> int:
                         help=f"Lq = Lk of the lowered calls (default {SEQ_LEN})")
     parser.add_argument("--out", help="writes DIR.json and DIR.md (a path without extension)")
     parser.add_argument("--workers", type=int)
+    parser.add_argument("--no-decode", action="store_true", help="leave out the decode kernel's rows")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="recompile only the decode rows; the other rows come from --out's JSON")
     args = parser.parse_args(argv)
+    if args.decode_only:
+        if not args.out or not os.path.exists(args.out + ".json"):
+            parser.error("--decode-only keeps the other rows of an existing report: --out DIR with DIR.json")
+        rows, _, _ = load(args.out + ".json")
+        try:
+            return _write(args.out, rows, decode_report(workers=args.workers))
+        except ImportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     configs = [] if args.no_defaults else default_configs(causal_values)
     for head_dim in args.head_dim or []:
@@ -342,18 +457,23 @@ def main(argv=None) -> int:
                                 args.block_sizes or heuristics.default_block_sizes(head_dim, dtype, causal)))
     try:
         rows = report(configs, args.workers, args.seq_len)
+        decode_rows = [] if args.no_decode else decode_report(workers=args.workers)
     except ImportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    table = markdown(rows)
+    return _write(args.out, rows, decode_rows)
+
+
+def _write(out: str | None, rows: list[KernelFacts], decode_rows: list[DecodeFacts]) -> int:
+    table = markdown(rows, decode_rows)
     print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".md", "w") as f:
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out + ".md", "w") as f:
             f.write(table)
-        with open(args.out + ".json", "w") as f:
-            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
-    return 0 if all(r.ptxas_ok for r in rows) else 1
+        with open(out + ".json", "w") as f:
+            json.dump(to_json(rows, decode_rows), f, indent=1)
+    return 0 if all(r.ptxas_ok for r in [*rows, *decode_rows]) else 1
 
 
 if __name__ == "__main__":

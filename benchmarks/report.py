@@ -191,6 +191,25 @@ def per_framework(rows: list[Row]) -> list[list[str]]:
     return out
 
 
+TIME_REFERENCE = "torch.sdpa.cudnn"  # the kernel issue 24 measures against (at most 1.1x its time)
+
+
+def versus_reference(rows: list[Row], reference: str = TIME_REFERENCE) -> list[list[str]]:
+    """One line per configuration that ``reference`` timed correctly: each other correct row's
+    median over the reference's median (below 1: faster). Empty without such a configuration."""
+    base = {r.config_key: r for r in rows if r.impl == reference and r.status == OK and r.median_ms}
+    impls = [i for i in dict.fromkeys(r.impl for r in rows) if i != reference]
+    out = [["mode", "D", "causal", "B", "H", "L", f"{reference} ms"] + impls]
+    for key, b in base.items():
+        line = [b.mode, str(b.head_dim), b.causal, str(b.batch), str(b.heads), str(b.q_len), fmt_ms(b.median_ms)]
+        by_impl = {r.impl: r for r in rows if r.config_key == key}
+        for i in impls:
+            r = by_impl.get(i)
+            line.append("-" if r is None or r.status != OK or not r.median_ms else f"{r.median_ms / b.median_ms:.2f}")
+        out.append(line)
+    return out if len(out) > 1 else []
+
+
 def terminal(rows: list[Row], device: str) -> str:
     parts = []
     for g, rs in groups(rows).items():
@@ -231,6 +250,12 @@ def markdown(rows: list[Row], env: dict, suite, device: str, seconds: float, not
              "`check` is error/tolerance (< 1 passes); WRONG rows are flagged and get no speedup. "
              "`x manual`: torch manual attention's median over this one's, same configuration.", ""]
     lines += [f"- {n}" for n in notes]
+    ratios = versus_reference(rows)
+    if ratios:
+        lines += ["", f"## Time over {TIME_REFERENCE}'s", "",
+                  f"Each correct row's median over {TIME_REFERENCE}'s median in the same configuration "
+                  "and run (below 1: faster; '-': not timed, or not correct):", "",
+                  _table(ratios, markdown=True)]
     for p in plots:
         lines += ["", f"![{p}]({p})"]
     for g, rs in groups(rows).items():

@@ -123,6 +123,28 @@ def _gpu() -> Suite:
         max_repeats=30, min_repeats=5, measure_budget_s=0.25, input_sets=3, time_budget_s=360.0)
 
 
+# The larger shape of issue 24 (B=4, H=16: 8x the work of B=1, H=8 at L=8192). Mode innermost:
+# both modes of a configuration time the same inputs, drawn once (measure.draw_inputs). D=128
+# first (the largest gap to cuDNN at B=1): a budget cut falls on D=64, causal last. Each
+# configuration pays a draw and a float64 oracle slice on the host (12 and 19 s, once, on 2
+# loaded cores at D=128), besides the timed calls.
+GPU_LARGE = tuple(Config(Shape(4, 16, 8192, d, "bfloat16"), c, m)
+                  for d in (128, 64) for c in (None, "top_left") for m in MODES)
+GPU_LARGE_IMPLS = ("jax_impl.mosaic_gpu", "jax_impl.pallas_triton", "jax.nn.cudnn", "torch.sdpa.cudnn",
+                   "torch.sdpa.flash")
+
+
+def _gpu_large() -> Suite:
+    return Suite(
+        "gpu_large",
+        "one GPU, the larger shape: bf16, B=4, H=16, L=8192, D=64/128, causal and not, forward and "
+        "forward+backward; jax_impl's Mosaic GPU and Triton kernels beside cuDNN (jax.nn and torch) "
+        "and torch SDPA's flash (FlashAttention-2); one input set (512 MiB of q, k, v and dO at "
+        "D=128: no cache holds it) and 3-5 repeats, within 75 s (run_gpu.sh's step 3a, LARGE_BUDGET)",
+        GPU_LARGE, impls={"cuda": GPU_LARGE_IMPLS},
+        max_repeats=5, min_repeats=3, measure_budget_s=0.1, input_sets=1, time_budget_s=75.0)
+
+
 def _mosaic_tiles() -> Suite:
     from benchmarks.mosaic_tiles import PLUGINS
     return Suite(
@@ -176,8 +198,8 @@ def _decode() -> Suite:
         (), runner="benchmarks.decode")
 
 
-SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _mosaic_tiles(), _sharded(), _dropout(), _cpu(),
-                              _decode())}
+SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _gpu_large(), _mosaic_tiles(), _sharded(),
+                              _dropout(), _cpu(), _decode())}
 
 
 def get_suite(name: str) -> Suite:

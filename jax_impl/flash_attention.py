@@ -234,6 +234,8 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
             return ImplementationChoice(chosen, reasons, strategy(chosen), "regular", why_not)
         why = ("a paged KV cache runs on the decode path" if paged else
                f"{call.q.shape[1]} query rows against {lk} keys, no bias, mask, segment ids or dropout")
+        if impl.decode_note:
+            why += f"; {impl.decode_note}"
         return ImplementationChoice(chosen, reasons, None if paged else strategy(chosen), "decode", why)
 
     if call.implementation == cudnn.NAME:

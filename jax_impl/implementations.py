@@ -70,6 +70,8 @@ class Implementation:
     decode_unsupported: Callable[..., str | None] | None = None
     # Why its decode cannot read pages of this shape (page_size=, head_dim=), or None: takes them.
     pages_unsupported: Callable[..., str | None] | None = None
+    # Whose kernel its decode path is and why, where not its own (explain_implementation says it).
+    decode_note: str = ""
 
     def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False,
                     features: CallFeatures | None = None) -> str | None:
@@ -100,6 +102,20 @@ def _mosaic_gpu_backward(cfg: AttentionConfig, *args, **kwargs):
     return pallas_triton.backward(cfg, *args, **kwargs)
 
 
+def _mosaic_gpu_decode(cfg: AttentionConfig, *args, **kwargs):
+    """mosaic_gpu's decode path: pallas_triton's split-K kernel, with its own tiles (a
+    mosaic_gpu.Config in cfg.block_sizes sets the training kernels' tiles, not these)."""
+    if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
+        cfg = dataclasses.replace(cfg, block_sizes=None)
+    return pallas_triton.decode(cfg, *args, **kwargs)
+
+
+MOSAIC_GPU_DECODE_NOTE = (
+    "mosaic_gpu's decode path is pallas_triton's split-K kernel: a decode step reads the KV "
+    "cache once and is bound by memory bandwidth, which the Triton kernel already streams "
+    "split over the keys on sm_90; no Mosaic GPU decode kernel is built (docs/limitations.md)")
+
+
 IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
@@ -111,13 +127,15 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two wgmma consumers, persistent): forward (ping-ponging consumers), dK/dV "
         "and dQ (no atomics); interpreted, with segment ids, or with Config(backward='pallas_triton'), "
-        "pallas_triton's backward",
+        "pallas_triton's backward; decode: pallas_triton's split-K kernel",
         mosaic_gpu.forward, _mosaic_gpu_backward, needs_cuda=True, automatic=False,
         manual_because="one GPU run of its forward so far (an H200: correct, 1.3-1.7x cuDNN's "
                        "time) and none of its backward, proven only in the Mosaic GPU "
                        "interpreter and compiled for sm_90a (docs/limitations.md)",
         call_unsupported=mosaic_gpu.unsupported, takes_position_offset=True,
-        interpreter_has_effects=True),
+        interpreter_has_effects=True, decode=_mosaic_gpu_decode,
+        decode_unsupported=pallas_triton.decode_unsupported,
+        pages_unsupported=pallas_triton.pages_unsupported, decode_note=MOSAIC_GPU_DECODE_NOTE),
     "cpu": Implementation(
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
         decode=cpu_kernel.decode, decode_unsupported=cpu_kernel.decode_unsupported,

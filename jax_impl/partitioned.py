@@ -406,10 +406,12 @@ def _folded(op, implementation, cfg, names):
 
 def forward(implementation, cfg, q, k, v, bias, masks, extras=None):
     """Like ``Implementation.forward``, partitioned under jit."""
-    if cfg.interpret and implementation.interpreter_has_effects:
-        return implementation.forward(cfg, q, k, v, bias, masks, extras)
     if cfg.decode and not implementation.decode:
         raise ValueError(f"cfg.decode=True but {implementation.name} has no decode path")
+    if cfg.interpret and implementation.interpreter_has_effects:
+        if cfg.decode:  # its decode path, interpreted, runs unpartitioned too
+            return implementation.decode(cfg, q, k, v, masks, extras, None)
+        return implementation.forward(cfg, q, k, v, bias, masks, extras)
     named = _named(q, k, v, bias, masks, extras)
     names = tuple(named)
     out, row_max, log_sum = _folded(_forward_op, implementation, cfg, names)(*named.values())

@@ -181,3 +181,31 @@ def test_triton_ir_that_does_not_parse_names_both_versions():
     with pytest.raises(RuntimeError, match=rf"jaxlib {re.escape(jaxlib.__version__)} .* triton "
                                            rf"{re.escape(triton.__version__)}; pairs that parse"):
         compile_report._ttir_text(b"ML\xefR not a Triton module")
+
+
+def test_committed_report_holds_the_decode_kernel_rows():
+    """The committed report's decode rows (B=1, Hkv=8, one query row, 65,536 bf16 keys, D=128;
+    dense and pages of 16 and 64) launch at least 132 programs (an H100's SMs) and compile with
+    0 spills within the budget; recompiled here with the committed toolchain they are the same
+    facts, and the Markdown table shows them."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "compile_report_sm90"
+    kernel_rows, committed, toolchain = compile_report.load(str(path) + ".json")
+    assert kernel_rows and [r.page_size for r in committed] == list(compile_report.DECODE_PAGE_SIZES)
+    for r in committed:
+        assert (r.batch, r.q_len, r.kv_heads, r.kv_len, r.head_dim, r.dtype) == (1, 1, 8, 65536, 128, "bfloat16")
+        assert r.ptxas_ok and r.programs >= 132 and r.spill_stores == r.spill_loads == 0, r
+        assert r.shared <= heuristics.SHARED_MEMORY_BUDGET, r
+    fresh = compile_report.decode_report()
+    facts = lambda r: (r.page_size, r.grid, r.dots, r.registers, r.spill_stores, r.spill_loads, r.shared,
+                       r.wgmma, r.mma_sync)
+    if toolchain == compile_report.toolchain():
+        assert [facts(r) for r in fresh] == [facts(r) for r in committed]
+    else:  # another jaxlib or triton: the same grid, still no spills
+        assert [r.grid for r in fresh] == [r.grid for r in committed]
+        assert all(r.ptxas_ok and r.spill_stores == r.spill_loads == 0 for r in fresh)
+    table = Path(str(path) + ".md").read_text()
+    for r in committed:
+        cache = "dense" if r.page_size is None else f"pages of {r.page_size}"
+        assert f"| {cache} | {'x'.join(map(str, r.grid))} | {r.programs} | 16 | {r.num_warps}/{r.num_stages} | " \
+               f"{r.registers} | 0/0 |" in table

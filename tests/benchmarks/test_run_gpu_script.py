@@ -1,0 +1,107 @@
+"""benchmarks/run_gpu.sh dry-run on the CPU: a stand-in python records each step's command and
+writes the tables a step would, a stand-in ``timeout`` records each step's limit; the script's
+order, arguments, budgets, deadline and the files it leaves under $OUT are checked."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import suites
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+echo "python $* DECODE_BUDGET_S=${DECODE_BUDGET_S:-}" >> "$CALLS"
+if [ "$1" = "-m" ] && [ "$2" = "benchmarks" ]; then
+  suite=$(echo "$*" | sed -n 's/.*--suite \([a-z_]*\).*/\1/p')
+  out=$(echo "$*" | sed -n 's/.*--out \([^ ]*\).*/\1/p')
+  mkdir -p "$out" && echo "# $suite" > "$out/bench_$suite.md" && echo "{}" > "$out/bench_$suite.json"
+fi
+[ "$2" = "pytest" ] && exit 5
+exit 0
+"""
+FAKE_TIMEOUT = r"""#!/usr/bin/env bash
+echo "timeout $1" >> "$CALLS"
+shift
+exec "$@"
+"""
+
+
+def _dry_run(tmp_path, **env):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python", FAKE_PYTHON), ("timeout", FAKE_TIMEOUT)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls, out = tmp_path / "calls.log", tmp_path / "out"
+    environment = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"),
+                       CALLS=str(calls), OUT=str(out), **env)
+    run = subprocess.run(["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=environment,
+                         capture_output=True, text=True, timeout=120)
+    return run, calls.read_text().splitlines(), out
+
+
+def _benchmark_calls(calls):
+    return [(re.search(r"--suite (\w+)", c).group(1), c) for c in calls if c.startswith("python -m benchmarks")]
+
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("tar") is None,
+                                reason="run_gpu.sh needs bash and tar")
+
+
+def test_the_larger_shape_runs_after_step_3_and_its_tables_land_in_out(tmp_path):
+    run, calls, out = _dry_run(tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    steps = _benchmark_calls(calls)
+    assert [s for s, _ in steps] == ["gpu", "gpu_large", "mosaic_tiles", "decode"], calls
+    large = dict(steps)["gpu_large"]
+    assert "--device cuda" in large and "--time-budget 75" in large
+    assert "--time-budget 45" in dict(steps)["mosaic_tiles"]
+    assert "DECODE_BUDGET_S=30" in dict(steps)["decode"]
+    for name in ("bench_gpu_large.md", "bench_gpu_large.json", "bench_summary.md", "bench_gpu.json",
+                 "bench_mosaic_tiles.md", "bench_decode.md", "run_gpu.log", "gpu_results.tar.gz"):
+        assert (out / name).is_file(), name
+    assert (out / "bench_gpu_large.md").read_text() == "# gpu_large\n"
+    log = (out / "run_gpu.log").read_text()
+    assert "larger shape (B=4, H=16, L=8192) exit 0" in log and "large=0" in log
+    # The gpu lane: the Mosaic GPU tests first, then the rest.
+    lane = [c for c in calls if "pytest" in c]
+    assert "tests/jax_impl/test_mosaic_gpu.py" in lane[0]
+    assert "--ignore=tests/jax_impl/test_mosaic_gpu.py" in lane[1]
+
+
+def test_a_late_start_shrinks_the_steps_and_skips_what_does_not_fit(tmp_path):
+    """DEADLINE=60 s (the stand-ins take no time): step 3 gets what is left less its 20 s of
+    start-up and report, the larger shape what is left less its 25, the tile candidates are
+    skipped (step 5's 60 s are kept), the decode suite runs; no later step's limit runs past
+    the deadline + 15 s."""
+    run, calls, out = _dry_run(tmp_path, DEADLINE="60")
+    assert run.returncode == 0, run.stdout + run.stderr
+    steps = dict(_benchmark_calls(calls))
+    assert set(steps) == {"gpu", "gpu_large", "decode"}
+    assert "--time-budget 40" in steps["gpu"] and "--time-budget 35" in steps["gpu_large"]
+    limits = [int(c.split()[1]) for c in calls if c.startswith("timeout")]
+    assert max(limits[2:]) <= 75, limits  # after conformance and the lane: DEADLINE + 15 s
+    log = (out / "run_gpu.log").read_text()
+    assert "tiles=skipped" in log and "large=0" in log and "decode=0" in log
+
+
+def test_the_larger_shape_suite_is_the_issues_points():
+    """B=4, H=16, L=8192, D=64/128, causal and not, forward and forward+backward, bf16; the
+    Mosaic GPU and Triton kernels, jax.nn and torch cuDNN, torch flash; modes adjacent so that
+    one draw of inputs serves both."""
+    suite = suites.get_suite("gpu_large")
+    points = {(c.shape.batch, c.shape.heads, c.shape.seq_len, c.shape.head_dim, c.shape.dtype, c.causal, c.mode)
+              for c in suite.configs}
+    assert points == {(4, 16, 8192, d, "bfloat16", c, m) for d in (64, 128) for c in (None, "top_left")
+                      for m in ("fwd", "fwd+bwd")}
+    assert len(suite.configs) == 8
+    assert set(suite.impls["cuda"]) == {"jax_impl.mosaic_gpu", "jax_impl.pallas_triton", "jax.nn.cudnn",
+                                        "torch.sdpa.cudnn", "torch.sdpa.flash"}
+    assert all(a.case() == b.case() for a, b in zip(suite.configs[::2], suite.configs[1::2]))
+    assert suite.input_sets == 1 and suite.max_repeats <= 5 and suite.time_budget_s == 75
