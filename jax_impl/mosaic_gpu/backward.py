@@ -32,6 +32,11 @@ select excludes a pair; a key's poison (its row of K or V) is added to the rows 
 kernel's K, which enters only S^T there, and reaches the dQ kernel's logits as a per-key
 vector streamed with K and V (its K enters dQ += dS K too, so it stays finite).
 
+Segment ids (rule 4, on every tile): the side that stays loads its ids once per item (a plain
+load, 2 values per thread); the streamed side's ids come through the ring by TMA with their
+tile and are read from the slot where they are compared, so no tile's ids stay live in
+registers across the loop (0 spills compiled, where the forward's held key ids spill).
+
 Edges as in the forward: Lq and Lk are padded to multiples of 8 (the TMA descriptors' row
 groups), TMA loads past them read zeros, stores are clipped, and ``masking.with_padding``
 switches on the length rule; the row vectors are padded to whole CTAs.

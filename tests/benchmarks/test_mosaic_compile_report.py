@@ -6,7 +6,8 @@ the forward's softmax runs between a partial and a full wgmma wait, unserialised
 
 Needs jax >= 0.11 with its CUDA plugin (Python >= 3.12; CI's jax 0.10 skips it with the reason);
 runs the tool in a process of its own (it sets JAX_PLATFORMS=cpu before importing jax): about
-25 s for the forward's 8 configurations and as long again for the backward's.
+25 s for the forward's 8 configurations, as long again for the backward's, and about 45 s
+for the backward's 4 configurations with segment ids (a second run of the tool).
 """
 from __future__ import annotations
 
