@@ -2,7 +2,7 @@
 measured without a GPU.
 
     python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
-        [--only defaults|all] [--seq-len 4096]
+        [--only defaults|all|segments] [--kernels all|forward|backward] [--seq-len 4096]
 
 Needs jax >= 0.11 with its CUDA plugin (``pip install 'jax[cuda13]==0.11.2'``, Python >= 3.12;
 ptxas comes with the plugin's nvcc package): XLA compiles for the compile-only CUDA device of
@@ -79,7 +79,8 @@ from benchmarks.mosaic_tiles import TILE_CANDIDATES  # noqa: E402  (imports no j
 def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     """(label, dtype, head_dim, causal, Config or None, extra call options): the shipped
     defaults (16-bit, D=64/128, causal and not); ``all`` adds masked edges, the mask features,
-    other tiles and head_dim 256 (not offered: it shows why)."""
+    other tiles and head_dim 256 (not offered: it shows why); ``segments`` only the calls with
+    segment ids (bf16, D=64/128, causal and not)."""
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
              for d in (64, 128) for causal in (False, True)]
@@ -87,14 +88,17 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
         return [(f"candidate {c.block_q}/{c.block_kv}/{c.num_stages}", "bfloat16", d, causal, c, {})
                 for d in (64, 128) for causal in (False, True)
                 for c in (Config(q, kv, stages) for q, kv, stages in TILE_CANDIDATES)]
+    segment_rows = [("segment ids", "bfloat16", d, causal, None, dict(segments=True))
+                    for d in (64, 128) for causal in (False, True)]
+    if only == "segments":
+        return segment_rows
     if only == "all":
         found += [
             ("edges: L=4001 (padded to 4008)", "bfloat16", 128, True, None, dict(seq_len=seq_len - 95)),
             ("lengths, bottom-right, window, soft cap, sinks", "bfloat16", 128, True, None,
              dict(lengths=True, bottom_right=True, window=(512, 0), soft_cap=30.0, sinks=True)),
             ("GQA 8:2", "bfloat16", 128, True, None, dict(kv_heads=2)),
-            *(("segment ids", "bfloat16", d, causal, None, dict(segments=True))
-              for d, causal in ((64, True), (128, True), (128, False))),
+            *segment_rows,
             ("3 stages", "bfloat16", 64, True, Config(64, 128, 3), {}),
             ("block_kv=64", "bfloat16", 128, True, Config(64, 64, 2), {}),
             ("not persistent", "bfloat16", 128, True, Config(persistent=False), {}),
@@ -177,18 +181,21 @@ def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
     keys = struct((BATCH, length, kv_heads, head_dim), dtype)
     rows = struct((BATCH, HEADS, length), jnp.float32)
     lengths = struct((BATCH,), jnp.int32)
+    segments = ([struct((BATCH, length), jnp.int32)] * 2) if options.get("segments") else []
 
-    def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len):
+    def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len, *segments):
         return backward_call(cfg, config, q, k, v, d_out,
-                             online_softmax.RowStats(row_max, log_sum), delta, q_len, kv_len)
+                             online_softmax.RowStats(row_max, log_sum), delta, q_len, kv_len,
+                             None, *segments)
 
     start = time.perf_counter()
     jax.jit(backward).lower(queries, keys, keys, queries, rows, rows, rows, lengths,
-                            lengths).compile()
+                            lengths, *segments).compile()
     seconds = round(time.perf_counter() - start, 2)
     return [Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q,
                   config.block_kv, config.num_stages, True, length,
-                  config.shared_memory_bytes(head_dim, dtype), compile_s=seconds, kernel=kernel)
+                  config.shared_memory_bytes(head_dim, dtype, bool(options.get("segments"))),
+                  compile_s=seconds, kernel=kernel)
             for kernel in BACKWARD_KERNELS]
 
 
@@ -233,9 +240,8 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                                               topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
-            if config is not None or head_dim > 128 or options.get("segments"):
-                continue  # forward tiles, a head_dim the kernel does not offer, or segment
-                # ids (their backward is pallas_triton's)
+            if config is not None or head_dim > 128:
+                continue  # forward tiles, or a head_dim the kernel does not offer
             dump = Path(root) / f"backward_{index}"
             dump.mkdir()
             os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
@@ -251,7 +257,9 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                 config = default_backward_config(head_dim, dtype)
                 found = [Facts(label, dtype, head_dim, causal, config.block_q, config.block_kv,
                                config.num_stages, True, options.get("seq_len", seq_len),
-                               config.shared_memory_bytes(head_dim, dtype), kernel=kernel,
+                               config.shared_memory_bytes(head_dim, dtype,
+                                                          bool(options.get("segments"))),
+                               kernel=kernel,
                                error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
                          for kernel in BACKWARD_KERNELS]
             rows.extend(found)
@@ -330,7 +338,7 @@ def markdown(rows: list[Facts], only: str = "all") -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
-    parser.add_argument("--only", choices=("defaults", "all", "candidates"), default="defaults")
+    parser.add_argument("--only", choices=("defaults", "all", "candidates", "segments"), default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
     args = parser.parse_args(argv)

@@ -94,7 +94,7 @@ def _mosaic_gpu_backward(cfg: AttentionConfig, *args, **kwargs):
     """mosaic_gpu's backward: its own kernels, or, where ``mosaic_gpu.backward_unsupported``
     gives a reason (the caller's ``Config(backward="pallas_triton")``), the Pallas Triton
     kernels from the same RowStats with their own tiles (the mosaic_gpu.Config in
-    cfg.block_sizes is the forward's). ``args[4]``: the MaskInputs (segment ids go to Triton)."""
+    cfg.block_sizes is the forward's). ``args[4]``: the MaskInputs."""
     if mosaic_gpu.backward_unsupported(cfg, args[4] if len(args) > 4 else None) is None:
         return mosaic_gpu.backward(cfg, *args, **kwargs)
     if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
@@ -126,7 +126,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "mosaic_gpu": Implementation(
         "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two wgmma consumers, persistent): forward (ping-ponging consumers), dK/dV "
-        "and dQ (no atomics); interpreted, with segment ids, or with Config(backward='pallas_triton'), "
+        "and dQ (no atomics); interpreted, or with Config(backward='pallas_triton'), "
         "pallas_triton's backward; decode: pallas_triton's split-K kernel",
         mosaic_gpu.forward, _mosaic_gpu_backward, needs_cuda=True, automatic=False,
         manual_because="one GPU run of its forward so far (an H200: correct, 1.3-1.7x cuDNN's "

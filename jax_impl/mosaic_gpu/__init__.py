@@ -65,8 +65,7 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                 has_segment_ids: bool = False) -> str | None:
     """Why the Mosaic GPU forward cannot run such a call, or None. Every feature it does not
     take yet is named."""
-    del has_sinks, has_segment_ids  # taken (segment ids: the forward; the backward is
-    # pallas_triton's then, backward_unsupported)
+    del has_sinks, has_segment_ids  # taken, forward and backward
     if _UNAVAILABLE:
         return _UNAVAILABLE
     if head_dim not in HEAD_DIMS:
@@ -142,11 +141,11 @@ def _nonfinite_rule(q, k, v):
 def backward_unsupported(cfg: AttentionConfig, masks: masking.MaskInputs | None = None
                          ) -> str | None:
     """Why this package's backward kernels do not differentiate a call that its forward runs,
-    or None: the call has segment ids (the forward takes them, these kernels not yet), the
-    caller chose another backward (``Config.backward``), or the call is interpreted and chose
-    none (the interpreted backward can hang: docs/limitations.md)."""
-    if masks is not None and masks.q_segment_ids is not None:
-        return "segment ids: the Mosaic GPU backward kernels do not take them yet"
+    or None: the caller chose another backward (``Config.backward``), or the call is
+    interpreted and chose none (the interpreted backward can hang: docs/limitations.md).
+    ``masks``: the call's MaskInputs (every mask input the forward takes, segment ids too, the
+    backward takes as well)."""
+    del masks
     config = cfg.block_sizes
     chosen = config.backward if isinstance(config, Config) else None
     if chosen == "pallas_triton":
@@ -165,8 +164,6 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     from jax_impl.mosaic_gpu.backward import backward_call
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
                          has_mask=masks.mask is not None, dtype=q.dtype)
-    if masks.q_segment_ids is not None:
-        reason = backward_unsupported(cfg, masks)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
     axes = vma.axes_of(q, k, v, masks, d_out, stats, delta)
@@ -179,5 +176,6 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
         q = platform.requires_cuda(q, PLATFORM_ERROR)
     dq, dk, dv = backward_call(
         cfg, default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
-        masks.q_len, masks.kv_len, masks.position_offset, num_sms=_num_sms(), interpret=interpret)
+        masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
+        masks.kv_segment_ids, num_sms=_num_sms(), interpret=interpret)
     return dq, dk, dv, None

@@ -32,6 +32,11 @@ select excludes a pair; a key's poison (its row of K or V) is added to the rows 
 kernel's K, which enters only S^T there, and reaches the dQ kernel's logits as a per-key
 vector streamed with K and V (its K enters dQ += dS K too, so it stays finite).
 
+Segment ids (rule 4, on every tile): the side that stays loads its ids once per item (a plain
+load, 2 values per thread); the streamed side's ids come through the ring by TMA with their
+tile and are read from the slot where they are compared, so no tile's ids stay live in
+registers across the loop (0 spills compiled, where the forward's held key ids spill).
+
 Edges as in the forward: Lq and Lk are padded to multiples of 8 (the TMA descriptors' row
 groups), TMA loads past them read zeros, stores are clipped, and ``masking.with_padding``
 switches on the length rule; the row vectors are padded to whole CTAs.
@@ -73,6 +78,14 @@ class Geometry:
     head_dim: int
     dtype: jnp.dtype
     config: BackwardConfig
+    has_segments: bool = False
+
+    @property
+    def streamed(self) -> int:
+        """Vectors of one dK/dV ring step beside Q and dO (row max, log-sum, delta, and the
+        query ids with segment ids), and of one dQ step beside K and V (the keys' poison, and
+        the key ids): the TMA copies, each with its produced barrier."""
+        return int(self.has_segments)
 
     @property
     def groups(self) -> int:
@@ -212,6 +225,14 @@ def _logits_gradient(p, dp, capped, broadcast, delta, masked: bool):
     return dqk
 
 
+def _same_segment(own_ids, streamed_ids, tile):
+    """Rule 4 on a tile (``masking.segments_equal``): the warpgroup's own ids (one per row of
+    the tile, held per item) against the streamed tile's (one per column, read from its ring
+    slot where they are compared)."""
+    return (lax.broadcast_in_dim(own_ids, tile, (0,))
+            == lax.broadcast_in_dim(streamed_ids, tile, (1,)))
+
+
 def _position_scratch(c: BackwardConfig):
     """0..n-1 per compute warpgroup for a tile's rows and for its columns (int32)."""
     return (plgpu.SMEM((CONSUMERS, max(c.block_q, c.block_kv)), jnp.int32),
@@ -248,9 +269,10 @@ def _dkdv_scratch(g: Geometry):
              _swizzled((c.num_stages, c.block_q, d), g.dtype),  # Q ring
              _swizzled((c.num_stages, c.block_q, d), g.dtype),  # dO ring
              *[plgpu.SMEM((c.num_stages, c.block_q), jnp.float32)] * 3,  # max, log-sum, delta
-             *_position_scratch(c))
+             *_position_scratch(c),
+             *[plgpu.SMEM((c.num_stages, c.block_q), jnp.int32)] * g.has_segments)  # query ids
     barriers = (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=CONSUMERS),
-                *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(5)],
+                *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(5 + g.streamed)],
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
     return tiles, barriers
 
@@ -259,7 +281,8 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     c = g.config
     wg = lax.axis_index("wg")
-    k_own, v_own, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *positions = smem
+    k_own, v_own, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *rest = smem
+    positions, q_ids_ring = rest[:2], (rest[2] if g.has_segments else None)
     k_loaded, v_loaded, *produced, consumed = barriers
     k_all, v_all = k_own, v_own
     k_own, v_own = k_all.at[wg], v_all.at[wg]
@@ -282,6 +305,9 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                                                        c.block_q, q_len, kv_len, offset))
         zeros = plgpu.layout_cast(jnp.zeros((c.block_kv, g.head_dim), jnp.float32),
                                   plgpu.Layout.WGMMA)
+        # The tile's own key ids once per item, by a plain load (a few bytes: 2 per thread).
+        key_ids = None if q_ids_ring is None else plgpu.load(
+            refs["kv_ids"].at[b, pl.ds(key_start, c.block_kv)], layout=_ROWS, optimized=False)
         plgpu.barrier_wait(k_loaded.at[wg])
         plgpu.barrier_wait(v_loaded.at[wg])
 
@@ -302,9 +328,13 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                     lax.broadcast_in_dim(key_start + key_offsets(), tile, (0,)), q_len, kv_len,
                     offset)
             load = lambda ref: plgpu.load(ref.at[slot], layout=_COLS)
+            if key_ids is not None:  # rule 4 on every tile, the interior too
+                allowed = masking.all_of([allowed, _same_segment(
+                    key_ids, load(q_ids_ring), tile)])
             p_t, capped = _probs(cfg, softmax, s_t, cols, load(max_ring), load(log_sum_ring),
                                  allowed)
-            dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring), masked)
+            dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring),
+                                     masked or key_ids is not None)
             dv, dk = _accumulate_two(dv, p_t.astype(g.dtype), do_ring.at[slot],
                                      dk, dqk_t.astype(g.dtype), q_ring.at[slot], interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
@@ -342,14 +372,15 @@ def _dkdv_walk(cfg, g: Geometry, refs):
         return g.groups, lo, hi
 
     def copies(kv_head, b, member, i, slot, smem, produced):
-        _, _, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *_ = smem
+        _, _, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *rest = smem
         head = kv_head * g.groups + member
         rows = pl.ds(i * c.block_q, c.block_q)
+        ids = ((refs["q_ids"].at[b, rows],), (rest[2],)) if g.has_segments else ((), ())
         for src, dst, barrier in zip(
                 (refs["q"].at[b, rows, head], refs["do"].at[b, rows, head],
                  refs["row_max"].at[b, head, rows], refs["log_sum"].at[b, head, rows],
-                 refs["delta"].at[b, head, rows]),
-                (q_ring, do_ring, max_ring, log_sum_ring, delta_ring), produced):
+                 refs["delta"].at[b, head, rows], *ids[0]),
+                (q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *ids[1]), produced):
             plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
 
     return walk, copies
@@ -365,9 +396,10 @@ def _dq_scratch(g: Geometry):
              _swizzled((c.num_stages, c.block_kv, d), g.dtype),  # K ring
              _swizzled((c.num_stages, c.block_kv, d), g.dtype),  # V ring
              plgpu.SMEM((c.num_stages, c.block_kv), jnp.float32),  # the keys' poison
-             *_position_scratch(c))
+             *_position_scratch(c),
+             *[plgpu.SMEM((c.num_stages, c.block_kv), jnp.int32)] * g.has_segments)  # key ids
     barriers = (*[plgpu.Barrier(num_barriers=CONSUMERS) for _ in range(5)],
-                *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(3)],
+                *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(3 + g.streamed)],
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
     return tiles, barriers
 
@@ -376,9 +408,9 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     c = g.config
     wg = lax.axis_index("wg")
-    (q_all, do_all, max_own, log_sum_own, delta_own, k_ring, v_ring, poison_ring,
-     *positions) = smem
-    own_loaded, produced, consumed = barriers[:5], barriers[5:8], barriers[8]
+    (q_all, do_all, max_own, log_sum_own, delta_own, k_ring, v_ring, poison_ring, *rest) = smem
+    positions, kv_ids_ring = rest[:2], (rest[2] if g.has_segments else None)
+    own_loaded, produced, consumed = barriers[:5], barriers[5:-1], barriers[-1]
     q_own, do_own = q_all.at[wg], do_all.at[wg]
     softmax = online_softmax.Base2Softmax.create(cfg, has_bias=False)
     tile = (c.block_q, c.block_kv)
@@ -405,6 +437,9 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
         _wait_all(own_loaded, wg)
         row_max, log_sum, delta = (plgpu.load(ref.at[wg], layout=_ROWS)
                                    for ref in (max_own, log_sum_own, delta_own))
+        # The tile's own query ids once per item, by a plain load (2 per thread).
+        query_ids = None if kv_ids_ring is None else plgpu.load(
+            refs["q_ids"].at[b, rows], layout=_ROWS, optimized=False)
         zeros = plgpu.layout_cast(jnp.zeros((c.block_q, g.head_dim), jnp.float32),
                                   plgpu.Layout.WGMMA)
 
@@ -422,9 +457,12 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                     cfg.mask, lax.broadcast_in_dim(q_start + query_offsets(), tile, (0,)),
                     lax.broadcast_in_dim(j * c.block_kv + key_offsets(), tile, (1,)), q_len,
                     kv_len, offset)
+            if query_ids is not None:  # rule 4 on every tile, the interior too
+                allowed = masking.all_of([allowed, _same_segment(
+                    query_ids, plgpu.load(kv_ids_ring.at[slot], layout=_COLS), tile)])
             s = s + lax.broadcast_in_dim(poison, tile, (1,))
             p, capped = _probs(cfg, softmax, s, rows_of, row_max, log_sum, allowed)
-            dqk = _logits_gradient(p, dp, capped, rows_of, delta, masked)
+            dqk = _logits_gradient(p, dp, capped, rows_of, delta, masked or query_ids is not None)
             dq = _accumulate(dq, dqk.astype(g.dtype), k_ring.at[slot], interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
             return dq, step + 1
@@ -460,10 +498,11 @@ def _dq_walk(cfg, g: Geometry, refs):
         k_ring, v_ring, poison_ring = smem[5:8]
         kv_head = lax.div(head, g.groups)
         keys = pl.ds(j * c.block_kv, c.block_kv)
+        ids = ((refs["kv_ids"].at[b, keys],), (smem[10],)) if g.has_segments else ((), ())
         for src, dst, barrier in zip(
                 (refs["k"].at[b, keys, kv_head], refs["v"].at[b, keys, kv_head],
-                 refs["key_poison"].at[b, kv_head, keys]),
-                (k_ring, v_ring, poison_ring), produced):
+                 refs["key_poison"].at[b, kv_head, keys], *ids[0]),
+                (k_ring, v_ring, poison_ring, *ids[1]), produced):
             plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
 
     return walk, copies
@@ -471,9 +510,10 @@ def _dq_walk(cfg, g: Geometry, refs):
 
 # --- The calls --------------------------------------------------------------------------------
 
-_DKDV_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta")
+_DKDV_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
+                "q_ids", "kv_ids")
 _DQ_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
-              "key_poison")
+              "key_poison", "q_ids", "kv_ids")
 
 
 def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch, consumer,
@@ -483,14 +523,16 @@ def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch,
 
     def entry(*refs):
         refs = dict(zip(present + list(out_names), refs))
-        refs.setdefault("offset", None)
+        for optional in ("offset", "q_ids", "kv_ids"):
+            refs.setdefault(optional, None)
         walk, copies = walk_of(cfg, g, refs)
 
         def body(smem, barriers):
             wg = lax.axis_index("wg")
             pl.when(wg < CONSUMERS)(lambda: consumer(cfg, g, order, refs, smem, barriers,
                                                      interpreted))
-            produced, consumed = barriers[-1 - (5 if name == "dkdv" else 3):-1], barriers[-1]
+            streamed = (5 if name == "dkdv" else 3) + g.streamed
+            produced, consumed = barriers[-1 - streamed:-1], barriers[-1]
             pl.when(wg == _MEMORY_WARPGROUP)(lambda: _producer(
                 order, g.config.num_stages, walk,
                 lambda *a: copies(*a, smem, produced), consumed))
@@ -508,9 +550,13 @@ def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch,
 
 
 def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, stats, delta,
-                  q_len, kv_len, offset=None, *, num_sms: int | None = None, interpret=None):
+                  q_len, kv_len, offset=None, q_segment_ids=None, kv_segment_ids=None, *,
+                  num_sms: int | None = None, interpret=None):
     """q/d_out [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), stats RowStats [B, Hq, Lq] f32,
-    delta [B, Hq, Lq] f32 -> (dq, dk, dv) in the operands' dtypes."""
+    delta [B, Hq, Lq] f32, segment ids [B, Lq] and [B, Lk] int32 or None -> (dq, dk, dv) in
+    the operands' dtypes."""
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     batch, lq, heads, head_dim = q.shape
     lk, kv_heads = k.shape[1], k.shape[2]
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
@@ -526,7 +572,7 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, -x.shape[1] % ROW_MULTIPLE), (0, 0), (0, 0)))
     q, d_out, k, v, poisoned_k = map(pad_rows, (q, d_out, k, v, poisoned_k))
     g = Geometry(batch, q.shape[1], k.shape[1], heads, kv_heads, head_dim, jnp.dtype(q.dtype),
-                 config)
+                 config, has_segments=q_segment_ids is not None)
     pad_last = lambda x, multiple, value: jnp.pad(
         x, ((0, 0), (0, 0), (0, -x.shape[-1] % multiple)), constant_values=value)
     per_query = CONSUMERS * config.block_q
@@ -534,10 +580,19 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     log_sum = pad_last(stats.log_sum, per_query, 0.0)
     delta = pad_last(delta.astype(jnp.float32), per_query, 0.0)
     key_poison = pad_last(key_poison, CONSUMERS * config.block_kv, 0.0)
+    q_ids = kv_ids = None
+    if g.has_segments:
+        # Whole CTAs, as the row vectors: every id a TMA copy or a load reads exists. The padded
+        # rows and keys lie past the lengths (the length rule is on there, and those tiles are
+        # always masked ones); distinct fills keep them apart all the same.
+        pad_ids = lambda ids, multiple, fill: pad_last(ids.astype(jnp.int32)[:, None], multiple,
+                                                       fill)[:, 0]
+        q_ids = pad_ids(q_segment_ids, per_query, -1)
+        kv_ids = pad_ids(kv_segment_ids, CONSUMERS * config.block_kv, -2)
     sms = {} if num_sms is None else {"num_sms": num_sms}
 
     common = dict(q=q, do=d_out, v=v, q_len=q_len, kv_len=kv_len, offset=offset,
-                  row_max=row_max, log_sum=log_sum, delta=delta)
+                  row_max=row_max, log_sum=log_sum, delta=delta, q_ids=q_ids, kv_ids=kv_ids)
     kv_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     order = WorkOrder.create(g.kv_pairs, kv_heads, batch, masking.later_key_tiles_heavier(cfg.mask),
                              True, **sms)

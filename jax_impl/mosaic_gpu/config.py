@@ -119,11 +119,12 @@ class BackwardConfig:
             raise ValueError(f"mosaic_gpu.BackwardConfig.num_stages={self.num_stages!r} must be "
                              "in [2, 4]")
 
-    def shared_memory_bytes(self, head_dim: int, dtype) -> int:
+    def shared_memory_bytes(self, head_dim: int, dtype, segment_ids: bool = False) -> int:
         """The larger of the two kernels' scratch: dK/dV holds K and V per consumer and a ring
         of Q, dO and three row vectors; dQ holds Q, dO and three row vectors per consumer and a
         ring of K, V and the keys' poison; both hold a tile's row and column offsets per
-        consumer (int32, read by the mask of edge tiles)."""
+        consumer (int32, read by the mask of edge tiles), and with segment ids a ring of the
+        streamed tiles' ids (int32, one more barrier per stage)."""
         item = np.dtype(dtype).itemsize
         own = lambda rows: CONSUMERS * 2 * rows * head_dim * item
         ring = lambda rows: self.num_stages * 2 * rows * head_dim * item
@@ -131,7 +132,8 @@ class BackwardConfig:
         dq = (own(self.block_q) + CONSUMERS * 3 * self.block_q * 4 + ring(self.block_kv)
               + self.num_stages * self.block_kv * 4)
         positions = 2 * CONSUMERS * max(self.block_q, self.block_kv) * 4  # edge tiles' offsets
-        return max(dkdv, dq) + positions + 8 * (6 * self.num_stages + CONSUMERS * 3)
+        ids = segment_ids * self.num_stages * (max(self.block_q, self.block_kv) * 4 + 8)
+        return max(dkdv, dq) + positions + ids + 8 * (6 * self.num_stages + CONSUMERS * 3)
 
 
 def default_backward_config(head_dim: int, dtype) -> BackwardConfig:

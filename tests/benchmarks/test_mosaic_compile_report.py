@@ -6,7 +6,8 @@ the forward's softmax runs between a partial and a full wgmma wait, unserialised
 
 Needs jax >= 0.11 with its CUDA plugin (Python >= 3.12; CI's jax 0.10 skips it with the reason);
 runs the tool in a process of its own (it sets JAX_PLATFORMS=cpu before importing jax): about
-25 s for the forward's 8 configurations and as long again for the backward's.
+25 s for the forward's 8 configurations, as long again for the backward's, and about 45 s
+for the backward's 4 configurations with segment ids (a second run of the tool).
 """
 from __future__ import annotations
 
@@ -39,13 +40,36 @@ if os.environ.get("CUDA_COMPILE_LANE") == "1" and _toolchain_missing() is not No
 pytestmark = pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_toolchain_missing()))
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def _report(tmp_path_factory, *options):
     out = tmp_path_factory.mktemp("report") / "report"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_compile_report", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_compile_report", "--out", str(out),
+                          *options], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(Path(str(out) + ".json").read_text())
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    return _report(tmp_path_factory)
+
+
+def test_the_backward_with_segment_ids_compiles_without_spills(tmp_path_factory):
+    """The dK/dV and dQ kernels of bf16 calls with segment ids (D=64/128, causal and not):
+    0 spill bytes, shared memory within 227 KiB and their estimate (the ids' ring counted), and
+    one more TMA load than without (the streamed tile's ids: query ids in dK/dV, key ids in
+    dQ, beside 7 and 8 operands)."""
+    found = _report(tmp_path_factory, "--only", "segments", "--kernels", "backward")
+    for kernel, loads in (("dK/dV", 7 + 1), ("dQ", 8 + 1)):
+        mine = [r for r in found if r["kernel"] == kernel]
+        assert {(r["head_dim"], r["causal"]) for r in mine} == {
+            (d, c) for d in (64, 128) for c in (False, True)}, kernel
+        for r in mine:
+            label = f"{kernel} D={r['head_dim']} causal={r['causal']} with segment ids"
+            assert r["ok"], f"{label}: {r['error']}"
+            assert r["spill_stores"] == r["spill_loads"] == r["stack_frame"] == 0, label
+            assert r["shared"] <= min(227 * 1024, r["shared_estimate"] + 4096), label
+            assert r["tma_loads"] == loads and set(r["setmaxnreg"]) == {"inc 240", "dec 24"}, label
 
 
 def test_every_shipped_configuration_compiles_without_spills_within_shared_memory(rows):

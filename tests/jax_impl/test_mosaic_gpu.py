@@ -307,7 +307,7 @@ def test_nonfinite_values_follow_the_rule_of_every_implementation(interpret):
     np.testing.assert_allclose(got[finite], want[finite], atol=2e-2)
 
 
-# --- Segment ids (the forward's; the backward is pallas_triton's) ---------------------------
+# --- Segment ids (forward and backward) ------------------------------------------------------
 
 SEGMENT_PROBLEMS = [  # packed segments on every tile (the interior too), with the band rules
     Case("bf16-segments-causal-bottomright-lengths-gqa", q_len=200, kv_len=170, q_heads=4,
@@ -321,23 +321,37 @@ SEGMENT_PROBLEMS = [  # packed segments on every tile (the interior too), with t
 @pytest.mark.parametrize("problem", SEGMENT_PROBLEMS, ids=lambda p: p.name)
 def test_segment_ids_match_the_float64_oracle(problem, interpret):
     """Segment ids read per tile by plain loads (the query tile's once per item, each key
-    tile's beside its logits); gradients by pallas_triton's kernels from the same RowStats."""
+    tile's beside its logits). Interpreted, the gradients are pallas_triton's (the default
+    there); compiled, the Mosaic backward's (test_backward_kernels_match_the_float64_oracle
+    runs those interpreted)."""
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
     assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
 
 
-def test_segment_ids_send_the_backward_to_pallas_triton_compiled_too(monkeypatch):
+def test_segment_ids_are_differentiated_by_the_mosaic_backward(monkeypatch):
+    """Its own kernels take segment ids (compiled by default, interpreted when chosen); only
+    Config(backward="pallas_triton") or an interpreted call without a choice goes to Triton."""
     called = []
     monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
     monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
     ids = jnp.zeros((1, 64), jnp.int32)
     masks = masking.MaskInputs(None, None, ids, ids, None)
-    for config in (None, Config(backward="mosaic_gpu")):
-        cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=config)
+    for config, interpret in ((None, False), (Config(backward="mosaic_gpu"), True),
+                              (Config(backward="pallas_triton"), False), (None, True)):
+        cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=config,
+                              interpret=interpret)
         implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, None, None,
                                                    None)
-        assert mosaic_gpu.backward_unsupported(cfg, masks).startswith("segment ids")
-    assert called == ["pallas_triton"] * 2
+    assert called == ["mosaic_gpu"] * 2 + ["pallas_triton"] * 2
+
+
+@needs_mosaic
+def test_backward_call_refuses_one_sided_segment_ids():
+    from jax_impl.mosaic_gpu.backward import backward_call
+    from jax_impl.mosaic_gpu.config import BackwardConfig
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec())
+    with pytest.raises(ValueError, match="q_segment_ids and kv_segment_ids"):
+        backward_call(cfg, BackwardConfig(), *[None] * 8, q_segment_ids=jnp.zeros((1, 64)))
 
 
 # --- The backward (backward.py) --------------------------------------------------------------
@@ -422,13 +436,14 @@ BACKWARD_PROBLEMS = [
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("problem", PROBLEMS + BACKWARD_PROBLEMS, ids=lambda p: p.name)
+@pytest.mark.parametrize("problem", PROBLEMS + BACKWARD_PROBLEMS + SEGMENT_PROBLEMS,
+                         ids=lambda p: p.name)
 def test_backward_kernels_match_the_float64_oracle(monkeypatch, problem, interpret):
-    """PROBLEMS too when interpreted: interpreted calls route to pallas_triton's backward by
-    default, so only Config(backward="mosaic_gpu") differentiates them through these kernels
-    (compiled, test_forward_and_backward_match_the_float64_oracle already does)."""
-    if not interpret and problem in PROBLEMS:
-        pytest.skip("compiled, test_forward_and_backward_match_the_float64_oracle runs it")
+    """PROBLEMS and SEGMENT_PROBLEMS too when interpreted: interpreted calls route to
+    pallas_triton's backward by default, so only Config(backward="mosaic_gpu") differentiates
+    them through these kernels (compiled, the forward's tests already do)."""
+    if not interpret and problem in PROBLEMS + SEGMENT_PROBLEMS:
+        pytest.skip("compiled, the forward's oracle tests run it")
     _mosaic_backward_only(monkeypatch, interpret)
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
                   block_sizes=MOSAIC_BACKWARD)
