@@ -78,8 +78,6 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     if has_mask:
         return "a dense mask is not taken yet"
     if cfg is not None:
-        if cfg.dropout_rate:
-            return "dropout is not taken yet"
         if cfg.block_sizes is not None and not isinstance(cfg.block_sizes, Config):
             return ("block_sizes is a BlockSizes (the Triton kernels' tiles); this kernel takes "
                     "jax_impl.mosaic_gpu.Config")
@@ -111,8 +109,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {reason}")
     extras = extras or SinksAndDropout()
-    q, k, v, masks, sinks = vma.like((q, k, v, masks, extras.sinks),
-                                     vma.axes_of(q, k, v, masks, extras.sinks))
+    operands = (q, k, v, masks, extras.sinks, extras.dropout_seeds, extras.dropout_offset)
+    q, k, v, masks, sinks, seeds, dropout_offset = vma.like(operands, vma.axes_of(*operands))
     interpret = None
     if cfg.interpret:
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -120,7 +118,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     else:
         q = platform.requires_cuda(q, PLATFORM_ERROR)
     config = cfg.block_sizes if isinstance(cfg.block_sizes, Config) else default_config(
-        q.shape[-1], q.dtype)
+        q.shape[-1], q.dtype, dropout=bool(cfg.dropout_rate))
     batch, lq, heads, head_dim = q.shape
     geometry = Geometry(batch, lq, k.shape[1], heads, k.shape[2], head_dim, jnp.dtype(q.dtype),
                         config)
@@ -128,7 +126,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     out, row_max, log_sum = forward_call(
         cfg, geometry, q, k, v, masks.q_len, masks.kv_len, masks.position_offset,
         None if sinks is None else sinks.astype(jnp.float32), masks.q_segment_ids,
-        masks.kv_segment_ids, num_sms=_num_sms(), interpret=interpret)
+        masks.kv_segment_ids, seeds, dropout_offset, num_sms=_num_sms(),
+        interpret=interpret)
     return out, online_softmax.RowStats(row_max, log_sum)
 
 
@@ -147,6 +146,8 @@ def backward_unsupported(cfg: AttentionConfig, masks: masking.MaskInputs | None 
     none (the interpreted backward can hang: docs/limitations.md)."""
     if masks is not None and masks.q_segment_ids is not None:
         return "segment ids: the Mosaic GPU backward kernels do not take them yet"
+    if cfg.dropout_rate:  # pallas_triton's kernels draw the same masks from the same seeds
+        return "dropout: the Mosaic GPU backward kernels do not take it yet"
     config = cfg.block_sizes
     chosen = config.backward if isinstance(config, Config) else None
     if chosen == "pallas_triton":
@@ -165,7 +166,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     from jax_impl.mosaic_gpu.backward import backward_call
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
                          has_mask=masks.mask is not None, dtype=q.dtype)
-    if masks.q_segment_ids is not None:
+    if masks.q_segment_ids is not None or cfg.dropout_rate:
         reason = backward_unsupported(cfg, masks)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")

@@ -6,7 +6,8 @@ the forward's softmax runs between a partial and a full wgmma wait, unserialised
 
 Needs jax >= 0.11 with its CUDA plugin (Python >= 3.12; CI's jax 0.10 skips it with the reason);
 runs the tool in a process of its own (it sets JAX_PLATFORMS=cpu before importing jax): about
-25 s for the forward's 8 configurations and as long again for the backward's.
+25 s for the forward's 8 configurations (and 15 s for its 4 with dropout) and as long again
+for the backward's.
 """
 from __future__ import annotations
 
@@ -59,6 +60,16 @@ def test_every_shipped_configuration_compiles_without_spills_within_shared_memor
         assert r["shared"] <= 227 * 1024, label
         # the forward's estimate counts Mosaic's alignment: an upper bound
         assert r["shared"] <= r["shared_estimate"] + (0 if r["kernel"] == "forward" else 4096), label
+
+
+def test_dropout_rows_are_shipped_and_compiled(rows):
+    """The forward with dropout (the hash on each S tile; its default tiles at D=128 are
+    64 x 64) at D=64/128, causal and not: held to 0 spills by the test above."""
+    from benchmarks.mosaic_compile_report import DROPOUT_LABEL
+    found = {(r["head_dim"], r["causal"]): r for r in rows if r["label"] == DROPOUT_LABEL}
+    assert set(found) == {(d, c) for d in (64, 128) for c in (False, True)}
+    assert all(r["kernel"] == "forward" for r in found.values())
+    assert {(r["block_q"], r["block_kv"]) for (d, _), r in found.items() if d == 128} == {(64, 64)}
 
 
 def test_the_design_is_in_the_ptx(rows):
