@@ -188,14 +188,16 @@ def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
     keys = struct((BATCH, length, kv_heads, head_dim), dtype)
     rows = struct((BATCH, HEADS, length), jnp.float32)
     lengths = struct((BATCH,), jnp.int32)
+    seeds = struct((BATCH, HEADS), jnp.uint32) if options.get("dropout") else None
 
-    def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len):
+    def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len, seeds):
         return backward_call(cfg, config, q, k, v, d_out,
-                             online_softmax.RowStats(row_max, log_sum), delta, q_len, kv_len)
+                             online_softmax.RowStats(row_max, log_sum), delta, q_len, kv_len,
+                             seeds=seeds)
 
     start = time.perf_counter()
     jax.jit(backward).lower(queries, keys, keys, queries, rows, rows, rows, lengths,
-                            lengths).compile()
+                            lengths, seeds).compile()
     seconds = round(time.perf_counter() - start, 2)
     return [Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q,
                   config.block_kv, config.num_stages, True, length,
@@ -244,10 +246,9 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                                               topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
-            if (config is not None or head_dim > 128 or options.get("segments")
-                    or options.get("dropout")):
-                continue  # forward tiles, a head_dim the kernel does not offer, segment ids
-                # or dropout (their backward is pallas_triton's)
+            if config is not None or head_dim > 128 or options.get("segments"):
+                continue  # forward tiles, a head_dim the kernel does not offer, or segment
+                # ids (their backward is pallas_triton's)
             dump = Path(root) / f"backward_{index}"
             dump.mkdir()
             os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)

@@ -146,8 +146,6 @@ def backward_unsupported(cfg: AttentionConfig, masks: masking.MaskInputs | None 
     none (the interpreted backward can hang: docs/limitations.md)."""
     if masks is not None and masks.q_segment_ids is not None:
         return "segment ids: the Mosaic GPU backward kernels do not take them yet"
-    if cfg.dropout_rate:  # pallas_triton's kernels draw the same masks from the same seeds
-        return "dropout: the Mosaic GPU backward kernels do not take it yet"
     config = cfg.block_sizes
     chosen = config.backward if isinstance(config, Config) else None
     if chosen == "pallas_triton":
@@ -166,12 +164,14 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     from jax_impl.mosaic_gpu.backward import backward_call
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
                          has_mask=masks.mask is not None, dtype=q.dtype)
-    if masks.q_segment_ids is not None or cfg.dropout_rate:
+    if masks.q_segment_ids is not None:
         reason = backward_unsupported(cfg, masks)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
-    axes = vma.axes_of(q, k, v, masks, d_out, stats, delta)
-    q, k, v, masks, d_out, stats, delta = vma.like((q, k, v, masks, d_out, stats, delta), axes)
+    extras = extras or SinksAndDropout()
+    operands = (q, k, v, masks, d_out, stats, delta, extras.dropout_seeds, extras.dropout_offset)
+    (q, k, v, masks, d_out, stats, delta, seeds,
+     dropout_offset) = vma.like(operands, vma.axes_of(*operands))
     interpret = None
     if cfg.interpret:
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -180,5 +180,6 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
         q = platform.requires_cuda(q, PLATFORM_ERROR)
     dq, dk, dv = backward_call(
         cfg, default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
-        masks.q_len, masks.kv_len, masks.position_offset, num_sms=_num_sms(), interpret=interpret)
+        masks.q_len, masks.kv_len, masks.position_offset, seeds, dropout_offset,
+        num_sms=_num_sms(), interpret=interpret)
     return dq, dk, dv, None

@@ -6,7 +6,7 @@ the forward's softmax runs between a partial and a full wgmma wait, unserialised
 
 Needs jax >= 0.11 with its CUDA plugin (Python >= 3.12; CI's jax 0.10 skips it with the reason);
 runs the tool in a process of its own (it sets JAX_PLATFORMS=cpu before importing jax): about
-25 s for the forward's 8 configurations (and 15 s for its 4 with dropout) and as long again
+25 s for the forward's 8 configurations (and 15 s for its 4 with dropout) and a little more
 for the backward's.
 """
 from __future__ import annotations
@@ -63,13 +63,16 @@ def test_every_shipped_configuration_compiles_without_spills_within_shared_memor
 
 
 def test_dropout_rows_are_shipped_and_compiled(rows):
-    """The forward with dropout (the hash on each S tile; its default tiles at D=128 are
-    64 x 64) at D=64/128, causal and not: held to 0 spills by the test above."""
+    """The forward, dK/dV and dQ with dropout (the hash on each tile; the forward's default
+    tiles at D=128 are then 64 x 64) at D=64/128, causal and not: held to 0 spills by the test
+    above."""
     from benchmarks.mosaic_compile_report import DROPOUT_LABEL
-    found = {(r["head_dim"], r["causal"]): r for r in rows if r["label"] == DROPOUT_LABEL}
-    assert set(found) == {(d, c) for d in (64, 128) for c in (False, True)}
-    assert all(r["kernel"] == "forward" for r in found.values())
-    assert {(r["block_q"], r["block_kv"]) for (d, _), r in found.items() if d == 128} == {(64, 64)}
+    found = {(r["kernel"], r["head_dim"], r["causal"]): r for r in rows
+             if r["label"] == DROPOUT_LABEL}
+    assert set(found) == {(k, d, c) for k in ("forward", "dK/dV", "dQ") for d in (64, 128)
+                          for c in (False, True)}
+    assert {(r["block_q"], r["block_kv"]) for (k, d, _), r in found.items()
+            if k == "forward" and d == 128} == {(64, 64)}
 
 
 def test_the_design_is_in_the_ptx(rows):

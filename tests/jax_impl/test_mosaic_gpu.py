@@ -340,7 +340,7 @@ def test_segment_ids_send_the_backward_to_pallas_triton_compiled_too(monkeypatch
     assert called == ["pallas_triton"] * 2
 
 
-# --- Dropout (the forward's; the backward is pallas_triton's, from the same seeds) ---------
+# --- Dropout (the forward's here; the backward's with the backward below) -------------------
 
 DROPOUT_PROBLEMS = [  # the oracle applies inputs.dropout_keep(): dropout_sinks' hash, materialised
     Case("bf16-dropout-causal-gqa-lengths", q_len=200, kv_len=170, q_heads=4, kv_heads=2,
@@ -354,7 +354,8 @@ DROPOUT_PROBLEMS = [  # the oracle applies inputs.dropout_keep(): dropout_sinks'
 @pytest.mark.parametrize("problem", DROPOUT_PROBLEMS, ids=lambda p: p.name)
 def test_dropout_matches_the_float64_oracle_with_the_same_mask(problem, interpret):
     """The forward hashes the keep mask in the kernel; its gradients come from pallas_triton's
-    backward, which draws the same mask: both must meet the oracle's materialised mask."""
+    backward when interpreted (the Mosaic one compiled: test_dropout_gradients_... below),
+    which draws the same mask: both must meet the oracle's materialised mask."""
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
     assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
 
@@ -426,18 +427,18 @@ def test_dropout_offset_draws_the_global_pattern_of_a_ring_step(interpret):
     np.testing.assert_array_equal(shown, keep[:, :, start[0]:, start[1]:])
 
 
-def test_dropout_sends_the_backward_to_pallas_triton_compiled_too(monkeypatch):
+def test_dropout_calls_keep_the_mosaic_backward_compiled(monkeypatch):
+    """Its backward kernels take dropout: compiled, a dropout call is differentiated by them;
+    ring attention still refuses dropout on mosaic_gpu (the interpreted route, pallas_triton's
+    backward, does not hash at the ring's offset)."""
     called = []
     monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
     monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
     masks = masking.MaskInputs(None, None, None, None, None)
-    for config in (None, Config(backward="mosaic_gpu")):
-        cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=config,
-                              dropout_rate=0.1)
-        implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, None, None,
-                                                   None)
-        assert mosaic_gpu.backward_unsupported(cfg, masks).startswith("dropout")
-    assert called == ["pallas_triton"] * 2
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), dropout_rate=0.1)
+    implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, None, None, None)
+    assert mosaic_gpu.backward_unsupported(cfg, masks) is None and called == ["mosaic_gpu"]
+    assert not implementations.get("mosaic_gpu").takes_dropout_offset
 
 
 def test_dropout_at_head_dim_128_takes_64_key_tiles():
@@ -536,6 +537,18 @@ def test_backward_kernels_match_the_float64_oracle(monkeypatch, problem, interpr
     (compiled, test_forward_and_backward_match_the_float64_oracle already does)."""
     if not interpret and problem in PROBLEMS:
         pytest.skip("compiled, test_forward_and_backward_match_the_float64_oracle runs it")
+    _mosaic_backward_only(monkeypatch, interpret)
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
+                  block_sizes=MOSAIC_BACKWARD)
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", DROPOUT_PROBLEMS, ids=lambda p: p.name)
+def test_dropout_gradients_of_the_backward_kernels_match_the_float64_oracle(monkeypatch, problem,
+                                                                          interpret):
+    """dV from the dropped P^T, dP (dQ's tiles) and dP^T (dK/dV's transposed tiles) dropped by
+    the same hash, per query head of a GQA group: the oracle's materialised mask."""
     _mosaic_backward_only(monkeypatch, interpret)
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
                   block_sizes=MOSAIC_BACKWARD)
