@@ -21,7 +21,8 @@ Each consumer walks every key tile of its CTA's range (the producer loads each o
 in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outside its own
 range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
 the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none
-(segment ids, when given, apply on every tile). Inside a consumer the attended tiles are
+(segment ids, when given, apply on every tile; dropout, when asked, drops P after its row
+sum by the library's hash: ``_Dropout``). Inside a consumer the attended tiles are
 pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
 with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
 first attended tile is the prologue (no P V yet), an epilogue adds the last P V.
