@@ -76,6 +76,9 @@ def _environment(dump: str):
 from benchmarks.mosaic_tiles import TILE_CANDIDATES  # noqa: E402  (imports no jax)
 
 
+DROPOUT_LABEL = "dropout 0.1"
+
+
 def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     """(label, dtype, head_dim, causal, Config or None, extra call options): the shipped
     defaults (16-bit, D=64/128, causal and not); ``all`` adds masked edges, the mask features,
@@ -84,6 +87,8 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
              for d in (64, 128) for causal in (False, True)]
+    found += [(DROPOUT_LABEL, "bfloat16", d, causal, None, dict(dropout=0.1))
+              for d in (64, 128) for causal in (False, True)]
     if only == "candidates":
         return [(f"candidate {c.block_q}/{c.block_kv}/{c.num_stages}", "bfloat16", d, causal, c, {})
                 for d in (64, 128) for causal in (False, True)
@@ -104,12 +109,15 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
             ("not persistent", "bfloat16", 128, True, Config(persistent=False), {}),
             ("block_q=128", "bfloat16", 64, False, Config(128, 64, 2), {}),
             ("D=256", "bfloat16", 256, False, None, {}),
+            ("dropout 0.1 on 64 x 128 tiles (not the default)", "bfloat16", 128, True,
+             Config(64, 128, 2), dict(dropout=0.1)),
         ]
     return found
 
 
 def _attention_config(head_dim, causal, options):
-    """The call's AttentionConfig from a report row's options (window, bottom_right, lengths, soft_cap)."""
+    """The call's AttentionConfig from a report row's options (window, bottom_right, lengths,
+    soft_cap, dropout)."""
     from jax_impl import masking
     from jax_impl.config import AttentionConfig
     window = options.get("window")
@@ -118,7 +126,8 @@ def _attention_config(head_dim, causal, options):
                             window_right=None if window is None else window[1],
                             has_q_lengths=options.get("lengths", False),
                             has_kv_lengths=options.get("lengths", False))
-    return AttentionConfig(scale=head_dim ** -0.5, mask=spec, logits_soft_cap=options.get("soft_cap"))
+    return AttentionConfig(scale=head_dim ** -0.5, mask=spec, logits_soft_cap=options.get("soft_cap"),
+                           dropout_rate=options.get("dropout", 0.0))
 
 
 def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
@@ -129,7 +138,7 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
     from jax_impl.mosaic_gpu.config import default_config
     from jax_impl.mosaic_gpu.forward import Geometry, forward_call
 
-    config = config or default_config(head_dim, dtype)
+    config = config or default_config(head_dim, dtype, dropout=bool(options.get("dropout")))
     length = options.get("seq_len", seq_len)
     kv_heads = options.get("kv_heads", KV_HEADS)
     cfg = _attention_config(head_dim, causal, options)
@@ -141,10 +150,12 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
             struct((BATCH, length, kv_heads, head_dim), dtype),
             struct((BATCH,), jnp.int32), struct((BATCH,), jnp.int32)]
     sinks = struct((1, HEADS), jnp.float32) if options.get("sinks") else None
-    segments = ([struct((BATCH, length), jnp.int32)] * 2) if options.get("segments") else []
+    segments = ([struct((BATCH, length), jnp.int32)] * 2) if options.get("segments") else [None] * 2
+    seeds = struct((BATCH, HEADS), jnp.uint32) if options.get("dropout") else None
 
-    def forward(q, k, v, q_len, kv_len, sinks, *segments):
-        return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks, *segments)
+    def forward(q, k, v, q_len, kv_len, sinks, q_segments, kv_segments, seeds):
+        return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks, q_segments,
+                            kv_segments, seeds)
 
     facts = Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q, config.block_kv,
                   config.num_stages, config.persistent, length,
@@ -154,7 +165,7 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
         raise ValueError(f"over the shared-memory budget: {facts.shared_estimate / 1024:.1f} KiB "
                          f"> {SHARED_MEMORY_BUDGET // 1024} KiB, not compiled")
     start = time.perf_counter()
-    jax.jit(forward).lower(*args, sinks, *segments).compile()
+    jax.jit(forward).lower(*args, sinks, *segments, seeds).compile()
     facts.compile_s = round(time.perf_counter() - start, 2)
     return facts
 
@@ -182,15 +193,16 @@ def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
     rows = struct((BATCH, HEADS, length), jnp.float32)
     lengths = struct((BATCH,), jnp.int32)
     segments = ([struct((BATCH, length), jnp.int32)] * 2) if options.get("segments") else []
+    seeds = struct((BATCH, HEADS), jnp.uint32) if options.get("dropout") else None
 
-    def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len, *segments):
+    def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len, seeds, *segments):
         return backward_call(cfg, config, q, k, v, d_out,
                              online_softmax.RowStats(row_max, log_sum), delta, q_len, kv_len,
-                             None, *segments)
+                             None, *(segments or (None, None)), seeds=seeds)
 
     start = time.perf_counter()
     jax.jit(backward).lower(queries, keys, keys, queries, rows, rows, rows, lengths,
-                            lengths, *segments).compile()
+                            lengths, seeds, *segments).compile()
     seconds = round(time.perf_counter() - start, 2)
     return [Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q,
                   config.block_kv, config.num_stages, True, length,
@@ -287,7 +299,8 @@ def report(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                     facts.error = "no ptxas report was written"
             except Exception as e:  # a configuration that does not compile is a result
                 from jax_impl.mosaic_gpu.config import default_config
-                config = config or default_config(head_dim, dtype)
+                config = config or default_config(head_dim, dtype,
+                                                  dropout=bool(options.get("dropout")))
                 facts = Facts(label, dtype, head_dim, causal, config.block_q, config.block_kv,
                               config.num_stages, config.persistent, options.get("seq_len", seq_len),
                               config.shared_memory_bytes(head_dim, dtype),

@@ -100,8 +100,23 @@ def threshold(rate: float) -> int:
 def keep(seed, rows, cols, rate: float):
     """Bool keep mask for absolute query indices ``rows [..., Tq, 1]`` and key indices
     ``cols [..., 1, Tk]`` under ``seed`` (uint32, broadcastable to ``[..., 1, 1]``)."""
-    row_key = mix(seed ^ (_u32(rows) * jnp.uint32(_GOLDEN)))       # one mix per row
-    bits = mix(row_key ^ (_u32(cols) * jnp.uint32(_PRIME) + seed))  # one mix per pair
+    return kept(mix(row_key(seed, rows) ^ column_key(seed, cols)), rate)
+
+
+# keep's three factors, for kernels that hold rows and columns in their own layouts (the Mosaic
+# GPU forward: one row key per row, one column key per column, one mix per pair).
+def row_key(seed, rows):
+    """One mix per query row."""
+    return mix(seed ^ (_u32(rows) * jnp.uint32(_GOLDEN)))
+
+
+def column_key(seed, cols):
+    """No mix: a multiply and an add per key column."""
+    return _u32(cols) * jnp.uint32(_PRIME) + seed
+
+
+def kept(bits, rate: float):
+    """The keep decision of a pair's mixed bits: their top 24 bits against the threshold."""
     return (bits >> (32 - _BITS)).astype(jnp.int32) >= threshold(rate)
 
 

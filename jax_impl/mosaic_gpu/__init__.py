@@ -77,8 +77,6 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     if has_mask:
         return "a dense mask is not taken yet"
     if cfg is not None:
-        if cfg.dropout_rate:
-            return "dropout is not taken yet"
         if cfg.block_sizes is not None and not isinstance(cfg.block_sizes, Config):
             return ("block_sizes is a BlockSizes (the Triton kernels' tiles); this kernel takes "
                     "jax_impl.mosaic_gpu.Config")
@@ -110,8 +108,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {reason}")
     extras = extras or SinksAndDropout()
-    q, k, v, masks, sinks = vma.like((q, k, v, masks, extras.sinks),
-                                     vma.axes_of(q, k, v, masks, extras.sinks))
+    operands = (q, k, v, masks, extras.sinks, extras.dropout_seeds, extras.dropout_offset)
+    q, k, v, masks, sinks, seeds, dropout_offset = vma.like(operands, vma.axes_of(*operands))
     interpret = None
     if cfg.interpret:
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -119,7 +117,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     else:
         q = platform.requires_cuda(q, PLATFORM_ERROR)
     config = cfg.block_sizes if isinstance(cfg.block_sizes, Config) else default_config(
-        q.shape[-1], q.dtype)
+        q.shape[-1], q.dtype, dropout=bool(cfg.dropout_rate))
     batch, lq, heads, head_dim = q.shape
     geometry = Geometry(batch, lq, k.shape[1], heads, k.shape[2], head_dim, jnp.dtype(q.dtype),
                         config)
@@ -127,7 +125,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     out, row_max, log_sum = forward_call(
         cfg, geometry, q, k, v, masks.q_len, masks.kv_len, masks.position_offset,
         None if sinks is None else sinks.astype(jnp.float32), masks.q_segment_ids,
-        masks.kv_segment_ids, num_sms=_num_sms(), interpret=interpret)
+        masks.kv_segment_ids, seeds, dropout_offset, num_sms=_num_sms(),
+        interpret=interpret)
     return out, online_softmax.RowStats(row_max, log_sum)
 
 
@@ -166,8 +165,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
                          has_mask=masks.mask is not None, dtype=q.dtype)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
-    axes = vma.axes_of(q, k, v, masks, d_out, stats, delta)
-    q, k, v, masks, d_out, stats, delta = vma.like((q, k, v, masks, d_out, stats, delta), axes)
+    extras = extras or SinksAndDropout()
+    operands = (q, k, v, masks, d_out, stats, delta, extras.dropout_seeds, extras.dropout_offset)
+    (q, k, v, masks, d_out, stats, delta, seeds,
+     dropout_offset) = vma.like(operands, vma.axes_of(*operands))
     interpret = None
     if cfg.interpret:
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -177,5 +178,5 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     dq, dk, dv = backward_call(
         cfg, default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
         masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
-        masks.kv_segment_ids, num_sms=_num_sms(), interpret=interpret)
+        masks.kv_segment_ids, seeds, dropout_offset, num_sms=_num_sms(), interpret=interpret)
     return dq, dk, dv, None

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_impl import masking, online_softmax
+from jax_impl import dropout_sinks, masking, online_softmax
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_gpu.config import CONSUMERS, BackwardConfig
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
@@ -260,6 +260,33 @@ def _write_positions(positions, wg, rows: int, cols: int):
             lambda: plgpu.load(col_ref.at[pl.ds(0, cols)], (), layout=_COLS))
 
 
+# --- Dropout (the forward's hash; dV from the dropped P, dP dropped the same way) ----------
+
+def _dropout(cfg, refs, b, head):
+    """-> drop(x, queries, keys, query_axis): x times 1 / (1 - rate) where the library's hash
+    keeps pair (query, key) and 0 where it drops it (``dropout_sinks.apply_dropout``'s
+    product: a NaN row stays NaN), or None without dropout. ``queries`` and ``keys`` are the
+    tile's local indices as vectors in its row or column layout; ``query_axis`` is the tile's
+    axis of queries (1: the transposed tiles of dK/dV). Global indices: the ring's offset is
+    added. One mix per query and per pair, as ``dropout_sinks.keep`` factors it."""
+    seeds = refs.get("seeds")
+    if seeds is None:
+        return None
+    seed = seeds[0 if seeds.shape[0] == 1 else b, 0 if seeds.shape[1] == 1 else head]
+    offset = refs.get("dropout_offset")
+
+    def drop(x, queries, keys, query_axis: int):
+        if offset is not None:
+            queries, keys = queries + offset[0], keys + offset[1]
+        spread = lambda v, axis: lax.broadcast_in_dim(v, x.shape, (axis,))
+        bits = dropout_sinks.mix(spread(dropout_sinks.row_key(seed, queries), query_axis)
+                                 ^ spread(dropout_sinks.column_key(seed, keys), 1 - query_axis))
+        return dropout_sinks.apply_dropout(x, dropout_sinks.kept(bits, cfg.dropout_rate),
+                                           cfg.dropout_rate)
+
+    return drop
+
+
 # --- dK/dV ----------------------------------------------------------------------------------
 
 def _dkdv_scratch(g: Geometry):
@@ -311,7 +338,7 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
         plgpu.barrier_wait(k_loaded.at[wg])
         plgpu.barrier_wait(v_loaded.at[wg])
 
-        def attend(i, carry, masked: bool):
+        def attend(i, carry, masked: bool, member=None):
             dk, dv, step = carry
             slot = lax.rem(step, c.num_stages)
             _wait_all(produced, slot)
@@ -333,18 +360,25 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                     key_ids, load(q_ids_ring), tile)])
             p_t, capped = _probs(cfg, softmax, s_t, cols, load(max_ring), load(log_sum_ring),
                                  allowed)
+            drop = _dropout(cfg, refs, b, kv_head * g.groups + member)
+            if drop is not None:  # dropout: dV from the dropped P^T, dP^T dropped alike
+                queries, keys = i * c.block_q + query_offsets(), key_start + key_offsets()
+                dp_t = drop(dp_t, queries, keys, 1)
             dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring),
                                      masked or key_ids is not None)
+            if drop is not None:
+                p_t = drop(p_t, queries, keys, 1)
             dv, dk = _accumulate_two(dv, p_t.astype(g.dtype), do_ring.at[slot],
                                      dk, dqk_t.astype(g.dtype), q_ring.at[slot], interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
             return dk, dv, step + 1
 
-        masked = functools.partial(attend, masked=True)
         skip = _pass_step(produced, consumed, c.num_stages)
-        bodies = (skip, masked, functools.partial(attend, masked=False), masked, skip)
 
-        def one_head(_, carry):  # the group's query heads, in order: their sum is fixed
+        def one_head(member, carry):  # the group's query heads, in order: their sum is fixed
+            masked = functools.partial(attend, masked=True, member=member)
+            bodies = (skip, masked, functools.partial(attend, masked=False, member=member),
+                      masked, skip)
             for start, stop, body in zip(bounds[:-1], bounds[1:], bodies):
                 carry = lax.fori_loop(start, stop, body, carry)
             return carry
@@ -442,6 +476,7 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             refs["q_ids"].at[b, rows], layout=_ROWS, optimized=False)
         zeros = plgpu.layout_cast(jnp.zeros((c.block_q, g.head_dim), jnp.float32),
                                   plgpu.Layout.WGMMA)
+        drop = _dropout(cfg, refs, b, head)
 
         def attend(j, carry, masked: bool):
             dq, step = carry
@@ -462,6 +497,8 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                     query_ids, plgpu.load(kv_ids_ring.at[slot], layout=_COLS), tile)])
             s = s + lax.broadcast_in_dim(poison, tile, (1,))
             p, capped = _probs(cfg, softmax, s, rows_of, row_max, log_sum, allowed)
+            if drop is not None:  # dropout: dP dropped as the forward dropped P
+                dp = drop(dp, q_start + query_offsets(), j * c.block_kv + key_offsets(), 0)
             dqk = _logits_gradient(p, dp, capped, rows_of, delta, masked or query_ids is not None)
             dq = _accumulate(dq, dqk.astype(g.dtype), k_ring.at[slot], interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
@@ -511,9 +548,9 @@ def _dq_walk(cfg, g: Geometry, refs):
 # --- The calls --------------------------------------------------------------------------------
 
 _DKDV_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
-                "q_ids", "kv_ids")
+                "q_ids", "kv_ids", "seeds", "dropout_offset")
 _DQ_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
-              "key_poison", "q_ids", "kv_ids")
+              "key_poison", "q_ids", "kv_ids", "seeds", "dropout_offset")
 
 
 def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch, consumer,
@@ -523,7 +560,7 @@ def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch,
 
     def entry(*refs):
         refs = dict(zip(present + list(out_names), refs))
-        for optional in ("offset", "q_ids", "kv_ids"):
+        for optional in ("offset", "q_ids", "kv_ids", "seeds", "dropout_offset"):
             refs.setdefault(optional, None)
         walk, copies = walk_of(cfg, g, refs)
 
@@ -550,11 +587,12 @@ def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch,
 
 
 def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, stats, delta,
-                  q_len, kv_len, offset=None, q_segment_ids=None, kv_segment_ids=None, *,
-                  num_sms: int | None = None, interpret=None):
+                  q_len, kv_len, offset=None, q_segment_ids=None, kv_segment_ids=None,
+                  seeds=None, dropout_offset=None, *, num_sms: int | None = None, interpret=None):
     """q/d_out [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), stats RowStats [B, Hq, Lq] f32,
-    delta [B, Hq, Lq] f32, segment ids [B, Lq] and [B, Lk] int32 or None -> (dq, dk, dv) in
-    the operands' dtypes."""
+    delta [B, Hq, Lq] f32, segment ids [B, Lq] and [B, Lk] int32 or None, dropout seeds
+    [Bs, Hs] uint32 and their offset [2] int32 (or None; read only with ``cfg.dropout_rate``)
+    -> (dq, dk, dv) in the operands' dtypes."""
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     batch, lq, heads, head_dim = q.shape
@@ -591,8 +629,14 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
         kv_ids = pad_ids(kv_segment_ids, CONSUMERS * config.block_kv, -2)
     sms = {} if num_sms is None else {"num_sms": num_sms}
 
+    if not cfg.dropout_rate:
+        seeds = dropout_offset = None
+    elif seeds is None:
+        raise ValueError(f"dropout_rate={cfg.dropout_rate} needs the dropout seeds")
     common = dict(q=q, do=d_out, v=v, q_len=q_len, kv_len=kv_len, offset=offset,
-                  row_max=row_max, log_sum=log_sum, delta=delta, q_ids=q_ids, kv_ids=kv_ids)
+                  row_max=row_max, log_sum=log_sum, delta=delta, q_ids=q_ids, kv_ids=kv_ids,
+                  seeds=None if seeds is None else seeds.astype(jnp.uint32),
+                  dropout_offset=None if dropout_offset is None else dropout_offset.astype(jnp.int32))
     kv_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     order = WorkOrder.create(g.kv_pairs, kv_heads, batch, masking.later_key_tiles_heavier(cfg.mask),
                              True, **sms)

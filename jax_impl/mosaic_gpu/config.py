@@ -76,7 +76,10 @@ class Config:
 PREVIOUS_DEFAULT = Config(block_q=64, block_kv=128, num_stages=2)  # every head_dim until 0.2.0
 
 
-def default_config(head_dim: int, dtype) -> Config:
+DROPOUT_D128 = Config(block_q=64, block_kv=64, num_stages=2)  # head_dim 128 with dropout
+
+
+def default_config(head_dim: int, dtype, *, dropout: bool = False) -> Config:
     """The tiles for a call, chosen from the compiled sweep (docs/design.md, "Forward tiles";
     benchmarks/results/mosaic_forward_tiles_sm90.md), not yet from GPU timings:
 
@@ -89,12 +92,16 @@ def default_config(head_dim: int, dtype) -> Config:
       (a third stage or 192 keys need 228 KiB), and 128 query rows spill;
     - head_dim 256 (not offered): 64 keys per stage, so that the ring and the accumulators fit.
 
-    ``Config(64, 128, 2)`` (``PREVIOUS_DEFAULT``) stays selectable at every head_dim."""
+    ``Config(64, 128, 2)`` (``PREVIOUS_DEFAULT``) stays selectable at every head_dim.
+
+    With dropout at head_dim 128, 64 keys per stage (``DROPOUT_D128``): the hash's column
+    keys and bits on a 64 x 128 tile spill 92/152 bytes in the masked tiles (causal), none on
+    64 x 64 (benchmarks/results/mosaic_compile_report_sm90.md, "dropout" rows)."""
     del dtype  # 16-bit only (unsupported() refuses the rest)
     if head_dim <= 64:
         return Config(block_q=128, block_kv=64, num_stages=2)
     if head_dim <= 128:
-        return PREVIOUS_DEFAULT
+        return DROPOUT_D128 if dropout else PREVIOUS_DEFAULT
     return Config(block_q=64, block_kv=64, num_stages=2)
 
 

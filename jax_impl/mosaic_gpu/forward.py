@@ -21,7 +21,8 @@ Each consumer walks every key tile of its CTA's range (the producer loads each o
 in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outside its own
 range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
 the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none
-(segment ids, when given, apply on every tile). Inside a consumer the attended tiles are
+(segment ids, when given, apply on every tile; dropout, when asked, drops P after its row
+sum by the library's hash: ``_Dropout``). Inside a consumer the attended tiles are
 pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
 with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
 first attended tile is the prologue (no P V yet), an epilogue adds the last P V.
@@ -125,16 +126,19 @@ class _Item:
                            self.hi]
 
 
-def _split_refs(refs, has_offset: bool, has_sinks: bool, has_segments: bool):
+def _split_refs(refs, has_offset: bool, has_sinks: bool, has_segments: bool,
+                has_seeds: bool = False, has_dropout_offset: bool = False):
     refs = list(refs)
     q, k, v, q_len, kv_len = refs[:5]
     rest = refs[5:]
     offset = rest.pop(0) if has_offset else None
     sinks = rest.pop(0) if has_sinks else None
     q_segments, kv_segments = (rest.pop(0), rest.pop(0)) if has_segments else (None, None)
+    seeds = rest.pop(0) if has_seeds else None
+    dropout_offset = rest.pop(0) if has_dropout_offset else None
     out, row_max, log_sum = rest
     return _KernelRefs(q, k, v, q_len, kv_len, offset, sinks, out, row_max, log_sum,
-                       q_segments, kv_segments)
+                       q_segments, kv_segments, seeds, dropout_offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +155,8 @@ class _KernelRefs:
     log_sum: object   # [B, Hq, lq_stats] float32
     q_segments: object = None   # [B, lq_stats] int32 or None (padded: every row a load reads)
     kv_segments: object = None  # [B, whole key tiles] int32 or None
+    seeds: object = None        # [Bs, Hs] uint32 dropout seeds (dropout_sinks.head_seeds) or None
+    dropout_offset: object = None  # [2] int32: the global (query, key) index of local (0, 0)
 
 
 def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem, barriers):
@@ -217,6 +223,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         # Segment ids by plain loads from global memory (a few bytes per row and key).
         q_segments = None if refs.q_segments is None else plgpu.load(
             refs.q_segments.at[b, pl.ds(it.q_start, c.block_q)], layout=_ROW, optimized=False)
+        dropout = None if refs.seeds is None else _Dropout.create(cfg, refs, it, c)
         acc = plgpu.layout_cast(jnp.zeros((c.block_q, geometry.head_dim), jnp.float32),
                                 plgpu.Layout.WGMMA)
         plgpu.barrier_wait(q_loaded.at[wg])
@@ -239,6 +246,13 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 allowed = same if allowed is None else allowed & same
             rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
             return rescale, p, row_max, row_sum
+
+        def dropped(p, j):
+            """P as P V reads it: dropout after the row sum (l is the undropped P's), and
+            after P_{j-1} V's wait, so that the hash's registers are not taken while that
+            GEMM holds O and P_{j-1}."""
+            p = p if dropout is None else dropout.apply(p, j)
+            return p.astype(geometry.dtype)
 
         def end_of_tile(slot, state):
             """After a tile's softmax: the other warpgroup's GEMMs go; then this tile's V."""
@@ -265,7 +279,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
             rescale, p, row_max, row_sum = softmax_of(s, j, True, row_max, row_sum)
-            p = p.astype(geometry.dtype)
+            p = dropped(p, j)
             acc = acc * online_softmax.rows_to(rescale, acc)
             acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
             return acc, row_max, row_sum, p, step + 1
@@ -289,7 +303,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             plgpu.barrier_arrive(v_consumed.at[prev])
             # P in 16 bits only now: registers that the next P V reads, written while this
             # one runs, make ptxas serialise every wgmma (its warning C7513).
-            p = p.astype(geometry.dtype)
+            p = dropped(p, j)
             acc = acc * online_softmax.rows_to(rescale, acc)
             acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
             return acc, row_max, row_sum, p, step + 1
@@ -333,6 +347,42 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         return step
 
     order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+
+
+class _Dropout:
+    """Dropout on a consumer's P tiles, by the library's hash (dropout_sinks.keep, factored):
+    the row keys of its ``block_q`` rows (one mix per row) are drawn once per item in the row
+    layout; each key tile adds its column keys (a multiply and an add per column, in the
+    column layout) and one mix per pair, in the WGMMA layout of S. Rows and columns are global:
+    the ring's ``dropout_offset`` is added before hashing."""
+
+    def __init__(self, rate, row_keys, seed, first_column, block_kv):
+        self.rate, self.row_keys, self.seed = rate, row_keys, seed
+        self.first_column, self.block_kv = first_column, block_kv
+
+    @classmethod
+    def create(cls, cfg, refs: _KernelRefs, it: _Item, c: Config):
+        seeds = refs.seeds
+        seed = seeds[0 if seeds.shape[0] == 1 else it.b, 0 if seeds.shape[1] == 1 else it.head]
+        first_row, first_column = it.q_start, jnp.int32(0)
+        if refs.dropout_offset is not None:
+            first_row = first_row + refs.dropout_offset[0]
+            first_column = refs.dropout_offset[1]
+        rows = first_row + plgpu.broadcasted_iota(jnp.int32, (c.block_q,), 0, layout=_ROW)
+        return cls(cfg.dropout_rate, dropout_sinks.row_key(seed, rows), seed, first_column,
+                   c.block_kv)
+
+    def apply(self, p, j):
+        """P of key tile ``j`` times 1 / (1 - rate) where kept, 0 where dropped."""
+        cols = (self.first_column + j * self.block_kv
+                + plgpu.broadcasted_iota(jnp.int32, (self.block_kv,), 0, layout=_COLUMN))
+        column_keys = dropout_sinks.column_key(self.seed, cols)
+        bits = dropout_sinks.mix(online_softmax.rows_to(self.row_keys, p)
+                                 ^ lax.broadcast_in_dim(column_keys, p.shape, (1,)))
+        # A select, then the scale: dropout_sinks.apply_dropout's product in every finite P
+        # (a NaN row's out is NaN through l all the same), and measured: the product form
+        # spills 8 bytes at D=64 causal, this one none.
+        return jnp.where(dropout_sinks.kept(bits, self.rate), p, 0.0) * (1.0 / (1.0 - self.rate))
 
 
 def _pipelined_gemms(acc, q_tile, k_tile, p_prev, v_prev, after_issue, between,
@@ -399,11 +449,13 @@ def _store(geometry: Geometry, refs: _KernelRefs, it: _Item, acc, row_max, row_s
 
 
 def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_len, offset=None,
-                 sinks=None, q_segment_ids=None, kv_segment_ids=None, *,
-                 num_sms: int | None = None, interpret=None):
+                 sinks=None, q_segment_ids=None, kv_segment_ids=None, seeds=None,
+                 dropout_offset=None, *, num_sms: int | None = None, interpret=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), q_len/kv_len [B] int32, offset [B] int32
-    or None, sinks [Bs, Hs] float32 or None, segment ids [B, Lq] and [B, Lk] int32 or None ->
-    (out [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32, natural log)."""
+    or None, sinks [Bs, Hs] float32 or None, segment ids [B, Lq] and [B, Lk] int32 or None,
+    dropout seeds [Bs, Hs] uint32 or None (dropout at ``cfg.dropout_rate``) and its offset [2]
+    int32 or None -> (out [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32, natural
+    log)."""
     c = geometry.config
     lq, lk = geometry.lq, geometry.lk
     q, k, v, geometry = _rows_of_eight(q, k, v, geometry)
@@ -422,9 +474,15 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
                              masking.later_query_tiles_heavier(cfg.mask), c.persistent,
                              **({} if num_sms is None else {"num_sms": num_sms}))
     has_offset, has_sinks = offset is not None, sinks is not None
+    if not cfg.dropout_rate:
+        seeds = dropout_offset = None
+    elif seeds is None:
+        raise ValueError(f"dropout_rate={cfg.dropout_rate} needs the dropout seeds")
+    has_seeds, has_dropout_offset = seeds is not None, dropout_offset is not None
 
     def entry(*refs):
-        kernel_refs = _split_refs(refs, has_offset, has_sinks, has_segments)
+        kernel_refs = _split_refs(refs, has_offset, has_sinks, has_segments, has_seeds,
+                                  has_dropout_offset)
 
         def body(smem, barriers):
             wg = lax.axis_index("wg")
@@ -438,8 +496,10 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
                       *tiles, *barriers, collective_axes="wg")
 
     stats = jax.ShapeDtypeStruct((geometry.batch, geometry.heads, geometry.lq_stats), jnp.float32)
-    operands = [q, k, v, q_len, kv_len] + [x for x in (offset, sinks, q_segment_ids,
-                                                       kv_segment_ids) if x is not None]
+    operands = [q, k, v, q_len, kv_len] + [x for x in (
+        offset, sinks, q_segment_ids, kv_segment_ids,
+        None if seeds is None else seeds.astype(jnp.uint32),
+        None if dropout_offset is None else dropout_offset.astype(jnp.int32)) if x is not None]
     kernel = plgpu.kernel(
         entry, out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats),
         grid=(order.num_ctas,), grid_names=("cta",), num_threads=CONSUMERS + 1, thread_name="wg",

@@ -6,8 +6,9 @@ the forward's softmax runs between a partial and a full wgmma wait, unserialised
 
 Needs jax >= 0.11 with its CUDA plugin (Python >= 3.12; CI's jax 0.10 skips it with the reason);
 runs the tool in a process of its own (it sets JAX_PLATFORMS=cpu before importing jax): about
-25 s for the forward's 8 configurations, as long again for the backward's, and about 45 s
-for the backward's 4 configurations with segment ids (a second run of the tool).
+25 s for the forward's 8 configurations (and 15 s for its 4 with dropout), a little more
+for the backward's, and about 45 s for the backward's 4 configurations with segment ids (a
+second run of the tool).
 """
 from __future__ import annotations
 
@@ -83,6 +84,19 @@ def test_every_shipped_configuration_compiles_without_spills_within_shared_memor
         assert r["shared"] <= 227 * 1024, label
         # the forward's estimate counts Mosaic's alignment: an upper bound
         assert r["shared"] <= r["shared_estimate"] + (0 if r["kernel"] == "forward" else 4096), label
+
+
+def test_dropout_rows_are_shipped_and_compiled(rows):
+    """The forward, dK/dV and dQ with dropout (the hash on each tile; the forward's default
+    tiles at D=128 are then 64 x 64) at D=64/128, causal and not: held to 0 spills by the test
+    above."""
+    from benchmarks.mosaic_compile_report import DROPOUT_LABEL
+    found = {(r["kernel"], r["head_dim"], r["causal"]): r for r in rows
+             if r["label"] == DROPOUT_LABEL}
+    assert set(found) == {(k, d, c) for k in ("forward", "dK/dV", "dQ") for d in (64, 128)
+                          for c in (False, True)}
+    assert {(r["block_q"], r["block_kv"]) for (k, d, _), r in found.items()
+            if k == "forward" and d == 128} == {(64, 64)}
 
 
 def test_the_design_is_in_the_ptx(rows):

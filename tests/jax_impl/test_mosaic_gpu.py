@@ -55,7 +55,7 @@ def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
     (dict(has_bias=True), "a bias is not taken yet"),
     (dict(has_mask=True), "a dense mask is not taken yet"),
     (dict(has_segment_ids=True), None),  # the forward takes them; the backward is Triton's
-    (dict(dropout_rate=0.1), "dropout is not taken yet"),
+    (dict(dropout_rate=0.1), None),  # the forward takes it; the backward is Triton's
     (dict(block_sizes=BlockSizes()), "block_sizes is a BlockSizes"),
     (dict(block_sizes=Config(64, 128, 3), head_dim=128), "block_sizes=Config(block_q=64, block_kv=128, num_stages=3"),
     (dict(block_sizes=Config(64, 128, 3)), None),  # the same tiles fit at head_dim 64
@@ -354,6 +354,114 @@ def test_backward_call_refuses_one_sided_segment_ids():
         backward_call(cfg, BackwardConfig(), *[None] * 8, q_segment_ids=jnp.zeros((1, 64)))
 
 
+# --- Dropout (the forward's here; the backward's with the backward below) -------------------
+
+DROPOUT_PROBLEMS = [  # the oracle applies inputs.dropout_keep(): dropout_sinks' hash, materialised
+    Case("bf16-dropout-causal-gqa-lengths", q_len=200, kv_len=170, q_heads=4, kv_heads=2,
+         dtype="bfloat16", causal="bottom_right", lengths=True, dropout=0.3, seed=70),
+    Case("fp16-dropout-d128-window", q_len=150, kv_len=190, q_heads=2, kv_heads=1, head_dim=128,
+         dtype="float16", window=(60, 10), dropout=0.2, seed=71),
+]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", DROPOUT_PROBLEMS, ids=lambda p: p.name)
+def test_dropout_matches_the_float64_oracle_with_the_same_mask(problem, interpret):
+    """The forward hashes the keep mask in the kernel; its gradients come from pallas_triton's
+    backward when interpreted (the Mosaic one compiled: test_dropout_gradients_... below),
+    which draws the same mask: both must meet the oracle's materialised mask."""
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dropout_output_equals_the_xla_paths(head_dim, interpret):
+    """Causal, GQA, lengths: the same rng gives xla's output (bf16 rounding apart), and not the
+    output without dropout."""
+    rng = np.random.default_rng(72 + head_dim)
+    b, lq, lk, hq, hkv = 2, 140, 150, 4, 2
+    q = jnp.asarray(rng.standard_normal((b, lq, hq, head_dim)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, lk, hkv, head_dim)), jnp.bfloat16) for _ in range(2))
+    options = dict(dropout_rng=jax.random.key(5), dropout_rate=0.4, broadcast_dropout=False,
+                   deterministic=False, is_causal=True, query_seq_lengths=jnp.array([140, 90]),
+                   key_value_seq_lengths=jnp.array([150, 120]))
+    got = flash_attention(q, k, v, implementation="mosaic_gpu", interpret=interpret, **options)
+    want = flash_attention(q, k, v, implementation="xla", **options)
+    undropped = flash_attention(q, k, v, implementation="xla", **{**options, "dropout_rate": 0.0})
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    np.testing.assert_allclose(f32(got), f32(want), atol=2e-2, rtol=2e-2)
+    assert np.abs(f32(undropped) - f32(want)).max() > 0.5
+
+
+def _revealing_inputs(rng, b, lq, lk, h, d):
+    """V = the identity (key j's value is e_j, lk <= d): out[i, j] = P'[i, j], nonzero exactly
+    where pair (i, j) is allowed and kept. q, k small and random: every allowed P > 0."""
+    q = jnp.asarray(0.3 * rng.standard_normal((b, lq, h, d)), jnp.bfloat16)
+    k = jnp.asarray(0.3 * rng.standard_normal((b, lk, h, d)), jnp.bfloat16)
+    v = jnp.asarray(np.broadcast_to(np.eye(lk, d)[None, :, None, :], (b, lk, h, d)), jnp.bfloat16)
+    return q, k, v
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_dropout_keeps_exactly_the_pairs_of_dropout_mask(interpret):
+    """The kept pattern itself, pair by pair, against jax_impl.dropout_mask (the mask every
+    implementation draws): rate 0.5, V = identity rows so that out shows each kept pair."""
+    rng = np.random.default_rng(74)
+    b, lq, lk, h, d = 2, 130, 64, 2, 64
+    q, k, v = _revealing_inputs(rng, b, lq, lk, h, d)
+    key, rate = jax.random.key(9), 0.5
+    out = flash_attention(q, k, v, implementation="mosaic_gpu", interpret=interpret, is_causal=True,
+                          dropout_rng=key, dropout_rate=rate, broadcast_dropout=False)
+    shown = np.asarray(out.astype(jnp.float32)).transpose(0, 2, 1, 3)[..., :lk] != 0
+    keep = np.asarray(dropout_sinks.dropout_mask(key, (b, h, lq, lk), rate, broadcast_dropout=False))
+    allowed = np.tril(np.ones((lq, lk), bool))
+    np.testing.assert_array_equal(shown, keep & allowed)
+    assert 0.4 < keep[:, :, allowed].mean() < 0.6
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_dropout_offset_draws_the_global_pattern_of_a_ring_step(interpret):
+    """The ring passes dropout_offset = the global (query, key) index of local (0, 0): the
+    kernel's kept pairs are the global mask's slice there (broadcast seeds: one [1, 1] seed)."""
+    rng = np.random.default_rng(75)
+    b, lq, lk, h, d = 1, 70, 64, 2, 64
+    q, k, v = _revealing_inputs(rng, b, lq, lk, h, d)
+    key, rate, start = jax.random.key(12), 0.5, (300, 130)
+    seeds = dropout_sinks.head_seeds(dropout_sinks.key_words(key), b, h, broadcast=True)
+    cfg = AttentionConfig(scale=d ** -0.5, mask=masking.MaskSpec(), dropout_rate=rate,
+                          interpret=interpret)
+    masks = masking.MaskInputs(jnp.full((b,), lq, jnp.int32), jnp.full((b,), lk, jnp.int32),
+                               None, None, None)
+    extras = dropout_sinks.SinksAndDropout(dropout_seeds=seeds,
+                                           dropout_offset=jnp.asarray(start, jnp.int32))
+    out, _ = mosaic_gpu.forward(cfg, q, k, v, None, masks, extras)
+    shown = np.asarray(out.astype(jnp.float32)).transpose(0, 2, 1, 3)[..., :lk] != 0
+    keep = np.asarray(dropout_sinks.dropout_mask(key, (b, h, start[0] + lq, start[1] + lk), rate))
+    np.testing.assert_array_equal(shown, keep[:, :, start[0]:, start[1]:])
+
+
+def test_dropout_calls_keep_the_mosaic_backward_compiled(monkeypatch):
+    """Its backward kernels take dropout: compiled, a dropout call is differentiated by them;
+    ring attention still refuses dropout on mosaic_gpu (the interpreted route, pallas_triton's
+    backward, does not hash at the ring's offset)."""
+    called = []
+    monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
+    monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
+    masks = masking.MaskInputs(None, None, None, None, None)
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), dropout_rate=0.1)
+    implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, None, None, None)
+    assert mosaic_gpu.backward_unsupported(cfg, masks) is None and called == ["mosaic_gpu"]
+    assert not implementations.get("mosaic_gpu").takes_dropout_offset
+
+
+def test_dropout_at_head_dim_128_takes_64_key_tiles():
+    """The compiled report's choice (0 spills; 64 x 128 spills in the masked tiles)."""
+    from jax_impl.mosaic_gpu.config import DROPOUT_D128
+    assert default_config(128, jnp.bfloat16, dropout=True) == DROPOUT_D128 == Config(64, 64, 2)
+    assert default_config(64, jnp.bfloat16, dropout=True) == default_config(64, jnp.bfloat16)
+
+
 # --- The backward (backward.py) --------------------------------------------------------------
 
 @pytest.mark.parametrize("choice, interpret, expected", [
@@ -444,6 +552,18 @@ def test_backward_kernels_match_the_float64_oracle(monkeypatch, problem, interpr
     them through these kernels (compiled, the forward's tests already do)."""
     if not interpret and problem in PROBLEMS + SEGMENT_PROBLEMS:
         pytest.skip("compiled, the forward's oracle tests run it")
+    _mosaic_backward_only(monkeypatch, interpret)
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
+                  block_sizes=MOSAIC_BACKWARD)
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", DROPOUT_PROBLEMS, ids=lambda p: p.name)
+def test_dropout_gradients_of_the_backward_kernels_match_the_float64_oracle(monkeypatch, problem,
+                                                                          interpret):
+    """dV from the dropped P^T, dP (dQ's tiles) and dP^T (dK/dV's transposed tiles) dropped by
+    the same hash, per query head of a GQA group: the oracle's materialised mask."""
     _mosaic_backward_only(monkeypatch, interpret)
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
                   block_sizes=MOSAIC_BACKWARD)
