@@ -85,6 +85,20 @@ cap() {
   [ "$1" -lt "$left" ] && echo "$1" || echo "$(( left > 1 ? left : 1 ))"
 }
 
+# A budgeted suite: its own log (tail into $LOG) and bench_<suite>.{md,json} copied to $OUT as it
+# ends, so a run cut short still brings back what finished. Sets suite_rc.
+timed_suite() {
+  local suite=$1 budget=$2 slack=$3 label=$4 start=$SECONDS dir="$WORK/benchmarks_$1"
+  timeout "$(cap $((budget + slack)))" "$PYTHON" -m benchmarks --suite "$suite" --device "$DEVICE" \
+    --time-budget "$budget" --out "$dir" > "$dir.log" 2>&1
+  suite_rc=$?
+  log "$label exit $suite_rc in $((SECONDS - start)) s (budget $budget s)"
+  tail -n 30 "$dir.log" >> "$LOG"
+  for ext in md json; do
+    [ -f "$dir/bench_$suite.$ext" ] && cp "$dir/bench_$suite.$ext" "$OUT/"
+  done
+}
+
 log "device=$DEVICE suite=$SUITE conformance=$CONF_SUITE ($CONF_IMPLS) out=$OUT"
 { nvidia-smi || true; "$PYTHON" -c "import sys, jax; print(sys.version); print(jax.__version__, jax.devices())" || true
   "$PYTHON" -c "import torch; print(torch.__version__, torch.cuda.is_available())" || true; } > "$WORK/environment.txt" 2>&1
@@ -158,28 +172,15 @@ tail -n 60 "$WORK/benchmarks.log" >> "$LOG"
 large_rc=skipped
 large_budget=$(fit "${LARGE_BUDGET:-75}" 25)
 if [ "$SUITE" = "gpu" ] && [ "$large_budget" -gt 0 ]; then
-  start=$SECONDS
-  timeout "$(cap $((large_budget + 50)))" "$PYTHON" -m benchmarks --suite gpu_large --device "$DEVICE" \
-    --time-budget "$large_budget" --out "$WORK/benchmarks_large" > "$WORK/benchmarks_large.log" 2>&1
-  large_rc=$?
-  log "larger shape (B=4, H=16, L=8192) exit $large_rc in $((SECONDS - start)) s (budget $large_budget s)"
-  tail -n 30 "$WORK/benchmarks_large.log" >> "$LOG"
-  for ext in md json; do
-    [ -f "$WORK/benchmarks_large/bench_gpu_large.$ext" ] && cp "$WORK/benchmarks_large/bench_gpu_large.$ext" "$OUT/"
-  done
+  timed_suite gpu_large "$large_budget" 50 "larger shape (B=4, H=16, L=8192)"
+  large_rc=$suite_rc
 fi
 
 tiles_rc=skipped
 tiles_budget=$(fit "${TILES_BUDGET:-45}" $(( 20 + ${DECODE_BUDGET:-60} )))  # step 5's share kept: decode first
 if [ "$SUITE" = "gpu" ] && [ "$tiles_budget" -gt 0 ]; then
-  start=$SECONDS
-  timeout "$(cap $((tiles_budget + 40)))" "$PYTHON" -m benchmarks --suite mosaic_tiles --device "$DEVICE" \
-    --time-budget "$tiles_budget" --out "$WORK/benchmarks_mosaic_tiles" > "$WORK/benchmarks_mosaic_tiles.log" 2>&1
-  tiles_rc=$?
-  log "Mosaic forward tiles exit $tiles_rc in $((SECONDS - start)) s"
-  tail -n 30 "$WORK/benchmarks_mosaic_tiles.log" >> "$LOG"
-  [ -f "$WORK/benchmarks_mosaic_tiles/bench_mosaic_tiles.md" ] && \
-    cp "$WORK/benchmarks_mosaic_tiles/bench_mosaic_tiles.md" "$OUT/bench_mosaic_tiles.md"
+  timed_suite mosaic_tiles "$tiles_budget" 40 "Mosaic forward tiles"
+  tiles_rc=$suite_rc
 fi
 
 peer_rc=skipped

@@ -76,7 +76,7 @@ def test_the_larger_shape_runs_after_step_3_and_its_tables_land_in_out(tmp_path)
 
 
 def test_a_late_start_shrinks_the_steps_and_skips_what_does_not_fit(tmp_path):
-    """DEADLINE=60 s (the stand-ins take no time): step 3 gets what is left less its 20 s of
+    """DEADLINE=60 s (the stand-ins take almost no time): step 3 gets what is left less its 20 s of
     start-up and report, the larger shape what is left less its 25, the tile candidates are
     skipped (step 5's 60 s are kept), the decode suite runs; no later step's limit runs past
     the deadline + 15 s."""
@@ -84,7 +84,9 @@ def test_a_late_start_shrinks_the_steps_and_skips_what_does_not_fit(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     steps = dict(_benchmark_calls(calls))
     assert set(steps) == {"gpu", "gpu_large", "decode"}
-    assert "--time-budget 40" in steps["gpu"] and "--time-budget 35" in steps["gpu_large"]
+    budget = lambda step: int(steps[step].split("--time-budget ")[1].split()[0])
+    # 40 and 35 when the stand-ins take no time; a loaded machine may take a second or two.
+    assert 37 <= budget("gpu") <= 40 and 32 <= budget("gpu_large") <= 35, steps
     limits = [int(c.split()[1]) for c in calls if c.startswith("timeout")]
     assert max(limits[2:]) <= 75, limits  # after conformance and the lane: DEADLINE + 15 s
     log = (out / "run_gpu.log").read_text()
