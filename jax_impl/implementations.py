@@ -94,8 +94,8 @@ def _mosaic_gpu_backward(cfg: AttentionConfig, *args, **kwargs):
     """mosaic_gpu's backward: its own kernels, or, where ``mosaic_gpu.backward_unsupported``
     gives a reason (the caller's ``Config(backward="pallas_triton")``), the Pallas Triton
     kernels from the same RowStats with their own tiles (the mosaic_gpu.Config in
-    cfg.block_sizes is the forward's). ``args[4]``: the MaskInputs."""
-    if mosaic_gpu.backward_unsupported(cfg, args[4] if len(args) > 4 else None) is None:
+    cfg.block_sizes is the forward's)."""
+    if mosaic_gpu.backward_unsupported(cfg) is None:
         return mosaic_gpu.backward(cfg, *args, **kwargs)
     if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
         cfg = dataclasses.replace(cfg, block_sizes=None)

@@ -137,14 +137,11 @@ def _nonfinite_rule(q, k, v):
             online_softmax.finite_or_zero(v))
 
 
-def backward_unsupported(cfg: AttentionConfig, masks: masking.MaskInputs | None = None
-                         ) -> str | None:
+def backward_unsupported(cfg: AttentionConfig) -> str | None:
     """Why this package's backward kernels do not differentiate a call that its forward runs,
     or None: the caller chose another backward (``Config.backward``), or the call is
-    interpreted and chose none (the interpreted backward can hang: docs/limitations.md).
-    ``masks``: the call's MaskInputs (every mask input the forward takes, segment ids too, the
-    backward takes as well)."""
-    del masks
+    interpreted and chose none (the interpreted backward can hang: docs/limitations.md). Every
+    mask input the forward takes (segment ids too), the backward takes as well."""
     config = cfg.block_sizes
     chosen = config.backward if isinstance(config, Config) else None
     if chosen == "pallas_triton":
