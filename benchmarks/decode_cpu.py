@@ -124,7 +124,8 @@ def time_decode(batch: int, cached: int, q_rows: int, dtype: str = "float32", *,
         paged_over_dense[str(size)] = dict(median=float(np.median(ratios)), q1=float(np.percentile(ratios, 25)),
                                            q3=float(np.percentile(ratios, 75)))
     return dict(batch=batch, cached=cached, q_rows=q_rows, dtype=dtype, hq=HQ, hkv=HKV, head_dim=HEAD_DIM,
-                cache_bytes=int(cache_bytes), repeats=repeats, splits=cpu_kernel.decode_splits(batch, cached),
+                cache_bytes=int(cache_bytes), repeats=repeats, settle_s=measure.SETTLE_S,
+                splits=cpu_kernel.decode_splits(batch, cached),
                 threads=platform.host_threads(), max_abs_diff_vs_torch=worst,
                 load_average=[load_start, os.getloadavg()[0]], calls=summary,
                 paged_over_dense=paged_over_dense)
@@ -172,7 +173,8 @@ def main(argv=None):
         results.append(time_decode(**shape, repeats=args.repeats))
         print("\n".join(markdown(results[-1:]).splitlines()[2:]), flush=True)  # rows, no header
     header = (f"# CPU decode: cpu_kernel.decode vs torch SDPA\n\nHq={HQ} Hkv={HKV} D={HEAD_DIM}, bottom-right causal "
-              f"with key lengths; {args.repeats} interleaved repeats; {platform.host_threads()} threads; "
+              f"with key lengths; {args.repeats} interleaved repeats (a fresh random order each, the calls "
+              f"{1e3 * measure.SETTLE_S:.0f} ms apart); {platform.host_threads()} threads; "
               f"jax {jax.__version__}. Ratios: median and quartiles of the per-repeat ratios to torch SDPA. "
               "GB/s: K+V bytes over the median time; 'of stream': the streaming read's time over the call's.\n\n")
     text = header + markdown(results) + "\n"

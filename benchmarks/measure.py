@@ -361,7 +361,11 @@ def add_speedups(rows: list[Row], baseline: str = "torch.manual") -> None:
 
 # --- interleaved per-pair ratios ----------------------------------------------------------------
 
-def interleaved_ratios(calls: dict, baseline: str, repeats: int, shuffle_seed: int | None = None) -> dict:
+SETTLE_S = 0.02  # seconds between interleaved calls (see interleaved_ratios)
+
+
+def interleaved_ratios(calls: dict, baseline: str, repeats: int, shuffle_seed: int | None = None,
+                       settle_s: float = SETTLE_S) -> dict:
     """Time each of ``calls`` (name -> a blocking function of no arguments) once per repeat, in
     order, and divide by the ``baseline`` call of the same repeat: load from other work then
     hits both sides of a ratio alike. Call each once beforehand to compile/warm up.
@@ -369,6 +373,10 @@ def interleaved_ratios(calls: dict, baseline: str, repeats: int, shuffle_seed: i
     no call always follows the same one (a fixed or rotated order does: a call after torch's,
     in the rotated CPU decode runs, the call right after torch's ran the same kernel 1.3x slower
     than it ran elsewhere; in shuffled runs the two measured the same).
+    ``settle_s``: a pause before each call, so that threads a previous call left spinning
+    (torch's OpenMP pool busy-waits after each parallel region) do not take a core from it: on
+    the 2-core machine a CPU decode call right after torch SDPA took 1.2x its time after one of
+    ours; with 10 ms between them, the same.
 
     -> name -> {median_ms, ratio_median, ratio_q1, ratio_q3} (the quartiles of the per-repeat
     ratios; the baseline's ratios are all 1).
@@ -379,6 +387,8 @@ def interleaved_ratios(calls: dict, baseline: str, repeats: int, shuffle_seed: i
     for _ in range(repeats):
         for index in (range(len(names)) if rng is None else rng.permutation(len(names))):
             name = names[index]
+            if settle_s > 0:
+                time.sleep(settle_s)
             start = time.perf_counter()
             calls[name]()
             seconds[name].append(time.perf_counter() - start)

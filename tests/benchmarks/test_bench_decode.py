@@ -40,3 +40,24 @@ def test_shuffled_interleaving_varies_each_calls_predecessor():
                     for name in "abcd"}
     assert all(len(p) >= 2 for p in predecessors.values()), predecessors
     assert run(3) == sequence and run(4) != sequence
+
+
+def test_interleaved_calls_are_spaced_by_the_settle_pause():
+    """Each timed call starts at least ``settle_s`` after the previous one ended, so threads the
+    previous call left spinning (torch's OpenMP pool) are idle by then; the pause is not timed."""
+    import time
+
+    from benchmarks import measure
+
+    spans = []
+
+    def call():
+        start = time.perf_counter()
+        sum(range(1000))
+        spans.append((start, time.perf_counter()))
+
+    settle = 0.01
+    summary = measure.interleaved_ratios({"a": call, "b": call}, "a", 4, shuffle_seed=0, settle_s=settle)
+    gaps = [later[0] - earlier[1] for earlier, later in zip(spans, spans[1:])]
+    assert len(gaps) == 7 and min(gaps) >= settle, gaps
+    assert max(row["median_ms"] for row in summary.values()) < 1e3 * settle  # the pause is not in the times
