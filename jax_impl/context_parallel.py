@@ -91,8 +91,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
             raise ValueError(f"implementation={chosen.name!r} cannot run this ring: {reason}")
     if call.cfg.dropout_rate and not chosen.takes_dropout_offset:
         raise ValueError(f"implementation={chosen.name!r} cannot run dropout in a ring: its kernels "
-                         "hash local positions; use implementation='xla' (hashes the ring's global "
-                         "positions)")
+                         "hash local positions; use one that hashes the ring's global positions: "
+                         f"{implementations.ring_dropout_capable()}")
     description = ring.Ring(axis_name, num_devices, layout, chosen,
                             dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
     q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
@@ -238,7 +238,8 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
     chosen = implementations.get(implementation)
     if call.cfg.dropout_rate and not chosen.takes_dropout_offset:
         raise ValueError(f"implementation={chosen.name!r} cannot run dropout in the hybrid's ring: "
-                         "its kernels hash local positions; use implementation='xla'")
+                         "its kernels hash local positions; use one of "
+                         f"{implementations.ring_dropout_capable()}")
     reason = ulysses.unavailable(inner, call.q.shape[2], call.k.shape[2], False)
     if reason:
         raise ValueError(f"hybrid_attention's all-to-all over {all_to_all_axis!r}: {reason}; "

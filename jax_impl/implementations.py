@@ -120,7 +120,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
-        takes_position_offset=True, decode=pallas_triton.decode,
+        takes_position_offset=True, takes_dropout_offset=True, decode=pallas_triton.decode,
         decode_unsupported=pallas_triton.decode_unsupported,
         pages_unsupported=pallas_triton.pages_unsupported),
     "mosaic_gpu": Implementation(
@@ -133,7 +133,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
                        "time) and none of its backward, proven only in the Mosaic GPU "
                        "interpreter and compiled for sm_90a (docs/limitations.md)",
         call_unsupported=mosaic_gpu.unsupported, takes_position_offset=True,
-        interpreter_has_effects=True, decode=_mosaic_gpu_decode,
+        takes_dropout_offset=True, interpreter_has_effects=True, decode=_mosaic_gpu_decode,
         decode_unsupported=pallas_triton.decode_unsupported,
         pages_unsupported=pallas_triton.pages_unsupported, decode_note=MOSAIC_GPU_DECODE_NOTE),
     "cpu": Implementation(
@@ -221,6 +221,11 @@ def get(name: str) -> Implementation:
 def ring_capable() -> tuple[str, ...]:
     """The implementations a ring may run as its local step, in order of preference."""
     return tuple(name for name, impl in IMPLEMENTATIONS.items() if impl.takes_position_offset)
+
+
+def ring_dropout_capable() -> tuple[str, ...]:
+    """The ring-capable implementations that hash dropout at the ring's global positions."""
+    return tuple(name for name in ring_capable() if IMPLEMENTATIONS[name].takes_dropout_offset)
 
 
 def unsupported(name: str, *, head_dim: int, platform: str, interpret: bool = False,

@@ -29,14 +29,21 @@ def _kernel_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInpu
     return cfg, q, k, v, masks._replace(mask=None), mask, bias
 
 
+def _dropout_offset(extras: SinksAndDropout, q):
+    """The ring's [2] int32 dropout offset (varying over q's manual axes), or None."""
+    if extras.dropout_offset is None or extras.dropout_seeds is None:
+        return None
+    return vma.like(jnp.asarray(extras.dropout_offset, jnp.int32), vma.axes_of(q))
+
+
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
                            cfg.mask.is_causal)
     cfg, q, k, v, masks, mask, bias = _kernel_operands(cfg, layout, q, k, v, bias, masks)
     extras = extras or SinksAndDropout()
-    out, row_max, log_sum = forward_call(cfg, layout, q, k, v, masks, mask, bias,
-                                         extras.sinks, extras.dropout_seeds)
+    out, row_max, log_sum = forward_call(cfg, layout, q, k, v, masks, mask, bias, extras.sinks,
+                                         extras.dropout_seeds, _dropout_offset(extras, q))
     return out, online_softmax.RowStats(row_max, log_sum)
 
 
@@ -48,5 +55,6 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, ex
     axes = vma.axes_of(q, d_out, stats, delta)
     q, k, v, masks, mask, bias, d_out, stats, delta = vma.like(
         (q, k, v, masks, mask, bias, d_out, stats, delta), axes)
+    extras = extras or SinksAndDropout()
     return backward_call(cfg, layout, q, k, v, d_out, stats, delta, masks, mask, bias,
-                         (extras or SinksAndDropout()).dropout_seeds)
+                         extras.dropout_seeds, _dropout_offset(extras, q))

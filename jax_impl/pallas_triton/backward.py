@@ -37,8 +37,8 @@ from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-                 offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, query_poison_ref,
-                 key_poison_ref, *out_refs,
+                 offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dropout_offset_ref,
+                 query_poison_ref, key_poison_ref, *out_refs,
                  cfg: AttentionConfig, layout: Layout, groups: int, order: common.TileOrder,
                  outputs: tuple[str, ...]):
     """Works on the transposed tiles S^T = K Q^T ``[bk, bq]``, so that dV += P^T dO and
@@ -95,7 +95,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
             p = softmax.probs(t, stats, attended, transposed=True)    # P^T
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask (the same
             # (query, key) hash, evaluated transposed).
-            keep = common.dropout_keep(cfg, seed, rows, cols)
+            keep = common.dropout_keep(cfg, seed, rows, cols, dropout_offset_ref)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
             acc = dict(acc)
             if "dk" in acc:  # dP before the dV dot: the order that compiles without spills (fp32)
@@ -118,8 +118,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
-               offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, query_poison_ref,
-               key_poison_ref, dq_ref, dbias_ref, *,
+               offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dropout_offset_ref,
+               query_poison_ref, key_poison_ref, dq_ref, dbias_ref, *,
                cfg: AttentionConfig, layout: Layout, order: common.TileOrder):
     block_q, block_k = layout.blocks.block_q_dq, layout.blocks.block_k_dq
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
@@ -143,7 +143,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
         attended = online_softmax.attended(tile.t, tile.allowed, bias_ref is not None)
         p = softmax.probs(tile.t, stats, attended)
         dp = common.dot(do, tile.v, cfg.precision, trans_b=True)
-        keep = common.dropout_keep(cfg, seed, query.rows, tile.cols)  # dP reaches P through it
+        keep = common.dropout_keep(cfg, seed, query.rows, tile.cols, dropout_offset_ref)  # dP reaches P through it
         ds, dqk = online_softmax.logits_gradient(p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate),
                                                  delta, tile.capped, cfg, scaled=False,
                                                  exclusions=attended is not None)
@@ -157,7 +157,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
-                  masks: masking.MaskInputs, mask, bias, seeds=None):
+                  masks: masking.MaskInputs, mask, bias, seeds=None, dropout_offset=None):
     """Operands as the forward's -> (dq, dk, dv, dbias [B, Hq, Lq, Lk], or None without a bias or
     with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py)."""
     batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
@@ -173,7 +173,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     finite = tuple(map(online_softmax.finite_or_zero, (q, k, v)))
     inputs = (*finite, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len,
               masks.position_offset, masks.q_segment_ids, masks.kv_segment_ids, mask, bias, seeds,
-              query_poison, key_poison)
+              dropout_offset, query_poison, key_poison)
 
     # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
@@ -195,7 +195,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
                 q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
                 None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_tiled), lambda j, b, h: (b, 0)),
                 None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-                pair(mask), pair(bias), common.per_head_spec(seeds), stats_group,
+                pair(mask), pair(bias), common.per_head_spec(seeds),
+                common.dropout_offset_spec(dropout_offset), stats_group,
                 pl.BlockSpec((None, None, bk), lambda j, b, h: (b, h, j))])),  # key poison
             out_specs=[order.spec(kv_tile)] * len(outputs),
             out_shape=[common.out_struct(k.shape, {"dk": k, "dv": v}[name].dtype, q) for name in outputs],
@@ -217,7 +218,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
         None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
         None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
-        pair(mask), pair(bias), common.per_head_spec(seeds), stats_tile,
+        pair(mask), pair(bias), common.per_head_spec(seeds),
+        common.dropout_offset_spec(dropout_offset), stats_tile,
         pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0))]  # key poison
     out_specs = [q_tile]
     out_shape = [common.out_struct(q.shape, q.dtype, q)]

@@ -165,12 +165,20 @@ def per_head(ref, b, h):
     return ref[broadcast_index(ref, 0, b), broadcast_index(ref, 1, h)]
 
 
-def dropout_keep(cfg, seed, rows, cols):
+def dropout_offset_spec(x):
+    """BlockSpec of the ring's ``[2]`` dropout offset, or None when there is none."""
+    return None if x is None else pl.BlockSpec((2,), lambda *_: (0,))
+
+
+def dropout_keep(cfg, seed, rows, cols, offset_ref=None):
     """The keep mask of absolute query indices ``rows`` x key indices ``cols`` ([bq, 1] x [1, bk],
     or [1, bq] x [bk, 1] for a transposed tile: the same hash, so the same pattern), or None
-    without dropout."""
+    without dropout. ``offset_ref``: the ring's [2] global (query, key) index of local (0, 0),
+    added before hashing, so that each ring step draws its slice of the one-device pattern."""
     if not cfg.dropout_rate:
         return None
+    if offset_ref is not None:
+        rows, cols = rows + offset_ref[0], cols + offset_ref[1]
     return dropout_sinks.keep(seed, rows, cols, cfg.dropout_rate)
 
 

@@ -27,8 +27,8 @@ from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_seg_ref, kv_seg_ref,
-                    mask_ref, bias_ref, sinks_ref, seeds_ref, key_poison_ref, o_ref, max_ref,
-                    log_sum_ref, *,
+                    mask_ref, bias_ref, sinks_ref, seeds_ref, dropout_offset_ref, key_poison_ref,
+                    o_ref, max_ref, log_sum_ref, *,
                     cfg: AttentionConfig, layout: Layout, order: common.TileOrder):
     block_q, block_k = layout.blocks.block_q, layout.blocks.block_k
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
@@ -49,7 +49,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
         tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked,
                                       finite_kv=False)
         rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, tile.t, tile.allowed)
-        keep = common.dropout_keep(cfg, seed, rows, tile.cols)
+        keep = common.dropout_keep(cfg, seed, rows, tile.cols, dropout_offset_ref)
         p_drop = dropout_sinks.apply_dropout(p, keep, cfg.dropout_rate)
         acc = rescale[:, None] * acc + common.dot(p_drop.astype(tile.v.dtype), tile.v, cfg.precision)
         return acc, row_max, row_sum
@@ -64,7 +64,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
 
 
 def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.MaskInputs,
-                 mask, bias, sinks=None, seeds=None):
+                 mask, bias, sinks=None, seeds=None, dropout_offset=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], row max and log-sum
     [B, Hq, Lq]); tiles may reach past Lq, Lk and D (layout.py)."""
     batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
@@ -86,6 +86,7 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         pair(bias),
         common.per_head_spec(sinks),
         common.per_head_spec(seeds),
+        common.dropout_offset_spec(dropout_offset),
         pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0)),  # key poison
     ]
     stats_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
@@ -101,5 +102,5 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         out_shape=out_shape, interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_forward",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
     )(online_softmax.poisoned_rows(q), k, v, masks.q_len, masks.kv_len, masks.position_offset,
-      masks.q_segment_ids, masks.kv_segment_ids, mask, bias, sinks, seeds,
+      masks.q_segment_ids, masks.kv_segment_ids, mask, bias, sinks, seeds, dropout_offset,
       online_softmax.key_poison(k, v).transpose(0, 2, 1))  # [B, Hkv, Lk]

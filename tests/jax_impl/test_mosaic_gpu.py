@@ -442,9 +442,9 @@ def test_dropout_offset_draws_the_global_pattern_of_a_ring_step(interpret):
 
 
 def test_dropout_calls_keep_the_mosaic_backward_compiled(monkeypatch):
-    """Its backward kernels take dropout: compiled, a dropout call is differentiated by them;
-    ring attention still refuses dropout on mosaic_gpu (the interpreted route, pallas_triton's
-    backward, does not hash at the ring's offset)."""
+    """Its backward kernels take dropout: compiled, a dropout call is differentiated by them.
+    Both backward routes hash at the ring's offset (pallas_triton's too), so the ring takes
+    dropout on mosaic_gpu."""
     called = []
     monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
     monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
@@ -452,7 +452,8 @@ def test_dropout_calls_keep_the_mosaic_backward_compiled(monkeypatch):
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), dropout_rate=0.1)
     implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, None, None, None)
     assert mosaic_gpu.backward_unsupported(cfg) is None and called == ["mosaic_gpu"]
-    assert not implementations.get("mosaic_gpu").takes_dropout_offset
+    assert implementations.get("mosaic_gpu").takes_dropout_offset
+    assert implementations.get("pallas_triton").takes_dropout_offset
 
 
 def test_dropout_at_head_dim_128_takes_64_key_tiles():

@@ -28,10 +28,22 @@ def test_dropout_and_sinks_run_in_the_ring_exactly(mode):
     assert 0.6 < pattern["kept_fraction"] < 0.8  # rate 0.3: the pattern is not trivial
 
 
+def test_ring_dropout_on_the_pallas_kernels_draws_the_one_device_pattern():
+    """ring_attention with the Pallas Triton kernels (interpreted) as each step's kernel: they
+    hash at the ring's dropout_offset, so the kept pairs are the one-device pattern bit for bit
+    and the gradients match torch_ref float64 given that pattern."""
+    (r,) = run_script("ring_features.py", "shard_map_pallas", "dropout_pattern_causal").values()
+    assert r["all_gathers"] == 0 and r["permutes"] > 0, r
+    assert set(r["errors"]) == {"out", "dq", "dk", "dv"} and max(r["errors"].values()) < TOL, r
+    assert r["single"] < TOL, r
+    assert r["pattern"]["same_as_single"] and r["pattern"]["same_as_mask"], r["pattern"]
+    assert 0.6 < r["pattern"]["kept_fraction"] < 0.8
+
+
 def test_ring_dropout_with_a_kernel_that_hashes_local_positions_is_refused():
     import jax
     from test_ring_attention import _ring_shapes
-    with pytest.raises(ValueError, match="cannot run dropout in a ring.*implementation='xla'"):
+    with pytest.raises(ValueError, match="cannot run dropout in a ring.*'pallas_triton', 'mosaic_gpu', 'xla'"):
         _ring_shapes(8, 8, implementation="cpu", dropout_rate=0.1,
                      dropout_rng=jax.random.key(0))
 

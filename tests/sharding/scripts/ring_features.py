@@ -4,7 +4,8 @@ argv: "jit" (flash_attention under plain jax.jit, q/k/v sharded P(None, "seq"): 
       routes to the ring) or "shard_map" (ring_attention inside jax.shard_map, both layouts);
       "jit_a2a" / "shard_map_a2a": the same with context_parallel_strategy="all_to_all" /
       ulysses_attention; "jit_hybrid": a (2, 4) mesh, the sequence over both axes
-      (P(None, ("host", "chip"))), context_parallel_strategy="hybrid"; then config names.
+      (P(None, ("host", "chip"))), context_parallel_strategy="hybrid"; "shard_map_pallas":
+      ring_attention with the Pallas Triton kernels interpreted; then config names.
 Prints {config: {errors: vs torch_ref float64 (dropout: with jax_impl.dropout_mask's pattern,
 the definition of the pattern), single: max |ring - one-device call| (out and grads), pattern:
 the kept (query, key) pairs read off the ring's output (V = one-hot of the key index, so
@@ -27,6 +28,8 @@ from jax_impl.flash_attention import flash_attention
 
 N = 8
 RATE = 0.3
+# The Triton kernels, interpreted, as each ring step's kernel (shard_map_pallas).
+PALLAS_INTERPRETED = dict(implementation="pallas_triton", interpret=True)
 CONFIGS = {
     # name: (b, lq, lk, hq, hkv, d, layout (shard_map), kwargs, sinks shape or None, dropout)
     "dropout_causal_gqa": (2, 64, 64, 4, 2, 16, "zigzag", dict(is_causal=True), None,
@@ -152,7 +155,7 @@ def run_jit(name, strategy=None, setup=None):
     return _results(name, arrays, kwargs, features, attend, hlo_of)
 
 
-def run_shard_map(name, attention=ring_attention, setup=None):
+def run_shard_map(name, attention=ring_attention, setup=None, kernel=None):
     arrays, layout, kwargs, features = setup or _setup(name)
     if attention is hybrid_attention:  # (host=2, chip=4): the sequence over both, natural order
         mesh, layout = Mesh(np.array(jax.devices()[:N]).reshape(2, 4), ("host", "chip")), "contiguous"
@@ -174,14 +177,16 @@ def run_shard_map(name, attention=ring_attention, setup=None):
         static["layout"] = layout
 
     def body(q, k, v, sinks, key, lens):
-        return attention(q, k, v, **axes, implementation="xla",
+        return attention(q, k, v, **axes, **(kernel or dict(implementation="xla")),
                          attention_sinks=sinks, dropout_rng=key, **lens, **static, **options)
 
     def attend(a):
         sinks = a.get("sinks")
         key = rng if rng is not None else None
+        # The Pallas interpreter mixes varying and unvarying values: check_vma=False for it.
         sharded = jax.shard_map(body, mesh=mesh, out_specs=seq,
-                                in_specs=(seq, seq, seq, P(), P(), specs))
+                                in_specs=(seq, seq, seq, P(), P(), specs),
+                                check_vma=not (kernel or {}).get("interpret", False))
         return unorder(sharded(order(a["q"]), order(a["k"]), order(a["v"]), sinks, key, lengths))
 
     return _results(name, arrays, kwargs, features, attend,
@@ -233,7 +238,8 @@ if __name__ == "__main__":
     run = dict(jit=lambda n: run_jit(n, "ring"), shard_map=run_shard_map,
                jit_a2a=lambda n: run_jit(n, "all_to_all"), jit_hybrid=lambda n: run_jit(n, "hybrid"),
                shard_map_a2a=lambda n: run_shard_map(n, ulysses_attention),
-               shard_map_hybrid=lambda n: hybrid_both(n))[mode]
+               shard_map_hybrid=lambda n: hybrid_both(n),
+               shard_map_pallas=lambda n: run_shard_map(n, kernel=PALLAS_INTERPRETED))[mode]
     results = {name: run(name) for name in names}
     print(json.dumps({name: {k: v for k, v in r.items() if k != "_values"}
                       for name, r in results.items()}))
