@@ -365,7 +365,7 @@ SETTLE_S = 0.02  # seconds between interleaved calls (see interleaved_ratios)
 
 
 def interleaved_ratios(calls: dict, baseline: str, repeats: int, shuffle_seed: int | None = None,
-                       settle_s: float = SETTLE_S) -> dict:
+                       settle_s: float | None = None) -> dict:
     """Time each of ``calls`` (name -> a blocking function of no arguments) once per repeat, in
     order, and divide by the ``baseline`` call of the same repeat: load from other work then
     hits both sides of a ratio alike. Call each once beforehand to compile/warm up.
@@ -376,11 +376,15 @@ def interleaved_ratios(calls: dict, baseline: str, repeats: int, shuffle_seed: i
     ``settle_s``: a pause before each call, so that threads a previous call left spinning
     (torch's OpenMP pool busy-waits after each parallel region) do not take a core from it: on
     the 2-core machine a CPU decode call right after torch SDPA took 1.2x its time after one of
-    ours; with 10 ms between them, the same.
+    ours; with 10 ms between them, the same. None: ``SETTLE_S`` on a CPU backend, 0 on an
+    accelerator (no host thread spins between its calls; the pauses would eat a device run).
 
     -> name -> {median_ms, ratio_median, ratio_q1, ratio_q3} (the quartiles of the per-repeat
     ratios; the baseline's ratios are all 1).
     """
+    if settle_s is None:
+        import jax
+        settle_s = SETTLE_S if jax.default_backend() == "cpu" else 0.0
     names = list(calls)
     seconds = {name: [] for name in names}
     rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)

@@ -61,3 +61,21 @@ def test_interleaved_calls_are_spaced_by_the_settle_pause():
     gaps = [later[0] - earlier[1] for earlier, later in zip(spans, spans[1:])]
     assert len(gaps) == 7 and min(gaps) >= settle, gaps
     assert max(row["median_ms"] for row in summary.values()) < 1e3 * settle  # the pause is not in the times
+
+
+def test_the_settle_pause_is_for_cpu_runs_only(monkeypatch):
+    """No pause by default on an accelerator (a device run's budget is minutes)."""
+    import time
+
+    import jax
+
+    from benchmarks import measure
+
+    pauses = []
+    monkeypatch.setattr(time, "sleep", pauses.append)
+    measure.interleaved_ratios({"a": lambda: None}, "a", 3)
+    assert pauses == [measure.SETTLE_S] * 3
+    pauses.clear()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    measure.interleaved_ratios({"a": lambda: None}, "a", 3)
+    assert pauses == []
