@@ -160,7 +160,7 @@ class _Pairwise:
         if not self.gmem:
             return None, None
         plgpu.barrier_wait(self.produced.at[slot])
-        loaded = [plgpu.load(ring.at[slot, rows], (), layout=plgpu.Layout.WGMMA,
+        loaded = [plgpu.load(ring.at[slot, rows], layout=plgpu.Layout.WGMMA,
                              optimized=False) for ring in self.rings]
         bias = loaded.pop(0) if self.has_bias else None
         mask = loaded.pop(0) != 0 if self.has_mask else None
