@@ -526,7 +526,8 @@ def test_bias_and_mask_row_stats_are_the_references(interpret):
 
 def test_bias_and_mask_calls_take_the_pallas_triton_backward(monkeypatch):
     """Whatever the Config chose: the Mosaic backward kernels take no bias or mask (a direct
-    call refuses them), pallas_triton's reads the forward's RowStats and writes dbias."""
+    call refuses them), pallas_triton's reads the forward's RowStats and writes dbias; the
+    forward by name takes the call (explain_implementation)."""
     called = []
     monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
     monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
@@ -541,6 +542,11 @@ def test_bias_and_mask_calls_take_the_pallas_triton_backward(monkeypatch):
                                                  has_mask=mask is not None)
         assert (reason is None) == (bias is None and mask is None), reason
     assert called == ["pallas_triton", "pallas_triton", "mosaic_gpu"]
+    monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)  # judged as on jax >= 0.11
+    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    choice = explain_implementation(q, q, q, pairwise, pairwise > 0, implementation="mosaic_gpu",
+                                    platform="cuda")
+    assert choice.chosen == "mosaic_gpu", choice
 
 
 @needs_mosaic
