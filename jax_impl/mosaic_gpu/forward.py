@@ -22,15 +22,15 @@ in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outs
 range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
 the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none
 (segment ids and a dense mask, when given, apply on every tile; dropout, when asked, drops P
-after its row sum by the library's hash: ``_Dropout``).
+after its row sum by the library's hash: ``_Dropout``). Inside a consumer the attended tiles are
+pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
+with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
+first attended tile is the prologue (no P V yet), an epilogue adds the last P V.
 A bias and a dense mask (``_Pairwise``) come through the ring with K: the memory warpgroup
 copies the CTA's ``[2 * block_q, block_kv]`` tile of each by TMA into a stage of their own ring
 (one *produced* barrier for both, one *consumed* barrier that the consumers arrive on once their
 softmax has read it), and each consumer reads its ``block_q`` rows in the WGMMA layout of S.
-The mask travels as int8 (TMA moves no 1-bit elements: XLA converts it once per call). Inside a consumer the attended tiles are
-pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
-with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
-first attended tile is the prologue (no P V yet), an epilogue adds the last P V.
+The mask travels as int8 (TMA moves no 1-bit elements: XLA converts it once per call).
 Edges: a last query or key tile may run past Lq or Lk; TMA loads there read zeros and stores are
 clipped by the hardware, and ``masking.with_padding`` switches on the length rule, so no operand
 is padded and no shape needs to divide by a tile.
@@ -76,12 +76,6 @@ class Geometry:
     config: Config
     bias_dtype: object = None  # the bias's dtype, or None: no bias
     has_mask: bool = False
-
-    @property
-    def pairwise_bytes(self) -> int:
-        """Shared-memory bytes per (query, key) pair of the streamed bias and mask tiles."""
-        return ((0 if self.bias_dtype is None else jnp.dtype(self.bias_dtype).itemsize)
-                + int(self.has_mask))
 
     @property
     def rows_per_cta(self) -> int:
