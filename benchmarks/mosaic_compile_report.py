@@ -2,7 +2,7 @@
 measured without a GPU.
 
     python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
-        [--only defaults|all|segments] [--kernels all|forward|backward] [--seq-len 4096]
+        [--only defaults|all|segments|bias_mask] [--kernels all|forward|backward] [--seq-len 4096]
 
 Needs jax >= 0.11 with its CUDA plugin (``pip install 'jax[cuda13]==0.11.2'``, Python >= 3.12;
 ptxas comes with the plugin's nvcc package): XLA compiles for the compile-only CUDA device of
@@ -83,7 +83,9 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     """(label, dtype, head_dim, causal, Config or None, extra call options): the shipped
     defaults (16-bit, D=64/128, causal and not); ``all`` adds masked edges, the mask features,
     other tiles and head_dim 256 (not offered: it shows why); ``segments`` only the calls with
-    segment ids (bf16, D=64/128, causal and not)."""
+    segment ids (bf16, D=64/128, causal and not); ``bias_mask`` only the forward's calls with a
+    bias (float32 [1, H] and bfloat16 [B, H]) or a bool mask [B, 1] or both (their backward is
+    pallas_triton's: no backward rows)."""
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
              for d in (64, 128) for causal in (False, True)]
@@ -97,6 +99,12 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
                     for d in (64, 128) for causal in (False, True)]
     if only == "segments":
         return segment_rows
+    bias_mask_rows = [(label, "bfloat16", d, causal, None, options) for label, options in (
+        ("bias float32 [1, H]", dict(bias="float32")), ("bias bfloat16 [B, H]", dict(bias="bfloat16", bias_batch=True)),
+        ("mask bool [B, 1]", dict(mask=True)), ("bias float32 [1, H] + mask", dict(bias="float32", mask=True)))
+        for d in (64, 128) for causal in (False, True)]
+    if only == "bias_mask":
+        return bias_mask_rows
     if only == "all":
         found += [
             ("edges: L=4001 (padded to 4008)", "bfloat16", 128, True, None, dict(seq_len=seq_len - 95)),
@@ -104,6 +112,7 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
              dict(lengths=True, bottom_right=True, window=(512, 0), soft_cap=30.0, sinks=True)),
             ("GQA 8:2", "bfloat16", 128, True, None, dict(kv_heads=2)),
             *segment_rows,
+            *bias_mask_rows,
             ("3 stages", "bfloat16", 64, True, Config(64, 128, 3), {}),
             ("block_kv=64", "bfloat16", 128, True, Config(64, 64, 2), {}),
             ("not persistent", "bfloat16", 128, True, Config(persistent=False), {}),
@@ -130,19 +139,35 @@ def _attention_config(head_dim, causal, options):
                            dropout_rate=options.get("dropout", 0.0))
 
 
+def _pairwise(options):
+    """(bias dtype or None, whether a mask is given, shared-memory bytes per pair) of a row."""
+    import jax.numpy as jnp
+    bias_dtype = None if options.get("bias") is None else jnp.dtype(options["bias"])
+    has_mask = bool(options.get("mask"))
+    return bias_dtype, has_mask, (0 if bias_dtype is None else bias_dtype.itemsize) + has_mask
+
+
+def _forward_config(head_dim, dtype, config, options):
+    """The row's tiles: its own, or the defaults for its call."""
+    from jax_impl.mosaic_gpu.config import default_config
+    return config or default_config(head_dim, dtype, dropout=bool(options.get("dropout")),
+                                    pairwise_bytes=_pairwise(options)[2])
+
+
 def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
     """Lower and compile the forward for ``device``: (Facts without the dump's numbers)."""
     import jax
     import jax.numpy as jnp
 
-    from jax_impl.mosaic_gpu.config import default_config
     from jax_impl.mosaic_gpu.forward import Geometry, forward_call
 
-    config = config or default_config(head_dim, dtype, dropout=bool(options.get("dropout")))
+    config = _forward_config(head_dim, dtype, config, options)
     length = options.get("seq_len", seq_len)
     kv_heads = options.get("kv_heads", KV_HEADS)
     cfg = _attention_config(head_dim, causal, options)
-    geometry = Geometry(BATCH, length, length, HEADS, kv_heads, head_dim, jnp.dtype(dtype), config)
+    bias_dtype, has_mask, pairwise_bytes = _pairwise(options)
+    geometry = Geometry(BATCH, length, length, HEADS, kv_heads, head_dim, jnp.dtype(dtype), config,
+                        bias_dtype, has_mask)
     sharding = jax.sharding.SingleDeviceSharding(device)
     struct = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
     args = [struct((BATCH, length, HEADS, head_dim), dtype),
@@ -152,20 +177,23 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
     sinks = struct((1, HEADS), jnp.float32) if options.get("sinks") else None
     segments = ([struct((BATCH, length), jnp.int32)] * 2) if options.get("segments") else [None] * 2
     seeds = struct((BATCH, HEADS), jnp.uint32) if options.get("dropout") else None
+    bias = None if bias_dtype is None else struct(
+        (BATCH if options.get("bias_batch") else 1, HEADS, length, length), bias_dtype)
+    mask = struct((BATCH, 1, length, length), jnp.bool_) if has_mask else None
 
-    def forward(q, k, v, q_len, kv_len, sinks, q_segments, kv_segments, seeds):
+    def forward(q, k, v, q_len, kv_len, sinks, q_segments, kv_segments, seeds, bias, mask):
         return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks, q_segments,
-                            kv_segments, seeds)
+                            kv_segments, seeds, None, bias, mask)
 
     facts = Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q, config.block_kv,
                   config.num_stages, config.persistent, length,
-                  config.shared_memory_bytes(head_dim, dtype))
+                  config.shared_memory_bytes(head_dim, dtype, pairwise_bytes))
     from jax_impl.mosaic_gpu.config import SHARED_MEMORY_BUDGET
     if facts.shared_estimate > SHARED_MEMORY_BUDGET:
         raise ValueError(f"over the shared-memory budget: {facts.shared_estimate / 1024:.1f} KiB "
                          f"> {SHARED_MEMORY_BUDGET // 1024} KiB, not compiled")
     start = time.perf_counter()
-    jax.jit(forward).lower(*args, sinks, *segments, seeds).compile()
+    jax.jit(forward).lower(*args, sinks, *segments, seeds, bias, mask).compile()
     facts.compile_s = round(time.perf_counter() - start, 2)
     return facts
 
@@ -252,8 +280,9 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                                               topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
-            if config is not None or head_dim > 128:
-                continue  # forward tiles, or a head_dim the kernel does not offer
+            if config is not None or head_dim > 128 or _pairwise(options)[2]:
+                continue  # forward tiles, a head_dim the kernel does not offer, or a bias/mask
+                # (whose backward is pallas_triton's)
             dump = Path(root) / f"backward_{index}"
             dump.mkdir()
             os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
@@ -298,12 +327,10 @@ def report(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                 if not facts.ok:
                     facts.error = "no ptxas report was written"
             except Exception as e:  # a configuration that does not compile is a result
-                from jax_impl.mosaic_gpu.config import default_config
-                config = config or default_config(head_dim, dtype,
-                                                  dropout=bool(options.get("dropout")))
+                config = _forward_config(head_dim, dtype, config, options)
                 facts = Facts(label, dtype, head_dim, causal, config.block_q, config.block_kv,
                               config.num_stages, config.persistent, options.get("seq_len", seq_len),
-                              config.shared_memory_bytes(head_dim, dtype),
+                              config.shared_memory_bytes(head_dim, dtype, _pairwise(options)[2]),
                               error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             rows.append(facts)
     return rows
@@ -320,7 +347,7 @@ def markdown(rows: list[Facts], only: str = "all") -> str:
         "launch allocation per thread (65536 / 384 threads); `setmaxnreg` then gives the two "
         "consumer warpgroups and takes from the producer (its values below). Shared memory: "
         "Mosaic's scratch beside `Config.shared_memory_bytes` (KiB; the budget is 227). TMA: "
-        "`cp.async.bulk.tensor` loads (Q, K, V) and bulk stores (O by a tensor copy, the row max and log-sum by 1-D bulk copies) in the PTX; "
+        "`cp.async.bulk.tensor` loads (Q, K, V, and a bias or mask tile) and bulk stores (O by a tensor copy, the row max and log-sum by 1-D bulk copies) in the PTX; "
         "wgmma: `wgmma.mma_async` instructions (each loop body of the kernel holds its own); "
         "partial waits: `wgmma.wait_group` with N > 0 (a GEMM left running while the softmax "
         "runs: the forward's intra-warpgroup pipelining); serialised: ptxas's C75xx warning "
@@ -351,7 +378,7 @@ def markdown(rows: list[Facts], only: str = "all") -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
-    parser.add_argument("--only", choices=("defaults", "all", "candidates", "segments"), default="defaults")
+    parser.add_argument("--only", choices=("defaults", "all", "candidates", "segments", "bias_mask"), default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
     args = parser.parse_args(argv)

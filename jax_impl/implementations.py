@@ -90,16 +90,17 @@ class Implementation:
         return None
 
 
-def _mosaic_gpu_backward(cfg: AttentionConfig, *args, **kwargs):
+def _mosaic_gpu_backward(cfg: AttentionConfig, q, k, v, bias, masks, *args, **kwargs):
     """mosaic_gpu's backward: its own kernels, or, where ``mosaic_gpu.backward_unsupported``
-    gives a reason (the caller's ``Config(backward="pallas_triton")``), the Pallas Triton
-    kernels from the same RowStats with their own tiles (the mosaic_gpu.Config in
-    cfg.block_sizes is the forward's)."""
-    if mosaic_gpu.backward_unsupported(cfg) is None:
-        return mosaic_gpu.backward(cfg, *args, **kwargs)
+    gives a reason (a bias or a dense mask, the caller's ``Config(backward="pallas_triton")``,
+    an interpreted call), the Pallas Triton kernels from the same RowStats with their own tiles
+    (the mosaic_gpu.Config in cfg.block_sizes is the forward's); they write dbias."""
+    if mosaic_gpu.backward_unsupported(cfg, has_bias=bias is not None,
+                                       has_mask=masks.mask is not None) is None:
+        return mosaic_gpu.backward(cfg, q, k, v, bias, masks, *args, **kwargs)
     if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
         cfg = dataclasses.replace(cfg, block_sizes=None)
-    return pallas_triton.backward(cfg, *args, **kwargs)
+    return pallas_triton.backward(cfg, q, k, v, bias, masks, *args, **kwargs)
 
 
 def _mosaic_gpu_decode(cfg: AttentionConfig, *args, **kwargs):
@@ -126,8 +127,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "mosaic_gpu": Implementation(
         "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two wgmma consumers, persistent): forward (ping-ponging consumers), dK/dV "
-        "and dQ (no atomics); interpreted, or with Config(backward='pallas_triton'), "
-        "pallas_triton's backward; decode: pallas_triton's split-K kernel",
+        "and dQ (no atomics); interpreted, with a bias or dense mask, or with "
+        "Config(backward='pallas_triton'), pallas_triton's backward; decode: pallas_triton's split-K kernel",
         mosaic_gpu.forward, _mosaic_gpu_backward, needs_cuda=True, automatic=False,
         manual_because="one GPU run of its forward so far (an H200: correct, 1.3-1.7x cuDNN's "
                        "time) and none of its backward, proven only in the Mosaic GPU "

@@ -4,8 +4,9 @@
 ``RowStats``: an empty row has max = +inf and log_sum = 0, as every backend writes them); the
 backward (backward.py: dK/dV per key tile, dQ per query tile, no atomics) recomputes P from
 them. ``backward_unsupported`` says when the table sends the backward to pallas_triton instead
-(the caller's ``Config(backward="pallas_triton")``, or an interpreted call that did not choose
-``Config(backward="mosaic_gpu")``). ``unsupported`` names every feature of a call that the kernel does not take;
+(the caller's ``Config(backward="pallas_triton")``, an interpreted call that did not choose
+``Config(backward="mosaic_gpu")``, or a call with a bias or a dense mask, which only the
+forward takes: pallas_triton's backward reads the same RowStats and writes dbias). ``unsupported`` names every feature of a call that the kernel does not take;
 ``unavailable`` says why the kernel cannot be offered at all here (jax older than 0.11, or no
 ``jax.experimental.pallas.mosaic_gpu``).
 
@@ -64,7 +65,9 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                 has_mask: bool = False, has_sinks: bool = False, dtype=None,
                 has_segment_ids: bool = False) -> str | None:
     """Why the Mosaic GPU forward cannot run such a call, or None. Every feature it does not
-    take yet is named."""
+    take yet is named. A bias and a dense mask are taken by the forward (their backward is
+    pallas_triton's: ``backward_unsupported``); a chosen ``Config`` must fit them in shared
+    memory beside K and V (judged for a float32 bias, the widest the kernel reads)."""
     del has_sinks, has_segment_ids  # taken, forward and backward
     if _UNAVAILABLE:
         return _UNAVAILABLE
@@ -72,21 +75,26 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
         return f"head_dim={head_dim} is not one of {HEAD_DIMS}"
     if dtype is not None and jnp.dtype(dtype) not in DTYPES:
         return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float16 (wgmma's 16-bit operands)"
-    if has_bias:
-        return "a bias is not taken yet"
-    if has_mask:
-        return "a dense mask is not taken yet"
     if cfg is not None:
         if cfg.block_sizes is not None and not isinstance(cfg.block_sizes, Config):
             return ("block_sizes is a BlockSizes (the Triton kernels' tiles); this kernel takes "
                     "jax_impl.mosaic_gpu.Config")
         if isinstance(cfg.block_sizes, Config):
-            need = cfg.block_sizes.shared_memory_bytes(head_dim, jnp.bfloat16)  # 16-bit only
+            need = cfg.block_sizes.shared_memory_bytes(  # 16-bit only
+                head_dim, jnp.bfloat16, pairwise_bytes=_pairwise_bytes(has_bias, has_mask))
             if need > SHARED_MEMORY_BUDGET:
+                with_pairwise = " ".join(
+                    x for x, given in (("with a bias", has_bias), ("with a mask", has_mask)) if given)
                 return (f"block_sizes={cfg.block_sizes} needs {need / 1024:.1f} KiB of shared "
-                        f"memory at head_dim={head_dim}, over the {SHARED_MEMORY_BUDGET // 1024} "
-                        "KiB an sm_90 block may take: fewer num_stages or a smaller block_kv")
+                        f"memory at head_dim={head_dim}{' ' * bool(with_pairwise)}{with_pairwise}, "
+                        f"over the {SHARED_MEMORY_BUDGET // 1024} KiB an sm_90 block may take: "
+                        "fewer num_stages or smaller tiles")
     return None
+
+
+def _pairwise_bytes(has_bias: bool, has_mask: bool, bias_dtype=jnp.float32) -> int:
+    """Shared-memory bytes per (query, key) pair of the bias and mask tiles (the mask as int8)."""
+    return has_bias * jnp.dtype(bias_dtype).itemsize + has_mask
 
 
 def _num_sms() -> int | None:
@@ -116,16 +124,20 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
         interpret = plgpu.InterpretGPUParams()
     else:
         q = platform.requires_cuda(q, PLATFORM_ERROR)
+    if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
+        bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
+    bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
     config = cfg.block_sizes if isinstance(cfg.block_sizes, Config) else default_config(
-        q.shape[-1], q.dtype, dropout=bool(cfg.dropout_rate))
+        q.shape[-1], q.dtype, dropout=bool(cfg.dropout_rate), pairwise_bytes=_pairwise_bytes(
+            bias is not None, masks.mask is not None, bias_dtype or jnp.float32))
     batch, lq, heads, head_dim = q.shape
     geometry = Geometry(batch, lq, k.shape[1], heads, k.shape[2], head_dim, jnp.dtype(q.dtype),
-                        config)
+                        config, bias_dtype, masks.mask is not None)
     q, k, v = _nonfinite_rule(q, k, v)
     out, row_max, log_sum = forward_call(
         cfg, geometry, q, k, v, masks.q_len, masks.kv_len, masks.position_offset,
         None if sinks is None else sinks.astype(jnp.float32), masks.q_segment_ids,
-        masks.kv_segment_ids, seeds, dropout_offset, num_sms=_num_sms(),
+        masks.kv_segment_ids, seeds, dropout_offset, bias, masks.mask, num_sms=_num_sms(),
         interpret=interpret)
     return out, online_softmax.RowStats(row_max, log_sum)
 
@@ -137,11 +149,17 @@ def _nonfinite_rule(q, k, v):
             online_softmax.finite_or_zero(v))
 
 
-def backward_unsupported(cfg: AttentionConfig) -> str | None:
+def backward_unsupported(cfg: AttentionConfig, *, has_bias: bool = False,
+                         has_mask: bool = False) -> str | None:
     """Why this package's backward kernels do not differentiate a call that its forward runs,
-    or None: the caller chose another backward (``Config.backward``), or the call is
+    or None: the call has a bias or a dense mask (the forward takes them, the backward kernels
+    not yet), the caller chose another backward (``Config.backward``), or the call is
     interpreted and chose none (the interpreted backward can hang: docs/limitations.md). Every
-    mask input the forward takes (segment ids too), the backward takes as well."""
+    other mask input the forward takes (segment ids too), the backward takes as well."""
+    if has_bias:
+        return "a bias: the Mosaic GPU backward does not take one yet (nor compute dbias)"
+    if has_mask:
+        return "a dense mask: the Mosaic GPU backward does not take one yet"
     config = cfg.block_sizes
     chosen = config.backward if isinstance(config, Config) else None
     if chosen == "pallas_triton":
@@ -158,8 +176,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     forward's RowStats. Calls they cannot take raise; the table routes those elsewhere
     (``backward_unsupported``)."""
     from jax_impl.mosaic_gpu.backward import backward_call
-    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
-                         has_mask=masks.mask is not None, dtype=q.dtype)
+    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype)
+    if reason is None and (bias is not None or masks.mask is not None):  # the forward's only
+        reason = backward_unsupported(cfg, has_bias=bias is not None,
+                                      has_mask=masks.mask is not None)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
     extras = extras or SinksAndDropout()

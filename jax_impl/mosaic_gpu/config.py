@@ -60,17 +60,23 @@ class Config:
             raise ValueError(f"mosaic_gpu.Config.backward={self.backward!r} must be one of "
                              f"{BACKWARDS}")
 
-    def shared_memory_bytes(self, head_dim: int, dtype) -> int:
+    def shared_memory_bytes(self, head_dim: int, dtype, pairwise_bytes: int = 0) -> int:
         """Bytes of the kernel's scratch: Q (reused for O) per consumer, the K and V ring, the
         row statistics per consumer, one 8-byte mbarrier per stage and role, and Mosaic's
         alignment of the buffers (measured: 2.9-3.0 KiB above their sum in every compiled
-        configuration, benchmarks/results/mosaic_forward_tiles_sm90.md)."""
+        configuration, benchmarks/results/mosaic_forward_tiles_sm90.md). ``pairwise_bytes``:
+        bytes per (query, key) pair of the bias and mask tiles streamed beside K and V (the
+        bias's itemsize, plus 1 for the int8 mask; 0: neither), with their two barriers."""
         item = np.dtype(dtype).itemsize
         q = CONSUMERS * self.block_q * head_dim * item
         kv = 2 * self.num_stages * self.block_kv * head_dim * item
         stats = 2 * CONSUMERS * self.block_q * 4
         barriers = 8 * (4 * self.num_stages + CONSUMERS + 1)
-        return q + kv + stats + barriers + ALIGNMENT_SLACK
+        pairwise = 0
+        if pairwise_bytes:
+            pairwise = (self.num_stages * CONSUMERS * self.block_q * self.block_kv * pairwise_bytes
+                        + 8 * 2 * self.num_stages)
+        return q + kv + stats + barriers + pairwise + ALIGNMENT_SLACK
 
 
 PREVIOUS_DEFAULT = Config(block_q=64, block_kv=128, num_stages=2)  # every head_dim until 0.2.0
@@ -79,7 +85,11 @@ PREVIOUS_DEFAULT = Config(block_q=64, block_kv=128, num_stages=2)  # every head_
 DROPOUT_D128 = Config(block_q=64, block_kv=64, num_stages=2)  # head_dim 128 with dropout
 
 
-def default_config(head_dim: int, dtype, *, dropout: bool = False) -> Config:
+PAIRWISE = Config(block_q=64, block_kv=64, num_stages=2)  # with a bias or a dense mask
+
+
+def default_config(head_dim: int, dtype, *, dropout: bool = False,
+                   pairwise_bytes: int = 0) -> Config:
     """The tiles for a call, chosen from the compiled sweep (docs/design.md, "Forward tiles";
     benchmarks/results/mosaic_forward_tiles_sm90.md), not yet from GPU timings:
 
@@ -96,8 +106,21 @@ def default_config(head_dim: int, dtype, *, dropout: bool = False) -> Config:
 
     With dropout at head_dim 128, 64 keys per stage (``DROPOUT_D128``): the hash's column
     keys and bits on a 64 x 128 tile spill 92/152 bytes in the masked tiles (causal), none on
-    64 x 64 (benchmarks/results/mosaic_compile_report_sm90.md, "dropout" rows)."""
+    64 x 64 (benchmarks/results/mosaic_compile_report_sm90.md, "dropout" rows).
+
+    With a bias or a dense mask (``pairwise_bytes`` > 0: bytes per pair of their tiles,
+    ``Config.shared_memory_bytes``), 64 x 64 x 2 (``PAIRWISE``) at both head dims: their
+    tiles in the WGMMA layout beside the structural mask spill on the defaults above in the
+    causal (masked) tiles (D=64 128 x 64: 68-80 bytes; a mask at D=128 64 x 128: 396), and a
+    float32 bias on 64 x 128 x 2 needs 292 KiB of shared memory; 64 x 64 x 2 spills none
+    ("bias_mask" rows of the compile report)."""
     del dtype  # 16-bit only (unsupported() refuses the rest)
+    if pairwise_bytes:
+        return PAIRWISE
+    return _default_tiles(head_dim, dropout)
+
+
+def _default_tiles(head_dim: int, dropout: bool) -> Config:
     if head_dim <= 64:
         return Config(block_q=128, block_kv=64, num_stages=2)
     if head_dim <= 128:

@@ -21,11 +21,16 @@ Each consumer walks every key tile of its CTA's range (the producer loads each o
 in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outside its own
 range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
 the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none
-(segment ids, when given, apply on every tile; dropout, when asked, drops P after its row
-sum by the library's hash: ``_Dropout``). Inside a consumer the attended tiles are
+(segment ids and a dense mask, when given, apply on every tile; dropout, when asked, drops P
+after its row sum by the library's hash: ``_Dropout``). Inside a consumer the attended tiles are
 pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
 with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
 first attended tile is the prologue (no P V yet), an epilogue adds the last P V.
+A bias and a dense mask (``_Pairwise``) come through the ring with K: the memory warpgroup
+copies the CTA's ``[2 * block_q, block_kv]`` tile of each by TMA into a stage of their own ring
+(one *produced* barrier for both, one *consumed* barrier that the consumers arrive on once their
+softmax has read it), and each consumer reads its ``block_q`` rows in the WGMMA layout of S.
+The mask travels as int8 (TMA moves no 1-bit elements: XLA converts it once per call).
 Edges: a last query or key tile may run past Lq or Lk; TMA loads there read zeros and stores are
 clipped by the hardware, and ``masking.with_padding`` switches on the length rule, so no operand
 is padded and no shape needs to divide by a tile.
@@ -69,6 +74,8 @@ class Geometry:
     head_dim: int
     dtype: jnp.dtype
     config: Config
+    bias_dtype: object = None  # the bias's dtype, or None: no bias
+    has_mask: bool = False
 
     @property
     def rows_per_cta(self) -> int:
@@ -101,7 +108,67 @@ def _scratch(geometry: Geometry):
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages),  # K consumed
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages),  # V consumed
                 plgpu.Barrier(num_arrivals=CONSUMERS))                          # schedule
+    # The bias and mask rings (plain row-major tiles: the consumers read them into the WGMMA
+    # layout), one TMA arrival per operand on the produced barrier.
+    rings = [plgpu.SMEM((c.num_stages, geometry.rows_per_cta, c.block_kv), dt) for dt in
+             (geometry.bias_dtype, jnp.int8 if geometry.has_mask else None) if dt is not None]
+    if rings:
+        tiles += tuple(rings)
+        barriers += (plgpu.Barrier(num_arrivals=len(rings), num_barriers=c.num_stages),
+                     plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
     return tiles, barriers
+
+
+class _Pairwise:
+    """The bias and the dense mask of a call (either may be absent), streamed by key tile
+    through a ring beside K and V. Each stage holds the CTA's ``[2 * block_q, block_kv]`` tile
+    of each operand; every warpgroup waits and releases every stage once per use (``pass_``
+    too), so that the mbarriers' phases stay in step."""
+
+    def __init__(self, refs, smem, barriers):
+        self.gmem = [x for x in (refs.bias, refs.mask) if x is not None]
+        self.has_bias, self.has_mask = refs.bias is not None, refs.mask is not None
+        self.rings = smem[5:]
+        self.produced, self.consumed = barriers[6:] if self.gmem else (None, None)
+
+    def load(self, b, head, rows, keys, slot, step, num_stages: int):
+        """The memory warpgroup: tile (rows, keys) of each operand into stage ``slot``."""
+        if not self.gmem:
+            return
+
+        @pl.when(step >= num_stages)  # the stage's previous tiles were read by both consumers
+        def _():
+            plgpu.barrier_wait(self.consumed.at[slot])
+        for src, ring in zip(self.gmem, self.rings):
+            index = (0 if src.shape[0] == 1 else b, 0 if src.shape[1] == 1 else head, rows, keys)
+            plgpu.copy_gmem_to_smem(src.at[index], ring.at[slot], self.produced.at[slot])
+
+    def drain(self, slot):
+        """The memory warpgroup's tail: the consumers' last release of a stage."""
+        if self.gmem:
+            plgpu.barrier_wait(self.consumed.at[slot])
+
+    def read(self, slot, rows):
+        """A consumer: (its bias tile or None, its mask tile as bool or None) from stage
+        ``slot``, in the WGMMA layout of S. ``release`` must follow once they are used."""
+        if not self.gmem:
+            return None, None
+        plgpu.barrier_wait(self.produced.at[slot])
+        loaded = [plgpu.load(ring.at[slot, rows], layout=plgpu.Layout.WGMMA,
+                             optimized=False) for ring in self.rings]
+        bias = loaded.pop(0) if self.has_bias else None
+        mask = loaded.pop(0) != 0 if self.has_mask else None
+        return bias, mask
+
+    def release(self, slot):
+        if self.gmem:
+            plgpu.barrier_arrive(self.consumed.at[slot])
+
+    def pass_(self, slot):
+        """A tile the warpgroup does not read: the stage's barriers as if it did."""
+        if self.gmem:
+            plgpu.barrier_wait(self.produced.at[slot])
+            plgpu.barrier_arrive(self.consumed.at[slot])
 
 
 class _Item:
@@ -127,7 +194,8 @@ class _Item:
 
 
 def _split_refs(refs, has_offset: bool, has_sinks: bool, has_segments: bool,
-                has_seeds: bool = False, has_dropout_offset: bool = False):
+                has_seeds: bool = False, has_dropout_offset: bool = False,
+                has_bias: bool = False, has_mask: bool = False):
     refs = list(refs)
     q, k, v, q_len, kv_len = refs[:5]
     rest = refs[5:]
@@ -136,9 +204,11 @@ def _split_refs(refs, has_offset: bool, has_sinks: bool, has_segments: bool,
     q_segments, kv_segments = (rest.pop(0), rest.pop(0)) if has_segments else (None, None)
     seeds = rest.pop(0) if has_seeds else None
     dropout_offset = rest.pop(0) if has_dropout_offset else None
+    bias = rest.pop(0) if has_bias else None
+    mask = rest.pop(0) if has_mask else None
     out, row_max, log_sum = rest
     return _KernelRefs(q, k, v, q_len, kv_len, offset, sinks, out, row_max, log_sum,
-                       q_segments, kv_segments, seeds, dropout_offset)
+                       q_segments, kv_segments, seeds, dropout_offset, bias, mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,19 +227,23 @@ class _KernelRefs:
     kv_segments: object = None  # [B, whole key tiles] int32 or None
     seeds: object = None        # [Bs, Hs] uint32 dropout seeds (dropout_sinks.head_seeds) or None
     dropout_offset: object = None  # [2] int32: the global (query, key) index of local (0, 0)
+    bias: object = None         # [Bb, Hb, Lq, Lk] float or None (Bb in {1, B}, Hb in {1, Hq})
+    mask: object = None         # [Bm, Hm, Lq, Lk] int8 (nonzero: may attend) or None
 
 
 def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem, barriers):
     """The memory warpgroup: every allowed K and V tile of each item, in order, into the ring."""
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     c = geometry.config
-    _, k_smem, v_smem, _, _ = smem
-    _, k_produced, v_produced, k_consumed, v_consumed, _ = barriers
+    _, k_smem, v_smem, _, _ = smem[:5]
+    _, k_produced, v_produced, k_consumed, v_consumed, _ = barriers[:6]
+    pairwise = _Pairwise(refs, smem, barriers)
     groups = geometry.heads // geometry.kv_heads
 
     def item(pair, head, b, step):
         it = _Item(cfg, geometry, refs, pair, head, b)
         kv_head = lax.div(head, groups)
+        rows = pl.ds(pair * geometry.rows_per_cta, geometry.rows_per_cta)
 
         def load(j, step):
             slot = lax.rem(step, c.num_stages)
@@ -180,6 +254,9 @@ def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 def _(consumed=consumed):
                     plgpu.barrier_wait(consumed.at[slot])
                 plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], produced.at[slot])
+                if src is refs.k:  # the bias and mask, read with S
+                    pairwise.load(b, head, rows, pl.ds(j * c.block_kv, c.block_kv), slot, step,
+                                  c.num_stages)
             return step + 1
 
         return lax.fori_loop(it.lo, it.hi, load, step)
@@ -192,6 +269,7 @@ def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         def _(back=back):
             slot = lax.rem(steps - back, c.num_stages)
             plgpu.barrier_wait(k_consumed.at[slot])
+            pairwise.drain(slot)
             plgpu.barrier_wait(v_consumed.at[slot])
 
 
@@ -201,10 +279,12 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     c = geometry.config
     wg = lax.axis_index("wg")
-    q_smem, k_smem, v_smem, max_smem, log_sum_smem = smem
-    q_loaded, k_produced, v_produced, k_consumed, v_consumed, schedule = barriers
+    q_smem, k_smem, v_smem, max_smem, log_sum_smem = smem[:5]
+    q_loaded, k_produced, v_produced, k_consumed, v_consumed, schedule = barriers[:6]
     q_smem, max_smem, log_sum_smem = q_smem.at[wg], max_smem.at[wg], log_sum_smem.at[wg]
-    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=False)
+    pairwise = _Pairwise(refs, smem, barriers)
+    own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
+    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=refs.bias is not None)
     tile = (c.block_q, c.block_kv)
     iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis, layout=plgpu.Layout.WGMMA)
 
@@ -229,14 +309,16 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         plgpu.barrier_wait(q_loaded.at[wg])
         pl.when(wg == 1)(schedule_sync)  # one phase behind warpgroup 0: the ping-pong
 
-        def softmax_of(s, j, masked: bool, row_max, row_sum):
-            """The online softmax of key tile ``j``'s logits: (rescale, P in fp32, stats)."""
-            t, _ = softmax.logits(s, cfg)
-            allowed = None
+        def softmax_of(s, j, slot, masked: bool, row_max, row_sum):
+            """The online softmax of key tile ``j``'s logits (in ring stage ``slot``):
+            (rescale, P in fp32, stats)."""
+            bias, allowed = pairwise.read(slot, own_rows)
+            t, _ = softmax.logits(s, cfg, bias)
             if masked:
-                allowed = masking.structural_allowed(
+                structural = masking.structural_allowed(
                     cfg.mask, it.q_start + iota(0), j * c.block_kv + iota(1), it.q_len,
                     it.kv_len, it.offset)
+                allowed = masking.all_of([allowed, structural])
             if q_segments is not None:  # every pair's rule: on every tile, the interior too
                 kv_segments = plgpu.load(
                     refs.kv_segments.at[it.b, pl.ds(j * c.block_kv, c.block_kv)],
@@ -245,6 +327,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                         == lax.broadcast_in_dim(kv_segments, tile, (1,)))
                 allowed = same if allowed is None else allowed & same
             rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
+            pairwise.release(slot)
             return rescale, p, row_max, row_sum
 
         def dropped(p, j):
@@ -278,7 +361,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
 
             s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
-            rescale, p, row_max, row_sum = softmax_of(s, j, True, row_max, row_sum)
+            rescale, p, row_max, row_sum = softmax_of(s, j, slot, True, row_max, row_sum)
             p = dropped(p, j)
             acc = acc * online_softmax.rows_to(rescale, acc)
             acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
@@ -295,7 +378,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
 
             def between(s, row_max=row_max, row_sum=row_sum):
                 plgpu.barrier_arrive(k_consumed.at[slot])
-                return softmax_of(s, j, masked, row_max, row_sum)
+                return softmax_of(s, j, slot, masked, row_max, row_sum)
 
             acc, (rescale, p, row_max, row_sum) = _pipelined_gemms(
                 acc, q_smem, k_smem.at[slot], p_prev, v_smem.at[prev], schedule_sync, between,
@@ -322,6 +405,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             slot = lax.rem(carry[-1], c.num_stages)
             plgpu.barrier_wait(k_produced.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
+            pairwise.pass_(slot)
             schedule_sync()
             plgpu.barrier_wait(v_produced.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
@@ -450,14 +534,23 @@ def _store(geometry: Geometry, refs: _KernelRefs, it: _Item, acc, row_max, row_s
 
 def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_len, offset=None,
                  sinks=None, q_segment_ids=None, kv_segment_ids=None, seeds=None,
-                 dropout_offset=None, *, num_sms: int | None = None, interpret=None):
+                 dropout_offset=None, bias=None, mask=None, *, num_sms: int | None = None,
+                 interpret=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), q_len/kv_len [B] int32, offset [B] int32
     or None, sinks [Bs, Hs] float32 or None, segment ids [B, Lq] and [B, Lk] int32 or None,
     dropout seeds [Bs, Hs] uint32 or None (dropout at ``cfg.dropout_rate``) and its offset [2]
-    int32 or None -> (out [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32, natural
-    log)."""
+    int32 or None, bias [Bb, Hb, Lq, Lk] float or None and mask [Bm, Hm, Lq, Lk] bool (True:
+    may attend) or None (Bx in {1, B}, Hx in {1, Hq}; ``geometry`` names the bias's dtype and
+    whether a mask is given) -> (out [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32,
+    natural log)."""
     c = geometry.config
     lq, lk = geometry.lq, geometry.lk
+    if (None if bias is None else jnp.dtype(bias.dtype)) != geometry.bias_dtype or (
+            (mask is not None) != geometry.has_mask):
+        raise ValueError(f"the geometry's bias_dtype={geometry.bias_dtype} and has_mask="
+                         f"{geometry.has_mask} must describe the bias and mask given")
+    bias = None if bias is None else _rows_of_sixteen_bytes(bias)
+    mask = None if mask is None else _rows_of_sixteen_bytes(mask.astype(jnp.int8))
     q, k, v, geometry = _rows_of_eight(q, k, v, geometry)
     has_segments = q_segment_ids is not None
     if has_segments:
@@ -482,7 +575,7 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
 
     def entry(*refs):
         kernel_refs = _split_refs(refs, has_offset, has_sinks, has_segments, has_seeds,
-                                  has_dropout_offset)
+                                  has_dropout_offset, bias is not None, mask is not None)
 
         def body(smem, barriers):
             wg = lax.axis_index("wg")
@@ -499,7 +592,8 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
     operands = [q, k, v, q_len, kv_len] + [x for x in (
         offset, sinks, q_segment_ids, kv_segment_ids,
         None if seeds is None else seeds.astype(jnp.uint32),
-        None if dropout_offset is None else dropout_offset.astype(jnp.int32)) if x is not None]
+        None if dropout_offset is None else dropout_offset.astype(jnp.int32), bias, mask)
+        if x is not None]
     kernel = plgpu.kernel(
         entry, out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats),
         grid=(order.num_ctas,), grid_names=("cta",), num_threads=CONSUMERS + 1, thread_name="wg",
@@ -507,6 +601,14 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
         **({} if interpret is None else {"interpret": interpret}))
     out, row_max, log_sum = kernel(*operands)
     return out[:, :lq], row_max[..., :lq], log_sum[..., :lq]
+
+
+def _rows_of_sixteen_bytes(x):
+    """A bias or (int8) mask [Bx, Hx, Lq, Lk] with its key axis padded with zeros to a multiple
+    of 16 bytes (a TMA descriptor's global strides must be; the padded keys lie past Lk, where
+    the length rule is on). A multiple already is not copied."""
+    pad = -x.shape[-1] % (16 // x.dtype.itemsize)
+    return x if not pad else jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad)))
 
 
 ROW_MULTIPLE = 8  # a TMA box of the swizzled (8, 64) tiling reads whole 8-row groups of gmem

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from conformance.cases import Case
-from jax_impl import (dropout_sinks, implementations, masking, mosaic_gpu, pallas_triton,
-                      recompute_vjp)
+from jax_impl import (dropout_sinks, implementations, masking, mosaic_gpu, online_softmax,
+                      pallas_triton, recompute_vjp, reference)
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.flash_attention import explain_implementation, flash_attention
 from jax_impl.mosaic_gpu.config import Config, default_config
@@ -52,8 +52,12 @@ def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
 @pytest.mark.parametrize("features, reason", [
     (dict(head_dim=96), "head_dim=96 is not one of (64, 128)"),
     (dict(dtype=jnp.float32), "dtype float32 is not bfloat16 or float16"),
-    (dict(has_bias=True), "a bias is not taken yet"),
-    (dict(has_mask=True), "a dense mask is not taken yet"),
+    (dict(has_bias=True), None),  # the forward takes them; the backward is Triton's
+    (dict(has_mask=True), None),
+    (dict(has_bias=True, has_mask=True, block_sizes=Config(64, 64, 2), head_dim=128), None),
+    (dict(has_bias=True, block_sizes=Config(64, 128, 2), head_dim=128),
+     "block_sizes=Config(block_q=64, block_kv=128, num_stages=2, persistent=True, backward=None) "
+     "needs 292.1 KiB of shared memory at head_dim=128 with a bias"),
     (dict(has_segment_ids=True), None),  # the forward takes them; the backward is Triton's
     (dict(dropout_rate=0.1), None),  # the forward takes it; the backward is Triton's
     (dict(block_sizes=BlockSizes()), "block_sizes is a BlockSizes"),
@@ -463,6 +467,111 @@ def test_dropout_at_head_dim_128_takes_64_key_tiles():
     assert default_config(64, jnp.bfloat16, dropout=True) == default_config(64, jnp.bfloat16)
 
 
+# --- A bias and a dense mask (the forward's; their backward is pallas_triton's) -------------
+
+PAIRWISE_PROBLEMS = [  # lengths that are no multiple of a tile; the backward: pallas_triton's
+    Case("bf16-bias-shared-batch-gqa-edges", q_len=150, kv_len=130, q_heads=4, kv_heads=2,
+         dtype="bfloat16", bias=True, bias_shape="shared_batch", seed=80),
+    Case("fp16-mask-heads-empty-rows-d128", q_len=100, kv_len=140, q_heads=2, kv_heads=1,
+         head_dim=128, dtype="float16", mask="bool_heads", empty_rows=True, seed=81),
+    Case("bf16-bias-mask-causal-bottomright-lengths-gqa", q_len=140, kv_len=200, q_heads=2,
+         kv_heads=1, dtype="bfloat16", bias=True, mask="bool", causal="bottom_right",
+         lengths=True, seed=82),
+]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", PAIRWISE_PROBLEMS, ids=lambda p: p.name)
+def test_bias_and_mask_match_the_float64_oracle(problem, interpret):
+    """The bias and mask tiles come through the ring with K (TMA; past Lq and Lk it reads
+    zeros, which the length rule masks). The gradients, dbias too, are pallas_triton's backward
+    from the Mosaic forward's RowStats, compiled or interpreted."""
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_bias_and_mask_row_stats_are_the_references(interpret):
+    """RowStats against jax_impl.reference's logsumexp with a float32 bias [1, Hq] and a mask
+    [B, 1] over a bottom-right causal window, Lq and Lk no multiple of a tile (Lk = 131 makes
+    the bias's rows no multiple of 16 bytes: it is padded): a row that the mask leaves empty,
+    one that a -inf bias leaves empty and those before the band all have max = +inf,
+    log_sum = 0 and output 0."""
+    rng = np.random.default_rng(83)
+    b, lq, lk, hq, hkv, d = 2, 150, 131, 2, 1, 64
+    q = jnp.asarray(rng.standard_normal((b, lq, hq, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, lk, hkv, d)), jnp.bfloat16) for _ in range(2))
+    bias = 2 * rng.standard_normal((1, hq, lq, lk)).astype(np.float32)
+    bias[0, 1, 70] = -np.inf
+    bias[0, 0, 71, ::3] = -np.inf  # some pairs excluded
+    mask = rng.random((b, 1, lq, lk)) < 0.8
+    mask[1, :, 100] = False
+    spec = masking.MaskSpec(is_causal=True, bottom_right=True, window_left=100)
+    masks = masking.MaskInputs(jnp.full((b,), lq, jnp.int32), jnp.full((b,), lk, jnp.int32),
+                               None, None, jnp.asarray(mask))
+    cfg = AttentionConfig(scale=d ** -0.5, mask=spec, interpret=interpret)
+    out, stats = mosaic_gpu.forward(cfg, q, k, v, jnp.asarray(bias), masks)
+    want_out, want_lse = reference.attention(q, k, v, jnp.asarray(bias), masks,
+                                             dataclasses.replace(cfg, interpret=False))
+    want_lse = np.asarray(want_lse)
+    empty = want_lse == -np.inf
+    assert empty[1, :, 100].all() and empty[:, 1, 70].all() and not empty[:, 0, 70].any()
+    np.testing.assert_array_equal(np.asarray(stats.max)[empty], np.inf)
+    np.testing.assert_array_equal(np.asarray(stats.log_sum)[empty], 0.0)
+    got_out = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_array_equal(got_out.transpose(0, 2, 1, 3)[empty], 0.0)
+    np.testing.assert_allclose(np.asarray(online_softmax.logsumexp(stats))[~empty],
+                               want_lse[~empty], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_out, np.asarray(want_out.astype(jnp.float32)), atol=2e-2)
+
+
+def test_bias_and_mask_calls_take_the_pallas_triton_backward(monkeypatch):
+    """Whatever the Config chose: the Mosaic backward kernels take no bias or mask (a direct
+    call refuses them), pallas_triton's reads the forward's RowStats and writes dbias; the
+    forward by name takes the call (explain_implementation)."""
+    called = []
+    monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
+    monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
+    pairwise = jnp.zeros((1, 1, 64, 64))
+    for bias, mask in ((pairwise, None), (None, pairwise > 0), (None, None)):
+        masks = masking.MaskInputs(None, None, None, None, mask)
+        cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(),
+                              block_sizes=Config(backward="mosaic_gpu"))
+        implementations.get("mosaic_gpu").backward(cfg, None, None, None, bias, masks, None,
+                                                   None, None)
+        reason = mosaic_gpu.backward_unsupported(cfg, has_bias=bias is not None,
+                                                 has_mask=mask is not None)
+        assert (reason is None) == (bias is None and mask is None), reason
+    assert called == ["pallas_triton", "pallas_triton", "mosaic_gpu"]
+    monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)  # judged as on jax >= 0.11
+    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    choice = explain_implementation(q, q, q, pairwise, pairwise > 0, implementation="mosaic_gpu",
+                                    platform="cuda")
+    assert choice.chosen == "mosaic_gpu", choice
+
+
+@needs_mosaic
+def test_the_mosaic_backward_refuses_a_bias_called_directly():
+    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    masks = masking.MaskInputs(jnp.array([64], jnp.int32), jnp.array([64], jnp.int32), None,
+                               None, None)
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec())
+    with pytest.raises(ValueError, match="cannot run this backward: a bias"):
+        mosaic_gpu.backward(cfg, q, q, q, jnp.zeros((1, 1, 64, 64)), masks, None, q, None)
+
+
+def test_a_bias_or_mask_takes_64_by_64_tiles():
+    """The compile report's choice (bias_mask rows: 0 spills on 64 x 64 x 2; the defaults spill
+    in causal tiles, and a float32 bias does not fit beside 64 x 128 x 2 at head_dim 128)."""
+    from jax_impl.mosaic_gpu.config import PAIRWISE
+    for head_dim in (64, 128):
+        for pairwise_bytes in (1, 2, 4, 5):
+            assert default_config(head_dim, jnp.bfloat16,
+                                  pairwise_bytes=pairwise_bytes) == PAIRWISE == Config(64, 64, 2)
+            assert PAIRWISE.shared_memory_bytes(head_dim, jnp.bfloat16,
+                                                pairwise_bytes) <= 227 * 1024
+
+
 # --- The backward (backward.py) --------------------------------------------------------------
 
 @pytest.mark.parametrize("choice, interpret, expected", [
@@ -476,7 +585,8 @@ def test_the_backward_is_its_own_unless_the_config_chooses_pallas_triton(monkeyp
     monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=choice,
                           interpret=interpret)
-    implementations.get("mosaic_gpu").backward(cfg, *[None] * 8)
+    masks = masking.MaskInputs(None, None, None, None, None)
+    implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, *[None] * 3)
     assert called == [expected]
     reason = mosaic_gpu.backward_unsupported(cfg)
     assert (reason is None) == (expected == "mosaic_gpu")
