@@ -172,8 +172,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
         interpret = plgpu.InterpretGPUParams()
     else:
         q = platform.requires_cuda(q, PLATFORM_ERROR)
+    chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
     dq, dk, dv = backward_call(
-        cfg, default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
+        cfg, chosen or default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
         masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
         masks.kv_segment_ids, seeds, dropout_offset, num_sms=_num_sms(), interpret=interpret)
     return dq, dk, dv, None
