@@ -65,7 +65,7 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                 has_segment_ids: bool = False) -> str | None:
     """Why the Mosaic GPU forward cannot run such a call, or None. Every feature it does not
     take yet is named."""
-    del has_sinks, has_segment_ids  # taken, forward and backward
+    del has_sinks  # taken, forward and backward; segment ids too
     if _UNAVAILABLE:
         return _UNAVAILABLE
     if head_dim not in HEAD_DIMS:
@@ -86,6 +86,14 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                 return (f"block_sizes={cfg.block_sizes} needs {need / 1024:.1f} KiB of shared "
                         f"memory at head_dim={head_dim}, over the {SHARED_MEMORY_BUDGET // 1024} "
                         "KiB an sm_90 block may take: fewer num_stages or a smaller block_kv")
+            backward = cfg.block_sizes.backward_config
+            need = None if backward is None else backward.shared_memory_bytes(
+                head_dim, jnp.bfloat16, has_segment_ids)
+            if need is not None and need > SHARED_MEMORY_BUDGET:
+                return (f"backward_config={backward} needs {need / 1024:.1f} KiB of shared "
+                        f"memory at head_dim={head_dim}, over the {SHARED_MEMORY_BUDGET // 1024} "
+                        "KiB an sm_90 block may take: 64-row tiles (dq='fused' holds dS^T and "
+                        "an fp32 dQ tile per warpgroup beside K and V)")
     return None
 
 
@@ -159,7 +167,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     (``backward_unsupported``)."""
     from jax_impl.mosaic_gpu.backward import backward_call
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
-                         has_mask=masks.mask is not None, dtype=q.dtype)
+                         has_mask=masks.mask is not None, dtype=q.dtype,
+                         has_segment_ids=masks.q_segment_ids is not None)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
     extras = extras or SinksAndDropout()

@@ -616,7 +616,7 @@ _DQ_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_
 
 def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch, consumer,
             walk_of, order: WorkOrder, interpret, name: str):
-    present = [n for n in names if inputs[n] is not None]
+    present = [n for n in names if inputs.get(n) is not None]
     interpreted = interpret is not None
 
     def entry(*refs):
