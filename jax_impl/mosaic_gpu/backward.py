@@ -1,6 +1,6 @@
-"""The backward kernels: FlashAttention-2's Algorithm 2 split in two, no atomics, in the warp-
-specialised style of forward.py (a TMA memory warpgroup feeding two wgmma compute warpgroups
-through an mbarrier ring).
+"""The backward kernels: FlashAttention-2's Algorithm 2 split in two, no atomics (by default:
+the fused dQ below adds), in the warp-specialised style of forward.py (a TMA memory warpgroup
+feeding two wgmma compute warpgroups through an mbarrier ring).
 
 - **dK/dV** (``_dkdv_consumer``): a work item is ``2 * block_kv`` keys (one tile per compute
   warpgroup, K and V by TMA once) of one (batch row, kv head). The memory warpgroup streams,
@@ -15,6 +15,11 @@ through an mbarrier ring).
   streams K, V and the keys' poison (below) of every key tile the rows may see: S = Q K^T,
   dP = dO V^T, dQ += dS K, accumulated in fp32 registers. Each dQ row is written by one CTA
   from one ordered walk: the result is bitwise repeatable.
+- **Fused dQ** (``BackwardConfig(dq="fused")``, opt-in; ``_add_fused_dq``): no dQ kernel. After
+  dV and dK, the dK/dV warpgroup writes dS^T to shared memory and takes dS K (its own K tile)
+  in a wgmma of its own, stages the fp32 tile in shared memory and adds it into a zeroed fp32
+  dQ in global memory by TMA reduce-add: FlashAttention-3's 5 GEMMs per tile pair instead of
+  7, but the adds land in whatever order the CTAs finish: not bitwise repeatable.
 
 P is recomputed from the forward's natural-log ``RowStats`` in base 2 with the scale folded,
 exactly as ``online_softmax.Base2Softmax.probs`` does, and the gradient of the logits follows
@@ -30,7 +35,9 @@ a query row's poison (NaN where its row of q holds a non-finite value) is added 
 row max, so its recomputed P is NaN wherever the row attends and exactly 0 where the mask's
 select excludes a pair; a key's poison (its row of K or V) is added to the rows of the dK/dV
 kernel's K, which enters only S^T there, and reaches the dQ kernel's logits as a per-key
-vector streamed with K and V (its K enters dQ += dS K too, so it stays finite).
+vector streamed with K and V (its K enters dQ += dS K too, so it stays finite). With the fused
+dQ, dK/dV's K enters dS K as well: it stays finite, and the keys' poison is added to S^T's rows
+from a per-key vector loaded once per item.
 
 Segment ids (rule 4, on every tile): the side that stays loads its ids once per item (a plain
 load, 2 values per thread); the streamed side's ids come through the ring by TMA with their
