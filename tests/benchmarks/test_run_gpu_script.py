@@ -58,7 +58,8 @@ def test_the_larger_shape_runs_after_step_3_and_its_tables_land_in_out(tmp_path)
     run, calls, out = _dry_run(tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     steps = _benchmark_calls(calls)
-    assert [s for s, _ in steps] == ["gpu", "gpu_large", "mosaic_tiles", "mosaic_dq", "decode"], calls
+    assert [s for s, _ in steps] == ["gpu", "gpu_large", "mosaic_tiles", "mosaic_dq",
+                                     "decode"], calls
     large = dict(steps)["gpu_large"]
     assert "--device cuda" in large and "--time-budget 75" in large
     assert "--time-budget 45" in dict(steps)["mosaic_tiles"]

@@ -105,7 +105,8 @@ def test_unsupported_calls_by_name_are_refused_before_tracing(monkeypatch):
     (dict(block_q=32), "multiple of 64"), (dict(block_kv=96), "multiple of 64"),
     (dict(block_q=192), "64 or 128"), (dict(num_stages=1), r"\[2, 4\]"),
     (dict(persistent=1), "bool"),
-    (dict(backward_config="fused"), r"backward_config='fused' must be a mosaic_gpu.BackwardConfig")])
+    (dict(backward_config="fused"),
+     r"backward_config='fused' must be a mosaic_gpu.BackwardConfig")])
 def test_config_is_validated(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         Config(**kwargs)
