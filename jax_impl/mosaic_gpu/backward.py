@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_impl import dropout_sinks, masking, online_softmax
+from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_gpu.config import CONSUMERS, BackwardConfig
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
@@ -740,5 +740,6 @@ def _fused_call(cfg, g: Geometry, common, k, v, key_poison, order, interpret, lq
     dq = dq_sum[...]
     if interpret is not None:
         dq = dq.sum(0)
-    dq = (dq[:, :lq] * cfg.scale).astype(g.dtype)
+    # The fresh zeros vary over no manual axis (inside shard_map); dQ varies as the operands do.
+    dq = vma.like((dq[:, :lq] * cfg.scale).astype(g.dtype), vma.axes_of(k, v))
     return dq, dk[:, :lk], dv[:, :lk]
