@@ -79,6 +79,11 @@ from benchmarks.mosaic_tiles import TILE_CANDIDATES  # noqa: E402  (imports no j
 
 DROPOUT_LABEL = "dropout 0.1"
 FUSED_DQ_LABEL = "fused dQ"  # BackwardConfig(dq="fused"): dK/dV alone, dQ by TMA reduce-add
+# The masks beside the plain rows, at D=128 causal (the most registers and shared memory).
+FUSED_DQ_MASKS = (("segment ids", dict(segments=True)), ("dropout 0.1", dict(dropout=0.1)),
+                  ("GQA 8:2, lengths, bottom-right, window, soft cap",
+                   dict(kv_heads=2, lengths=True, bottom_right=True, window=(512, 0),
+                        soft_cap=30.0)))
 
 
 def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
@@ -102,6 +107,8 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
         return segment_rows
     fused_rows = [(FUSED_DQ_LABEL, "bfloat16", d, causal, None, dict(dq="fused"))
                   for d in (64, 128) for causal in (False, True)]
+    fused_rows += [(f"{FUSED_DQ_LABEL}, {label}", "bfloat16", 128, True, None,
+                    dict(options, dq="fused")) for label, options in FUSED_DQ_MASKS]
     if only == "fused_dq":
         return fused_rows
     if only == "all":

@@ -322,9 +322,9 @@ def _dkdv_scratch(g: Geometry):
 
 
 def _fused_dq_scratch(g: Geometry):
-    """With ``dq="fused"``, per consumer: dS^T (16-bit: the transposed left operand of dQ's
-    wgmma, which cannot take a transposed operand from registers) and the fp32 dQ tile that the
-    TMA reduce-add reads (swizzled: 32 fp32 are 128 bytes)."""
+    """With ``dq="fused"``, per consumer: dS^T (16-bit: dK's left operand, and transposed
+    dQ's, which wgmma cannot take transposed from registers) and the fp32 dQ tile that the TMA
+    reduce-add reads (swizzled: 32 fp32 are 128 bytes)."""
     c = g.config
     if c.dq != "fused":
         return ()
@@ -335,8 +335,9 @@ def _fused_dq_scratch(g: Geometry):
 
 def _add_fused_dq(cfg, g: Geometry, refs, ds_t_all, dq_all, k_all, ds_t, wg, step, rows, head,
                   b, interpreted):
-    """dQ's part of one tile pair, dS K (dS = ds_t^T, the warpgroup's own K tile), added into
-    the fp32 dQ in global memory: by TMA reduce-add (the adds of the CTAs land in any order).
+    """dQ's part of one tile pair, dS K (dS = ds_t^T, the warpgroup's own K tile; compiled,
+    dS^T is in ``ds_t_all`` already), added into the fp32 dQ in global memory: by TMA
+    reduce-add (the adds of the CTAs land in any order).
     The interpreter has no reduce-add; there each warpgroup reads, adds and writes a dQ of its
     own (``refs["dq_sum"]`` has a leading axis of CONSUMERS, summed after the call): sound only
     because the interpreter runs one CTA at a time, and the two warpgroups of a CTA never touch
@@ -348,9 +349,7 @@ def _add_fused_dq(cfg, g: Geometry, refs, ds_t_all, dq_all, k_all, ds_t, wg, ste
         target = refs["dq_sum"].at[wg, b, rows, head]
         target[...] = target[...] + dq
         return
-    ds_t_own, dq_own = ds_t_all.at[wg], dq_all.at[wg]
-    ds_t_own[...] = ds_t
-    plgpu.commit_smem()
+    dq_own = dq_all.at[wg]
     dq = _product_from_smem((c.block_q, g.head_dim), ds_t_all.at[mine].T, k_all.at[mine])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's reduce-add has read
     dq_own[...] = dq
@@ -432,8 +431,15 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             if drop is not None:
                 p_t = drop(p_t, queries, keys, 1)
             ds_t = dqk_t.astype(g.dtype)
+            ds_t_lhs = ds_t
+            # Fused, dS^T goes to shared memory, dK's operand and dQ's: from registers too it
+            # spilled (D=128 with dropout: 4 bytes).
+            if fused and not interpreted:
+                ds_t_all.at[wg][...] = ds_t
+                plgpu.commit_smem()
+                ds_t_lhs = ds_t_all.at[mine]
             dv, dk = _accumulate_two(dv, p_t.astype(g.dtype), do_ring.at[slot],
-                                     dk, ds_t, q_ring.at[slot], interpreted)
+                                     dk, ds_t_lhs, q_ring.at[slot], interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
             if fused:  # after dK and dV: dQ's fp32 tile is never live beside P^T and dS^T
                 _add_fused_dq(cfg, g, refs, ds_t_all, dq_all, k_all, ds_t, wg, step,
