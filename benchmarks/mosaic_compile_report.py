@@ -2,7 +2,7 @@
 measured without a GPU.
 
     python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
-        [--only defaults|all|segments|bias_mask] [--kernels all|forward|backward] [--seq-len 4096]
+        [--only defaults|all|segments|bias_mask|fused_dq] [--kernels all|forward|backward] [--seq-len 4096]
 
 Needs jax >= 0.11 with its CUDA plugin (``pip install 'jax[cuda13]==0.11.2'``, Python >= 3.12;
 ptxas comes with the plugin's nvcc package): XLA compiles for the compile-only CUDA device of
@@ -58,6 +58,7 @@ class Facts:
     wgmma: int = 0
     tma_loads: int = 0                  # cp.async.bulk.tensor global -> shared
     tma_stores: int = 0                 # cp.async.bulk(.tensor) shared -> global (1-D: the row stats)
+    tma_reduces: int = 0                # cp.reduce.async.bulk: the fused dQ's reduce-add
     mbarrier_waits: int = 0
     partial_waits: int = 0              # wgmma.wait_group N > 0: a GEMM left running (pipelining)
     serialized: list = dataclasses.field(default_factory=list)  # ptxas C75xx: wgmma serialised
@@ -77,6 +78,12 @@ from benchmarks.mosaic_tiles import TILE_CANDIDATES  # noqa: E402  (imports no j
 
 
 DROPOUT_LABEL = "dropout 0.1"
+FUSED_DQ_LABEL = "fused dQ"  # BackwardConfig(dq="fused"): dK/dV alone, dQ by TMA reduce-add
+# The masks beside the plain rows, at D=128 causal (the most registers and shared memory).
+FUSED_DQ_MASKS = (("segment ids", dict(segments=True)), ("dropout 0.1", dict(dropout=0.1)),
+                  ("GQA 8:2, lengths, bottom-right, window, soft cap",
+                   dict(kv_heads=2, lengths=True, bottom_right=True, window=(512, 0),
+                        soft_cap=30.0)))
 
 
 def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
@@ -85,7 +92,8 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     other tiles and head_dim 256 (not offered: it shows why); ``segments`` only the calls with
     segment ids (bf16, D=64/128, causal and not); ``bias_mask`` only the forward's calls with a
     bias (float32 [1, H] and bfloat16 [B, H]) or a bool mask [B, 1] or both (their backward is
-    pallas_triton's: no backward rows)."""
+    pallas_triton's: no backward rows); ``fused_dq`` only the backward with
+    ``BackwardConfig(dq="fused")`` (bf16, D=64/128, causal and not; ``all`` has them too)."""
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
              for d in (64, 128) for causal in (False, True)]
@@ -105,6 +113,12 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
         for d in (64, 128) for causal in (False, True)]
     if only == "bias_mask":
         return bias_mask_rows
+    fused_rows = [(FUSED_DQ_LABEL, "bfloat16", d, causal, None, dict(dq="fused"))
+                  for d in (64, 128) for causal in (False, True)]
+    fused_rows += [(f"{FUSED_DQ_LABEL}, {label}", "bfloat16", 128, True, None,
+                    dict(options, dq="fused")) for label, options in FUSED_DQ_MASKS]
+    if only == "fused_dq":
+        return fused_rows
     if only == "all":
         found += [
             ("edges: L=4001 (padded to 4008)", "bfloat16", 128, True, None, dict(seq_len=seq_len - 95)),
@@ -120,6 +134,7 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
             ("D=256", "bfloat16", 256, False, None, {}),
             ("dropout 0.1 on 64 x 128 tiles (not the default)", "bfloat16", 128, True,
              Config(64, 128, 2), dict(dropout=0.1)),
+            *fused_rows,
         ]
     return found
 
@@ -201,6 +216,15 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
 BACKWARD_KERNELS = ("dK/dV", "dQ")  # in the order backward_call traces them
 
 
+def _backward_config(head_dim, dtype, options):
+    """The row's BackwardConfig (the default's tiles) and the kernels it compiles: dK/dV alone
+    with the fused dQ."""
+    from jax_impl.mosaic_gpu.config import default_backward_config
+    config = dataclasses.replace(default_backward_config(head_dim, dtype),
+                                 dq=options.get("dq", "separate"))
+    return config, BACKWARD_KERNELS[:1] if config.dq == "fused" else BACKWARD_KERNELS
+
+
 def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
     """Lower and compile the backward's two kernels for ``device``: one Facts per kernel."""
     import jax
@@ -208,9 +232,8 @@ def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
 
     from jax_impl import online_softmax
     from jax_impl.mosaic_gpu.backward import backward_call
-    from jax_impl.mosaic_gpu.config import default_backward_config
 
-    config = default_backward_config(head_dim, dtype)
+    config, kernels = _backward_config(head_dim, dtype, options)
     length = options.get("seq_len", seq_len)
     kv_heads = options.get("kv_heads", KV_HEADS)
     cfg = _attention_config(head_dim, causal, options)
@@ -236,7 +259,7 @@ def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
                   config.block_kv, config.num_stages, True, length,
                   config.shared_memory_bytes(head_dim, dtype, bool(options.get("segments"))),
                   compile_s=seconds, kernel=kernel)
-            for kernel in BACKWARD_KERNELS]
+            for kernel in kernels]
 
 
 def _read_dump(facts: Facts, dump: Path, prefix: str = "") -> None:
@@ -255,6 +278,7 @@ def _read_dump(facts: Facts, dump: Path, prefix: str = "") -> None:
     facts.wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
     facts.tma_loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global", ptx))
     facts.tma_stores = len(re.findall(r"cp\.async\.bulk(?:\.tensor\.\w+)?\.global\.shared::cta", ptx))
+    facts.tma_reduces = len(re.findall(r"cp\.reduce\.async\.bulk", ptx))
     facts.mbarrier_waits = len(re.findall(r"mbarrier\.try_wait", ptx))
     facts.partial_waits = len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[1-9]", ptx))
     # "Potential Performance Loss: wgmma.mma_async instructions are serialized due to ...":
@@ -294,15 +318,14 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                     if not facts.ok:
                         facts.error = "no ptxas report was written"
             except Exception as e:
-                from jax_impl.mosaic_gpu.config import default_backward_config
-                config = default_backward_config(head_dim, dtype)
+                config, kernels = _backward_config(head_dim, dtype, options)
                 found = [Facts(label, dtype, head_dim, causal, config.block_q, config.block_kv,
                                config.num_stages, True, options.get("seq_len", seq_len),
                                config.shared_memory_bytes(head_dim, dtype,
                                                           bool(options.get("segments"))),
                                kernel=kernel,
                                error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                         for kernel in BACKWARD_KERNELS]
+                         for kernel in kernels]
             rows.extend(found)
     return rows
 
@@ -317,6 +340,8 @@ def report(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                                               topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
+            if options.get("dq"):
+                continue  # a backward choice: the forward of its call is the plain row's
             dump = Path(root) / f"config_{index}"
             dump.mkdir()
             os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)  # read by Mosaic at each compile
@@ -370,7 +395,8 @@ def markdown(rows: list[Facts], only: str = "all") -> str:
             f"{r.num_stages} | {r.persistent} | {r.seq_len} | {r.compile_s} s | {r.registers} | "
             f"{r.spill_stores}/{r.spill_loads} | {kib(r.shared)} ({kib(r.shared_estimate)}) | "
             f"{', '.join(sorted(set(r.setmaxnreg)))} | {r.wgmma} | {r.partial_waits} | "
-            f"{', '.join(r.serialized) or 'no'} | {r.tma_loads}/{r.tma_stores} | "
+            f"{', '.join(r.serialized) or 'no'} | {r.tma_loads}/{r.tma_stores}"
+            f"{f' + {r.tma_reduces} reduce-add' if r.tma_reduces else ''} | "
             f"{r.mbarrier_waits} |")
     return "\n".join(lines) + "\n"
 
@@ -378,7 +404,8 @@ def markdown(rows: list[Facts], only: str = "all") -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
-    parser.add_argument("--only", choices=("defaults", "all", "candidates", "segments", "bias_mask"), default="defaults")
+    parser.add_argument("--only", choices=("defaults", "all", "candidates", "segments", "bias_mask",
+                                           "fused_dq"), default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
     args = parser.parse_args(argv)

@@ -1,6 +1,8 @@
-"""The Mosaic GPU forward's tile candidates, as benchmark plug-ins (``--impl module:function``).
+"""The Mosaic GPU forward's tile candidates and the backward's dQ strategies, as benchmark
+plug-ins (``--impl module:function``).
 
     python -m benchmarks --suite mosaic_tiles --device cuda     # run_gpu.sh's step 3b
+    python -m benchmarks --suite mosaic_dq --device cuda        # run_gpu.sh's step 3c
 
 ``TILE_CANDIDATES`` is the sweep of ``benchmarks.mosaic_compile_report --only candidates``
 (query rows per consumer warpgroup, keys per stage, stages); each candidate is a function
@@ -47,3 +49,32 @@ for _tiles in TILE_CANDIDATES:
     globals()[name(*_tiles)] = _candidate(*_tiles)
 
 PLUGINS = tuple(f"benchmarks.mosaic_tiles:{name(*t)}" for t in TILE_CANDIDATES)
+
+
+# The backward's dQ strategies (``BackwardConfig.dq``), each a function ``backward_dq_{dq}``
+# that runs the default forward tiles with the Mosaic GPU backward's default tiles and that dQ.
+DQ_STRATEGIES = ("separate", "fused")
+
+
+def _dq_strategy(dq: str):
+    def attend(q, k, v, bias=None, mask=None, **keywords):
+        import dataclasses
+
+        from jax_impl.flash_attention import flash_attention
+        from jax_impl.mosaic_gpu.config import default_backward_config, default_config
+        head_dim, dtype = q.shape[-1], q.dtype
+        backward = dataclasses.replace(default_backward_config(head_dim, dtype), dq=dq)
+        tiles = dataclasses.replace(
+            default_config(head_dim, dtype, dropout=bool(keywords.get("dropout_rate"))),
+            backward="mosaic_gpu", backward_config=backward)
+        return flash_attention(q, k, v, bias, mask, implementation="mosaic_gpu",
+                               block_sizes=tiles, **keywords)
+
+    attend.__name__ = f"backward_dq_{dq}"
+    return attend
+
+
+for _dq in DQ_STRATEGIES:
+    globals()[f"backward_dq_{_dq}"] = _dq_strategy(_dq)
+
+DQ_PLUGINS = tuple(f"benchmarks.mosaic_tiles:backward_dq_{dq}" for dq in DQ_STRATEGIES)

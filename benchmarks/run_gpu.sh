@@ -23,6 +23,11 @@
 #      forward), TILES_BUDGET s (default 45; 0 skips it), taken out of step 3's budget; its
 #      table is $OUT/bench_mosaic_tiles.md (choose jax_impl/mosaic_gpu/config.py's defaults from it);
 #      it keeps step 5's share: when time is short it is cut first,
+#   3c. the Mosaic GPU backward's dQ strategies (python -m benchmarks --suite mosaic_dq: a dQ
+#      kernel of its own, or dS K added in the dK/dV kernel by TMA reduce-add,
+#      BackwardConfig(dq="fused"); L=8192 causal fwd+bwd, D=128 and 64), DQ_BUDGET s (default
+#      20; 0 skips it), taken out of step 3's budget, after 3b and cut like it; its table is
+#      $OUT/bench_mosaic_dq.md,
 #   4. (off unless PEER_BUDGET > 0: measured on 2026-11-30) JAX's Hopper kernel (jax.pallas.mgpu, Mosaic GPU) at L=4096/8192, in a process of its
 #      own so that a crash there cannot cost step 3's results (skipped when time is short),
 #   5. the decode suite (python -m benchmarks --suite decode: a few query rows against a long dense
@@ -39,9 +44,9 @@
 # ("jax_impl.pallas_triton jax_impl.mosaic_gpu jax_impl.cudnn"; the xla path is checked on CPU),
 # CONF_TIMEOUT (120), SKIP_CONFORMANCE (0), PYTHON (python3), GPU_TESTS_TIMEOUT (60; 0 skips the
 # gpu lane), SKIP_TUNING (1), TUNE_TIMEOUT (110), TUNE_ARGS (extra arguments of
-# benchmarks.tune_blocks), PEER_BUDGET (0 s for step 4: skipped), TILES_BUDGET (45),
-# DECODE_BUDGET (60), LARGE_BUDGET (75), TOTAL_BUDGET (420 s for steps 1-3b and 5: the benchmark's
-# --time-budget is what is left after steps 1-2 and the 3a, 3b and 5 shares, at least 90),
+# benchmarks.tune_blocks), PEER_BUDGET (0 s for step 4: skipped), TILES_BUDGET (45), DQ_BUDGET (20),
+# DECODE_BUDGET (60), LARGE_BUDGET (75), TOTAL_BUDGET (420 s for steps 1-3c and 5: the benchmark's
+# --time-budget is what is left after steps 1-2 and the 3a, 3b, 3c and 5 shares, at least 90),
 # DEADLINE (465 s: a step that starts late gets the time left before it, less its start-up and
 # report and the shares of the steps it must leave time for, and is skipped when under 20 s
 # (decode: 40) is left; no step's timeout runs past DEADLINE + 15 s; each step's tables are
@@ -153,8 +158,8 @@ if [ "${SKIP_TUNING:-1}" != "1" ]; then
 fi
 
 start=$SECONDS
-# steps 3a's, 3b's and 5's shares come out of step 3's
-budget=$(( ${TOTAL_BUDGET:-420} - SECONDS - ${DECODE_BUDGET:-60} - ${TILES_BUDGET:-45} - ${LARGE_BUDGET:-75} ))
+# steps 3a's, 3b's, 3c's and 5's shares come out of step 3's
+budget=$(( ${TOTAL_BUDGET:-420} - SECONDS - ${DECODE_BUDGET:-60} - ${TILES_BUDGET:-45} - ${LARGE_BUDGET:-75} - ${DQ_BUDGET:-20} ))
 [ "$budget" -lt 90 ] && budget=90
 budget=$(fit "$budget" 20)
 [ "$budget" -lt 20 ] && budget=20  # step 3 always runs: the script's exit code is its
@@ -183,6 +188,13 @@ if [ "$SUITE" = "gpu" ] && [ "$tiles_budget" -gt 0 ]; then
   tiles_rc=$suite_rc
 fi
 
+dq_rc=skipped
+dq_budget=$(fit "${DQ_BUDGET:-20}" $(( 20 + ${DECODE_BUDGET:-60} )))  # step 5's share kept
+if [ "$SUITE" = "gpu" ] && [ "$dq_budget" -gt 0 ]; then
+  timed_suite mosaic_dq "$dq_budget" 40 "Mosaic backward dQ strategies"
+  dq_rc=$suite_rc
+fi
+
 peer_rc=skipped
 peer_budget=${PEER_BUDGET:-0}
 [ "$peer_budget" -gt 0 ] && peer_budget=$(fit "$peer_budget" $(( 30 + ${DECODE_BUDGET:-60} )))
@@ -208,7 +220,7 @@ if [ "$decode_budget" -ge 40 ]; then  # 30 s of it start the process and write t
   [ -f "$WORK/benchmarks_decode/bench_decode.md" ] && cp "$WORK/benchmarks_decode/bench_decode.md" "$OUT/bench_decode.md"
 fi
 
-echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc tiles=$tiles_rc large=$large_rc mgpu=$peer_rc decode=$decode_rc" > "$WORK/exit_codes.txt"
+echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc tiles=$tiles_rc dq=$dq_rc large=$large_rc mgpu=$peer_rc decode=$decode_rc" > "$WORK/exit_codes.txt"
 log "$(cat "$WORK/exit_codes.txt") after $SECONDS s"
 cp "$LOG" "$WORK/run_gpu.log"
 tar -czf "$OUT/gpu_results.tar.gz" -C "$WORK" .

@@ -158,6 +158,19 @@ def _mosaic_tiles() -> Suite:
         max_repeats=30, min_repeats=5, measure_budget_s=0.25, input_sets=2, time_budget_s=120.0)
 
 
+def _mosaic_dq() -> Suite:
+    from benchmarks.mosaic_tiles import DQ_PLUGINS
+    return Suite(
+        "mosaic_dq",
+        "the Mosaic GPU backward's dQ strategies (benchmarks/mosaic_tiles.py: a dQ kernel of its "
+        "own, or dS K added in the dK/dV kernel by TMA reduce-add) side by side: bf16, B=1, H=8, "
+        "L=8192, D=128 and 64, causal, forward+backward; a time budget of 20 s (run_gpu.sh's "
+        "step 3c, DQ_BUDGET)",
+        tuple(Config(Shape(1, 8, 8192, d, "bfloat16"), "top_left", "fwd+bwd") for d in (128, 64)),
+        impls={"cuda": DQ_PLUGINS},
+        max_repeats=10, min_repeats=3, measure_budget_s=0.25, input_sets=1, time_budget_s=20.0)
+
+
 def _sharded() -> Suite:
     return Suite(
         "sharded",
@@ -198,7 +211,7 @@ def _decode() -> Suite:
         (), runner="benchmarks.decode")
 
 
-SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _gpu_large(), _mosaic_tiles(), _sharded(),
+SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _gpu_large(), _mosaic_tiles(), _mosaic_dq(), _sharded(),
                               _dropout(), _cpu(), _decode())}
 
 

@@ -68,7 +68,7 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     take yet is named. A bias and a dense mask are taken by the forward (their backward is
     pallas_triton's: ``backward_unsupported``); a chosen ``Config`` must fit them in shared
     memory beside K and V (judged for a float32 bias, the widest the kernel reads)."""
-    del has_sinks, has_segment_ids  # taken, forward and backward
+    del has_sinks  # taken, forward and backward; segment ids too
     if _UNAVAILABLE:
         return _UNAVAILABLE
     if head_dim not in HEAD_DIMS:
@@ -89,6 +89,14 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                         f"memory at head_dim={head_dim}{' ' * bool(with_pairwise)}{with_pairwise}, "
                         f"over the {SHARED_MEMORY_BUDGET // 1024} KiB an sm_90 block may take: "
                         "fewer num_stages or smaller tiles")
+            backward = cfg.block_sizes.backward_config
+            need = None if backward is None else backward.shared_memory_bytes(
+                head_dim, jnp.bfloat16, has_segment_ids)
+            if need is not None and need > SHARED_MEMORY_BUDGET:
+                return (f"backward_config={backward} needs {need / 1024:.1f} KiB of shared "
+                        f"memory at head_dim={head_dim}, over the {SHARED_MEMORY_BUDGET // 1024} "
+                        "KiB an sm_90 block may take: 64-row tiles (dq='fused' holds dS^T and "
+                        "an fp32 dQ tile per warpgroup beside K and V)")
     return None
 
 
@@ -176,7 +184,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     forward's RowStats. Calls they cannot take raise; the table routes those elsewhere
     (``backward_unsupported``)."""
     from jax_impl.mosaic_gpu.backward import backward_call
-    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype)
+    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype,
+                         has_segment_ids=masks.q_segment_ids is not None)
     if reason is None and (bias is not None or masks.mask is not None):  # the forward's only
         reason = backward_unsupported(cfg, has_bias=bias is not None,
                                       has_mask=masks.mask is not None)
@@ -192,8 +201,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
         interpret = plgpu.InterpretGPUParams()
     else:
         q = platform.requires_cuda(q, PLATFORM_ERROR)
+    chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
     dq, dk, dv = backward_call(
-        cfg, default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
+        cfg, chosen or default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
         masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
         masks.kv_segment_ids, seeds, dropout_offset, num_sms=_num_sms(), interpret=interpret)
     return dq, dk, dv, None

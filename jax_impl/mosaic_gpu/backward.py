@@ -1,6 +1,6 @@
-"""The backward kernels: FlashAttention-2's Algorithm 2 split in two, no atomics, in the warp-
-specialised style of forward.py (a TMA memory warpgroup feeding two wgmma compute warpgroups
-through an mbarrier ring).
+"""The backward kernels: FlashAttention-2's Algorithm 2 split in two, no atomics (by default:
+the fused dQ below adds), in the warp-specialised style of forward.py (a TMA memory warpgroup
+feeding two wgmma compute warpgroups through an mbarrier ring).
 
 - **dK/dV** (``_dkdv_consumer``): a work item is ``2 * block_kv`` keys (one tile per compute
   warpgroup, K and V by TMA once) of one (batch row, kv head). The memory warpgroup streams,
@@ -15,6 +15,11 @@ through an mbarrier ring).
   streams K, V and the keys' poison (below) of every key tile the rows may see: S = Q K^T,
   dP = dO V^T, dQ += dS K, accumulated in fp32 registers. Each dQ row is written by one CTA
   from one ordered walk: the result is bitwise repeatable.
+- **Fused dQ** (``BackwardConfig(dq="fused")``, opt-in; ``_add_fused_dq``): no dQ kernel. After
+  dV and dK, the dK/dV warpgroup writes dS^T to shared memory and takes dS K (its own K tile)
+  in a wgmma of its own, stages the fp32 tile in shared memory and adds it into a zeroed fp32
+  dQ in global memory by TMA reduce-add: FlashAttention-3's 5 GEMMs per tile pair instead of
+  7, but the adds land in whatever order the CTAs finish: not bitwise repeatable.
 
 P is recomputed from the forward's natural-log ``RowStats`` in base 2 with the scale folded,
 exactly as ``online_softmax.Base2Softmax.probs`` does, and the gradient of the logits follows
@@ -30,7 +35,9 @@ a query row's poison (NaN where its row of q holds a non-finite value) is added 
 row max, so its recomputed P is NaN wherever the row attends and exactly 0 where the mask's
 select excludes a pair; a key's poison (its row of K or V) is added to the rows of the dK/dV
 kernel's K, which enters only S^T there, and reaches the dQ kernel's logits as a per-key
-vector streamed with K and V (its K enters dQ += dS K too, so it stays finite).
+vector streamed with K and V (its K enters dQ += dS K too, so it stays finite). With the fused
+dQ, dK/dV's K enters dS K as well: it stays finite, and the keys' poison is added to S^T's rows
+from a per-key vector loaded once per item.
 
 Segment ids (rule 4, on every tile): the side that stays loads its ids once per item (a plain
 load, 2 values per thread); the streamed side's ids come through the ring by TMA with their
@@ -52,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_impl import dropout_sinks, masking, online_softmax
+from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_gpu.config import CONSUMERS, BackwardConfig
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
@@ -179,6 +186,15 @@ def _product(shape, a, b_t):
     return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
 
+def _product_from_smem(shape, a, b):
+    """a @ b, both in shared memory (``a`` may be a transposed view), into fp32 registers."""
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+
 def _two_products(shape, a, b_t, c, d_t):
     """(a @ b_t^T, c @ d_t^T) from shared memory into fp32 registers, one wgmma group."""
     def products(refs):
@@ -297,11 +313,48 @@ def _dkdv_scratch(g: Geometry):
              _swizzled((c.num_stages, c.block_q, d), g.dtype),  # dO ring
              *[plgpu.SMEM((c.num_stages, c.block_q), jnp.float32)] * 3,  # max, log-sum, delta
              *_position_scratch(c),
-             *[plgpu.SMEM((c.num_stages, c.block_q), jnp.int32)] * g.has_segments)  # query ids
+             *[plgpu.SMEM((c.num_stages, c.block_q), jnp.int32)] * g.has_segments,  # query ids
+             *_fused_dq_scratch(g))
     barriers = (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=CONSUMERS),
                 *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(5 + g.streamed)],
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
     return tiles, barriers
+
+
+def _fused_dq_scratch(g: Geometry):
+    """With ``dq="fused"``, per consumer: dS^T (16-bit: dK's left operand, and transposed
+    dQ's, which wgmma cannot take transposed from registers) and the fp32 dQ tile that the TMA
+    reduce-add reads (swizzled: 32 fp32 are 128 bytes)."""
+    c = g.config
+    if c.dq != "fused":
+        return ()
+    return (_swizzled((CONSUMERS, c.block_kv, c.block_q), g.dtype),
+            plgpu.SMEM((CONSUMERS, c.block_q, g.head_dim), jnp.float32,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))))
+
+
+def _add_fused_dq(cfg, g: Geometry, refs, ds_t_all, dq_all, k_all, ds_t, wg, step, rows, head,
+                  b, interpreted):
+    """dQ's part of one tile pair, dS K (dS = ds_t^T, the warpgroup's own K tile; compiled,
+    dS^T is in ``ds_t_all`` already), added into the fp32 dQ in global memory: by TMA
+    reduce-add (the adds of the CTAs land in any order).
+    The interpreter has no reduce-add; there each warpgroup reads, adds and writes a dQ of its
+    own (``refs["dq_sum"]`` has a leading axis of CONSUMERS, summed after the call): sound only
+    because the interpreter runs one CTA at a time, and the two warpgroups of a CTA never touch
+    the same slice."""
+    c = g.config
+    mine = _opaque_warpgroup(wg, step)
+    if interpreted:
+        dq = jnp.dot(ds_t.T, k_all.at[mine][...], preferred_element_type=jnp.float32)
+        target = refs["dq_sum"].at[wg, b, rows, head]
+        target[...] = target[...] + dq
+        return
+    dq_own = dq_all.at[wg]
+    dq = _product_from_smem((c.block_q, g.head_dim), ds_t_all.at[mine].T, k_all.at[mine])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's reduce-add has read
+    dq_own[...] = dq
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_own, refs["dq_sum"].at[b, rows, head], reduction_op="add")
 
 
 def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
@@ -310,6 +363,8 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     wg = lax.axis_index("wg")
     k_own, v_own, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *rest = smem
     positions, q_ids_ring = rest[:2], (rest[2] if g.has_segments else None)
+    fused = c.dq == "fused"
+    ds_t_all, dq_all = rest[-2:] if fused else (None, None)
     k_loaded, v_loaded, *produced, consumed = barriers
     k_all, v_all = k_own, v_own
     k_own, v_own = k_all.at[wg], v_all.at[wg]
@@ -335,6 +390,11 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
         # The tile's own key ids once per item, by a plain load (a few bytes: 2 per thread).
         key_ids = None if q_ids_ring is None else plgpu.load(
             refs["kv_ids"].at[b, pl.ds(key_start, c.block_kv)], layout=_ROWS, optimized=False)
+        # Fused, K stays finite (it enters dQ += dS K too) and its keys' poison is added to the
+        # rows of S^T instead, loaded once per item like the key ids.
+        key_poison = None if not fused else plgpu.load(
+            refs["key_poison"].at[b, kv_head, pl.ds(key_start, c.block_kv)], layout=_ROWS,
+            optimized=False)
         plgpu.barrier_wait(k_loaded.at[wg])
         plgpu.barrier_wait(v_loaded.at[wg])
 
@@ -348,6 +408,8 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             mine = _opaque_warpgroup(wg, step)
             s_t, dp_t = _two_products(tile, k_all.at[mine], q_ring.at[slot], v_all.at[mine],
                                       do_ring.at[slot])
+            if key_poison is not None:
+                s_t = s_t + lax.broadcast_in_dim(key_poison, tile, (0,))
             allowed = None
             if masked:
                 allowed = masking.structural_allowed(
@@ -368,9 +430,21 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                                      masked or key_ids is not None)
             if drop is not None:
                 p_t = drop(p_t, queries, keys, 1)
+            ds_t = dqk_t.astype(g.dtype)
+            ds_t_lhs = ds_t
+            # Fused, dS^T goes to shared memory, dK's operand and dQ's: from registers too it
+            # spilled (D=128 with dropout: 4 bytes).
+            if fused and not interpreted:
+                ds_t_all.at[wg][...] = ds_t
+                plgpu.commit_smem()
+                ds_t_lhs = ds_t_all.at[mine]
             dv, dk = _accumulate_two(dv, p_t.astype(g.dtype), do_ring.at[slot],
-                                     dk, dqk_t.astype(g.dtype), q_ring.at[slot], interpreted)
+                                     dk, ds_t_lhs, q_ring.at[slot], interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
+            if fused:  # after dK and dV: dQ's fp32 tile is never live beside P^T and dS^T
+                _add_fused_dq(cfg, g, refs, ds_t_all, dq_all, k_all, ds_t, wg, step,
+                              pl.ds(i * c.block_q, c.block_q), kv_head * g.groups + member, b,
+                              interpreted)
             return dk, dv, step + 1
 
         skip = _pass_step(produced, consumed, c.num_stages)
@@ -548,19 +622,20 @@ def _dq_walk(cfg, g: Geometry, refs):
 # --- The calls --------------------------------------------------------------------------------
 
 _DKDV_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
-                "q_ids", "kv_ids", "seeds", "dropout_offset")
+                "q_ids", "kv_ids", "seeds", "dropout_offset", "key_poison", "dq_sum")
 _DQ_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
               "key_poison", "q_ids", "kv_ids", "seeds", "dropout_offset")
 
 
 def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch, consumer,
             walk_of, order: WorkOrder, interpret, name: str):
-    present = [n for n in names if inputs[n] is not None]
+    present = [n for n in names if inputs.get(n) is not None]
     interpreted = interpret is not None
 
     def entry(*refs):
         refs = dict(zip(present + list(out_names), refs))
-        for optional in ("offset", "q_ids", "kv_ids", "seeds", "dropout_offset"):
+        for optional in ("offset", "q_ids", "kv_ids", "seeds", "dropout_offset", "key_poison",
+                         "dq_sum"):
             refs.setdefault(optional, None)
         walk, copies = walk_of(cfg, g, refs)
 
@@ -640,6 +715,8 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     kv_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     order = WorkOrder.create(g.kv_pairs, kv_heads, batch, masking.later_key_tiles_heavier(cfg.mask),
                              True, **sms)
+    if config.dq == "fused":
+        return _fused_call(cfg, g, common, k, v, key_poison, order, interpret, lq, lk)
     dk, dv = _kernel(cfg, g, dict(common, k=poisoned_k), _DKDV_INPUTS,
                      (kv_struct(k), kv_struct(v)), ("dk", "dv"), _dkdv_scratch, _dkdv_consumer,
                      _dkdv_walk, order, interpret, "dkdv")
@@ -653,3 +730,22 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
                  kv_struct(q), ("dq",), _dq_scratch, _dq_consumer, _dq_walk, order, interpret,
                  "dq")
     return dq[:, :lq], dk[:, :lk], dv[:, :lk]
+
+
+def _fused_call(cfg, g: Geometry, common, k, v, key_poison, order, interpret, lq, lk):
+    """``dq="fused"``: the dK/dV kernel alone, adding dS K into a zero-initialised fp32 dQ (a
+    mutable operand: the kernel's reduce-adds land in it), whose scale and cast are one XLA
+    pass after it. Its rows cover whole CTAs of queries, so no reduce-add is clipped."""
+    rows = g.q_pairs * CONSUMERS * g.config.block_q
+    copies = () if interpret is None else (CONSUMERS,)  # one per warpgroup: _add_fused_dq
+    dq_sum = jax.new_ref(jnp.zeros((*copies, g.batch, rows, g.heads, g.head_dim), jnp.float32))
+    kv_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    dk, dv = _kernel(cfg, g, dict(common, k=k, key_poison=key_poison, dq_sum=dq_sum),
+                     _DKDV_INPUTS, (kv_struct(k), kv_struct(v)), ("dk", "dv"), _dkdv_scratch,
+                     _dkdv_consumer, _dkdv_walk, order, interpret, "dkdv")
+    dq = dq_sum[...]
+    if interpret is not None:
+        dq = dq.sum(0)
+    # The fresh zeros vary over no manual axis (inside shard_map); dQ varies as the operands do.
+    dq = vma.like((dq[:, :lq] * cfg.scale).astype(g.dtype), vma.axes_of(k, v))
+    return dq, dk[:, :lk], dv[:, :lk]

@@ -15,6 +15,7 @@ SHARED_MEMORY_BUDGET = 227 * 1024  # bytes a CTA may take on sm_90 (232448 opt-i
 CONSUMERS = 2  # compute warpgroups per CTA (FlashAttention-3's forward)
 ALIGNMENT_SLACK = 3 * 1024  # Mosaic's padding between the forward's buffers (shared_memory_bytes)
 BACKWARDS = ("mosaic_gpu", "pallas_triton")
+DQ_STRATEGIES = ("separate", "fused")  # BackwardConfig.dq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,8 @@ class Config:
       the same RowStats: the route to compare with, or to fall back on), or None (the
       default: "mosaic_gpu" compiled, "pallas_triton" interpreted, where the Mosaic one can
       hang: docs/limitations.md).
+    backward_config: the tiles and dQ strategy of this package's backward kernels
+      (``BackwardConfig``, e.g. ``BackwardConfig(dq="fused")``); None: ``default_backward_config``.
     """
 
     block_q: int = 64
@@ -38,6 +41,7 @@ class Config:
     num_stages: int = 2
     persistent: bool = True
     backward: str | None = None
+    backward_config: "BackwardConfig | None" = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_stages"):
@@ -59,6 +63,10 @@ class Config:
         if self.backward is not None and self.backward not in BACKWARDS:
             raise ValueError(f"mosaic_gpu.Config.backward={self.backward!r} must be one of "
                              f"{BACKWARDS}")
+        if self.backward_config is not None and not isinstance(self.backward_config,
+                                                               BackwardConfig):
+            raise TypeError(f"mosaic_gpu.Config.backward_config={self.backward_config!r} must be "
+                            "a mosaic_gpu.BackwardConfig or None")
 
     def shared_memory_bytes(self, head_dim: int, dtype, pairwise_bytes: int = 0) -> int:
         """Bytes of the kernel's scratch: Q (reused for O) per consumer, the K and V ring, the
@@ -134,11 +142,18 @@ class BackwardConfig:
     tile each of the side that stays (``block_kv`` keys in dK/dV, ``block_q`` queries in dQ)
     and walk the other side's tiles, which the memory warpgroup streams through a ring of
     ``num_stages`` stages. 64 x 64 tiles keep dK, dV (2 x 64 x 128 fp32) and the two
-    transposed logit tiles of dK/dV in one warpgroup's registers at head_dim 128."""
+    transposed logit tiles of dK/dV in one warpgroup's registers at head_dim 128.
+
+    dq: where dQ is computed. "separate" (the default): a dQ kernel of its own recomputes S and
+      dP per query tile (7 GEMMs per tile pair) and writes each dQ row once: bitwise
+      repeatable. "fused": the dK/dV kernel adds dS K of each tile pair into an fp32 dQ in
+      global memory by TMA reduce-add (FlashAttention-3's 5 GEMMs, no dQ kernel), in whatever
+      order the CTAs finish: NOT bitwise repeatable (fp32 sums in a varying order)."""
 
     block_q: int = 64
     block_kv: int = 64
     num_stages: int = 2
+    dq: str = "separate"
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
@@ -148,19 +163,27 @@ class BackwardConfig:
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 4:
             raise ValueError(f"mosaic_gpu.BackwardConfig.num_stages={self.num_stages!r} must be "
                              "in [2, 4]")
+        if self.dq not in DQ_STRATEGIES:
+            raise ValueError(f"mosaic_gpu.BackwardConfig.dq={self.dq!r} must be one of "
+                             f"{DQ_STRATEGIES} (dQ in a kernel of its own, or in dK/dV's)")
 
     def shared_memory_bytes(self, head_dim: int, dtype, segment_ids: bool = False) -> int:
         """The larger of the two kernels' scratch: dK/dV holds K and V per consumer and a ring
         of Q, dO and three row vectors; dQ holds Q, dO and three row vectors per consumer and a
         ring of K, V and the keys' poison; both hold a tile's row and column offsets per
         consumer (int32, read by the mask of edge tiles), and with segment ids a ring of the
-        streamed tiles' ids (int32, one more barrier per stage)."""
+        streamed tiles' ids (int32, one more barrier per stage). With ``dq="fused"`` there is
+        no dQ kernel, and dK/dV holds per consumer dS^T (16-bit, dQ's left operand) and the
+        fp32 dQ tile that the TMA reduce-add reads."""
         item = np.dtype(dtype).itemsize
         own = lambda rows: CONSUMERS * 2 * rows * head_dim * item
         ring = lambda rows: self.num_stages * 2 * rows * head_dim * item
         dkdv = own(self.block_kv) + ring(self.block_q) + self.num_stages * 3 * self.block_q * 4
         dq = (own(self.block_q) + CONSUMERS * 3 * self.block_q * 4 + ring(self.block_kv)
               + self.num_stages * self.block_kv * 4)
+        if self.dq == "fused":
+            dkdv += CONSUMERS * self.block_q * (self.block_kv * item + head_dim * 4)
+            dq = 0
         positions = 2 * CONSUMERS * max(self.block_q, self.block_kv) * 4  # edge tiles' offsets
         ids = segment_ids * self.num_stages * (max(self.block_q, self.block_kv) * 4 + 8)
         return max(dkdv, dq) + positions + ids + 8 * (6 * self.num_stages + CONSUMERS * 3)

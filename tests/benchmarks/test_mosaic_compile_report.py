@@ -7,8 +7,9 @@ the forward's softmax runs between a partial and a full wgmma wait, unserialised
 Needs jax >= 0.11 with its CUDA plugin (Python >= 3.12; CI's jax 0.10 skips it with the reason);
 runs the tool in a process of its own (it sets JAX_PLATFORMS=cpu before importing jax): about
 25 s for the forward's 8 configurations (and 15 s for its 4 with dropout), a little more
-for the backward's, and about 45 s for the backward's 4 configurations with segment ids (a
-second run of the tool), and about 2 minutes for the forward's 16 with a bias or a mask.
+for the backward's, about 45 s for the backward's 4 configurations with segment ids (a
+second run of the tool), about 2 minutes for the forward's 16 with a bias or a mask, and
+about 100 s for the fused dQ's 7.
 """
 from __future__ import annotations
 
@@ -93,6 +94,26 @@ def test_the_forward_with_a_bias_or_mask_compiles_without_spills(tmp_path_factor
         assert r["shared"] <= min(227 * 1024, r["shared_estimate"]), label
         assert r["tma_loads"] == 3 + ("bias" in r["label"]) + ("mask" in r["label"]), label
         assert r["partial_waits"] >= 1 and r["serialized"] == [], label
+
+
+def test_the_fused_dq_backward_compiles_without_spills(tmp_path_factory):
+    """BackwardConfig(dq="fused") at the default tiles (bf16, D=64/128, causal and not; at
+    D=128 causal also with segment ids, dropout, and GQA with lengths, window and soft cap):
+    one kernel (dK/dV, no dQ kernel) with 0 spill bytes, shared memory within 227 KiB and its
+    estimate (dS^T and the fp32 dQ tile counted), and dQ's TMA reduce-add in the PTX."""
+    from benchmarks.mosaic_compile_report import FUSED_DQ_LABEL, FUSED_DQ_MASKS
+    found = _report(tmp_path_factory, "--only", "fused_dq", "--kernels", "backward")
+    assert sorted((r["kernel"], r["label"], r["head_dim"], r["causal"]) for r in found) == sorted(
+        [("dK/dV", FUSED_DQ_LABEL, d, c) for d in (64, 128) for c in (False, True)]
+        + [("dK/dV", f"{FUSED_DQ_LABEL}, {m}", 128, True) for m, _ in FUSED_DQ_MASKS])
+    for r in found:
+        label = f"{r['label']} D={r['head_dim']} causal={r['causal']}"
+        assert r["ok"], f"{label}: {r['error']}"
+        assert r["spill_stores"] == r["spill_loads"] == r["stack_frame"] == 0, label
+        assert r["shared"] <= min(227 * 1024, r["shared_estimate"] + 4096), label
+        # one reduce-add per loop body that attends (the causal edge tiles have their own)
+        assert r["tma_reduces"] >= (2 if r["causal"] else 1), label
+        assert r["tma_loads"] >= 7 and set(r["setmaxnreg"]) == {"inc 240", "dec 24"}, label
 
 
 def test_every_shipped_configuration_compiles_without_spills_within_shared_memory(rows):

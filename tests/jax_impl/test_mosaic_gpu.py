@@ -23,7 +23,7 @@ from jax_impl import (dropout_sinks, implementations, masking, mosaic_gpu, onlin
                       pallas_triton, recompute_vjp, reference)
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.flash_attention import explain_implementation, flash_attention
-from jax_impl.mosaic_gpu.config import Config, default_config
+from jax_impl.mosaic_gpu.config import BackwardConfig, Config, default_config
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
 from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run, torch_arrays
 
@@ -56,8 +56,8 @@ def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
     (dict(has_mask=True), None),
     (dict(has_bias=True, has_mask=True, block_sizes=Config(64, 64, 2), head_dim=128), None),
     (dict(has_bias=True, block_sizes=Config(64, 128, 2), head_dim=128),
-     "block_sizes=Config(block_q=64, block_kv=128, num_stages=2, persistent=True, backward=None) "
-     "needs 292.1 KiB of shared memory at head_dim=128 with a bias"),
+     "block_sizes=Config(block_q=64, block_kv=128, num_stages=2, persistent=True, backward=None, "
+     "backward_config=None) needs 292.1 KiB of shared memory at head_dim=128 with a bias"),
     (dict(has_segment_ids=True), None),  # the forward takes them; the backward is Triton's
     (dict(dropout_rate=0.1), None),  # the forward takes it; the backward is Triton's
     (dict(block_sizes=BlockSizes()), "block_sizes is a BlockSizes"),
@@ -65,6 +65,10 @@ def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
     (dict(block_sizes=Config(64, 128, 3)), None),  # the same tiles fit at head_dim 64
     (dict(), None),
     (dict(has_sinks=True, soft_cap=3.0, block_sizes=Config()), None),
+    (dict(block_sizes=Config(backward_config=BackwardConfig(128, 128, dq="fused")), head_dim=128),
+     "backward_config=BackwardConfig(block_q=128, block_kv=128, num_stages=2, dq='fused') needs"),
+    (dict(block_sizes=Config(backward_config=BackwardConfig(dq="fused")), head_dim=128,
+          has_segment_ids=True), None),  # the default tiles fit, fused
 ], ids=lambda x: str(x)[:40])
 def test_every_feature_it_does_not_take_is_named(monkeypatch, features, reason):
     monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)  # judged as on jax >= 0.11
@@ -104,10 +108,26 @@ def test_unsupported_calls_by_name_are_refused_before_tracing(monkeypatch):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_q=32), "multiple of 64"), (dict(block_kv=96), "multiple of 64"),
     (dict(block_q=192), "64 or 128"), (dict(num_stages=1), r"\[2, 4\]"),
-    (dict(persistent=1), "bool")])
+    (dict(persistent=1), "bool"),
+    (dict(backward_config="fused"),
+     r"backward_config='fused' must be a mosaic_gpu.BackwardConfig")])
 def test_config_is_validated(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         Config(**kwargs)
+
+
+def test_backward_config_dq_is_validated_and_its_shared_memory_counts_the_fused_tiles():
+    with pytest.raises(ValueError, match=r"BackwardConfig.dq='atomic' must be one of "
+                                         r"\('separate', 'fused'\)"):
+        BackwardConfig(dq="atomic")
+    for head_dim in (64, 128):
+        separate = BackwardConfig().shared_memory_bytes(head_dim, jnp.bfloat16)
+        fused = BackwardConfig(dq="fused").shared_memory_bytes(head_dim, jnp.bfloat16)
+        # per consumer: dS^T (64 x 64, 16-bit) and the fp32 dQ tile (64 x head_dim) on top of
+        # dK/dV's scratch; separate is the larger kernel's (dQ's ring of key poison: 512 B more)
+        tiles = 2 * 64 * (64 * 2 + head_dim * 4)
+        assert tiles - 512 <= fused - separate <= tiles, head_dim
+        assert fused <= 227 * 1024
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -166,6 +186,30 @@ def test_tile_candidates_are_benchmark_plugins_that_pass_their_tiles(monkeypatch
         assert adapter.fn.unsupported(Case("c", head_dim=64, dtype="bfloat16")) is None
     assert registry.get_adapter("benchmarks.mosaic_tiles:q64_kv256_s2", "cpu").fn.unsupported(
         Case("c", head_dim=128, dtype="bfloat16")).startswith("tiles q64_kv256_s2 need")
+
+
+def test_dq_strategies_are_benchmark_plugins_that_pass_their_backward_config(monkeypatch):
+    """run_gpu.sh's step 3c times both dQ strategies (forward+backward) by name: the default
+    forward tiles, the Mosaic backward chosen, its default tiles with that dq."""
+    import dataclasses as dc
+
+    import jax_impl.flash_attention as api
+    from benchmarks import mosaic_tiles, suites
+    from conformance import registry
+    from jax_impl.mosaic_gpu.config import default_backward_config
+    seen = []
+    monkeypatch.setattr(api, "flash_attention", lambda *a, **k: seen.append(k["block_sizes"]))
+    suite = suites.get_suite("mosaic_dq")
+    assert set(suite.impls["cuda"]) == set(mosaic_tiles.DQ_PLUGINS)
+    assert {c.mode for c in suite.configs} == {"fwd+bwd"}
+    for head_dim in (64, 128):
+        q = jnp.zeros((1, 64, 2, head_dim), jnp.bfloat16)
+        for dq, spec in zip(("separate", "fused"), mosaic_tiles.DQ_PLUGINS):
+            registry.get_adapter(spec, "cpu").fn(q, q, q, is_causal=True)
+            assert seen[-1] == dc.replace(
+                default_config(head_dim, jnp.bfloat16), backward="mosaic_gpu",
+                backward_config=dc.replace(default_backward_config(head_dim, jnp.bfloat16),
+                                           dq=dq)), (spec, head_dim)
 
 
 @pytest.mark.parametrize("spec", [masking.MaskSpec(is_causal=True), masking.MaskSpec(),
@@ -701,10 +745,17 @@ def test_gradients_repeat_bit_for_bit(monkeypatch, interpret):
         np.testing.assert_array_equal(a, b)
 
 
+FUSED_DQ = Config(backward="mosaic_gpu", backward_config=BackwardConfig(dq="fused"))
+
+
 @pytest.mark.parametrize("interpret", INTERPRET)
-def test_nonfinite_gradients_follow_the_rule_of_every_implementation(monkeypatch, interpret):
+@pytest.mark.parametrize("backward", [MOSAIC_BACKWARD, FUSED_DQ], ids=("separate", "fused_dq"))
+def test_nonfinite_gradients_follow_the_rule_of_every_implementation(monkeypatch, interpret,
+                                                                      backward):
     """A NaN in v and an inf in k at keys some rows may not attend, a NaN query row: the NaN
-    pattern and the finite values of dq, dk, dv match the xla path's."""
+    pattern and the finite values of dq, dk, dv match the xla path's. Fused, K stays finite
+    for dQ += dS K (the keys' poison enters S^T's rows): dQ rows that do not attend the
+    poisoned keys stay finite."""
     _mosaic_backward_only(monkeypatch, interpret)
     rng = np.random.default_rng(53)
     b, l, h, d = 1, 150, 2, 64
@@ -719,10 +770,35 @@ def test_nonfinite_gradients_follow_the_rule_of_every_implementation(monkeypatch
         _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, **options, **kwargs), q, k, v)
         return [np.asarray(x.astype(jnp.float32)) for x in vjp(ct)]
 
-    got = grads(implementation="mosaic_gpu", interpret=interpret, block_sizes=MOSAIC_BACKWARD)
+    got = grads(implementation="mosaic_gpu", interpret=interpret, block_sizes=backward)
     want = grads(implementation="xla")
     for name, x, y in zip(("dq", "dk", "dv"), got, want):
         np.testing.assert_array_equal(np.isnan(x), np.isnan(y), err_msg=name)
         assert np.isnan(y).any() and not np.isnan(y).all(), name
         finite = ~np.isnan(y)
         np.testing.assert_allclose(x[finite], y[finite], atol=3e-2, err_msg=name)
+
+
+# --- The fused dQ (BackwardConfig(dq="fused"): dS K added in the dK/dV kernel) -------------
+
+# GQA with window, lengths and soft cap; segment ids with causal (bottom-right), lengths and
+# GQA; dropout at head_dim 128 with a window and GQA.
+FUSED_DQ_PROBLEMS = [BACKWARD_PROBLEMS[0], SEGMENT_PROBLEMS[0], DROPOUT_PROBLEMS[1]]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", FUSED_DQ_PROBLEMS, ids=lambda p: p.name)
+def test_fused_dq_gradients_match_the_float64_oracle(monkeypatch, problem, interpret):
+    """dQ from the dK/dV kernel alone (the dQ kernel must not run): each group member's dS K
+    into its own query head's rows, fp32 sums over the key tiles, scaled once after."""
+    import importlib
+    backward = importlib.import_module("jax_impl.mosaic_gpu.backward")  # the package's
+    # attribute of that name is its backward function
+    _mosaic_backward_only(monkeypatch, interpret)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dQ kernel ran")
+    monkeypatch.setattr(backward, "_dq_consumer", refuse)
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
+                  block_sizes=FUSED_DQ)
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
