@@ -143,7 +143,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
         attended = online_softmax.attended(tile.t, tile.allowed, bias_ref is not None)
         p = softmax.probs(tile.t, stats, attended)
         dp = common.dot(do, tile.v, cfg.precision, trans_b=True)
-        keep = common.dropout_keep(cfg, seed, query.rows, tile.cols, dropout_offset_ref)  # dP reaches P through it
+        # dP reaches P through the same keep mask.
+        keep = common.dropout_keep(cfg, seed, query.rows, tile.cols, dropout_offset_ref)
         ds, dqk = online_softmax.logits_gradient(p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate),
                                                  delta, tile.capped, cfg, scaled=False,
                                                  exclusions=attended is not None)
