@@ -1,5 +1,18 @@
-"""The ``gpu`` marker: tests that run the compiled kernels on a CUDA device (backends.py)."""
+"""The ``gpu`` marker: tests that run the compiled kernels on a CUDA device (backends.py); XLA's
+CPU code generation at -O0 for the suite but the CUDA compile lane."""
+import os
+
 import pytest
+
+# The suite compiles thousands of small XLA programs, and compiling is most of its time: LLVM at
+# -O0 takes about a quarter off (what the tests check is each program's results, HLO and
+# buffers, none of which depend on how well LLVM optimises the host code). Set before any test
+# starts JAX's CPU backend; subprocesses inherit it. A flag given in XLA_FLAGS is kept, and the
+# CUDA compile lane (tests/cuda_compile_lane.sh) compiles as users do: its registers and
+# spills are the result.
+if os.environ.get("CUDA_COMPILE_LANE") != "1" and \
+        "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
 def pytest_configure(config):

@@ -17,7 +17,7 @@ SCRIPTS = pathlib.Path(__file__).resolve().parent / "scripts"
 
 def run_script(name: str, *args: str, devices: int = 8, timeout: float = 300) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("JAX_PLATFORMS", "cpu")
     proc = subprocess.run([sys.executable, str(SCRIPTS / name), *args], env=env, cwd=ROOT,
