@@ -35,33 +35,34 @@ def test_all_to_all_is_exact_and_gathers_nothing(mode):
     assert pattern["same_as_single"] and pattern["same_as_mask"], pattern
 
 
-def test_hybrid_on_a_2x4_mesh_is_exact_and_gathers_nothing():
-    """The sequence over both axes of a (host=2, chip=4) mesh: all-to-all over "chip", ring
-    over "host"; GQA, dropout, sinks, lengths, segment ids, window; fwd+bwd vs torch_ref."""
-    names = ("hybrid_causal_gqa_dropout_sinks", "a2a_bottom_right_window_lengths_segments",
-             "a2a_dropout_pattern_causal")
-    results = run_script("ring_features.py", "jit_hybrid", *names)
-    for name, r in results.items():
-        assert r["all_gathers"] == 0 and r["all_to_alls"] > 0 and r["permutes"] > 0, (name, r)
-        assert max(r["errors"].values()) < TOL, (name, r["errors"])
-        assert r["single"] < TOL, (name, r["single"])
-    assert "dsinks" in results["hybrid_causal_gqa_dropout_sinks"]["errors"]
-    pattern = results["a2a_dropout_pattern_causal"]["pattern"]
-    assert pattern["same_as_single"] and pattern["same_as_mask"], pattern
+def _assert_hybrid_exact(name, r):
+    assert r["all_gathers"] == 0 and r["all_to_alls"] > 0 and r["permutes"] > 0, (name, r)
+    assert max(r["errors"].values()) < TOL, (name, r["errors"])
+    assert r["single"] < TOL, (name, r["single"])
 
 
-def test_hybrid_attention_in_shard_map_is_exact_and_agrees_with_plain_jit():
+def test_hybrid_on_a_2x4_mesh_draws_the_one_device_dropout_pattern():
+    """The sequence over both axes of a (host=2, chip=4) mesh under plain jit: all-to-all over
+    "chip", ring over "host"; the dropout pattern bit for bit (the other features: the test
+    below, which runs the plain-jit hybrid beside hybrid_attention)."""
+    (r,) = run_script("ring_features.py", "jit_hybrid", "a2a_dropout_pattern_causal").values()
+    _assert_hybrid_exact("a2a_dropout_pattern_causal", r)
+    assert r["pattern"]["same_as_single"] and r["pattern"]["same_as_mask"], r["pattern"]
+
+
+def test_hybrid_attention_in_shard_map_and_under_jit_is_exact_and_agrees():
     """hybrid_attention inside shard_map on a (host=2, chip=4) mesh, the sequence over both
-    axes in natural order: GQA, dropout, sinks, lengths, segment ids, window; fwd+bwd vs
-    torch_ref float64, the one-device call (dropout: its pattern), and the plain-jit hybrid on
-    the same arrays."""
+    axes in natural order, and flash_attention's hybrid under plain jit on the same arrays:
+    GQA, dropout, sinks, lengths, segment ids, window; fwd+bwd vs torch_ref float64, the
+    one-device call (dropout: its pattern), no gathers, and each other."""
     names = ("hybrid_causal_gqa_dropout_sinks", "a2a_bottom_right_window_lengths_segments")
     results = run_script("ring_features.py", "shard_map_hybrid", *names)
     for name, r in results.items():
-        assert r["all_gathers"] == 0 and r["all_to_alls"] > 0 and r["permutes"] > 0, (name, r)
-        assert max(r["errors"].values()) < TOL, (name, r["errors"])
-        assert r["single"] < TOL and r["jit_agreement"] < TOL, (name, r)
-    assert "dsinks" in results["hybrid_causal_gqa_dropout_sinks"]["errors"]
+        _assert_hybrid_exact(name, r)
+        _assert_hybrid_exact(name, r["jit"])
+        assert r["jit_agreement"] < TOL, (name, r["jit_agreement"])
+    for r in (results["hybrid_causal_gqa_dropout_sinks"], results["hybrid_causal_gqa_dropout_sinks"]["jit"]):
+        assert "dsinks" in r["errors"]
 
 
 def _hybrid_shapes(hq, hkv, length=64, mesh=((2, 4), ("host", "chip")),
