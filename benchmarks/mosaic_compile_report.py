@@ -401,6 +401,13 @@ def markdown(rows: list[Facts], only: str = "all") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _head_dims(text: str) -> set[int]:
+    try:
+        return {int(d) for d in text.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--head-dims takes comma-separated integers such as 64,128, not {text!r}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
@@ -408,9 +415,12 @@ def main(argv=None) -> int:
                                            "fused_dq"), default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
+    parser.add_argument("--head-dims", type=_head_dims,
+                        help="only the rows of these head_dims, e.g. 128 (default: every row)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    configs = configurations(args.only, args.seq_len)
+    configs = [c for c in configurations(args.only, args.seq_len)
+               if args.head_dims is None or c[2] in args.head_dims]
     rows = report(configs, args.seq_len) if args.kernels != "backward" else []
     if args.kernels != "forward":
         rows += report_backward(configs, args.seq_len)
