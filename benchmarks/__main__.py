@@ -13,9 +13,11 @@ writes its own files to the same folder.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -82,14 +84,17 @@ def check_numbers(args) -> None:
 def _enable_compile_cache():
     """Each input set gets its own Prepared (its own jit): a per-process compilation cache turns
     the 2nd..nth compile of the same program into a load. Fresh per run, so first-call and
-    prepare times stay honest."""
+    prepare times stay honest; removed when the process ends. -> its folder (None: no cache)."""
     try:
         import jax
-        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="bench_jax_cache_"))
+        path = tempfile.mkdtemp(prefix="bench_jax_cache_")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        return path
     except Exception:
-        pass
+        return None
 
 
 def select(suite, args, device):

@@ -1,6 +1,8 @@
 """python -m benchmarks: command-line errors in one line before any work; what is missing is said."""
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +75,20 @@ def test_default_output_is_under_the_current_directory(tmp_path, monkeypatch):
     env = json.loads(written.read_text())["environment"]
     assert env["command"].startswith("python -m benchmarks --suite quick")
     assert all(k.startswith(("XLA_", "JAX_", "OMP_", "MKL_", "CUDA_VISIBLE", "TF_CPP_")) for k in env["env_vars"])
+
+
+def test_the_compilation_cache_folder_is_removed_when_the_process_ends(tmp_path):
+    """Each run's cache is fresh (first-call times stay honest) and leaves nothing in the
+    temporary folder once the process exits."""
+    script = (f"import tempfile; tempfile.tempdir = {str(tmp_path)!r}\n"
+              "import jax\n"
+              "from benchmarks.__main__ import _enable_compile_cache\n"
+              "path = _enable_compile_cache()\n"
+              "jax.jit(lambda x: x * 2 + 1)(jax.numpy.arange(3.0)).block_until_ready()\n"
+              "import os; print(path, len(os.listdir(path)))\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=Path(cli.__file__).parents[1],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    path, entries = run.stdout.split()[-2:]
+    assert Path(path).parent == tmp_path and int(entries) > 0  # it cached something
+    assert not Path(path).exists()
