@@ -405,7 +405,8 @@ def _head_dims(text: str) -> set[int]:
     try:
         return {int(d) for d in text.split(",")}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--head-dims takes comma-separated integers such as 64,128, not {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--head-dims takes comma-separated integers such as 64,128, not {text!r}")
 
 
 def main(argv=None) -> int:

@@ -82,9 +82,9 @@ def test_the_forward_with_a_bias_or_mask_compiles_without_spills(tmp_path_factor
     found = _report(tmp_path_factory, "--only", "bias_mask", "--head-dims", "128")
     assert {r["kernel"] for r in found} == {"forward"}
     assert {(r["label"], r["head_dim"], r["causal"]) for r in found} == {
-        (label, d, c) for label in ("bias float32 [1, H]", "bias bfloat16 [B, H]",
-                                    "mask bool [B, 1]", "bias float32 [1, H] + mask")
-        for c in (False, True) for d in (128,)}
+        (label, 128, c) for label in ("bias float32 [1, H]", "bias bfloat16 [B, H]",
+                                      "mask bool [B, 1]", "bias float32 [1, H] + mask")
+        for c in (False, True)}
     for r in found:
         label = f"{r['label']} D={r['head_dim']} causal={r['causal']}"
         assert r["ok"], f"{label}: {r['error']}"
