@@ -202,7 +202,8 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
 
     facts = Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q, config.block_kv,
                   config.num_stages, config.persistent, length,
-                  config.shared_memory_bytes(head_dim, dtype, pairwise_bytes))
+                  config.shared_memory_bytes(head_dim, dtype, pairwise_bytes,
+                                             bool(options.get("segments"))))
     from jax_impl.mosaic_gpu.config import SHARED_MEMORY_BUDGET
     if facts.shared_estimate > SHARED_MEMORY_BUDGET:
         raise ValueError(f"over the shared-memory budget: {facts.shared_estimate / 1024:.1f} KiB "
@@ -355,7 +356,8 @@ def report(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                 config = _forward_config(head_dim, dtype, config, options)
                 facts = Facts(label, dtype, head_dim, causal, config.block_q, config.block_kv,
                               config.num_stages, config.persistent, options.get("seq_len", seq_len),
-                              config.shared_memory_bytes(head_dim, dtype, _pairwise(options)[2]),
+                              config.shared_memory_bytes(head_dim, dtype, _pairwise(options)[2],
+                                                         bool(options.get("segments"))),
                               error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             rows.append(facts)
     return rows

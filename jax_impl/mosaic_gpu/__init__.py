@@ -81,10 +81,12 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                     "jax_impl.mosaic_gpu.Config")
         if isinstance(cfg.block_sizes, Config):
             need = cfg.block_sizes.shared_memory_bytes(  # 16-bit only
-                head_dim, jnp.bfloat16, pairwise_bytes=_pairwise_bytes(has_bias, has_mask))
+                head_dim, jnp.bfloat16, pairwise_bytes=_pairwise_bytes(has_bias, has_mask),
+                segment_ids=has_segment_ids)
             if need > SHARED_MEMORY_BUDGET:
                 with_pairwise = " ".join(
-                    x for x, given in (("with a bias", has_bias), ("with a mask", has_mask)) if given)
+                    x for x, given in (("with a bias", has_bias), ("with a mask", has_mask),
+                                       ("with segment ids", has_segment_ids)) if given)
                 return (f"block_sizes={cfg.block_sizes} needs {need / 1024:.1f} KiB of shared "
                         f"memory at head_dim={head_dim}{' ' * bool(with_pairwise)}{with_pairwise}, "
                         f"over the {SHARED_MEMORY_BUDGET // 1024} KiB an sm_90 block may take: "

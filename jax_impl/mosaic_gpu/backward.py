@@ -42,7 +42,7 @@ from a per-key vector loaded once per item.
 Segment ids (rule 4, on every tile): the side that stays loads its ids once per item (a plain
 load, 2 values per thread); the streamed side's ids come through the ring by TMA with their
 tile and are read from the slot where they are compared, so no tile's ids stay live in
-registers across the loop (0 spills compiled, where the forward's held key ids spill).
+registers across the loop (0 spills compiled), as in the forward.
 
 Edges as in the forward: Lq and Lk are padded to multiples of 8 (the TMA descriptors' row
 groups), TMA loads past them read zeros, stores are clipped, and ``masking.with_padding``

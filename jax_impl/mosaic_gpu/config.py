@@ -68,13 +68,15 @@ class Config:
             raise TypeError(f"mosaic_gpu.Config.backward_config={self.backward_config!r} must be "
                             "a mosaic_gpu.BackwardConfig or None")
 
-    def shared_memory_bytes(self, head_dim: int, dtype, pairwise_bytes: int = 0) -> int:
+    def shared_memory_bytes(self, head_dim: int, dtype, pairwise_bytes: int = 0,
+                            segment_ids: bool = False) -> int:
         """Bytes of the kernel's scratch: Q (reused for O) per consumer, the K and V ring, the
         row statistics per consumer, one 8-byte mbarrier per stage and role, and Mosaic's
         alignment of the buffers (measured: 2.9-3.0 KiB above their sum in every compiled
         configuration, benchmarks/results/mosaic_forward_tiles_sm90.md). ``pairwise_bytes``:
         bytes per (query, key) pair of the bias and mask tiles streamed beside K and V (the
-        bias's itemsize, plus 1 for the int8 mask; 0: neither), with their two barriers."""
+        bias's itemsize, plus 1 for the int8 mask; 0: neither), with their two barriers.
+        ``segment_ids``: the key tiles' ids (int32) in a ring beside K's."""
         item = np.dtype(dtype).itemsize
         q = CONSUMERS * self.block_q * head_dim * item
         kv = 2 * self.num_stages * self.block_kv * head_dim * item
@@ -84,7 +86,8 @@ class Config:
         if pairwise_bytes:
             pairwise = (self.num_stages * CONSUMERS * self.block_q * self.block_kv * pairwise_bytes
                         + 8 * 2 * self.num_stages)
-        return q + kv + stats + barriers + pairwise + ALIGNMENT_SLACK
+        ids = segment_ids * self.num_stages * self.block_kv * 4
+        return q + kv + stats + barriers + pairwise + ids + ALIGNMENT_SLACK
 
 
 PREVIOUS_DEFAULT = Config(block_q=64, block_kv=128, num_stages=2)  # every head_dim until 0.2.0

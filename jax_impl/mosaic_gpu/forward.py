@@ -21,7 +21,9 @@ Each consumer walks every key tile of its CTA's range (the producer loads each o
 in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outside its own
 range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
 the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none
-(segment ids and a dense mask, when given, apply on every tile; dropout, when asked, drops P
+(segment ids and a dense mask, when given, apply on every tile: the key tile's ids come by TMA
+with K into a ring of their own and are read from shared memory where they are compared;
+dropout, when asked, drops P
 after its row sum by the library's hash: ``_Dropout``). Inside a consumer the attended tiles are
 pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
 with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
@@ -76,6 +78,7 @@ class Geometry:
     config: Config
     bias_dtype: object = None  # the bias's dtype, or None: no bias
     has_mask: bool = False
+    has_segments: bool = False
 
     @property
     def rows_per_cta(self) -> int:
@@ -103,7 +106,8 @@ def _scratch(geometry: Geometry):
              plgpu.SMEM((CONSUMERS, c.block_q), jnp.float32),  # row max
              plgpu.SMEM((CONSUMERS, c.block_q), jnp.float32))  # row log-sum
     barriers = (plgpu.Barrier(num_barriers=CONSUMERS),                          # Q loaded
-                plgpu.Barrier(num_barriers=c.num_stages),                       # K produced
+                # K produced: with segment ids the key tile's ids arrive on it too
+                plgpu.Barrier(num_arrivals=1 + geometry.has_segments, num_barriers=c.num_stages),
                 plgpu.Barrier(num_barriers=c.num_stages),                       # V produced
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages),  # K consumed
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages),  # V consumed
@@ -116,6 +120,8 @@ def _scratch(geometry: Geometry):
         tiles += tuple(rings)
         barriers += (plgpu.Barrier(num_arrivals=len(rings), num_barriers=c.num_stages),
                      plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
+    if geometry.has_segments:  # the key tiles' ids, a ring beside K's (read before its release)
+        tiles += (plgpu.SMEM((c.num_stages, c.block_kv), jnp.int32),)
     return tiles, barriers
 
 
@@ -128,7 +134,7 @@ class _Pairwise:
     def __init__(self, refs, smem, barriers):
         self.gmem = [x for x in (refs.bias, refs.mask) if x is not None]
         self.has_bias, self.has_mask = refs.bias is not None, refs.mask is not None
-        self.rings = smem[5:]
+        self.rings = smem[5:5 + len(self.gmem)]
         self.produced, self.consumed = barriers[6:] if self.gmem else (None, None)
 
     def load(self, b, head, rows, keys, slot, step, num_stages: int):
@@ -237,6 +243,7 @@ def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     c = geometry.config
     _, k_smem, v_smem, _, _ = smem[:5]
     _, k_produced, v_produced, k_consumed, v_consumed, _ = barriers[:6]
+    key_ids = smem[-1] if geometry.has_segments else None
     pairwise = _Pairwise(refs, smem, barriers)
     groups = geometry.heads // geometry.kv_heads
 
@@ -254,6 +261,9 @@ def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 def _(consumed=consumed):
                     plgpu.barrier_wait(consumed.at[slot])
                 plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], produced.at[slot])
+                if src is refs.k and key_ids is not None:
+                    plgpu.copy_gmem_to_smem(refs.kv_segments.at[b, keys[1]], key_ids.at[slot],
+                                            produced.at[slot])
                 if src is refs.k:  # the bias and mask, read with S
                     pairwise.load(b, head, rows, pl.ds(j * c.block_kv, c.block_kv), slot, step,
                                   c.num_stages)
@@ -280,6 +290,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     c = geometry.config
     wg = lax.axis_index("wg")
     q_smem, k_smem, v_smem, max_smem, log_sum_smem = smem[:5]
+    key_ids = smem[-1] if geometry.has_segments else None
     q_loaded, k_produced, v_produced, k_consumed, v_consumed, schedule = barriers[:6]
     q_smem, max_smem, log_sum_smem = q_smem.at[wg], max_smem.at[wg], log_sum_smem.at[wg]
     pairwise = _Pairwise(refs, smem, barriers)
@@ -311,7 +322,13 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
 
         def softmax_of(s, j, slot, masked: bool, row_max, row_sum):
             """The online softmax of key tile ``j``'s logits (in ring stage ``slot``):
-            (rescale, P in fp32, stats)."""
+            (rescale, P in fp32, stats). Releases K's stage once its key ids are read."""
+            same = None
+            if q_segments is not None:  # every pair's rule: on every tile, the interior too
+                kv_segments = plgpu.load(key_ids.at[slot], layout=_COLUMN, optimized=False)
+                same = (online_softmax.rows_to(q_segments, s)
+                        == lax.broadcast_in_dim(kv_segments, tile, (1,)))
+            plgpu.barrier_arrive(k_consumed.at[slot])
             bias, allowed = pairwise.read(slot, own_rows)
             t, _ = softmax.logits(s, cfg, bias)
             if masked:
@@ -319,13 +336,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                     cfg.mask, it.q_start + iota(0), j * c.block_kv + iota(1), it.q_len,
                     it.kv_len, it.offset)
                 allowed = masking.all_of([allowed, structural])
-            if q_segments is not None:  # every pair's rule: on every tile, the interior too
-                kv_segments = plgpu.load(
-                    refs.kv_segments.at[it.b, pl.ds(j * c.block_kv, c.block_kv)],
-                    layout=_COLUMN, optimized=False)
-                same = (online_softmax.rows_to(q_segments, s)
-                        == lax.broadcast_in_dim(kv_segments, tile, (1,)))
-                allowed = same if allowed is None else allowed & same
+            allowed = masking.all_of([allowed, same])
             rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
             pairwise.release(slot)
             return rescale, p, row_max, row_sum
@@ -360,7 +371,6 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 return s_ref[...]
 
             s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
             rescale, p, row_max, row_sum = softmax_of(s, j, slot, True, row_max, row_sum)
             p = dropped(p, j)
             acc = acc * online_softmax.rows_to(rescale, acc)
@@ -377,7 +387,6 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             plgpu.barrier_wait(k_produced.at[slot])
 
             def between(s, row_max=row_max, row_sum=row_sum):
-                plgpu.barrier_arrive(k_consumed.at[slot])
                 return softmax_of(s, j, slot, masked, row_max, row_sum)
 
             acc, (rescale, p, row_max, row_sum) = _pipelined_gemms(
@@ -553,6 +562,7 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
     mask = None if mask is None else _rows_of_sixteen_bytes(mask.astype(jnp.int8))
     q, k, v, geometry = _rows_of_eight(q, k, v, geometry)
     has_segments = q_segment_ids is not None
+    geometry = dataclasses.replace(geometry, has_segments=has_segments)
     if has_segments:
         # Whole tiles, so that every row a tile's load reads exists; the padded rows and keys
         # lie past the lengths (the length rule is on there), their ids are never compared.

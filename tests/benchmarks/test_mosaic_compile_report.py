@@ -8,8 +8,8 @@ Needs jax >= 0.11 with its CUDA plugin (Python >= 3.12; CI's jax 0.10 skips it w
 runs the tool in a process of its own (it sets JAX_PLATFORMS=cpu before importing jax): about
 25 s for the forward's 8 configurations (and 15 s for its 4 with dropout), a little more
 for the backward's; then, at D=128 only (the larger registers and shared memory; the committed
-report, ``--only all``, has their D=64 rows too), the backward with segment ids, the forward
-with a bias or a mask and the fused dQ, about 3 minutes together on the slower 2-core host.
+report, ``--only all``, has their D=64 rows too), the forward and backward with segment ids, the
+forward with a bias or a mask and the fused dQ, about 3 minutes together on the slower 2-core host.
 """
 from __future__ import annotations
 
@@ -56,21 +56,30 @@ def rows(tmp_path_factory):
     return _report(tmp_path_factory)
 
 
-def test_the_backward_with_segment_ids_compiles_without_spills(tmp_path_factory):
-    """The dK/dV and dQ kernels of bf16 calls with segment ids (D=128, causal and not):
-    0 spill bytes, shared memory within 227 KiB and their estimate (the ids' ring counted), and
-    one more TMA load than without (the streamed tile's ids: query ids in dK/dV, key ids in
-    dQ, beside 7 and 8 operands)."""
-    found = _report(tmp_path_factory, "--only", "segments", "--kernels", "backward", "--head-dims", "128")
-    for kernel, loads in (("dK/dV", 7 + 1), ("dQ", 8 + 1)):
+def test_segment_ids_stream_by_tma_and_the_backward_compiles_without_spills(tmp_path_factory):
+    """Calls with segment ids (bf16, D=128, causal and not). Every kernel takes one more TMA
+    load than without: the streamed tile's ids (key ids in the forward beside Q, K and V; query
+    ids in dK/dV beside 7 operands; key ids in dQ beside 8). The dK/dV and dQ kernels: 0 spill
+    bytes, shared memory within 227 KiB and their estimate (the ids' ring counted). The
+    forward: 0 spill bytes without causal; with it, no more than docs/limitations.md names
+    (288/492 bytes stored/loaded: each item's prologue and the masked tiles; reading the ids
+    from global memory on every tile spilled 328/536)."""
+    found = _report(tmp_path_factory, "--only", "segments", "--head-dims", "128")
+    for kernel, tma_loads in (("forward", 3 + 1), ("dK/dV", 7 + 1), ("dQ", 8 + 1)):
         mine = [r for r in found if r["kernel"] == kernel]
         assert {(r["head_dim"], r["causal"]) for r in mine} == {(128, c) for c in (False, True)}, kernel
         for r in mine:
             label = f"{kernel} D={r['head_dim']} causal={r['causal']} with segment ids"
             assert r["ok"], f"{label}: {r['error']}"
+            assert r["tma_loads"] == tma_loads, label
+            if kernel == "forward":
+                assert r["shared"] <= min(227 * 1024, r["shared_estimate"]), label
+                most_stored, most_loaded = (288, 492) if r["causal"] else (0, 0)
+                assert r["spill_stores"] <= most_stored and r["spill_loads"] <= most_loaded, label
+                continue
             assert r["spill_stores"] == r["spill_loads"] == r["stack_frame"] == 0, label
             assert r["shared"] <= min(227 * 1024, r["shared_estimate"] + 4096), label
-            assert r["tma_loads"] == loads and set(r["setmaxnreg"]) == {"inc 240", "dec 24"}, label
+            assert set(r["setmaxnreg"]) == {"inc 240", "dec 24"}, label
 
 
 def test_the_forward_with_a_bias_or_mask_compiles_without_spills(tmp_path_factory):
