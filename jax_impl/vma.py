@@ -33,3 +33,15 @@ def like(tree, axes: tuple):
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
+
+
+def out_struct(shape, dtype, like):
+    """``jax.ShapeDtypeStruct`` varying over the manual axes ``like`` varies over: with
+    check_vma a kernel call (pallas_call, plgpu.kernel) must be told how its outputs vary, like
+    its operands, which the wrappers first bring to one common set of axes (``like``)."""
+    aval = jax.typeof(like)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    vma = getattr(aval, "vma", None)  # older JAX
+    return jax.ShapeDtypeStruct(shape, dtype, **({} if vma is None else {"vma": vma}))

@@ -3,7 +3,8 @@
 # CUDA 13 plugin (Python >= 3.12), no GPU: the Mosaic GPU kernels' sm_90a compile report
 # (tests/benchmarks/test_mosaic_compile_report.py: 0 spills, shared memory, TMA, wgmma,
 # setmaxnreg; the machine's ptxas, CUDA 13, assembles) and the ring's send/compute overlap in
-# XLA:GPU's schedule on 8 devices (tests/sharding/test_ring_overlap.py).
+# XLA:GPU's schedule on 8 devices (tests/sharding/test_ring_overlap.py), and the kernels' outputs
+# and gradients typed as varying inside shard_map (tests/jax_impl/test_mosaic_gpu_shard_map.py).
 # The lane's environment is a venv of its own (default .venv-cuda-compile, about 1 GB: jax, jaxlib,
 # the plugin without NVIDIA's library wheels, pytest), made on first use. The lane is skipped,
 # saying why, where there is no Python >= 3.12 or no ptxas; any other failure fails it.
@@ -32,4 +33,5 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if ! command -v ptxas >/dev/null; then echo "cuda compile lane skipped: no ptxas on PATH (CUDA 13)"; exit 0; fi
 CUDA_COMPILE_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/benchmarks/test_mosaic_compile_report.py tests/sharding/test_ring_overlap.py -k "compile" 
+  tests/benchmarks/test_mosaic_compile_report.py tests/sharding/test_ring_overlap.py \
+  tests/jax_impl/test_mosaic_gpu_shard_map.py -k "compile or mosaic_gpu_shard_map" 

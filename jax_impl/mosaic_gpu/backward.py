@@ -658,7 +658,8 @@ def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch,
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **({} if interpret is None else {"interpret": interpret}))
-    return kernel(*[inputs[n] for n in present])
+    operands = [inputs[n] for n in present]
+    return vma.like(kernel(*operands), vma.axes_of(*operands))  # as forward_call's outputs
 
 
 def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, stats, delta,
@@ -738,6 +739,8 @@ def _fused_call(cfg, g: Geometry, common, k, v, key_poison, order, interpret, lq
     pass after it. Its rows cover whole CTAs of queries, so no reduce-add is clipped."""
     rows = g.q_pairs * CONSUMERS * g.config.block_q
     copies = () if interpret is None else (CONSUMERS,)  # one per warpgroup: _add_fused_dq
+    # Unvarying inside shard_map (jax 0.11's kernels refuse a varying Ref): dQ is marked
+    # varying once read, below.
     dq_sum = jax.new_ref(jnp.zeros((*copies, g.batch, rows, g.heads, g.head_dim), jnp.float32))
     kv_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     dk, dv = _kernel(cfg, g, dict(common, k=k, key_poison=key_poison, dq_sum=dq_sum),
@@ -746,6 +749,5 @@ def _fused_call(cfg, g: Geometry, common, k, v, key_poison, order, interpret, lq
     dq = dq_sum[...]
     if interpret is not None:
         dq = dq.sum(0)
-    # The fresh zeros vary over no manual axis (inside shard_map); dQ varies as the operands do.
     dq = vma.like((dq[:, :lq] * cfg.scale).astype(g.dtype), vma.axes_of(k, v))
     return dq, dk[:, :lk], dv[:, :lk]

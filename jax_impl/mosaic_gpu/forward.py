@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_impl import dropout_sinks, masking, online_softmax
+from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_gpu.config import CONSUMERS, Config
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
@@ -609,7 +609,10 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
         grid=(order.num_ctas,), grid_names=("cta",), num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **({} if interpret is None else {"interpret": interpret}))
-    out, row_max, log_sum = kernel(*operands)
+    # Inside shard_map the outputs vary as the operands do: plgpu.kernel (jax 0.11) returns
+    # them unvarying whatever out_type says (a custom VJP's check, or a collective, would then
+    # take one device's result for every device's).
+    out, row_max, log_sum = vma.like(kernel(*operands), vma.axes_of(*operands))
     return out[:, :lq], row_max[..., :lq], log_sum[..., :lq]
 
 

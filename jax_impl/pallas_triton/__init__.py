@@ -19,7 +19,7 @@ from jax_impl.pallas_triton.layout import Layout
 def _kernel_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInputs):
     """The config whose mask excludes the positions that the last tiles reach past (layout.py),
     the dense mask as int8, and (inside shard_map) every operand made to vary over the same
-    manual axes (common.out_struct)."""
+    manual axes (vma.out_struct)."""
     q, k, v, bias, masks = vma.like((q, k, v, bias, masks), vma.axes_of(q, k, v, bias, masks))
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=layout.lq_tiled != layout.lq, keys_padded=layout.lk_tiled != layout.lk))

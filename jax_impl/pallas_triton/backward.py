@@ -200,7 +200,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
                 common.dropout_offset_spec(dropout_offset), stats_group,
                 pl.BlockSpec((None, None, bk), lambda j, b, h: (b, h, j))])),  # key poison
             out_specs=[order.spec(kv_tile)] * len(outputs),
-            out_shape=[common.out_struct(k.shape, {"dk": k, "dv": v}[name].dtype, q) for name in outputs],
+            out_shape=[vma.out_struct(k.shape, {"dk": k, "dv": v}[name].dtype, q) for name in outputs],
             interpret=cfg.interpret, debug=cfg.debug,
             name="flash_attention_backward_" + "".join(outputs),
             compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
@@ -223,7 +223,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         common.dropout_offset_spec(dropout_offset), stats_tile,
         pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0))]  # key poison
     out_specs = [q_tile]
-    out_shape = [common.out_struct(q.shape, q.dtype, q)]
+    out_shape = [vma.out_struct(q.shape, q.dtype, q)]
     write_dbias = bias is not None and cfg.bias_gradient
     aliases = {}
     if write_dbias:  # zeros in, updated in place: the kernel writes only the band's tiles
@@ -233,7 +233,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         inputs = (*inputs, vma.like(dbias_zeros, vma.axes_of(q)))
         in_specs.append(dbias_tile)
         out_specs.append(dbias_tile)
-        out_shape.append(common.out_struct(dbias_zeros.shape, jnp.float32, q))
+        out_shape.append(vma.out_struct(dbias_zeros.shape, jnp.float32, q))
     order = common.TileOrder(tiles(layout.lq, bq), masking.later_query_tiles_heavier(cfg.mask))
     results = pl.pallas_call(
         functools.partial(_dq_kernel_with_dbias if write_dbias else _dq_kernel_no_dbias, cfg=cfg,

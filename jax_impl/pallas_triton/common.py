@@ -136,20 +136,6 @@ def position_offset(offset_ref, b):
     return None if offset_ref is None else offset_ref[b]
 
 
-# --- Inside jax.shard_map (ring attention) --------------------------------------------------
-# With check_vma, pallas_call needs to be told how its outputs vary over the manual mesh axes:
-# like the operands, which the wrapper first brings to one common set of axes (vma.like).
-
-def out_struct(shape, dtype, like):
-    """``jax.ShapeDtypeStruct`` varying over the manual axes ``like`` varies over."""
-    aval = jax.typeof(like)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-    vma = getattr(aval, "vma", None)  # older JAX
-    return jax.ShapeDtypeStruct(shape, dtype, **({} if vma is None else {"vma": vma}))
-
-
 # --- Sinks and dropout (dropout_sinks.py) ---------------------------------------------------------
 # Both arrive as whole [Bs, Hs] arrays (Bs in {1, B}, Hs in {1, Hq}); a kernel reads its one
 # scalar per (batch, head).

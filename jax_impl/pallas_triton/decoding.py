@@ -168,9 +168,9 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
     stats_spec = pl.BlockSpec((None, None, None, block_r), lambda r, i, h: (r, i, h, 0))
     out_specs = [pl.BlockSpec((None, None, None, block_r, d_tile), lambda r, i, h: (r, i, h, 0, 0)),
                  stats_spec, stats_spec]
-    out_shape = [common.out_struct((runs, b, hkv, block_r, d_tile), jnp.float32, q),
-                 common.out_struct((runs, b, hkv, block_r), jnp.float32, q),
-                 common.out_struct((runs, b, hkv, block_r), jnp.float32, q)]
+    out_shape = [vma.out_struct((runs, b, hkv, block_r, d_tile), jnp.float32, q),
+                 vma.out_struct((runs, b, hkv, block_r), jnp.float32, q),
+                 vma.out_struct((runs, b, hkv, block_r), jnp.float32, q)]
     kernel = functools.partial(_decode_kernel, cfg=cfg, layout=layout, lq=lq, groups=groups,
                                runs=runs, block_r=block_r, page_size=page_size)
     out, row_max, log_sum = pl.pallas_call(

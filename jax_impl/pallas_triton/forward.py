@@ -20,7 +20,7 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_impl import dropout_sinks, masking, online_softmax
+from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common
 from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
@@ -90,10 +90,10 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
         pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0)),  # key poison
     ]
     stats_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-    stats_shape = common.out_struct((batch, hq, layout.lq), jnp.float32, q)
+    stats_shape = vma.out_struct((batch, hq, layout.lq), jnp.float32, q)
     out_specs = [pl.BlockSpec((None, block_q, None, d_tile), lambda i, b, h: (b, i, h, 0)),
                  stats_spec, stats_spec]
-    out_shape = [common.out_struct(q.shape, q.dtype, q), stats_shape, stats_shape]
+    out_shape = [vma.out_struct(q.shape, q.dtype, q), stats_shape, stats_shape]
     order = common.TileOrder(tiles(layout.lq, block_q), masking.later_query_tiles_heavier(cfg.mask))
     kernel = functools.partial(_forward_kernel, cfg=cfg, layout=layout, order=order)
     return pl.pallas_call(
