@@ -11,9 +11,10 @@ def test_sequence_sharded_jit_is_exact_and_gathers_nothing(implementation):
     """q, k, v (and segment ids) sharded P(None, "seq"); bias and mask sharded along their
     query rows with every key column, P(None, None, "seq", None). GQA, MQA, causal both
     alignments, window, lengths, a constant (not differentiated) bias; judged against torch_ref
-    float64 (pallas: interpreter)."""
+    float64 (pallas: interpreted, the two configurations with its kernels' own features:
+    segment ids, lengths, window and bottom-right; a bias and a mask with GQA)."""
     results = run_script("partition_sequence.py", "exact", implementation)
-    assert len(results) == 5
+    assert len(results) == (5 if implementation == "xla" else 2)
     for config, r in results.items():
         assert r["all_gathers"] == 0, config
         assert r["permutes"] > 0, config  # the ring's ppermutes
