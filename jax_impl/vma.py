@@ -37,8 +37,9 @@ def like(tree, axes: tuple):
 
 def out_struct(shape, dtype, like):
     """``jax.ShapeDtypeStruct`` varying over the manual axes ``like`` varies over: with
-    check_vma a kernel call (pallas_call, plgpu.kernel) must be told how its outputs vary, like
-    its operands, which the wrappers first bring to one common set of axes (``like``)."""
+    check_vma a ``pallas_call`` must be told how its outputs vary, like its operands, which the
+    wrappers first bring to one common set of axes (``plgpu.kernel`` of Mosaic GPU ignores it:
+    its outputs are marked with ``like`` after the call)."""
     aval = jax.typeof(like)
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
