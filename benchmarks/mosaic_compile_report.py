@@ -411,6 +411,14 @@ def _head_dims(text: str) -> set[int]:
             f"--head-dims takes comma-separated integers such as 64,128, not {text!r}")
 
 
+def _dtypes(text: str) -> set[str]:
+    found = set(text.split(","))
+    if not found <= {"bfloat16", "float16"}:
+        raise argparse.ArgumentTypeError(
+            f"--dtypes takes bfloat16 and/or float16, comma-separated, not {text!r}")
+    return found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
@@ -420,10 +428,13 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
     parser.add_argument("--head-dims", type=_head_dims,
                         help="only the rows of these head_dims, e.g. 128 (default: every row)")
+    parser.add_argument("--dtypes", type=_dtypes,
+                        help="only the rows of these dtypes, e.g. bfloat16 (default: every row)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     configs = [c for c in configurations(args.only, args.seq_len)
-               if args.head_dims is None or c[2] in args.head_dims]
+               if (args.head_dims is None or c[2] in args.head_dims)
+               and (args.dtypes is None or c[1] in args.dtypes)]
     rows = report(configs, args.seq_len) if args.kernels != "backward" else []
     if args.kernels != "forward":
         rows += report_backward(configs, args.seq_len)
