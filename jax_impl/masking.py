@@ -47,6 +47,11 @@ class MaskSpec:
         """Whether ``diagonal_band`` bounds either side: tiles outside the band can be skipped."""
         return self.is_causal or self.window_left is not None or self.window_right is not None
 
+    @property
+    def restricts(self) -> bool:
+        """Whether rules 1-3 can refuse any pair (``structural_allowed`` is not None)."""
+        return self.has_band or self.has_q_lengths or self.has_kv_lengths
+
 
 def diagonal_band(spec: MaskSpec, q_len, kv_len, position_offset=None):
     """(d_lo, d_hi) with ``d_lo <= j - i <= d_hi``; an unbounded side is None.
@@ -92,6 +97,33 @@ def structural_allowed(spec: MaskSpec, rows, cols, q_len, kv_len, position_offse
     if d_hi is not None:
         conditions.append(cols - rows <= d_hi)
     return all_of(conditions)
+
+
+def key_bounds_per_row(spec: MaskSpec, rows, first_col, q_len, kv_len, position_offset=None):
+    """Rules 1-3 as bounds on a tile's local key index ``c >= 0`` (absolute key
+    ``first_col + c``) per row of ``rows``: (lo, hi), each of ``rows``'s shape, a scalar or None
+    (unbounded), with ``structural_allowed`` true exactly where ``lo <= c <= hi``
+    (``within_bounds``). A kernel then compares its column iota with two values per row, where
+    ``cols - rows`` per pair, hoisted out of a loop, costs a register per pair (the Mosaic GPU
+    forward spilled so with segment ids, a mask or dropout)."""
+    lo = hi = None
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len, position_offset)
+    if d_hi is not None:
+        hi = rows + (d_hi - first_col)
+    if d_lo is not None:
+        lo = rows + (d_lo - first_col)
+    if spec.has_kv_lengths:
+        last = kv_len - 1 - first_col
+        hi = last if hi is None else jnp.minimum(hi, last)
+    if spec.has_q_lengths:  # a row past q_len allows no key: an empty range
+        hi = jnp.where(rows < q_len, jnp.int32(2**30) if hi is None else hi, -1)
+    return lo, hi
+
+
+def within_bounds(cols, lo, hi):
+    """``lo <= cols <= hi``; either bound may be None (unbounded), a scalar, or per-row values
+    already broadcast to ``cols``."""
+    return all_of([None if lo is None else cols >= lo, None if hi is None else cols <= hi])
 
 
 def segments_equal(q_segment_ids, kv_segment_ids):

@@ -20,11 +20,11 @@ warpgroups:
 Each consumer walks every key tile of its CTA's range (the producer loads each once for both)
 in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outside its own
 range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
-the structural mask rule (``masking.structural_allowed``), the tiles inside it apply none
-(segment ids and a dense mask, when given, apply on every tile: the key tile's ids come by TMA
-with K into a ring of their own and are read from shared memory where they are compared;
-dropout, when asked, drops P
-after its row sum by the library's hash: ``_Dropout``). Inside a consumer the attended tiles are
+the structural mask rule (as two key bounds per row: ``masking.key_bounds_per_row``), the
+tiles inside it apply none (segment ids and a dense mask, when given, apply on every tile: the
+key tile's ids come by TMA with K into a ring of their own and are read from shared memory
+where they are compared; dropout, when asked, drops P after its row sum by the library's hash:
+``_Dropout``). Inside a consumer the attended tiles are
 pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
 with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
 first attended tile is the prologue (no P V yet), an epilogue adds the last P V.
@@ -297,7 +297,8 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
     softmax = online_softmax.Base2Softmax.create(cfg, has_bias=refs.bias is not None)
     tile = (c.block_q, c.block_kv)
-    iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, tile, axis, layout=plgpu.Layout.WGMMA)
+    key_iota = lambda: plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
+    row_iota = lambda: plgpu.broadcasted_iota(jnp.int32, (c.block_q,), 0, layout=_ROW)
 
     def schedule_sync():
         plgpu.barrier_arrive(schedule)
@@ -331,10 +332,13 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             plgpu.barrier_arrive(k_consumed.at[slot])
             bias, allowed = pairwise.read(slot, own_rows)
             t, _ = softmax.logits(s, cfg, bias)
-            if masked:
-                structural = masking.structural_allowed(
-                    cfg.mask, it.q_start + iota(0), j * c.block_kv + iota(1), it.q_len,
-                    it.kv_len, it.offset)
+            if masked and cfg.mask.restricts:  # (an unused iota fails layout inference)
+                lo, hi = masking.key_bounds_per_row(cfg.mask, it.q_start + row_iota(),
+                                                    j * c.block_kv, it.q_len, it.kv_len,
+                                                    it.offset)
+                structural = masking.within_bounds(
+                    key_iota(), *(online_softmax.rows_to(x, s) if jnp.ndim(x) else x
+                                  for x in (lo, hi)))
                 allowed = masking.all_of([allowed, structural])
             allowed = masking.all_of([allowed, same])
             rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)

@@ -87,3 +87,47 @@ def test_causal_split_leaves_most_tiles_unmasked():
     lo, full_lo, full_hi, hi = (int(x) for x in masking.kv_block_split(
         spec, 512, 64, 64, jnp.int32(1024), jnp.int32(1024)))
     assert (lo, full_lo, full_hi, hi) == (0, 0, 8, 9)
+
+
+def _rules_1_to_3(spec, i, j, q_len, kv_len, offset):
+    """The rules as docs/semantics.md states them, in numpy, pair by pair."""
+    shift = (kv_len - q_len if spec.bottom_right else 0) + offset
+    ok = np.ones(np.broadcast_shapes(i.shape, j.shape), bool)
+    if spec.has_q_lengths:
+        ok &= i < q_len
+    if spec.has_kv_lengths:
+        ok &= j < kv_len
+    if spec.is_causal:
+        ok &= j <= i + shift
+    if spec.window_left is not None:
+        ok &= j >= i + shift - spec.window_left
+    if spec.window_right is not None:
+        ok &= j <= i + shift + spec.window_right
+    return ok
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_per_row_key_bounds_state_the_rules_exactly(spec):
+    """key_bounds_per_row + within_bounds (the Mosaic forward's masked tiles) allow exactly
+    the pairs of rules 1-3, for tiles anywhere (before, across and past the band and the
+    lengths), random lengths and position offsets."""
+    rng = np.random.default_rng(7)
+    tile_q, tile_k = 16, 32
+    local = np.arange(tile_k)[None, :]
+    for _ in range(40):
+        q_len, kv_len = (int(x) for x in rng.integers(0, 70, 2))
+        offset = int(rng.integers(-40, 41)) if rng.random() < 0.5 else 0
+        first_row, first_col = (int(x) for x in rng.integers(-8, 80, 2))
+        rows = first_row + np.arange(tile_q)
+        lo, hi = masking.key_bounds_per_row(
+            spec, jnp.asarray(rows, jnp.int32), jnp.int32(first_col), jnp.int32(q_len),
+            jnp.int32(kv_len), jnp.int32(offset) if offset else None)
+        per_row = lambda x: x if x is None or jnp.ndim(x) == 0 else jnp.asarray(x)[:, None]
+        got = masking.within_bounds(jnp.asarray(local, jnp.int32), per_row(lo), per_row(hi))
+        got = np.ones((tile_q, tile_k), bool) if got is None else np.broadcast_to(
+            np.asarray(got), (tile_q, tile_k))
+        want = np.broadcast_to(_rules_1_to_3(spec, rows[:, None], first_col + local, q_len,
+                                             kv_len, offset), (tile_q, tile_k))
+        np.testing.assert_array_equal(got, want, err_msg=f"{spec} q_len={q_len} kv_len="
+                                      f"{kv_len} offset={offset} tile at ({first_row}, "
+                                      f"{first_col})")
