@@ -116,19 +116,22 @@ def default_config(head_dim: int, dtype, *, dropout: bool = False,
     ``Config(64, 128, 2)`` (``PREVIOUS_DEFAULT``) stays selectable at every head_dim.
 
     With dropout at head_dim 128, 64 keys per stage (``DROPOUT_D128``): the hash's column
-    keys and bits on a 64 x 128 tile spill 92/152 bytes in the masked tiles (causal), none on
-    64 x 64 (benchmarks/results/mosaic_compile_report_sm90.md, "dropout" rows).
+    keys and bits on a 64 x 128 tile spill 20/20 bytes in the masked tiles (causal; 92/152
+    before the band's rule became per-row key bounds), none on 64 x 64
+    (benchmarks/results/mosaic_compile_report_sm90.md, "dropout" rows).
 
     With a bias or a dense mask (``pairwise_bytes`` > 0: bytes per pair of their tiles,
-    ``Config.shared_memory_bytes``), 64 x 64 x 2 (``PAIRWISE``) at both head dims: their
-    tiles in the WGMMA layout beside the structural mask spill on the defaults above in the
-    causal (masked) tiles (D=64 128 x 64: 68-80 bytes; a mask at D=128 64 x 128: 396), and a
-    float32 bias on 64 x 128 x 2 needs 292 KiB of shared memory; 64 x 64 x 2 spills none
-    ("bias_mask" rows of the compile report)."""
-    del dtype  # 16-bit only (unsupported() refuses the rest)
-    if pairwise_bytes:
+    ``Config.shared_memory_bytes``): at head_dim 64 the defaults above (128 x 64 x 2) where
+    their ring fits the shared memory and no dropout is asked (0 spills with a bias, a mask,
+    both, or segment ids beside them; a float32 bias with a mask needs 229 KiB; with dropout
+    they spill 12-36 bytes in the masked tiles), else 64 x 64 x 2 (``PAIRWISE``, 0 spills);
+    at head_dim 128 always ``PAIRWISE``: on 64 x 128 a mask spills 64/64 bytes in the causal
+    tiles and a 16-bit bias needs 228 KiB ("bias_mask" rows of the compile report)."""
+    tiles = _default_tiles(head_dim, dropout)
+    if pairwise_bytes and (head_dim > 64 or dropout or tiles.shared_memory_bytes(
+            head_dim, dtype, pairwise_bytes) > SHARED_MEMORY_BUDGET):
         return PAIRWISE
-    return _default_tiles(head_dim, dropout)
+    return tiles
 
 
 def _default_tiles(head_dim: int, dropout: bool) -> Config:

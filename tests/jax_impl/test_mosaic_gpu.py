@@ -604,16 +604,23 @@ def test_the_mosaic_backward_refuses_a_bias_called_directly():
         mosaic_gpu.backward(cfg, q, q, q, jnp.zeros((1, 1, 64, 64)), masks, None, q, None)
 
 
-def test_a_bias_or_mask_takes_64_by_64_tiles():
-    """The compile report's choice (bias_mask rows: 0 spills on 64 x 64 x 2; the defaults spill
-    in causal tiles, and a float32 bias does not fit beside 64 x 128 x 2 at head_dim 128)."""
+def test_a_bias_or_mask_takes_the_tiles_the_compile_report_found_clean():
+    """The compile report's choice ("bias_mask" rows): at head_dim 64 the default 128 x 64 x 2
+    where the ring fits and no dropout is asked (0 spills; with dropout they spill), else
+    64 x 64 x 2; at head_dim 128 always 64 x 64 x 2 (a mask spills on 64 x 128 and a 16-bit
+    bias does not fit beside it). Whatever is chosen fits the shared memory."""
     from jax_impl.mosaic_gpu.config import PAIRWISE
+    assert PAIRWISE == Config(64, 64, 2)
     for head_dim in (64, 128):
-        for pairwise_bytes in (1, 2, 4, 5):
-            assert default_config(head_dim, jnp.bfloat16,
-                                  pairwise_bytes=pairwise_bytes) == PAIRWISE == Config(64, 64, 2)
-            assert PAIRWISE.shared_memory_bytes(head_dim, jnp.bfloat16,
-                                                pairwise_bytes) <= 227 * 1024
+        for dropout in (False, True):
+            for pairwise_bytes in (1, 2, 3, 4, 5):  # mask, bf16 bias, both, f32 bias, both
+                chosen = default_config(head_dim, jnp.bfloat16, dropout=dropout,
+                                        pairwise_bytes=pairwise_bytes)
+                roomy = head_dim == 64 and not dropout and pairwise_bytes < 5
+                assert chosen == (default_config(64, jnp.bfloat16) if roomy else PAIRWISE), (
+                    head_dim, dropout, pairwise_bytes)
+                assert chosen.shared_memory_bytes(head_dim, jnp.bfloat16,
+                                                  pairwise_bytes) <= 227 * 1024
 
 
 # --- The backward (backward.py) --------------------------------------------------------------
