@@ -86,6 +86,11 @@ FUSED_DQ_MASKS = (("segment ids", dict(segments=True)), ("dropout 0.1", dict(dro
                         soft_cap=30.0)))
 
 
+# Every per-pair feature at once (the most registers in the masked tiles), causal.
+COMBINED_LABEL = "bias bfloat16 [B, H] + mask + dropout 0.1 + segment ids"
+COMBINED = dict(bias="bfloat16", bias_batch=True, mask=True, dropout=0.1, segments=True)
+
+
 def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     """(label, dtype, head_dim, causal, Config or None, extra call options): the shipped
     defaults (16-bit, D=64/128, causal and not); ``all`` adds masked edges, the mask features,
@@ -134,6 +139,7 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
             ("D=256", "bfloat16", 256, False, None, {}),
             ("dropout 0.1 on 64 x 128 tiles (not the default)", "bfloat16", 128, True,
              Config(64, 128, 2), dict(dropout=0.1)),
+            *((COMBINED_LABEL, "bfloat16", d, True, None, COMBINED) for d in (64, 128)),
             *fused_rows,
         ]
     return found
