@@ -1,5 +1,7 @@
 """The fused CPU kernel under AddressSanitizer + UndefinedBehaviorSanitizer, fuzzed against the
-float64 oracle: every family of cpu_fuzz.py in its own process (one test each).
+float64 oracle: every family of cpu_fuzz.py, in three processes (one test per group of
+families, ``GROUPS``: the import and start-up under the sanitizers, about 12 s, paid three
+times instead of seventeen).
 
 The kernel is built with ``JAX_FLASH_ATTENTION_CPU_SANITIZE=1`` (build.py: ASan + UBSan, UBSan
 not recoverable) into the usual cache (``$JAX_FLASH_ATTENTION_CACHE`` or
@@ -12,8 +14,9 @@ soft cap, dropout, sinks, any head_dim, must run on the kernel). The message giv
 input the family printed (the one that crashed), the sanitizer's report and the command that
 reruns that call alone.
 
-Cost: about 3 minutes on the 2-core machine (a cold build of the sanitized library ~33 s, then
-3-17 s per family: import, a few compilations, 24-80 calls).
+Cost: on the slower 2-core machine (AVX2) about 2 minutes of pytest's two workers (a cold build of
+the sanitized library ~33 s, then 1-32 s per family: a few compilations, 2-80 calls; 458
+test-seconds with a process per family, of which 12 s each was start-up).
 
 ``CPU_FUZZ_SEED`` draws another sample (default 0). Skipped only where the sanitizers cannot
 run: not Linux, no C++ compiler, or a compiler without the ASan/UBSan runtimes.
@@ -102,35 +105,58 @@ def _report_excerpt(stderr: str, lines: int = 10, width: int = 240) -> str:
     return "\n".join(cut(line) for line in excerpt + summary)
 
 
-@pytest.mark.parametrize("family", list(cpu_fuzz.FAMILIES))
-def test_family_under_sanitizers(family, sanitized_env):
-    command = [sys.executable, str(FUZZ), family, "--seed", str(SEED)]
+# Each group's families run one after the other in one process; the groups take about the same
+# time (measured per family on the 2-core machine), so that pytest's two workers share them.
+GROUPS = {
+    "lengths": ("shapes", "lengths", "traced_lengths", "regressions", "decode"),
+    "bands": ("windows", "segments", "position_offset", "blocks", "decode_paged"),
+    "values_and_features": ("nonfinite", "bias", "mask", "soft_cap", "dropout", "sinks",
+                            "head_dim"),
+}
+
+
+def _summaries(stdout: str) -> dict:
+    lines = (json.loads(line)["summary"] for line in stdout.splitlines()
+             if line.startswith('{"summary"'))
+    return {summary["family"]: summary for summary in lines}
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_families_under_sanitizers(group, sanitized_env):
+    families = GROUPS[group]
+    command = [sys.executable, str(FUZZ), *families, "--seed", str(SEED)]
     try:
         proc = subprocess.run(command, env=sanitized_env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=TIMEOUT_S, check=False)
+                              timeout=TIMEOUT_S * len(families), check=False)
     except subprocess.TimeoutExpired as error:
         out = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
         err = error.stderr.decode() if isinstance(error.stderr, bytes) else (error.stderr or "")
-        pytest.fail(f"{family}: no result within {TIMEOUT_S} s (a hang?). Last input:\n"
-                    f"{_last_input(out)}\n{_report_excerpt(err)}", pytrace=False)
+        pytest.fail(f"{group}: no result within {TIMEOUT_S * len(families)} s (a hang?). Last "
+                    f"input:\n{_last_input(out)}\n{_report_excerpt(err)}", pytrace=False)
     report = REPORT.search(proc.stderr)
-    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    summary = json.loads(last)["summary"] if last.startswith('{"summary"') else None
-    if report or summary is None:
-        what = "sanitizer report" if report else f"no summary (exit status {proc.returncode})"
-        pytest.fail(f"{family}: {what}. Last input:\n{_last_input(proc.stdout)}\n\n"
+    summaries = _summaries(proc.stdout)
+    missing = [f for f in families if f not in summaries]
+    if report or missing:
+        what = "sanitizer report" if report else f"no summary of {missing} (exit status {proc.returncode})"
+        pytest.fail(f"{group}: {what}. Last input:\n{_last_input(proc.stdout)}\n\n"
                     f"{_report_excerpt(proc.stderr)}", pytrace=False)
-    if summary["refused"]:
-        pytest.fail(f"FEATURE family {family!r}: the CPU kernel does not take it yet "
-                    f"({summary['refused']}). It fails until the kernel does (cpu_fuzz.FEATURE_FAMILIES).",
-                    pytrace=False)
-    if summary["failed"] or proc.returncode != 0:
-        lines = [(f"{family}: {summary['failed']} of {summary['calls']} calls failed "
-                  f"(exit status {proc.returncode}); the first:")]
-        for failure in summary["failures"]:
-            lines += [json.dumps(failure["input"]), *("    " + p for p in failure["problems"])]
-        pytest.fail("\n".join(lines), pytrace=False)
-    assert summary["calls"] == cpu_fuzz.FAMILIES[family].calls and summary["passed"] == summary["calls"]
+    problems = []
+    for family in families:
+        summary = summaries[family]
+        if summary["refused"]:
+            problems.append(f"FEATURE family {family!r}: the CPU kernel does not take it yet "
+                            f"({summary['refused']}). It fails until the kernel does "
+                            "(cpu_fuzz.FEATURE_FAMILIES).")
+        elif summary["failed"]:
+            problems.append(f"{family}: {summary['failed']} of {summary['calls']} calls failed; "
+                            "the first:")
+            for failure in summary["failures"]:
+                problems += [json.dumps(failure["input"]), *("    " + p for p in failure["problems"])]
+        elif summary["calls"] != cpu_fuzz.FAMILIES[family].calls or summary["passed"] != summary["calls"]:
+            problems.append(f"{family}: {summary['passed']} of {summary['calls']} calls passed, "
+                            f"{cpu_fuzz.FAMILIES[family].calls} drawn")
+    if problems or proc.returncode != 0:
+        pytest.fail("\n".join(problems or [f"{group}: exit status {proc.returncode}"]), pytrace=False)
 
 
 # What the draws must reach together (cpu_fuzz.coverage counts it without running anything).
@@ -155,3 +181,5 @@ def test_the_draws_cover_every_case_in_at_least_500_calls_besides_the_features()
     core = sum(counts[f"family {name}"] for name, f in cpu_fuzz.FAMILIES.items() if not f.feature)
     assert core >= 500, core
     assert set(cpu_fuzz.FEATURE_FAMILIES) == {n for n, f in cpu_fuzz.FAMILIES.items() if f.feature}
+    grouped = [family for families in GROUPS.values() for family in families]
+    assert sorted(grouped) == sorted(cpu_fuzz.FAMILIES), "every family in exactly one group"
