@@ -52,6 +52,11 @@ def _report(tmp_path_factory, *options):
     return json.loads(Path(str(out) + ".json").read_text())
 
 
+def _committed_report() -> list[dict]:
+    """The rows of benchmarks/results/mosaic_compile_report_sm90.json (``--only all``)."""
+    return json.loads((ROOT / "benchmarks/results/mosaic_compile_report_sm90.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     """The shipped configurations' rows, compiled here in bf16 only: fp16 is the same program
@@ -62,7 +67,7 @@ def rows(tmp_path_factory):
 def test_the_committed_report_has_every_shipped_row_at_zero_spills():
     """benchmarks/results/mosaic_compile_report_sm90.json (``--only all``): the forward,
     dK/dV and dQ of bf16 and fp16 at D=64/128, causal and not, compiled, 0 spill bytes."""
-    committed = json.loads((ROOT / "benchmarks/results/mosaic_compile_report_sm90.json").read_text())
+    committed = _committed_report()
     plain = [r for r in committed if r["label"] == ""]
     for kernel in ("forward", "dK/dV", "dQ"):
         assert {(r["dtype"], r["head_dim"], r["causal"]) for r in plain if r["kernel"] == kernel} == {
@@ -79,7 +84,7 @@ def test_the_committed_bias_and_mask_rows_are_the_tiles_shipped_at_zero_spills()
     new report fails here."""
     from benchmarks.mosaic_compile_report import _pairwise, configurations
     from jax_impl.mosaic_gpu.config import default_config
-    committed = json.loads((ROOT / "benchmarks/results/mosaic_compile_report_sm90.json").read_text())
+    committed = _committed_report()
     wanted = {(label, d, causal): options for label, _, d, causal, _, options
               in configurations("bias_mask")}
     found = {(r["label"], r["head_dim"], r["causal"]): r for r in committed

@@ -3,17 +3,17 @@
     python3 tests/jax_impl/cpu_fuzz.py FAMILY [FAMILY ...] --seed S [--calls N] [--index I]
         [--implementation xla]
 
-draws N calls (default: the family's own count) of each FAMILY from the seed, one family
-after the other in one process (the import and start-up, about 12 s under the sanitizers,
-paid once), and runs each forward and backward (jax.vjp: out, dq,
-dk, dv, and dbias / dsinks where a bias / attention_sinks exist) with ``implementation="cpu"``,
-then judges every result against ``torch_ref.manual_attention`` in float64 on the same numpy
-inputs (conformance.tolerance.judge, the same-dtype torch run setting the bar, as the other
-tests do). Before each call it prints, flushed, one JSON line ``{"call": {...}}`` describing the
-input (shapes, dtype, options, seed, index, a command that reruns it alone), so that a crash
-(test_cpu_kernel_sanitized.py runs this under AddressSanitizer + UBSan) names its input. After each
-family a JSON line ``{"summary": {...}}`` (it names the family); the exit status is 0 when every
-call of every family passed, 1 otherwise. ``--implementation xla`` runs the same draws on the xla path: a check
+draws N calls (default: the family's own count) of each FAMILY from the seed, one family after
+the other in one process (the import and start-up, about 12 s under the sanitizers, paid once),
+and runs each forward and backward (jax.vjp: out, dq, dk, dv, and dbias / dsinks where a bias /
+attention_sinks exist) with ``implementation="cpu"``, then judges every result against
+``torch_ref.manual_attention`` in float64 on the same numpy inputs (conformance.tolerance.judge,
+the same-dtype torch run setting the bar, as the other tests do). Before each call it prints,
+flushed, one JSON line ``{"call": {...}}`` describing the input (shapes, dtype, options, seed,
+index, a command that reruns it alone), so that a crash (test_cpu_kernel_sanitized.py runs this
+under AddressSanitizer + UBSan) names its input. After each family a JSON line
+``{"summary": {...}}`` (it names the family); the exit status is 0 when every call of every
+family passed, 1 otherwise. ``--implementation xla`` runs the same draws on the xla path: a check
 of this harness (the xla path is the reference blocked implementation).
 
 Families (``FAMILIES``): each draws a few static configurations (shape, dtype, mask options:
@@ -912,7 +912,8 @@ def run_family(family: str, seed: int, calls: int, implementation: str = "cpu", 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("family", nargs="*", choices=sorted(FAMILIES))
+    # No ``choices``: argparse would refuse an empty list of families (the --list form).
+    parser.add_argument("family", nargs="*", help=f"one or more of {', '.join(FAMILIES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--calls", type=int, default=None, help="default: the family's own count")
     parser.add_argument("--index", type=int, action="append", help="run only this call (repeatable)")
@@ -920,6 +921,9 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="the families and their default calls")
     parser.add_argument("--coverage", action="store_true", help="what the draws of every family reach")
     args = parser.parse_args(argv)
+    unknown = [f for f in args.family if f not in FAMILIES]
+    if unknown:
+        parser.error(f"argument family: {unknown} not among {sorted(FAMILIES)}")
     if args.coverage:
         for name, n in sorted(coverage(args.seed, args.family or None).items()):
             print(f"{n:5}  {name}")

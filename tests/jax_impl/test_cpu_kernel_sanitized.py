@@ -137,7 +137,8 @@ def test_families_under_sanitizers(group, sanitized_env):
     summaries = _summaries(proc.stdout)
     missing = [f for f in families if f not in summaries]
     if report or missing:
-        what = "sanitizer report" if report else f"no summary of {missing} (exit status {proc.returncode})"
+        what = ("sanitizer report" if report
+                else f"no summary of {missing} (exit status {proc.returncode})")
         pytest.fail(f"{group}: {what}. Last input:\n{_last_input(proc.stdout)}\n\n"
                     f"{_report_excerpt(proc.stderr)}", pytrace=False)
     problems = []
@@ -151,12 +152,15 @@ def test_families_under_sanitizers(group, sanitized_env):
             problems.append(f"{family}: {summary['failed']} of {summary['calls']} calls failed; "
                             "the first:")
             for failure in summary["failures"]:
-                problems += [json.dumps(failure["input"]), *("    " + p for p in failure["problems"])]
-        elif summary["calls"] != cpu_fuzz.FAMILIES[family].calls or summary["passed"] != summary["calls"]:
+                problems += [json.dumps(failure["input"]),
+                             *("    " + p for p in failure["problems"])]
+        elif summary["passed"] != summary["calls"] or \
+                summary["calls"] != cpu_fuzz.FAMILIES[family].calls:
             problems.append(f"{family}: {summary['passed']} of {summary['calls']} calls passed, "
                             f"{cpu_fuzz.FAMILIES[family].calls} drawn")
     if problems or proc.returncode != 0:
-        pytest.fail("\n".join(problems or [f"{group}: exit status {proc.returncode}"]), pytrace=False)
+        pytest.fail("\n".join(problems or [f"{group}: exit status {proc.returncode}"]),
+                    pytrace=False)
 
 
 # What the draws must reach together (cpu_fuzz.coverage counts it without running anything).
