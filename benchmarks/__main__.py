@@ -69,12 +69,16 @@ def parse_args(argv=None):
                    help="seconds; measurements after it are recorded as skipped (default: the suite's)")
     p.add_argument("--no-check", action="store_true", help="skip the float64-oracle check (rows say 'not checked')")
     p.add_argument("--baseline", default="torch.manual", help="speedups are over this implementation")
+    p.add_argument("--devices", default=None,
+                   help="--suite sharded only: comma-separated device counts, powers of two (default 1,2,4,8)")
     return p.parse_args(argv)
 
 
 def check_numbers(args) -> None:
     if args.seq_lens is not None:
         args.seq_lens = positive_ints("--seq-lens", args.seq_lens)
+    if args.devices is not None:
+        args.devices = positive_ints("--devices", args.devices)
     for option in ("heads", "repeats"):
         value = getattr(args, option)
         if value is not None and value < 1:
@@ -213,12 +217,21 @@ def run_runner(suite, args, device: str) -> int:
     import importlib
     if args.impl or args.heads or args.repeats or args.time_budget is not None:
         raise UsageError(f"--suite {suite.name} has its own runner: it takes only "
-                         "--out, --update-reference, --device and one --seq-lens value")
+                         "--out, --update-reference, --device, one --seq-lens value and (sharded) --devices")
     lengths = args.seq_lens or ()
     if len(lengths) > 1:
         raise UsageError(f"--suite {suite.name} takes one --seq-lens value (the fixed L); got {lengths}")
+    runner = importlib.import_module(suite.runner)
+    extra = {}
+    if args.devices is not None:
+        if not hasattr(runner, "check_devices"):
+            raise UsageError(f"--devices is taken only by --suite sharded, not --suite {suite.name}")
+        try:
+            extra["devices"] = runner.check_devices(args.devices, device)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     out_dir = output_dir(args, device)
-    paths = importlib.import_module(suite.runner).run_suite(out_dir, device, *lengths)
+    paths = runner.run_suite(out_dir, device, *lengths, **extra)
     print(f"--suite {suite.name}: " + ", ".join(str(p) for p in paths))
     return 0
 
@@ -232,6 +245,8 @@ def main(argv=None) -> int:
         suite = with_overrides(suites.get_suite(args.suite), args)
         if suite.runner:
             return run_runner(suite, args, device)
+        if args.devices is not None:
+            raise UsageError(f"--devices is taken only by --suite sharded, not --suite {suite.name}")
         adapters, allow_interpret, notes = select(suite, args, device)
         if not args.no_check and not has_module("torch"):
             raise UsageError("the float64-oracle check needs torch (pip install torch); "

@@ -1,6 +1,6 @@
 """Sharded suite: per-device memory and collectives of the compiled program vs device count.
 
-At fixed L (default 32768, H=8, D=64 fp32, causal), for 1, 2, 4, 8 devices and each sharding
+At fixed L (default 32768, H=8, D=64 fp32, causal), for 1, 2, 4, 8 devices (``--devices``) and each sharding
 (sequence: each context-parallel strategy side by side, ``context_parallel_strategy=`` ring,
 all_to_all, and hybrid on a (2, N/2) mesh; heads: local), compiles flash_attention's forward
 and fwd+bwd under plain jit (never runs them) and records ``compiled.memory_analysis()``
@@ -12,7 +12,7 @@ strategies' overheads, not a multi-device speed). The local kernel is ``xla`` on
 host (the Pallas interpreter's memory says nothing about the kernel) and the default (the
 Pallas kernels) on a GPU. Step times vs devices need several GPUs: not measured here.
 
-    python -m benchmarks --suite sharded [--out DIR | --update-reference]
+    python -m benchmarks --suite sharded [--devices 1,8] [--out DIR | --update-reference]
 
 On a CPU host the measurement runs in a subprocess with 8 virtual devices (the device count
 is fixed when XLA starts); ``python -m benchmarks.sharded --out DIR`` is that subprocess.
@@ -29,7 +29,21 @@ import time
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 CPU_DEVICES = 8
+DEVICE_COUNTS = (1, 2, 4, 8)
 NAME = "bench_sharded"
+
+
+def check_devices(devices, device: str) -> tuple[int, ...]:
+    """The device counts to measure: powers of two (the hybrid mesh is 2 x N/2), at most the 8
+    virtual devices on a CPU host. -> sorted, without repeats; ValueError naming --devices."""
+    devices = tuple(sorted(set(devices)))
+    odd = [n for n in devices if n & (n - 1)]
+    if odd:
+        raise ValueError(f"--devices {','.join(map(str, odd))}: each count must be a power of two "
+                         "(the hybrid strategy's mesh is 2 x N/2)")
+    if device == "cpu" and devices[-1] > CPU_DEVICES:
+        raise ValueError(f"--devices {devices[-1]}: a CPU host runs at most {CPU_DEVICES} virtual devices")
+    return devices
 
 
 def _layouts(n: int, batch: int, length: int, heads: int, head_dim: int):
@@ -55,7 +69,9 @@ def _estimated_mib(mesh, spec, shape, strategy):
 
 
 def measure(length: int = 32768, heads: int = 8, head_dim: int = 64, batch: int = 1,
-            devices=(1, 2, 4, 8), implementation: str | None = "xla") -> list[dict]:
+            devices=DEVICE_COUNTS, implementation: str | None = "xla",
+            strict: bool = False) -> list[dict]:
+    """``strict``: a count above jax.device_count() is an error (asked for by name), not skipped."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -66,6 +82,8 @@ def measure(length: int = 32768, heads: int = 8, head_dim: int = 64, batch: int 
     rows = []
     for n in devices:
         if n > jax.device_count():
+            if strict:
+                raise ValueError(f"--devices {n}: only {jax.device_count()} devices are visible")
             continue
         for layout, strategy, mesh_shape, names, spec, shape in _layouts(n, batch, length, heads, head_dim):
             attend = lambda q, k, v, s=strategy: flash_attention(
@@ -157,10 +175,12 @@ def write(out: pathlib.Path, rows: list[dict], env: dict) -> list[pathlib.Path]:
 
 
 def _measure_and_write(out: pathlib.Path, length: int, implementation: str | None,
-                       time_length: int = 0, repeats: int = 3) -> list[pathlib.Path]:
+                       time_length: int = 0, repeats: int = 3,
+                       devices: tuple[int, ...] | None = None) -> list[pathlib.Path]:
     import jax
     start = time.perf_counter()
-    rows = measure(length=length, implementation=implementation)
+    rows = measure(length=length, implementation=implementation, devices=devices or DEVICE_COUNTS,
+                   strict=devices is not None)
     timed = time_strategies(time_length, repeats, implementation=implementation) if time_length else []
     env = dict(command="python -m benchmarks --suite sharded", jax=jax.__version__,
                devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
@@ -175,20 +195,25 @@ def _measure_and_write(out: pathlib.Path, length: int, implementation: str | Non
     return paths
 
 
-def run_suite(out_dir, device: str, length: int = 32768) -> list[pathlib.Path]:
+def run_suite(out_dir, device: str, length: int = 32768,
+              devices: tuple[int, ...] | None = None) -> list[pathlib.Path]:
     """``python -m benchmarks --suite sharded``: writes bench_sharded.json and .md to out_dir;
-    on a CPU host it also times each strategy's fwd+bwd at min(L, 2048)."""
+    on a CPU host it also times each strategy's fwd+bwd at min(L, 2048). ``devices``: the
+    device counts (default 1, 2, 4, 8, those visible)."""
     out_dir = pathlib.Path(out_dir)
     time_length = min(length, 2048)
     if device != "cpu":
-        return _measure_and_write(out_dir, length, None)
+        return _measure_and_write(out_dir, length, None, devices=devices)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
     root = pathlib.Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    subprocess.run([sys.executable, "-m", "benchmarks.sharded", "--out", str(out_dir),
-                    "--length", str(length), "--time-length", str(time_length)], env=env, check=True)
+    command = [sys.executable, "-m", "benchmarks.sharded", "--out", str(out_dir),
+               "--length", str(length), "--time-length", str(time_length)]
+    if devices:
+        command += ["--devices", ",".join(map(str, devices))]
+    subprocess.run(command, env=env, check=True)
     return [out_dir / f"{NAME}.json", out_dir / f"{NAME}.md"]
 
 
@@ -199,8 +224,20 @@ def main(argv=None):
     parser.add_argument("--time-length", type=int, default=0,
                         help="also time fwd+bwd of each strategy at this L (0: no timing)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--devices", default=None,
+                        help="comma-separated device counts, powers of two (default 1,2,4,8)")
     args = parser.parse_args(argv)
-    _measure_and_write(args.out, args.length, "xla", args.time_length, args.repeats)
+    devices = None
+    if args.devices is not None:
+        try:
+            counts = [int(x) for x in args.devices.split(",")]
+        except ValueError:
+            parser.error(f"--devices {args.devices!r} must be comma-separated device counts, e.g. 1,8")
+        try:
+            devices = check_devices(counts, "cpu")
+        except ValueError as e:
+            parser.error(str(e))
+    _measure_and_write(args.out, args.length, "xla", args.time_length, args.repeats, devices)
 
 
 if __name__ == "__main__":
