@@ -6,7 +6,7 @@
 # XLA:GPU's schedule on 8 devices (tests/sharding/test_ring_overlap.py), and the kernels' outputs
 # and gradients typed as varying inside shard_map (tests/jax_impl/test_mosaic_gpu_shard_map.py).
 # The lane's environment is a venv of its own (default .venv-cuda-compile, about 1 GB: jax, jaxlib,
-# the plugin without NVIDIA's library wheels, pytest), made on first use. The lane is skipped,
+# the plugin without NVIDIA's library wheels, pytest, pytest-xdist), made on first use. The lane is skipped,
 # saying why, where there is no Python >= 3.12 or no ptxas; any other failure fails it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" "pytest>=8"
   "$VENV/bin/python" -m pip install -q --no-deps "jax-cuda13-plugin==$JAX_VERSION" "jax-cuda13-pjrt==$JAX_VERSION"
 fi
+# two workers: the compiles are single-threaded (a venv made before xdist was needed gets it here)
+"$VENV/bin/python" -c "import xdist" 2>/dev/null || "$VENV/bin/python" -m pip install -q "pytest-xdist>=3"
 if ! command -v ptxas >/dev/null; then echo "cuda compile lane skipped: no ptxas on PATH (CUDA 13)"; exit 0; fi
-CUDA_COMPILE_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+CUDA_COMPILE_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup \
   tests/benchmarks/test_mosaic_compile_report.py tests/sharding/test_ring_overlap.py \
   tests/jax_impl/test_mosaic_gpu_shard_map.py -k "compile or mosaic_gpu_shard_map" 

@@ -57,6 +57,11 @@ def _committed_report() -> list[dict]:
     return json.loads((ROOT / "benchmarks/results/mosaic_compile_report_sm90.json").read_text())
 
 
+# The lane runs with two workers (--dist loadgroup): the tests of the shipped rows share one
+# worker, so that the rows (the lane's longest compile, about 4 minutes) are compiled once.
+SHIPPED_ROWS = pytest.mark.xdist_group("shipped_rows")
+
+
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     """The shipped configurations' rows, compiled here in bf16 only: fp16 is the same program
@@ -165,6 +170,7 @@ def test_the_fused_dq_backward_compiles_without_spills(tmp_path_factory):
         assert r["tma_loads"] >= 7 and set(r["setmaxnreg"]) == {"inc 240", "dec 24"}, label
 
 
+@SHIPPED_ROWS
 def test_every_shipped_configuration_compiles_without_spills_within_shared_memory(rows):
     for kernel in ("forward", "dK/dV", "dQ"):
         assert {(r["dtype"], r["head_dim"], r["causal"]) for r in rows if r["kernel"] == kernel} == {
@@ -178,6 +184,7 @@ def test_every_shipped_configuration_compiles_without_spills_within_shared_memor
         assert r["shared"] <= r["shared_estimate"] + (0 if r["kernel"] == "forward" else 4096), label
 
 
+@SHIPPED_ROWS
 def test_dropout_rows_are_shipped_and_compiled(rows):
     """The forward, dK/dV and dQ with dropout (the hash on each tile; the forward's default
     tiles at D=128 are then 64 x 64) at D=64/128, causal and not: held to 0 spills by the test
@@ -191,6 +198,7 @@ def test_dropout_rows_are_shipped_and_compiled(rows):
             if k == "forward" and d == 128} == {(64, 64)}
 
 
+@SHIPPED_ROWS
 def test_the_design_is_in_the_ptx(rows):
     """TMA loads (Q, K, V) and stores (O, statistics), wgmma dots, mbarrier waits, and the
     register rebalancing between the warpgroup roles."""
