@@ -70,7 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the float64-oracle check (rows say 'not checked')")
     p.add_argument("--baseline", default="torch.manual", help="speedups are over this implementation")
     p.add_argument("--devices", default=None,
-                   help="--suite sharded only: comma-separated device counts, powers of two (default 1,2,4,8)")
+                   help="--suite sharded only: comma-separated device counts, powers of two "
+                        "(default 1,2,4,8)")
     return p.parse_args(argv)
 
 
@@ -217,7 +218,8 @@ def run_runner(suite, args, device: str) -> int:
     import importlib
     if args.impl or args.heads or args.repeats or args.time_budget is not None:
         raise UsageError(f"--suite {suite.name} has its own runner: it takes only "
-                         "--out, --update-reference, --device, one --seq-lens value and (sharded) --devices")
+                         "--out, --update-reference, --device, one --seq-lens value "
+                         "and (sharded) --devices")
     lengths = args.seq_lens or ()
     if len(lengths) > 1:
         raise UsageError(f"--suite {suite.name} takes one --seq-lens value (the fixed L); got {lengths}")

@@ -1,9 +1,10 @@
 """Sharded suite: per-device memory and collectives of the compiled program vs device count.
 
-At fixed L (default 32768, H=8, D=64 fp32, causal), for 1, 2, 4, 8 devices (``--devices``) and each sharding
-(sequence: each context-parallel strategy side by side, ``context_parallel_strategy=`` ring,
-all_to_all, and hybrid on a (2, N/2) mesh; heads: local), compiles flash_attention's forward
-and fwd+bwd under plain jit (never runs them) and records ``compiled.memory_analysis()``
+At fixed L (default 32768, H=8, D=64 fp32, causal), for 1, 2, 4, 8 devices (``--devices``)
+and each sharding (sequence: each context-parallel strategy side by side,
+``context_parallel_strategy=`` ring, all_to_all, and hybrid on a (2, N/2) mesh; heads: local),
+compiles flash_attention's forward and fwd+bwd under plain jit (never runs them) and records
+``compiled.memory_analysis()``
 (arguments + temporaries per device), the collectives in ``compiled.as_text()`` and the cost
 model's estimated bytes sent per device (cp_cost.py, fwd+bwd). With ``--time-length`` it also
 runs fwd+bwd of each strategy at that (short) L on the 8 virtual CPU devices, ``--repeats``

@@ -5,9 +5,10 @@
 # setmaxnreg; the machine's ptxas, CUDA 13, assembles) and the ring's send/compute overlap in
 # XLA:GPU's schedule on 8 devices (tests/sharding/test_ring_overlap.py), and the kernels' outputs
 # and gradients typed as varying inside shard_map (tests/jax_impl/test_mosaic_gpu_shard_map.py).
-# The lane's environment is a venv of its own (default .venv-cuda-compile, about 1 GB: jax, jaxlib,
-# the plugin without NVIDIA's library wheels, pytest, pytest-xdist), made on first use. The lane is skipped,
-# saying why, where there is no Python >= 3.12 or no ptxas; any other failure fails it.
+# The lane's environment is a venv of its own (default .venv-cuda-compile, about 1 GB: jax,
+# jaxlib, the plugin without NVIDIA's library wheels, pytest, pytest-xdist), made on first use.
+# The lane is skipped, saying why, where there is no Python >= 3.12 or no ptxas; any other
+# failure fails it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${CUDA_COMPILE_LANE_VENV:-.venv-cuda-compile}
