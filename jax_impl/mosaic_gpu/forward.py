@@ -336,9 +336,9 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 lo, hi = masking.key_bounds_per_row(cfg.mask, it.q_start + row_iota(),
                                                     j * c.block_kv, it.q_len, it.kv_len,
                                                     it.offset)
-                structural = masking.within_bounds(
-                    key_iota(), *(online_softmax.rows_to(x, s) if jnp.ndim(x) else x
-                                  for x in (lo, hi)))
+                per_row = lambda x: x if x is None or jnp.ndim(x) == 0 else \
+                    online_softmax.rows_to(x, s)  # a bound may be absent or one scalar
+                structural = masking.within_bounds(key_iota(), per_row(lo), per_row(hi))
                 allowed = masking.all_of([allowed, structural])
             allowed = masking.all_of([allowed, same])
             rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
