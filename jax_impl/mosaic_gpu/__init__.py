@@ -5,8 +5,10 @@
 backward (backward.py: dK/dV per key tile, dQ per query tile, no atomics) recomputes P from
 them. ``backward_unsupported`` says when the table sends the backward to pallas_triton instead
 (the caller's ``Config(backward="pallas_triton")``, an interpreted call that did not choose
-``Config(backward="mosaic_gpu")``, or a call with a bias or a dense mask, which only the
-forward takes: pallas_triton's backward reads the same RowStats and writes dbias). ``unsupported`` names every feature of a call that the kernel does not take;
+``Config(backward="mosaic_gpu")``, a bias or mask with dropout at head_dim 128, or dbias
+with the fused dQ: pallas_triton's backward reads the same RowStats). A bias and a dense mask
+stream through the backward's rings as through the forward's; the dQ kernel writes dbias.
+``unsupported`` names every feature of a call that the kernel does not take;
 ``unavailable`` says why the kernel cannot be offered at all here (jax older than 0.11, or no
 ``jax.experimental.pallas.mosaic_gpu``).
 
@@ -65,9 +67,10 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                 has_mask: bool = False, has_sinks: bool = False, dtype=None,
                 has_segment_ids: bool = False) -> str | None:
     """Why the Mosaic GPU forward cannot run such a call, or None. Every feature it does not
-    take yet is named. A bias and a dense mask are taken by the forward (their backward is
-    pallas_triton's: ``backward_unsupported``); a chosen ``Config`` must fit them in shared
-    memory beside K and V (judged for a float32 bias, the widest the kernel reads)."""
+    take yet is named. A bias and a dense mask are taken (``backward_unsupported`` says when
+    their backward is pallas_triton's); a chosen ``Config`` and its ``backward_config`` must
+    fit them in shared memory beside their tiles (judged for a float32 bias, the widest the
+    kernels read)."""
     del has_sinks  # taken, forward and backward; segment ids too
     if _UNAVAILABLE:
         return _UNAVAILABLE
@@ -93,12 +96,13 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                         "fewer num_stages or smaller tiles")
             backward = cfg.block_sizes.backward_config
             need = None if backward is None else backward.shared_memory_bytes(
-                head_dim, jnp.bfloat16, has_segment_ids)
+                head_dim, jnp.bfloat16, has_segment_ids, _pairwise_bytes(has_bias, has_mask))
             if need is not None and need > SHARED_MEMORY_BUDGET:
                 return (f"backward_config={backward} needs {need / 1024:.1f} KiB of shared "
                         f"memory at head_dim={head_dim}, over the {SHARED_MEMORY_BUDGET // 1024} "
                         "KiB an sm_90 block may take: 64-row tiles (dq='fused' holds dS^T and "
-                        "an fp32 dQ tile per warpgroup beside K and V)")
+                        "an fp32 dQ tile per warpgroup beside K and V; a bias and a mask a ring "
+                        "of their own)")
     return None
 
 
@@ -159,17 +163,31 @@ def _nonfinite_rule(q, k, v):
             online_softmax.finite_or_zero(v))
 
 
+def _backward_refuses(cfg: AttentionConfig, has_bias: bool, has_mask: bool,
+                      head_dim: int | None) -> str | None:
+    """What the backward kernels do not take, or None (``backward_unsupported``)."""
+    chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
+    if has_bias and cfg.bias_gradient and chosen is not None and chosen.dq == "fused":
+        return ("a differentiated bias with BackwardConfig(dq='fused'): dbias is written by the "
+                "dQ kernel, which the fused dQ does without")
+    if (has_bias or has_mask) and cfg.dropout_rate and head_dim is not None and head_dim > 64:
+        return ("a bias or dense mask with dropout at head_dim > 64: the Mosaic GPU dK/dV "
+                "kernel spills there (4-96 bytes compiled for sm_90a; docs/limitations.md)")
+    return None
+
+
 def backward_unsupported(cfg: AttentionConfig, *, has_bias: bool = False,
-                         has_mask: bool = False) -> str | None:
+                         has_mask: bool = False, head_dim: int | None = None) -> str | None:
     """Why this package's backward kernels do not differentiate a call that its forward runs,
-    or None: the call has a bias or a dense mask (the forward takes them, the backward kernels
-    not yet), the caller chose another backward (``Config.backward``), or the call is
-    interpreted and chose none (the interpreted backward can hang: docs/limitations.md). Every
-    other mask input the forward takes (segment ids too), the backward takes as well."""
-    if has_bias:
-        return "a bias: the Mosaic GPU backward does not take one yet (nor compute dbias)"
-    if has_mask:
-        return "a dense mask: the Mosaic GPU backward does not take one yet"
+    or None: a bias or dense mask comes with dropout at head_dim 128 (the dK/dV kernel spills
+    there), a differentiated bias (``cfg.bias_gradient``) with ``BackwardConfig(dq="fused")``
+    (dbias is the dQ kernel's), the caller chose another backward (``Config.backward``), or
+    the call is interpreted and chose none (the interpreted backward can hang:
+    docs/limitations.md). Every other input the forward takes (a bias, a dense mask, segment
+    ids), the backward takes too."""
+    reason = _backward_refuses(cfg, has_bias, has_mask, head_dim)
+    if reason:
+        return reason
     config = cfg.block_sizes
     chosen = config.backward if isinstance(config, Config) else None
     if chosen == "pallas_triton":
@@ -182,15 +200,16 @@ def backward_unsupported(cfg: AttentionConfig, *, has_bias: bool = False,
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
              extras=None):
-    """-> (dq, dk, dv, None): the Mosaic GPU dK/dV and dQ kernels (backward.py) from the
-    forward's RowStats. Calls they cannot take raise; the table routes those elsewhere
+    """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] float32 or None): the Mosaic GPU dK/dV and dQ
+    kernels (backward.py) from the forward's RowStats; dbias with a bias and
+    ``cfg.bias_gradient``. Calls they cannot take raise; the table routes those elsewhere
     (``backward_unsupported``)."""
     from jax_impl.mosaic_gpu.backward import backward_call
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype,
+                         has_bias=bias is not None, has_mask=masks.mask is not None,
                          has_segment_ids=masks.q_segment_ids is not None)
-    if reason is None and (bias is not None or masks.mask is not None):  # the forward's only
-        reason = backward_unsupported(cfg, has_bias=bias is not None,
-                                      has_mask=masks.mask is not None)
+    reason = reason or _backward_refuses(cfg, bias is not None, masks.mask is not None,
+                                         q.shape[-1])
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
     extras = extras or SinksAndDropout()
@@ -204,8 +223,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     else:
         q = platform.requires_cuda(q, PLATFORM_ERROR)
     chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
-    dq, dk, dv = backward_call(
+    dq, dk, dv, dbias = backward_call(
         cfg, chosen or default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
         masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
-        masks.kv_segment_ids, seeds, dropout_offset, num_sms=_num_sms(), interpret=interpret)
-    return dq, dk, dv, None
+        masks.kv_segment_ids, seeds, dropout_offset, bias, masks.mask, num_sms=_num_sms(),
+        interpret=interpret)
+    return dq, dk, dv, dbias

@@ -44,6 +44,15 @@ load, 2 values per thread); the streamed side's ids come through the ring by TMA
 tile and are read from the slot where they are compared, so no tile's ids stay live in
 registers across the loop (0 spills compiled), as in the forward.
 
+A bias and a dense mask (``Geometry.pairwise_dtypes``): each kernel streams the CTA's tile of
+each through its ring, as the forward does beside K, and each compute warpgroup reads its rows
+(``forward.pairwise_tiles``). dQ's tiles are (queries, keys) as given, dK/dV's (keys, queries)
+from one transposed copy made by XLA, its bias as float32. The mask's exclusions make dS 0
+where P is 0 on every tile. With dbias (``Geometry.write_dbias``) dQ reads the bias as float32
+too, and after each tile writes dS over its own rows of that tile in the ring slot and stores
+them by TMA into a zeroed float32 ``[B, Hq, Lq, Lk]`` (each tile once: repeatable), before
+releasing the slot.
+
 Edges as in the forward: Lq and Lk are padded to multiples of 8 (the TMA descriptors' row
 groups), TMA loads past them read zeros, stores are clipped, and ``masking.with_padding``
 switches on the length rule; the row vectors are padded to whole CTAs.
@@ -62,6 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_gpu.config import CONSUMERS, BackwardConfig
+from jax_impl.mosaic_gpu.forward import pairwise_source, pairwise_tiles, rows_of_sixteen_bytes
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
 
 CONSUMER_REGISTERS = 240  # FA3 with three warpgroups: 2 x 128 x 240 + 128 x 24 of 65536
@@ -86,13 +96,22 @@ class Geometry:
     dtype: jnp.dtype
     config: BackwardConfig
     has_segments: bool = False
+    bias_dtype: object = None  # the bias's dtype as the kernel reads it, or None: no bias
+    has_mask: bool = False
+    write_dbias: bool = False  # the dQ kernel writes dS (its bias is then float32)
+
+    @property
+    def pairwise_dtypes(self) -> tuple:
+        """The dtypes of the pairwise rings: the bias's, then the mask's (int8)."""
+        return tuple(dt for dt in (self.bias_dtype, jnp.int8 if self.has_mask else None)
+                     if dt is not None)
 
     @property
     def streamed(self) -> int:
-        """Vectors of one dK/dV ring step beside Q and dO (row max, log-sum, delta, and the
-        query ids with segment ids), and of one dQ step beside K and V (the keys' poison, and
-        the key ids): the TMA copies, each with its produced barrier."""
-        return int(self.has_segments)
+        """Operands of one ring step beyond the fixed ones (dK/dV: Q, dO, row max, log-sum,
+        delta; dQ: K, V, the keys' poison): the streamed side's ids with segment ids, the bias
+        tile and the mask tile. Each is a TMA copy with its produced barrier."""
+        return int(self.has_segments) + len(self.pairwise_dtypes)
 
     @property
     def groups(self) -> int:
@@ -119,8 +138,8 @@ def _wait_all(barriers, slot):
 
 def _producer(order: WorkOrder, num_stages: int, walk, copies, consumed):
     """The memory warpgroup: for each item, ``walk(pair, head, b) -> (passes, lo, hi)`` streamed
-    tiles ``[lo, hi)`` once per pass; ``copies(head, b, p, j, slot)`` issues one step's TMA copies
-    into ring slot ``slot`` once both compute warpgroups have released it."""
+    tiles ``[lo, hi)`` once per pass; ``copies(pair, head, b, p, j, slot)`` issues one step's TMA
+    copies into ring slot ``slot`` once both compute warpgroups have released it."""
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
     def item(pair, head, b, step):
@@ -133,7 +152,7 @@ def _producer(order: WorkOrder, num_stages: int, walk, copies, consumed):
                 @pl.when(step >= num_stages)
                 def _():
                     plgpu.barrier_wait(consumed.at[slot])
-                copies(head, b, p, j, slot)
+                copies(pair, head, b, p, j, slot)
                 return step + 1
 
             return lax.fori_loop(lo, hi, load, step)
@@ -220,11 +239,16 @@ def _accumulate_two(acc_a, lhs_a, rhs_a, acc_b, lhs_b, rhs_b, interpreted: bool)
     return pl.run_state(both)((plgpu.ACC.init(acc_a), plgpu.ACC.init(acc_b)))
 
 
-def _probs(cfg, softmax, t_raw, broadcast, row_max, log_sum, allowed):
+def _probs(cfg, softmax, t_raw, broadcast, row_max, log_sum, allowed, bias=None):
     """P recomputed as ``Base2Softmax.probs`` does (exactly 0 where ``allowed`` is False) and the
-    soft cap's tanh term; ``broadcast`` takes a per-query vector to the tile."""
-    t, capped = softmax.logits(t_raw, cfg)
-    shifted = (t * softmax.multiplier - broadcast(row_max * _LOG2_E)) - broadcast(log_sum * _LOG2_E)
+    soft cap's tanh term; ``broadcast`` takes a per-query vector to the tile. With a bias tile
+    (``softmax.fold`` False) the max is subtracted before the multiply, as the forward did."""
+    t, capped = softmax.logits(t_raw, cfg, bias)
+    if softmax.fold:
+        shifted = t * softmax.multiplier - broadcast(row_max * _LOG2_E)
+    else:
+        shifted = (t - broadcast(row_max)) * _LOG2_E
+    shifted = shifted - broadcast(log_sum * _LOG2_E)
     if allowed is not None:
         shifted = jnp.where(allowed, shifted, -jnp.inf)
     return jnp.exp2(shifted), capped
@@ -247,6 +271,29 @@ def _same_segment(own_ids, streamed_ids, tile):
     slot where they are compared)."""
     return (lax.broadcast_in_dim(own_ids, tile, (0,))
             == lax.broadcast_in_dim(streamed_ids, tile, (1,)))
+
+
+def _pairwise_scratch(g: Geometry, rows: int, cols: int):
+    """The rings of a constant bias and a dense mask (int8): per stage the CTA's tile of each,
+    ``rows`` (both compute warpgroups' own rows) x ``cols`` (the streamed tile), plain
+    row-major, read into the WGMMA layout of the logits as the forward's are."""
+    return tuple(plgpu.SMEM((g.config.num_stages, rows, cols), dt) for dt in g.pairwise_dtypes)
+
+
+def _unpack_extras(g: Geometry, rest):
+    """The scratch after a kernel's fixed buffers: (the two position buffers, the streamed ids'
+    ring or None, the pairwise rings, what follows: the fused dQ's buffers)."""
+    positions, rest = rest[:2], rest[2:]
+    ids, rest = (rest[0] if g.has_segments else None), rest[g.has_segments:]
+    pairs = len(g.pairwise_dtypes)
+    return positions, ids, rest[:pairs], rest[pairs:]
+
+
+def _pairwise_sources(g: Geometry, refs, b, head, rows, cols):
+    """The bias's and the mask's tiles ``(rows, cols)`` in global memory for one ring step."""
+    return tuple(pairwise_source(refs[name], b, head, rows, cols)
+                 for name, given in (("bias", g.bias_dtype is not None), ("mask", g.has_mask))
+                 if given)
 
 
 def _position_scratch(c: BackwardConfig):
@@ -314,6 +361,7 @@ def _dkdv_scratch(g: Geometry):
              *[plgpu.SMEM((c.num_stages, c.block_q), jnp.float32)] * 3,  # max, log-sum, delta
              *_position_scratch(c),
              *[plgpu.SMEM((c.num_stages, c.block_q), jnp.int32)] * g.has_segments,  # query ids
+             *_pairwise_scratch(g, CONSUMERS * c.block_kv, c.block_q),  # transposed tiles
              *_fused_dq_scratch(g))
     barriers = (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=CONSUMERS),
                 *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(5 + g.streamed)],
@@ -362,13 +410,14 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     c = g.config
     wg = lax.axis_index("wg")
     k_own, v_own, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *rest = smem
-    positions, q_ids_ring = rest[:2], (rest[2] if g.has_segments else None)
+    positions, q_ids_ring, pairwise, rest = _unpack_extras(g, rest)
     fused = c.dq == "fused"
-    ds_t_all, dq_all = rest[-2:] if fused else (None, None)
+    ds_t_all, dq_all = rest if fused else (None, None)
+    own_keys = pl.ds(wg * c.block_kv, c.block_kv)  # this warpgroup's rows of a pairwise tile
     k_loaded, v_loaded, *produced, consumed = barriers
     k_all, v_all = k_own, v_own
     k_own, v_own = k_all.at[wg], v_all.at[wg]
-    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=False)
+    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=g.bias_dtype is not None)
     tile = (c.block_kv, c.block_q)  # transposed: keys x queries
     key_offsets, query_offsets = _write_positions(positions, wg, c.block_kv, c.block_q)
     cols = lambda x: lax.broadcast_in_dim(x, tile, (1,))
@@ -420,14 +469,17 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             if key_ids is not None:  # rule 4 on every tile, the interior too
                 allowed = masking.all_of([allowed, _same_segment(
                     key_ids, load(q_ids_ring), tile)])
+            bias_t, mask_t = pairwise_tiles(pairwise, slot, own_keys, g.bias_dtype is not None,
+                                            g.has_mask)
+            allowed = masking.all_of([allowed, mask_t])
             p_t, capped = _probs(cfg, softmax, s_t, cols, load(max_ring), load(log_sum_ring),
-                                 allowed)
+                                 allowed, bias_t)
             drop = _dropout(cfg, refs, b, kv_head * g.groups + member)
             if drop is not None:  # dropout: dV from the dropped P^T, dP^T dropped alike
                 queries, keys = i * c.block_q + query_offsets(), key_start + key_offsets()
                 dp_t = drop(dp_t, queries, keys, 1)
             dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring),
-                                     masked or key_ids is not None)
+                                     masked or key_ids is not None or g.has_mask)
             if drop is not None:
                 p_t = drop(p_t, queries, keys, 1)
             ds_t = dqk_t.astype(g.dtype)
@@ -479,16 +531,20 @@ def _dkdv_walk(cfg, g: Geometry, refs):
                                        refs["kv_len"][b], offset)
         return g.groups, lo, hi
 
-    def copies(kv_head, b, member, i, slot, smem, produced):
+    def copies(pair, kv_head, b, member, i, slot, smem, produced):
         _, _, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *rest = smem
+        _, ids_ring, pairwise, _ = _unpack_extras(g, rest)
         head = kv_head * g.groups + member
         rows = pl.ds(i * c.block_q, c.block_q)
-        ids = ((refs["q_ids"].at[b, rows],), (rest[2],)) if g.has_segments else ((), ())
+        ids = ((refs["q_ids"].at[b, rows],), (ids_ring,)) if g.has_segments else ((), ())
+        keys = pl.ds(pair * CONSUMERS * c.block_kv, CONSUMERS * c.block_kv)
         for src, dst, barrier in zip(
                 (refs["q"].at[b, rows, head], refs["do"].at[b, rows, head],
                  refs["row_max"].at[b, head, rows], refs["log_sum"].at[b, head, rows],
-                 refs["delta"].at[b, head, rows], *ids[0]),
-                (q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *ids[1]), produced):
+                 refs["delta"].at[b, head, rows], *ids[0],
+                 *_pairwise_sources(g, refs, b, head, keys, rows)),
+                (q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *ids[1], *pairwise),
+                produced):
             plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
 
     return walk, copies
@@ -505,7 +561,8 @@ def _dq_scratch(g: Geometry):
              _swizzled((c.num_stages, c.block_kv, d), g.dtype),  # V ring
              plgpu.SMEM((c.num_stages, c.block_kv), jnp.float32),  # the keys' poison
              *_position_scratch(c),
-             *[plgpu.SMEM((c.num_stages, c.block_kv), jnp.int32)] * g.has_segments)  # key ids
+             *[plgpu.SMEM((c.num_stages, c.block_kv), jnp.int32)] * g.has_segments,  # key ids
+             *_pairwise_scratch(g, CONSUMERS * c.block_q, c.block_kv))
     barriers = (*[plgpu.Barrier(num_barriers=CONSUMERS) for _ in range(5)],
                 *[plgpu.Barrier(num_barriers=c.num_stages) for _ in range(3 + g.streamed)],
                 plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=c.num_stages))
@@ -517,10 +574,11 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     c = g.config
     wg = lax.axis_index("wg")
     (q_all, do_all, max_own, log_sum_own, delta_own, k_ring, v_ring, poison_ring, *rest) = smem
-    positions, kv_ids_ring = rest[:2], (rest[2] if g.has_segments else None)
+    positions, kv_ids_ring, pairwise, _ = _unpack_extras(g, rest)
+    own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
     own_loaded, produced, consumed = barriers[:5], barriers[5:-1], barriers[-1]
     q_own, do_own = q_all.at[wg], do_all.at[wg]
-    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=False)
+    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=g.bias_dtype is not None)
     tile = (c.block_q, c.block_kv)
     query_offsets, key_offsets = _write_positions(positions, wg, c.block_q, c.block_kv)
     rows_of = lambda x: lax.broadcast_in_dim(x, tile, (0,))
@@ -570,11 +628,20 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                 allowed = masking.all_of([allowed, _same_segment(
                     query_ids, plgpu.load(kv_ids_ring.at[slot], layout=_COLS), tile)])
             s = s + lax.broadcast_in_dim(poison, tile, (1,))
-            p, capped = _probs(cfg, softmax, s, rows_of, row_max, log_sum, allowed)
+            bias, mask = pairwise_tiles(pairwise, slot, own_rows, g.bias_dtype is not None,
+                                        g.has_mask)
+            allowed = masking.all_of([allowed, mask])
+            p, capped = _probs(cfg, softmax, s, rows_of, row_max, log_sum, allowed, bias)
             if drop is not None:  # dropout: dP dropped as the forward dropped P
                 dp = drop(dp, q_start + query_offsets(), j * c.block_kv + key_offsets(), 0)
-            dqk = _logits_gradient(p, dp, capped, rows_of, delta, masked or query_ids is not None)
+            excludes = masked or query_ids is not None or g.has_mask
+            dqk = _logits_gradient(p, dp, capped, rows_of, delta, excludes)
             dq = _accumulate(dq, dqk.astype(g.dtype), k_ring.at[slot], interpreted)
+            if g.write_dbias:  # dS, without the soft cap's factor
+                ds = dqk if capped is None else _logits_gradient(p, dp, None, rows_of, delta,
+                                                                 excludes)
+                _write_dbias(refs["dbias"].at[b, head, rows, pl.ds(j * c.block_kv, c.block_kv)],
+                             pairwise[0].at[slot, own_rows], ds, interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
             return dq, step + 1
 
@@ -595,6 +662,21 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     order.loop(lax.axis_index("cta"), item, jnp.int32(0))
 
 
+def _write_dbias(target, stage, ds, interpreted: bool):
+    """One tile of dS into the zeroed float32 dbias in global memory: through ``stage``, the
+    warpgroup's rows of the float32 bias tile it has just read (its ring slot, not released
+    yet), by a TMA store that has read the stage before the slot is released. Each (head,
+    query, key) tile is written by one warpgroup once: bitwise repeatable. Interpreted, a plain
+    store (the interpreter runs one CTA at a time)."""
+    if interpreted:
+        target[...] = ds
+        return
+    stage[...] = ds
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, target)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _dq_walk(cfg, g: Geometry, refs):
     c = g.config
 
@@ -605,15 +687,18 @@ def _dq_walk(cfg, g: Geometry, refs):
                                         refs["kv_len"][b], offset)
         return 1, lo, hi
 
-    def copies(head, b, _, j, slot, smem, produced):
+    def copies(pair, head, b, _, j, slot, smem, produced):
         k_ring, v_ring, poison_ring = smem[5:8]
+        _, ids_ring, pairwise, _ = _unpack_extras(g, smem[8:])
         kv_head = lax.div(head, g.groups)
         keys = pl.ds(j * c.block_kv, c.block_kv)
-        ids = ((refs["kv_ids"].at[b, keys],), (smem[10],)) if g.has_segments else ((), ())
+        ids = ((refs["kv_ids"].at[b, keys],), (ids_ring,)) if g.has_segments else ((), ())
+        rows = pl.ds(pair * CONSUMERS * c.block_q, CONSUMERS * c.block_q)
         for src, dst, barrier in zip(
                 (refs["k"].at[b, keys, kv_head], refs["v"].at[b, keys, kv_head],
-                 refs["key_poison"].at[b, kv_head, keys], *ids[0]),
-                (k_ring, v_ring, poison_ring, *ids[1]), produced):
+                 refs["key_poison"].at[b, kv_head, keys], *ids[0],
+                 *_pairwise_sources(g, refs, b, head, rows, keys)),
+                (k_ring, v_ring, poison_ring, *ids[1], *pairwise), produced):
             plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier.at[slot])
 
     return walk, copies
@@ -621,10 +706,13 @@ def _dq_walk(cfg, g: Geometry, refs):
 
 # --- The calls --------------------------------------------------------------------------------
 
+# "bias" and "mask": [Bx, Hx, Lq, Lk] for dQ, transposed ([Bx, Hx, Lk, Lq]) for dK/dV.
 _DKDV_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
-                "q_ids", "kv_ids", "seeds", "dropout_offset", "key_poison", "dq_sum")
+                "q_ids", "kv_ids", "seeds", "dropout_offset", "key_poison", "bias", "mask",
+                "dq_sum")
 _DQ_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
-              "key_poison", "q_ids", "kv_ids", "seeds", "dropout_offset")
+              "key_poison", "q_ids", "kv_ids", "seeds", "dropout_offset", "bias", "mask",
+              "dbias")
 
 
 def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch, consumer,
@@ -635,7 +723,7 @@ def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch,
     def entry(*refs):
         refs = dict(zip(present + list(out_names), refs))
         for optional in ("offset", "q_ids", "kv_ids", "seeds", "dropout_offset", "key_poison",
-                         "dq_sum"):
+                         "bias", "mask", "dq_sum", "dbias"):
             refs.setdefault(optional, None)
         walk, copies = walk_of(cfg, g, refs)
 
@@ -664,13 +752,33 @@ def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch,
 
 def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, stats, delta,
                   q_len, kv_len, offset=None, q_segment_ids=None, kv_segment_ids=None,
-                  seeds=None, dropout_offset=None, *, num_sms: int | None = None, interpret=None):
+                  seeds=None, dropout_offset=None, bias=None, mask=None, *,
+                  num_sms: int | None = None, interpret=None):
     """q/d_out [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), stats RowStats [B, Hq, Lq] f32,
     delta [B, Hq, Lq] f32, segment ids [B, Lq] and [B, Lk] int32 or None, dropout seeds
-    [Bs, Hs] uint32 and their offset [2] int32 (or None; read only with ``cfg.dropout_rate``)
-    -> (dq, dk, dv) in the operands' dtypes."""
+    [Bs, Hs] uint32 and their offset [2] int32 (or None; read only with ``cfg.dropout_rate``),
+    a bias [Bb, Hb, Lq, Lk] float and a mask [Bm, Hm, Lq, Lk] bool (True: may attend) or None
+    (Bx in {1, B}, Hx in {1, Hq}) -> (dq, dk, dv) in the operands' dtypes and dS [B, Hq, Lq,
+    Lk] float32, the bias's gradient before its broadcast is summed (``cfg.bias_gradient``;
+    else None)."""
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    write_dbias = bias is not None and cfg.bias_gradient
+    if write_dbias and config.dq == "fused":
+        raise ValueError("BackwardConfig(dq='fused') has no dQ kernel to write dbias")
+    if bias is not None and (jnp.dtype(bias.dtype).itemsize > 4 or write_dbias):
+        # As the forward reads it; with dbias, dQ's bias tile is the stage of its dS tile.
+        bias = bias.astype(jnp.float32)
+    mask = None if mask is None else mask.astype(jnp.int8)  # TMA moves no 1-bit elements
+    # dQ's tiles are (queries, keys) as given; dK/dV's are (keys, queries): one XLA transpose,
+    # to float32 (a 16-bit bias converted in dK/dV's registers spilled 12-16 bytes at D=128;
+    # float32 none). The last axis padded to 16 bytes (TMA strides); the padded pairs lie past
+    # the lengths.
+    dq_pairwise = {name: None if x is None else rows_of_sixteen_bytes(x)
+                   for name, x in (("bias", bias), ("mask", mask))}
+    dkdv_pairwise = {name: None if x is None else rows_of_sixteen_bytes(jnp.swapaxes(x, 2, 3))
+                     for name, x in (("bias", None if bias is None else bias.astype(jnp.float32)),
+                                     ("mask", mask))}
     batch, lq, heads, head_dim = q.shape
     lk, kv_heads = k.shape[1], k.shape[2]
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
@@ -686,7 +794,9 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, -x.shape[1] % ROW_MULTIPLE), (0, 0), (0, 0)))
     q, d_out, k, v, poisoned_k = map(pad_rows, (q, d_out, k, v, poisoned_k))
     g = Geometry(batch, q.shape[1], k.shape[1], heads, kv_heads, head_dim, jnp.dtype(q.dtype),
-                 config, has_segments=q_segment_ids is not None)
+                 config, has_segments=q_segment_ids is not None,
+                 bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
+                 has_mask=mask is not None, write_dbias=write_dbias)
     pad_last = lambda x, multiple, value: jnp.pad(
         x, ((0, 0), (0, 0), (0, -x.shape[-1] % multiple)), constant_values=value)
     per_query = CONSUMERS * config.block_q
@@ -716,9 +826,12 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     kv_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     order = WorkOrder.create(g.kv_pairs, kv_heads, batch, masking.later_key_tiles_heavier(cfg.mask),
                              True, **sms)
+    g_dkdv = dataclasses.replace(g, write_dbias=False, bias_dtype=None if bias is None
+                                 else jnp.dtype(jnp.float32))
     if config.dq == "fused":
-        return _fused_call(cfg, g, common, k, v, key_poison, order, interpret, lq, lk)
-    dk, dv = _kernel(cfg, g, dict(common, k=poisoned_k), _DKDV_INPUTS,
+        return (*_fused_call(cfg, g_dkdv, dict(common, **dkdv_pairwise), k, v, key_poison,
+                             order, interpret, lq, lk), None)
+    dk, dv = _kernel(cfg, g_dkdv, dict(common, k=poisoned_k, **dkdv_pairwise), _DKDV_INPUTS,
                      (kv_struct(k), kv_struct(v)), ("dk", "dv"), _dkdv_scratch, _dkdv_consumer,
                      _dkdv_walk, order, interpret, "dkdv")
     order = WorkOrder.create(g.q_pairs, heads, batch, masking.later_query_tiles_heavier(cfg.mask),
@@ -726,11 +839,21 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     if interpret is not None:
         # One interpreted kernel at a time: XLA may start both callbacks at once, and two
         # interpreted kernels walking their CTAs side by side deadlock (seen with jax 0.11.2).
-        dk, dv, common, k, key_poison = lax.optimization_barrier((dk, dv, common, k, key_poison))
-    dq = _kernel(cfg, g, dict(common, k=k, key_poison=key_poison), _DQ_INPUTS,
-                 kv_struct(q), ("dq",), _dq_scratch, _dq_consumer, _dq_walk, order, interpret,
-                 "dq")
-    return dq[:, :lq], dk[:, :lk], dv[:, :lk]
+        dk, dv, common, k, key_poison, dq_pairwise = lax.optimization_barrier(
+            (dk, dv, common, k, key_poison, dq_pairwise))
+    dbias = None
+    if write_dbias:
+        # Zeros where no tile is written (the band's and the lengths' skipped tiles); whole
+        # tiles, so that no store is clipped. Unvarying inside shard_map, as _fused_call's dQ.
+        dbias = jax.new_ref(jnp.zeros((batch, heads, g.q_pairs * per_query,
+                                       -(-g.lk // config.block_kv) * config.block_kv),
+                                      jnp.float32))
+    dq = _kernel(cfg, g, dict(common, k=k, key_poison=key_poison, dbias=dbias, **dq_pairwise),
+                 _DQ_INPUTS, kv_struct(q), ("dq",), _dq_scratch, _dq_consumer, _dq_walk, order,
+                 interpret, "dq")
+    if dbias is not None:
+        dbias = vma.like(dbias[...][:, :, :lq, :lk], vma.axes_of(k, v))
+    return dq[:, :lq], dk[:, :lk], dv[:, :lk], dbias
 
 
 def _fused_call(cfg, g: Geometry, common, k, v, key_poison, order, interpret, lq, lk):

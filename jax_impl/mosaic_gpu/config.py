@@ -173,14 +173,18 @@ class BackwardConfig:
             raise ValueError(f"mosaic_gpu.BackwardConfig.dq={self.dq!r} must be one of "
                              f"{DQ_STRATEGIES} (dQ in a kernel of its own, or in dK/dV's)")
 
-    def shared_memory_bytes(self, head_dim: int, dtype, segment_ids: bool = False) -> int:
+    def shared_memory_bytes(self, head_dim: int, dtype, segment_ids: bool = False,
+                            pairwise_bytes: int = 0) -> int:
         """The larger of the two kernels' scratch: dK/dV holds K and V per consumer and a ring
         of Q, dO and three row vectors; dQ holds Q, dO and three row vectors per consumer and a
         ring of K, V and the keys' poison; both hold a tile's row and column offsets per
         consumer (int32, read by the mask of edge tiles), and with segment ids a ring of the
         streamed tiles' ids (int32, one more barrier per stage). With ``dq="fused"`` there is
         no dQ kernel, and dK/dV holds per consumer dS^T (16-bit, dQ's left operand) and the
-        fp32 dQ tile that the TMA reduce-add reads."""
+        fp32 dQ tile that the TMA reduce-add reads. ``pairwise_bytes``: bytes per (query, key)
+        pair of a constant bias and a dense mask (``Config.shared_memory_bytes``), whose tiles
+        (both warpgroups' rows by the streamed tile) each kernel streams in a ring of its own,
+        one barrier per stage each; dK/dV's bias is float32 whatever the bias's dtype."""
         item = np.dtype(dtype).itemsize
         own = lambda rows: CONSUMERS * 2 * rows * head_dim * item
         ring = lambda rows: self.num_stages * 2 * rows * head_dim * item
@@ -192,6 +196,12 @@ class BackwardConfig:
             dq = 0
         positions = 2 * CONSUMERS * max(self.block_q, self.block_kv) * 4  # edge tiles' offsets
         ids = segment_ids * self.num_stages * (max(self.block_q, self.block_kv) * 4 + 8)
+        has_bias, has_mask = pairwise_bytes >= 2, pairwise_bytes % 2  # a bias: 2 or 4 bytes
+        pairwise_ring = lambda per_pair: self.num_stages * (
+            CONSUMERS * self.block_q * self.block_kv * per_pair + 8 * (has_bias + has_mask))
+        if pairwise_bytes:  # dK/dV reads the bias as float32 (backward_call says why)
+            dkdv += pairwise_ring(4 * has_bias + has_mask)
+            dq += pairwise_ring(pairwise_bytes) if self.dq != "fused" else 0
         return max(dkdv, dq) + positions + ids + 8 * (6 * self.num_stages + CONSUMERS * 3)
 
 

@@ -125,6 +125,22 @@ def _scratch(geometry: Geometry):
     return tiles, barriers
 
 
+def pairwise_source(src, b, head, rows, cols):
+    """Tile ``(rows, cols)`` of a bias or mask ``[Bx, Hx, Lq, Lk]`` (or its transpose) for batch
+    row ``b`` and query head ``head``: its batch and head axes may be broadcast (size 1)."""
+    return src.at[0 if src.shape[0] == 1 else b, 0 if src.shape[1] == 1 else head, rows, cols]
+
+
+def pairwise_tiles(rings, slot, rows, has_bias: bool, has_mask: bool):
+    """A warpgroup's ``rows`` of the bias and mask tiles in ring stage ``slot`` (the bias's ring
+    first), in the WGMMA layout of the logits: (bias or None, the mask as bool or None)."""
+    loaded = [plgpu.load(ring.at[slot, rows], layout=plgpu.Layout.WGMMA, optimized=False)
+              for ring in rings]
+    bias = loaded.pop(0) if has_bias else None
+    mask = loaded.pop(0) != 0 if has_mask else None
+    return bias, mask
+
+
 class _Pairwise:
     """The bias and the dense mask of a call (either may be absent), streamed by key tile
     through a ring beside K and V. Each stage holds the CTA's ``[2 * block_q, block_kv]`` tile
@@ -146,8 +162,8 @@ class _Pairwise:
         def _():
             plgpu.barrier_wait(self.consumed.at[slot])
         for src, ring in zip(self.gmem, self.rings):
-            index = (0 if src.shape[0] == 1 else b, 0 if src.shape[1] == 1 else head, rows, keys)
-            plgpu.copy_gmem_to_smem(src.at[index], ring.at[slot], self.produced.at[slot])
+            plgpu.copy_gmem_to_smem(pairwise_source(src, b, head, rows, keys), ring.at[slot],
+                                    self.produced.at[slot])
 
     def drain(self, slot):
         """The memory warpgroup's tail: the consumers' last release of a stage."""
@@ -160,11 +176,7 @@ class _Pairwise:
         if not self.gmem:
             return None, None
         plgpu.barrier_wait(self.produced.at[slot])
-        loaded = [plgpu.load(ring.at[slot, rows], layout=plgpu.Layout.WGMMA,
-                             optimized=False) for ring in self.rings]
-        bias = loaded.pop(0) if self.has_bias else None
-        mask = loaded.pop(0) != 0 if self.has_mask else None
-        return bias, mask
+        return pairwise_tiles(self.rings, slot, rows, self.has_bias, self.has_mask)
 
     def release(self, slot):
         if self.gmem:
@@ -562,8 +574,8 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
             (mask is not None) != geometry.has_mask):
         raise ValueError(f"the geometry's bias_dtype={geometry.bias_dtype} and has_mask="
                          f"{geometry.has_mask} must describe the bias and mask given")
-    bias = None if bias is None else _rows_of_sixteen_bytes(bias)
-    mask = None if mask is None else _rows_of_sixteen_bytes(mask.astype(jnp.int8))
+    bias = None if bias is None else rows_of_sixteen_bytes(bias)
+    mask = None if mask is None else rows_of_sixteen_bytes(mask.astype(jnp.int8))
     q, k, v, geometry = _rows_of_eight(q, k, v, geometry)
     has_segments = q_segment_ids is not None
     geometry = dataclasses.replace(geometry, has_segments=has_segments)
@@ -620,7 +632,7 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
     return out[:, :lq], row_max[..., :lq], log_sum[..., :lq]
 
 
-def _rows_of_sixteen_bytes(x):
+def rows_of_sixteen_bytes(x):
     """A bias or (int8) mask [Bx, Hx, Lq, Lk] with its key axis padded with zeros to a multiple
     of 16 bytes (a TMA descriptor's global strides must be; the padded keys lie past Lk, where
     the length rule is on). A multiple already is not copied."""

@@ -20,8 +20,9 @@ from jax_impl.flash_attention import flash_attention
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
-def run(case: Case, dtype, implementation, **options):
-    """Outputs and gradients (the case's random cotangent) as float64 numpy."""
+def run(case: Case, dtype, implementation, *, constant_bias: bool = False, **options):
+    """Outputs and gradients (the case's random cotangent) as float64 numpy. ``constant_bias``:
+    the bias is not differentiated (no dbias: the backward is told so by symbolic zeros)."""
     inputs: Inputs = make_inputs(case)
     cast = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64), dtype)
     q, k, v, cotangent, bias = map(cast, (inputs.q, inputs.k, inputs.v, inputs.cotangent, inputs.bias))
@@ -35,10 +36,15 @@ def run(case: Case, dtype, implementation, **options):
         return flash_attention(q, k, v, bias, inputs.mask, implementation=implementation,
                                attention_sinks=sinks, **kwargs)
 
-    out, vjp = jax.vjp(attend, q, k, v, bias, None if sinks is None else jnp.asarray(sinks))
-    dq, dk, dv, dbias, dsinks = vjp(cotangent)
+    sinks = None if sinks is None else jnp.asarray(sinks)
+    if constant_bias:
+        out, vjp = jax.vjp(lambda q, k, v, sinks: attend(q, k, v, bias, sinks), q, k, v, sinks)
+        (dq, dk, dv, dsinks), dbias = vjp(cotangent), None
+    else:
+        out, vjp = jax.vjp(attend, q, k, v, bias, sinks)
+        dq, dk, dv, dbias, dsinks = vjp(cotangent)
     results = {"out": out, "dq": dq, "dk": dk, "dv": dv}
-    if bias is not None:
+    if dbias is not None:
         results["dbias"] = dbias
     if sinks is not None:
         results["dsinks"] = dsinks

@@ -388,8 +388,8 @@ def test_segment_ids_are_differentiated_by_the_mosaic_backward(monkeypatch):
                               (Config(backward="pallas_triton"), False), (None, True)):
         cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=config,
                               interpret=interpret)
-        implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, None, None,
-                                                   None)
+        implementations.get("mosaic_gpu").backward(cfg, jnp.zeros((1, 64, 1, 64)), None, None,
+                                                   None, masks, None, None, None)
     assert called == ["mosaic_gpu"] * 2 + ["pallas_triton"] * 2
 
 
@@ -498,7 +498,8 @@ def test_dropout_calls_keep_the_mosaic_backward_compiled(monkeypatch):
     monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
     masks = masking.MaskInputs(None, None, None, None, None)
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), dropout_rate=0.1)
-    implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, None, None, None)
+    implementations.get("mosaic_gpu").backward(cfg, jnp.zeros((1, 64, 1, 128)), None, None, None,
+                                               masks, None, None, None)
     assert mosaic_gpu.backward_unsupported(cfg) is None and called == ["mosaic_gpu"]
     assert implementations.get("mosaic_gpu").takes_dropout_offset
     assert implementations.get("pallas_triton").takes_dropout_offset
@@ -511,9 +512,9 @@ def test_dropout_at_head_dim_128_takes_64_key_tiles():
     assert default_config(64, jnp.bfloat16, dropout=True) == default_config(64, jnp.bfloat16)
 
 
-# --- A bias and a dense mask (the forward's; their backward is pallas_triton's) -------------
+# --- A bias and a dense mask (a differentiated bias: pallas_triton's backward) --------------
 
-PAIRWISE_PROBLEMS = [  # lengths that are no multiple of a tile; the backward: pallas_triton's
+PAIRWISE_PROBLEMS = [  # lengths that are no multiple of a tile
     Case("bf16-bias-shared-batch-gqa-edges", q_len=150, kv_len=130, q_heads=4, kv_heads=2,
          dtype="bfloat16", bias=True, bias_shape="shared_batch", seed=80),
     Case("fp16-mask-heads-empty-rows-d128", q_len=100, kv_len=140, q_heads=2, kv_heads=1,
@@ -528,8 +529,8 @@ PAIRWISE_PROBLEMS = [  # lengths that are no multiple of a tile; the backward: p
 @pytest.mark.parametrize("problem", PAIRWISE_PROBLEMS, ids=lambda p: p.name)
 def test_bias_and_mask_match_the_float64_oracle(problem, interpret):
     """The bias and mask tiles come through the ring with K (TMA; past Lq and Lk it reads
-    zeros, which the length rule masks). The gradients, dbias too, are pallas_triton's backward
-    from the Mosaic forward's RowStats, compiled or interpreted."""
+    zeros, which the length rule masks). The gradients: a differentiated bias's (dbias too) are
+    pallas_triton's backward from the Mosaic forward's RowStats; interpreted, every call's."""
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
     assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
 
@@ -569,39 +570,108 @@ def test_bias_and_mask_row_stats_are_the_references(interpret):
     np.testing.assert_allclose(got_out, np.asarray(want_out.astype(jnp.float32)), atol=2e-2)
 
 
-def test_bias_and_mask_calls_take_the_pallas_triton_backward(monkeypatch):
-    """Whatever the Config chose: the Mosaic backward kernels take no bias or mask (a direct
-    call refuses them), pallas_triton's reads the forward's RowStats and writes dbias; the
-    forward by name takes the call (explain_implementation)."""
+def test_the_mosaic_backward_takes_a_bias_and_a_mask_but_dbias_with_the_fused_dq(monkeypatch):
+    """Whatever the Config chose: the Mosaic backward takes a bias, differentiated or not, and a
+    dense mask; only a differentiated bias with BackwardConfig(dq="fused") takes pallas_triton's
+    backward (dbias is written by the dQ kernel, which the fused dQ does without), and a
+    direct call refuses it. The forward by name takes every such call
+    (explain_implementation)."""
     called = []
     monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
     monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
     pairwise = jnp.zeros((1, 1, 64, 64))
-    for bias, mask in ((pairwise, None), (None, pairwise > 0), (None, None)):
+    fused = Config(64, 64, 2, backward="mosaic_gpu", backward_config=BackwardConfig(dq="fused"))
+    separate = Config(64, 64, 2, backward="mosaic_gpu")
+    calls = [(pairwise, None, True, separate, "mosaic_gpu"),
+             (pairwise, pairwise > 0, True, separate, "mosaic_gpu"),
+             (pairwise, None, False, separate, "mosaic_gpu"),
+             (None, pairwise > 0, True, separate, "mosaic_gpu"),
+             (pairwise, None, True, fused, "pallas_triton"),
+             (pairwise, pairwise > 0, False, fused, "mosaic_gpu"),
+             (None, None, True, fused, "mosaic_gpu")]
+    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    for bias, mask, gradient, config, expected in calls:
         masks = masking.MaskInputs(None, None, None, None, mask)
-        cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(),
-                              block_sizes=Config(backward="mosaic_gpu"))
-        implementations.get("mosaic_gpu").backward(cfg, None, None, None, bias, masks, None,
+        cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), bias_gradient=gradient,
+                              block_sizes=config)
+        implementations.get("mosaic_gpu").backward(cfg, q, None, None, bias, masks, None,
                                                    None, None)
         reason = mosaic_gpu.backward_unsupported(cfg, has_bias=bias is not None,
-                                                 has_mask=mask is not None)
-        assert (reason is None) == (bias is None and mask is None), reason
-    assert called == ["pallas_triton", "pallas_triton", "mosaic_gpu"]
+                                                 has_mask=mask is not None, head_dim=64)
+        assert (reason is None) == (expected == "mosaic_gpu"), reason
+        assert (expected == "pallas_triton") == ("dbias" in (reason or "")), reason
+    assert called == [expected for *_, expected in calls]
     monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)  # judged as on jax >= 0.11
-    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
     choice = explain_implementation(q, q, q, pairwise, pairwise > 0, implementation="mosaic_gpu",
                                     platform="cuda")
     assert choice.chosen == "mosaic_gpu", choice
 
 
 @needs_mosaic
-def test_the_mosaic_backward_refuses_a_bias_called_directly():
+def test_the_mosaic_backward_refuses_dbias_with_the_fused_dq_called_directly():
+    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    masks = masking.MaskInputs(jnp.array([64], jnp.int32), jnp.array([64], jnp.int32), None,
+                               None, None)
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=Config(
+        64, 64, 2, backward_config=BackwardConfig(dq="fused")))
+    with pytest.raises(ValueError, match="cannot run this backward: a differentiated bias"):
+        mosaic_gpu.backward(cfg, q, q, q, jnp.zeros((1, 1, 64, 64)), masks, None, q, None)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_bias_or_mask_with_dropout_at_head_dim_128_takes_the_pallas_triton_backward(
+        monkeypatch, head_dim):
+    """Compiled for sm_90a, dK/dV spills 4-96 bytes at D=128 with dropout beside a bias or a
+    mask (0 at D=64, and 0 at D=128 with either alone): such calls take pallas_triton's
+    backward, named; the forward stays Mosaic's."""
+    called = []
+    monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
+    monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
+    q = jnp.zeros((1, 64, 1, head_dim), jnp.bfloat16)
+    pairwise = jnp.zeros((1, 1, 64, 64))
+    for bias, mask, rate in ((pairwise, None, 0.1), (None, pairwise > 0, 0.1),
+                             (pairwise, pairwise > 0, 0.0), (None, None, 0.1)):
+        cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), bias_gradient=False,
+                              dropout_rate=rate, block_sizes=Config(64, 64, 2))
+        masks = masking.MaskInputs(None, None, None, None, mask)
+        implementations.get("mosaic_gpu").backward(cfg, q, None, None, bias, masks, None,
+                                                   None, None)
+        reason = mosaic_gpu.backward_unsupported(cfg, has_bias=bias is not None,
+                                                 has_mask=mask is not None, head_dim=head_dim)
+        refused = head_dim == 128 and rate > 0 and (bias is not None or mask is not None)
+        assert (reason is not None) == refused and (not refused or "dropout" in reason), reason
+    spilling = ["pallas_triton" if head_dim == 128 else "mosaic_gpu"] * 2
+    assert called == spilling + ["mosaic_gpu"] * 2
+
+
+@needs_mosaic
+def test_the_mosaic_backward_refuses_a_differentiated_bias_called_directly():
     q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
     masks = masking.MaskInputs(jnp.array([64], jnp.int32), jnp.array([64], jnp.int32), None,
                                None, None)
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec())
-    with pytest.raises(ValueError, match="cannot run this backward: a bias"):
+    with pytest.raises(ValueError, match="cannot run this backward: a differentiated bias"):
         mosaic_gpu.backward(cfg, q, q, q, jnp.zeros((1, 1, 64, 64)), masks, None, q, None)
+
+
+def test_the_backward_counts_the_bias_and_mask_rings_in_its_shared_memory(monkeypatch):
+    """The default backward tiles (64 x 64 x 2) hold a float32 bias and a mask ring beside
+    everything else at head_dim 128; the fused dQ's does not, and a forward Config choosing it
+    is refused naming backward_config, before any compile."""
+    default, fused = BackwardConfig(), BackwardConfig(dq="fused")
+    for pairwise_bytes in (1, 2, 3, 4, 5):
+        assert default.shared_memory_bytes(128, jnp.bfloat16, True, pairwise_bytes) <= 227 * 1024
+        # one ring of CONSUMERS * 64 x 64 pairs per stage, by their bytes per pair
+        assert (default.shared_memory_bytes(128, jnp.bfloat16, False, pairwise_bytes)
+                - default.shared_memory_bytes(128, jnp.bfloat16)) >= 2 * 2 * 64 * 64 * pairwise_bytes
+    assert fused.shared_memory_bytes(128, jnp.bfloat16, False, 5) > 227 * 1024
+    monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)  # judged as on jax >= 0.11
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(),
+                          block_sizes=Config(64, 64, 2, backward_config=fused))
+    reason = mosaic_gpu.unsupported(head_dim=128, cfg=cfg, has_bias=True, has_mask=True,
+                                    dtype=jnp.bfloat16)
+    assert reason and reason.startswith("backward_config=") and "a bias and a mask" in reason
+    assert mosaic_gpu.unsupported(head_dim=128, cfg=cfg, dtype=jnp.bfloat16) is None
 
 
 def test_a_bias_or_mask_takes_the_tiles_the_compile_report_found_clean():
@@ -637,7 +707,8 @@ def test_the_backward_is_its_own_unless_the_config_chooses_pallas_triton(monkeyp
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=choice,
                           interpret=interpret)
     masks = masking.MaskInputs(None, None, None, None, None)
-    implementations.get("mosaic_gpu").backward(cfg, None, None, None, None, masks, *[None] * 3)
+    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    implementations.get("mosaic_gpu").backward(cfg, q, None, None, None, masks, *[None] * 3)
     assert called == [expected]
     reason = mosaic_gpu.backward_unsupported(cfg)
     assert (reason is None) == (expected == "mosaic_gpu")
@@ -720,6 +791,29 @@ def test_backward_kernels_match_the_float64_oracle(monkeypatch, problem, interpr
     assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
 
 
+PAIRWISE_BACKWARD = Config(64, 64, 2, backward="mosaic_gpu")  # the tiles such calls take
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem, constant", [
+    *((p, False) for p in PAIRWISE_PROBLEMS), *((p, True) for p in PAIRWISE_PROBLEMS if p.bias)],
+    ids=lambda x: x.name if isinstance(x, Case) else ("constant_bias" if x else "dbias"))
+def test_a_bias_and_a_mask_in_the_backward_kernels_match_the_float64_oracle(
+        monkeypatch, problem, constant, interpret):
+    """The bias and the mask stream through both kernels' rings: dQ's tiles as given, dK/dV's
+    transposed once by XLA; the mask excludes pairs (dS exactly 0 there, rows with no allowed
+    key too). A differentiated bias: the dQ kernel writes dS per tile (dbias, summed over the
+    bias's broadcast axes after). A constant one (symbolic zeros tell the backward): no dS."""
+    _mosaic_backward_only(monkeypatch, interpret)
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
+                  block_sizes=PAIRWISE_BACKWARD, constant_bias=constant)
+    keep = lambda found: {n: x for n, x in found.items() if n != "dbias" or not constant}
+    assert set(results) == set(keep(oracle(problem)))
+    assert ("dbias" in results) == (not constant and problem.bias)
+    assert_judged_correct(results, keep(oracle(problem)), keep(baseline(problem)),
+                          problem.dtype)
+
+
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("problem", DROPOUT_PROBLEMS, ids=lambda p: p.name)
 def test_dropout_gradients_of_the_backward_kernels_match_the_float64_oracle(monkeypatch, problem,
@@ -756,22 +850,30 @@ FUSED_DQ = Config(backward="mosaic_gpu", backward_config=BackwardConfig(dq="fuse
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("backward", [MOSAIC_BACKWARD, FUSED_DQ], ids=("separate", "fused_dq"))
+@pytest.mark.parametrize("backward", [MOSAIC_BACKWARD, FUSED_DQ, "pairwise"],
+                         ids=("separate", "fused_dq", "mask_and_constant_bias"))
 def test_nonfinite_gradients_follow_the_rule_of_every_implementation(monkeypatch, interpret,
                                                                       backward):
     """A NaN in v and an inf in k at keys some rows may not attend, a NaN query row: the NaN
     pattern and the finite values of dq, dk, dv match the xla path's. Fused, K stays finite
     for dQ += dS K (the keys' poison enters S^T's rows): dQ rows that do not attend the
-    poisoned keys stay finite."""
+    poisoned keys stay finite. With a dense mask (and a constant bias), no band: the tiles of
+    the NaN query row are interior ones, where only the mask's exclusions keep the row's NaN
+    delta from the keys it does not attend (their dK and dV stay finite)."""
     _mosaic_backward_only(monkeypatch, interpret)
     rng = np.random.default_rng(53)
     b, l, h, d = 1, 150, 2, 64
     q, k, v, ct = (rng.standard_normal((b, l, h, d)).astype(np.float32) for _ in range(4))
-    v[0, 100, 0, 5] = np.nan
-    k[0, 140, 1, 3] = np.inf
     q[0, 20, 1, 0] = np.nan
+    if backward == "pairwise":
+        backward = PAIRWISE_BACKWARD
+        options = dict(bias=jnp.asarray(rng.standard_normal((1, h, l, l)), jnp.float32),
+                       mask=jnp.asarray(rng.random((b, 1, l, l)) < 0.8))
+    else:
+        v[0, 100, 0, 5] = np.nan
+        k[0, 140, 1, 3] = np.inf
+        options = dict(is_causal=True, local_window_size=(60, None))
     q, k, v, ct = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, ct))
-    options = dict(is_causal=True, local_window_size=(60, None))
 
     def grads(**kwargs):
         _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, **options, **kwargs), q, k, v)
