@@ -87,6 +87,7 @@ FUSED_DQ_MASKS = (("segment ids", dict(segments=True)), ("dropout 0.1", dict(dro
 
 
 # Every per-pair feature at once (the most registers in the masked tiles), causal.
+DBIAS_LABEL = "bias bfloat16 [B, H] + mask, dbias"  # the one bias row that is differentiated
 COMBINED_LABEL = "bias bfloat16 [B, H] + mask + dropout 0.1 + segment ids"
 COMBINED = dict(bias="bfloat16", bias_batch=True, mask=True, dropout=0.1, segments=True)
 
@@ -95,9 +96,9 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     """(label, dtype, head_dim, causal, Config or None, extra call options): the shipped
     defaults (16-bit, D=64/128, causal and not); ``all`` adds masked edges, the mask features,
     other tiles and head_dim 256 (not offered: it shows why); ``segments`` only the calls with
-    segment ids (bf16, D=64/128, causal and not); ``bias_mask`` only the forward's calls with a
-    bias (float32 [1, H] and bfloat16 [B, H]) or a bool mask [B, 1] or both (their backward is
-    pallas_triton's: no backward rows); ``fused_dq`` only the backward with
+    segment ids (bf16, D=64/128, causal and not); ``bias_mask`` only the calls with a bias
+    (float32 [1, H] and bfloat16 [B, H]) or a bool mask [B, 1] or both (the backward's rows: a
+    constant bias, but ``DBIAS_LABEL``'s, whose dQ kernel writes dS); ``fused_dq`` only the backward with
     ``BackwardConfig(dq="fused")`` (bf16, D=64/128, causal and not; ``all`` has them too)."""
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
@@ -114,7 +115,8 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
         return segment_rows
     bias_mask_rows = [(label, "bfloat16", d, causal, None, options) for label, options in (
         ("bias float32 [1, H]", dict(bias="float32")), ("bias bfloat16 [B, H]", dict(bias="bfloat16", bias_batch=True)),
-        ("mask bool [B, 1]", dict(mask=True)), ("bias float32 [1, H] + mask", dict(bias="float32", mask=True)))
+        ("mask bool [B, 1]", dict(mask=True)), ("bias float32 [1, H] + mask", dict(bias="float32", mask=True)),
+        (DBIAS_LABEL, dict(bias="bfloat16", bias_batch=True, mask=True, dbias=True)))
         for d in (64, 128) for causal in (False, True)]
     if only == "bias_mask":
         return bias_mask_rows
@@ -157,7 +159,8 @@ def _attention_config(head_dim, causal, options):
                             has_q_lengths=options.get("lengths", False),
                             has_kv_lengths=options.get("lengths", False))
     return AttentionConfig(scale=head_dim ** -0.5, mask=spec, logits_soft_cap=options.get("soft_cap"),
-                           dropout_rate=options.get("dropout", 0.0))
+                           dropout_rate=options.get("dropout", 0.0),
+                           bias_gradient=bool(options.get("dbias")))
 
 
 def _pairwise(options):
@@ -166,6 +169,13 @@ def _pairwise(options):
     bias_dtype = None if options.get("bias") is None else jnp.dtype(options["bias"])
     has_mask = bool(options.get("mask"))
     return bias_dtype, has_mask, (0 if bias_dtype is None else bias_dtype.itemsize) + has_mask
+
+
+def _backward_pairwise_bytes(options) -> int:
+    """The backward's bytes per pair of its bias and mask rings: a differentiated bias is read
+    as float32 (dQ stages dS in its tile)."""
+    bias_dtype, has_mask, pairwise_bytes = _pairwise(options)
+    return 4 + has_mask if options.get("dbias") and bias_dtype is not None else pairwise_bytes
 
 
 def _forward_config(head_dim, dtype, config, options):
@@ -244,6 +254,7 @@ def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
     length = options.get("seq_len", seq_len)
     kv_heads = options.get("kv_heads", KV_HEADS)
     cfg = _attention_config(head_dim, causal, options)
+    bias_dtype, has_mask, _ = _pairwise(options)
     sharding = jax.sharding.SingleDeviceSharding(device)
     struct = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
     queries = struct((BATCH, length, HEADS, head_dim), dtype)
@@ -252,19 +263,25 @@ def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
     lengths = struct((BATCH,), jnp.int32)
     segments = ([struct((BATCH, length), jnp.int32)] * 2) if options.get("segments") else []
     seeds = struct((BATCH, HEADS), jnp.uint32) if options.get("dropout") else None
+    bias = None if bias_dtype is None else struct(
+        (BATCH if options.get("bias_batch") else 1, HEADS, length, length), bias_dtype)
+    mask = struct((BATCH, 1, length, length), jnp.bool_) if has_mask else None
 
-    def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len, seeds, *segments):
+    def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len, seeds, bias, mask,
+                 *segments):
         return backward_call(cfg, config, q, k, v, d_out,
                              online_softmax.RowStats(row_max, log_sum), delta, q_len, kv_len,
-                             None, *(segments or (None, None)), seeds=seeds)
+                             None, *(segments or (None, None)), seeds=seeds, bias=bias,
+                             mask=mask)
 
     start = time.perf_counter()
     jax.jit(backward).lower(queries, keys, keys, queries, rows, rows, rows, lengths,
-                            lengths, seeds, *segments).compile()
+                            lengths, seeds, bias, mask, *segments).compile()
     seconds = round(time.perf_counter() - start, 2)
     return [Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q,
                   config.block_kv, config.num_stages, True, length,
-                  config.shared_memory_bytes(head_dim, dtype, bool(options.get("segments"))),
+                  config.shared_memory_bytes(head_dim, dtype, bool(options.get("segments")),
+                                             _backward_pairwise_bytes(options)),
                   compile_s=seconds, kernel=kernel)
             for kernel in kernels]
 
@@ -300,6 +317,16 @@ def _entries(dump: Path) -> list[str]:
     return sorted(names, key=lambda n: int(n.rsplit("_", 1)[-1]))
 
 
+def _backward_elsewhere(head_dim, causal, options) -> str | None:
+    """Why the row's call takes pallas_triton's backward (``mosaic_gpu.backward_unsupported``),
+    or None."""
+    from jax_impl import mosaic_gpu
+    cfg = _attention_config(head_dim, causal, options)
+    bias_dtype, has_mask, _ = _pairwise(options)
+    return mosaic_gpu.backward_unsupported(cfg, has_bias=bias_dtype is not None,
+                                           has_mask=has_mask, head_dim=head_dim)
+
+
 def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
     """The backward's dK/dV and dQ kernels of each configuration (its Config is the
     forward's and is not used: the backward has its own tiles)."""
@@ -311,9 +338,10 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                                               topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
-            if config is not None or head_dim > 128 or _pairwise(options)[2]:
-                continue  # forward tiles, a head_dim the kernel does not offer, or a bias/mask
-                # (whose backward is pallas_triton's)
+            if config is not None or head_dim > 128 or _backward_elsewhere(head_dim, causal,
+                                                                           options):
+                continue  # forward tiles, a head_dim the kernel does not offer, or a call
+                # whose backward is pallas_triton's
             dump = Path(root) / f"backward_{index}"
             dump.mkdir()
             os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
@@ -329,7 +357,8 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                 found = [Facts(label, dtype, head_dim, causal, config.block_q, config.block_kv,
                                config.num_stages, True, options.get("seq_len", seq_len),
                                config.shared_memory_bytes(head_dim, dtype,
-                                                          bool(options.get("segments"))),
+                                                          bool(options.get("segments")),
+                                                          _backward_pairwise_bytes(options)),
                                kernel=kernel,
                                error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
                          for kernel in kernels]
@@ -387,7 +416,10 @@ def markdown(rows: list[Facts], only: str = "all") -> str:
         "that it serialised every wgmma (none is the bar). "
         "The backward rows (dK/dV, dQ) have their own tiles (`BackwardConfig`: q, kv, stages) "
         "and registers (`setmaxnreg` 240 for the two compute warpgroups, 24 for the memory one); "
-        "their TMA loads: K, V, Q, dO and the row vectors.",
+        "their TMA loads: K, V, Q, dO and the row vectors (and a bias or mask tile). A call whose "
+        "backward is pallas_triton's (`mosaic_gpu.backward_unsupported`: a bias or mask with "
+        "dropout at D=128) has no backward rows; the rows with a bias are a constant bias's but "
+        f"`{DBIAS_LABEL}` (the dQ kernel writes dS, the bias's gradient).",
         "",
         "| kernel | call | dtype | D | causal | tiles (q, kv, stages) | persistent | L | compiled | registers | spills (st/ld B) | smem KiB (estimate) | setmaxnreg | wgmma | partial waits | serialised | TMA ld/st | mbarrier waits |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
