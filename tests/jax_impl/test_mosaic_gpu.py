@@ -644,16 +644,6 @@ def test_a_bias_or_mask_with_dropout_at_head_dim_128_takes_the_pallas_triton_bac
     assert called == spilling + ["mosaic_gpu"] * 2
 
 
-@needs_mosaic
-def test_the_mosaic_backward_refuses_a_differentiated_bias_called_directly():
-    q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
-    masks = masking.MaskInputs(jnp.array([64], jnp.int32), jnp.array([64], jnp.int32), None,
-                               None, None)
-    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec())
-    with pytest.raises(ValueError, match="cannot run this backward: a differentiated bias"):
-        mosaic_gpu.backward(cfg, q, q, q, jnp.zeros((1, 1, 64, 64)), masks, None, q, None)
-
-
 def test_the_backward_counts_the_bias_and_mask_rings_in_its_shared_memory(monkeypatch):
     """The default backward tiles (64 x 64 x 2) hold a float32 bias and a mask ring beside
     everything else at head_dim 128; the fused dQ's does not, and a forward Config choosing it
