@@ -51,3 +51,32 @@ def test_outputs_and_gradients_vary_as_the_operands_do(dq, segments):
     qkv = struct((2, 128, 2, 64), jnp.bfloat16)
     jax.jit(sharded).trace(qkv, qkv, qkv, struct((2, 128), jnp.int32))
     assert seen == {"out": ("x",), "grads": [("x",)] * 3}
+
+
+def test_dbias_varies_as_the_bias_does_with_a_mask():
+    """The dQ kernel's dS goes to a zeroed float32 ``jax.new_ref`` (unvarying: jax 0.11's
+    kernels refuse a varying Ref), marked varying once read, as the fused dQ's is."""
+    mesh = AbstractMesh((2,), ("x",))
+    config = Config(64, 64, 2, backward="mosaic_gpu")
+    seen = {}
+
+    def local(q, k, v, bias, mask):
+        def loss(q, k, v, bias):
+            out = flash_attention(q, k, v, bias, mask, is_causal=True,
+                                  implementation="mosaic_gpu", block_sizes=config,
+                                  interpret=True)
+            return jnp.sum(out.astype(jnp.float32))
+
+        grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+        seen["grads"] = [vma.axes_of(g) for g in grads]
+        return grads
+
+    spec = PartitionSpec("x")
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4,
+                            check_vma=True)
+    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                       sharding=NamedSharding(mesh, spec))
+    qkv = struct((2, 128, 2, 64), jnp.bfloat16)
+    jax.jit(sharded).trace(qkv, qkv, qkv, struct((2, 2, 128, 128), jnp.float32),
+                           struct((2, 1, 128, 128), jnp.bool_))
+    assert seen == {"grads": [("x",)] * 4}
