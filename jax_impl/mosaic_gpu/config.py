@@ -182,9 +182,10 @@ class BackwardConfig:
         streamed tiles' ids (int32, one more barrier per stage). With ``dq="fused"`` there is
         no dQ kernel, and dK/dV holds per consumer dS^T (16-bit, dQ's left operand) and the
         fp32 dQ tile that the TMA reduce-add reads. ``pairwise_bytes``: bytes per (query, key)
-        pair of a constant bias and a dense mask (``Config.shared_memory_bytes``), whose tiles
-        (both warpgroups' rows by the streamed tile) each kernel streams in a ring of its own,
-        one barrier per stage each; dK/dV's bias is float32 whatever the bias's dtype."""
+        pair of a bias and a dense mask (``Config.shared_memory_bytes``; a bias with dbias is
+        read as float32: 4), whose tiles (both warpgroups' rows by the streamed tile) each
+        kernel streams in a ring of its own, one barrier per stage each; dK/dV's bias is
+        float32 whatever the bias's dtype."""
         item = np.dtype(dtype).itemsize
         own = lambda rows: CONSUMERS * 2 * rows * head_dim * item
         ring = lambda rows: self.num_stages * 2 * rows * head_dim * item
