@@ -10,8 +10,8 @@ shipped configurations in bf16 (the forward's 4 and 4 with dropout, then the bac
 is the same program with the other 16-bit type, so its rows are read from the committed report,
 not compiled again); then, at D=128 only (the larger registers and shared memory; the committed
 report, ``--only all``, has their D=64 rows too), the forward and backward with segment ids, with
-a bias or a mask, and the fused dQ: the lane took 7.5 minutes on two workers on the slower
-2-core host.
+a bias or a mask, and the fused dQ: the lane took 7.5-8.1 minutes on two workers on the
+slower 2-core host.
 """
 from __future__ import annotations
 
