@@ -23,10 +23,25 @@ pytestmark = pytest.mark.skipif(mosaic_gpu.unavailable() is not None,
                                 reason=f"mosaic_gpu: {mosaic_gpu.unavailable()}")
 
 
+MESH = AbstractMesh((2,), ("x",))
+SPEC = PartitionSpec("x")
+
+
+def _sharded(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(MESH, SPEC))
+
+
+def _trace_per_device(local, args, num_outputs: int):
+    """Traces ``local`` under jit in a shard_map over MESH (every operand and result split
+    along its first axis), with check_vma."""
+    sharded = jax.shard_map(local, mesh=MESH, in_specs=(SPEC,) * len(args),
+                            out_specs=(SPEC,) * num_outputs, check_vma=True)
+    jax.jit(sharded).trace(*args)
+
+
 @pytest.mark.parametrize("dq", DQ_STRATEGIES)
 @pytest.mark.parametrize("segments", [False, True], ids=["plain", "segment_ids"])
 def test_outputs_and_gradients_vary_as_the_operands_do(dq, segments):
-    mesh = AbstractMesh((2,), ("x",))
     config = Config(backward="mosaic_gpu", backward_config=BackwardConfig(dq=dq))
     seen = {}
 
@@ -43,20 +58,14 @@ def test_outputs_and_gradients_vary_as_the_operands_do(dq, segments):
         seen["grads"] = [vma.axes_of(g) for g in grads]
         return grads
 
-    spec = PartitionSpec("x")
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 3,
-                            check_vma=True)
-    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
-                                                       sharding=NamedSharding(mesh, spec))
-    qkv = struct((2, 128, 2, 64), jnp.bfloat16)
-    jax.jit(sharded).trace(qkv, qkv, qkv, struct((2, 128), jnp.int32))
+    qkv = _sharded((2, 128, 2, 64), jnp.bfloat16)
+    _trace_per_device(local, (qkv, qkv, qkv, _sharded((2, 128), jnp.int32)), 3)
     assert seen == {"out": ("x",), "grads": [("x",)] * 3}
 
 
 def test_dbias_varies_as_the_bias_does_with_a_mask():
     """The dQ kernel's dS goes to a zeroed float32 ``jax.new_ref`` (unvarying: jax 0.11's
     kernels refuse a varying Ref), marked varying once read, as the fused dQ's is."""
-    mesh = AbstractMesh((2,), ("x",))
     config = Config(64, 64, 2, backward="mosaic_gpu")
     seen = {}
 
@@ -71,12 +80,7 @@ def test_dbias_varies_as_the_bias_does_with_a_mask():
         seen["grads"] = [vma.axes_of(g) for g in grads]
         return grads
 
-    spec = PartitionSpec("x")
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4,
-                            check_vma=True)
-    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
-                                                       sharding=NamedSharding(mesh, spec))
-    qkv = struct((2, 128, 2, 64), jnp.bfloat16)
-    jax.jit(sharded).trace(qkv, qkv, qkv, struct((2, 2, 128, 128), jnp.float32),
-                           struct((2, 1, 128, 128), jnp.bool_))
+    qkv = _sharded((2, 128, 2, 64), jnp.bfloat16)
+    _trace_per_device(local, (qkv, qkv, qkv, _sharded((2, 2, 128, 128), jnp.float32),
+                              _sharded((2, 1, 128, 128), jnp.bool_)), 4)
     assert seen == {"grads": [("x",)] * 4}
