@@ -255,14 +255,15 @@ def _probs(cfg, softmax, t_raw, broadcast, row_max, log_sum, allowed, bias=None)
 
 
 def _logits_gradient(p, dp, capped, broadcast, delta, masked: bool):
-    """d(q.k) without the scale: ``online_softmax.logits_gradient(scaled=False)``, exactly 0
-    where P is 0 on a tile with excluded pairs (also in a NaN row)."""
-    dqk = p * (dp - broadcast(delta))
-    if capped is not None:
-        dqk = dqk * (1.0 - capped * capped)
+    """(dS, d(q.k) without the scale): ``online_softmax.logits_gradient(scaled=False)``, both
+    exactly 0 where P is 0 on a tile with excluded pairs (also in a NaN row)."""
+    ds = p * (dp - broadcast(delta))
+    dqk = ds if capped is None else ds * (1.0 - capped * capped)
     if masked:
-        dqk = jnp.where(p == 0, 0.0, dqk)
-    return dqk
+        excluded = p == 0
+        ds = jnp.where(excluded, 0.0, ds)
+        dqk = ds if capped is None else jnp.where(excluded, 0.0, dqk)
+    return ds, dqk
 
 
 def _same_segment(own_ids, streamed_ids, tile):
@@ -478,8 +479,8 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             if drop is not None:  # dropout: dV from the dropped P^T, dP^T dropped alike
                 queries, keys = i * c.block_q + query_offsets(), key_start + key_offsets()
                 dp_t = drop(dp_t, queries, keys, 1)
-            dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring),
-                                     masked or key_ids is not None or g.has_mask)
+            _, dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring),
+                                        masked or key_ids is not None or g.has_mask)
             if drop is not None:
                 p_t = drop(p_t, queries, keys, 1)
             ds_t = dqk_t.astype(g.dtype)
@@ -634,12 +635,10 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             p, capped = _probs(cfg, softmax, s, rows_of, row_max, log_sum, allowed, bias)
             if drop is not None:  # dropout: dP dropped as the forward dropped P
                 dp = drop(dp, q_start + query_offsets(), j * c.block_kv + key_offsets(), 0)
-            excludes = masked or query_ids is not None or g.has_mask
-            dqk = _logits_gradient(p, dp, capped, rows_of, delta, excludes)
+            ds, dqk = _logits_gradient(p, dp, capped, rows_of, delta,
+                                       masked or query_ids is not None or g.has_mask)
             dq = _accumulate(dq, dqk.astype(g.dtype), k_ring.at[slot], interpreted)
             if g.write_dbias:  # dS, without the soft cap's factor
-                ds = dqk if capped is None else _logits_gradient(p, dp, None, rows_of, delta,
-                                                                 excludes)
                 _write_dbias(refs["dbias"].at[b, head, rows, pl.ds(j * c.block_kv, c.block_kv)],
                              pairwise[0].at[slot, own_rows], ds, interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
