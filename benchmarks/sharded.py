@@ -38,7 +38,7 @@ def check_devices(devices, device: str) -> tuple[int, ...]:
     """The device counts to measure: powers of two (the hybrid mesh is 2 x N/2), at most the 8
     virtual devices on a CPU host. -> sorted, without repeats; ValueError naming --devices."""
     devices = tuple(sorted(set(devices)))
-    odd = [n for n in devices if n & (n - 1)]
+    odd = [n for n in devices if n < 1 or n & (n - 1)]
     if odd:
         raise ValueError(f"--devices {','.join(map(str, odd))}: each count must be a power of two "
                          "(the hybrid strategy's mesh is 2 x N/2)")
