@@ -120,6 +120,28 @@ def key_bounds_per_row(spec: MaskSpec, rows, first_col, q_len, kv_len, position_
     return lo, hi
 
 
+def query_bounds_per_key(spec: MaskSpec, keys, first_row, q_len, kv_len, position_offset=None):
+    """``key_bounds_per_row`` transposed: rules 1-3 as bounds on a tile's local query index
+    ``r >= 0`` (absolute query ``first_row + r``) per key of ``keys``: (lo, hi), each of
+    ``keys``'s shape, a scalar or None, with ``structural_allowed`` true exactly where
+    ``lo <= r <= hi``. For kernels whose tiles are keys x queries (the Mosaic GPU dK/dV).
+    Written out beside its mirror rather than through one helper: the helper's form of the
+    same integers (``keys + (-d_hi - first_row)``) changed dK/dV's compiled spills (16 to 12
+    bytes in one row, 80 to 76 in another), and the committed report is this form's."""
+    lo = hi = None
+    d_lo, d_hi = diagonal_band(spec, q_len, kv_len, position_offset)
+    if d_hi is not None:  # key - query <= d_hi
+        lo = keys - (d_hi + first_row)
+    if d_lo is not None:  # key - query >= d_lo
+        hi = keys - (d_lo + first_row)
+    if spec.has_q_lengths:
+        last = q_len - 1 - first_row
+        hi = last if hi is None else jnp.minimum(hi, last)
+    if spec.has_kv_lengths:  # a key past kv_len allows no query: an empty range
+        hi = jnp.where(keys < kv_len, jnp.int32(2**30) if hi is None else hi, -1)
+    return lo, hi
+
+
 def within_bounds(cols, lo, hi):
     """``lo <= cols <= hi``; either bound may be None (unbounded), a scalar, or per-row values
     already broadcast to ``cols``."""

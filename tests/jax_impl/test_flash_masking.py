@@ -106,28 +106,34 @@ def _rules_1_to_3(spec, i, j, q_len, kv_len, offset):
     return ok
 
 
+@pytest.mark.parametrize("keys_first", [False, True], ids=["key_bounds_per_row",
+                                                           "query_bounds_per_key"])
 @pytest.mark.parametrize("spec", SPECS)
-def test_per_row_key_bounds_state_the_rules_exactly(spec):
-    """key_bounds_per_row + within_bounds (the Mosaic forward's masked tiles) allow exactly
-    the pairs of rules 1-3, for tiles anywhere (before, across and past the band and the
-    lengths), random lengths and position offsets."""
+def test_per_row_bounds_state_the_rules_exactly(spec, keys_first):
+    """key_bounds_per_row (the Mosaic forward's masked tiles, queries x keys) and
+    query_bounds_per_key (the Mosaic dK/dV's, keys x queries), each with within_bounds,
+    allow exactly the pairs of rules 1-3, for tiles anywhere (before, across and past the
+    band and the lengths), random lengths and position offsets."""
     rng = np.random.default_rng(7)
-    tile_q, tile_k = 16, 32
-    local = np.arange(tile_k)[None, :]
+    tile_rows, tile_cols = 16, 32
+    local = np.arange(tile_cols)[None, :]
+    bounds = masking.query_bounds_per_key if keys_first else masking.key_bounds_per_row
     for _ in range(40):
         q_len, kv_len = (int(x) for x in rng.integers(0, 70, 2))
         offset = int(rng.integers(-40, 41)) if rng.random() < 0.5 else 0
         first_row, first_col = (int(x) for x in rng.integers(-8, 80, 2))
-        rows = first_row + np.arange(tile_q)
-        lo, hi = masking.key_bounds_per_row(
-            spec, jnp.asarray(rows, jnp.int32), jnp.int32(first_col), jnp.int32(q_len),
-            jnp.int32(kv_len), jnp.int32(offset) if offset else None)
+        rows = first_row + np.arange(tile_rows)
+        lo, hi = bounds(spec, jnp.asarray(rows, jnp.int32), jnp.int32(first_col),
+                        jnp.int32(q_len), jnp.int32(kv_len), jnp.int32(offset) if offset else None)
         per_row = lambda x: x if x is None or jnp.ndim(x) == 0 else jnp.asarray(x)[:, None]
         got = masking.within_bounds(jnp.asarray(local, jnp.int32), per_row(lo), per_row(hi))
-        got = np.ones((tile_q, tile_k), bool) if got is None else np.broadcast_to(
-            np.asarray(got), (tile_q, tile_k))
-        want = np.broadcast_to(_rules_1_to_3(spec, rows[:, None], first_col + local, q_len,
-                                             kv_len, offset), (tile_q, tile_k))
+        got = np.ones((tile_rows, tile_cols), bool) if got is None else np.broadcast_to(
+            np.asarray(got), (tile_rows, tile_cols))
+        queries, keys = rows[:, None], first_col + local
+        if keys_first:
+            queries, keys = keys, queries
+        want = np.broadcast_to(_rules_1_to_3(spec, queries, keys, q_len, kv_len, offset),
+                               (tile_rows, tile_cols))
         np.testing.assert_array_equal(got, want, err_msg=f"{spec} q_len={q_len} kv_len="
                                       f"{kv_len} offset={offset} tile at ({first_row}, "
-                                      f"{first_col})")
+                                      f"{first_col}), keys first: {keys_first}")
