@@ -76,7 +76,9 @@ class Config:
         configuration, benchmarks/results/mosaic_forward_tiles_sm90.md). ``pairwise_bytes``:
         bytes per (query, key) pair of the bias and mask tiles streamed beside K and V (the
         bias's itemsize, plus 1 for the int8 mask; 0: neither), with their two barriers.
-        ``segment_ids``: the key tiles' ids (int32) in a ring beside K's."""
+        ``segment_ids``: the key tiles' ids (int32) in a ring beside K's, taken in whole KiB
+        (compiled with 64-key stages, its 512 bytes left the next buffer's 1 KiB alignment
+        424 bytes past this estimate)."""
         item = np.dtype(dtype).itemsize
         q = CONSUMERS * self.block_q * head_dim * item
         kv = 2 * self.num_stages * self.block_kv * head_dim * item
@@ -86,7 +88,7 @@ class Config:
         if pairwise_bytes:
             pairwise = (self.num_stages * CONSUMERS * self.block_q * self.block_kv * pairwise_bytes
                         + 8 * 2 * self.num_stages)
-        ids = segment_ids * self.num_stages * self.block_kv * 4
+        ids = segment_ids * -(-self.num_stages * self.block_kv * 4 // 1024) * 1024
         return q + kv + stats + barriers + pairwise + ids + ALIGNMENT_SLACK
 
 
