@@ -92,13 +92,10 @@ class Implementation:
 
 def _mosaic_gpu_backward(cfg: AttentionConfig, q, k, v, bias, masks, *args, **kwargs):
     """mosaic_gpu's backward: its own kernels, or, where ``mosaic_gpu.backward_unsupported``
-    gives a reason (a bias or mask with dropout at head_dim 128, dbias with the fused dQ, the
-    caller's ``Config(backward="pallas_triton")``, an interpreted call), the Pallas Triton
-    kernels from the same RowStats with their own tiles (the mosaic_gpu.Config in
-    cfg.block_sizes is the forward's)."""
-    if mosaic_gpu.backward_unsupported(cfg, has_bias=bias is not None,
-                                       has_mask=masks.mask is not None,
-                                       head_dim=q.shape[-1]) is None:
+    gives a reason (dbias with the fused dQ, the caller's ``Config(backward="pallas_triton")``,
+    an interpreted call), the Pallas Triton kernels from the same RowStats with their own tiles
+    (the mosaic_gpu.Config in cfg.block_sizes is the forward's)."""
+    if mosaic_gpu.backward_unsupported(cfg, has_bias=bias is not None) is None:
         return mosaic_gpu.backward(cfg, q, k, v, bias, masks, *args, **kwargs)
     if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
         cfg = dataclasses.replace(cfg, block_sizes=None)

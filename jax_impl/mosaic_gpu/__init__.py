@@ -5,8 +5,8 @@
 backward (backward.py: dK/dV per key tile, dQ per query tile, no atomics) recomputes P from
 them. ``backward_unsupported`` says when the table sends the backward to pallas_triton instead
 (the caller's ``Config(backward="pallas_triton")``, an interpreted call that did not choose
-``Config(backward="mosaic_gpu")``, a bias or mask with dropout at head_dim 128, or dbias
-with the fused dQ: pallas_triton's backward reads the same RowStats). A bias and a dense mask
+``Config(backward="mosaic_gpu")``, or dbias with the fused dQ: pallas_triton's backward
+reads the same RowStats). A bias and a dense mask
 stream through the backward's rings as through the forward's; the dQ kernel writes dbias.
 ``unsupported`` names every feature of a call that the kernel does not take;
 ``unavailable`` says why the kernel cannot be offered at all here (jax older than 0.11, or no
@@ -163,29 +163,23 @@ def _nonfinite_rule(q, k, v):
             online_softmax.finite_or_zero(v))
 
 
-def _backward_refuses(cfg: AttentionConfig, has_bias: bool, has_mask: bool,
-                      head_dim: int | None) -> str | None:
+def _backward_refuses(cfg: AttentionConfig, has_bias: bool) -> str | None:
     """What the backward kernels do not take, or None (``backward_unsupported``)."""
     chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
     if has_bias and cfg.bias_gradient and chosen is not None and chosen.dq == "fused":
         return ("a differentiated bias with BackwardConfig(dq='fused'): dbias is written by the "
                 "dQ kernel, which the fused dQ does without")
-    if (has_bias or has_mask) and cfg.dropout_rate and head_dim is not None and head_dim > 64:
-        return ("a bias or dense mask with dropout at head_dim > 64: the Mosaic GPU dK/dV "
-                "kernel spills there (4-96 bytes compiled for sm_90a; docs/limitations.md)")
     return None
 
 
-def backward_unsupported(cfg: AttentionConfig, *, has_bias: bool = False,
-                         has_mask: bool = False, head_dim: int | None = None) -> str | None:
+def backward_unsupported(cfg: AttentionConfig, *, has_bias: bool = False) -> str | None:
     """Why this package's backward kernels do not differentiate a call that its forward runs,
-    or None: a bias or dense mask comes with dropout at head_dim 128 (the dK/dV kernel spills
-    there), a differentiated bias (``cfg.bias_gradient``) with ``BackwardConfig(dq="fused")``
+    or None: a differentiated bias (``cfg.bias_gradient``) with ``BackwardConfig(dq="fused")``
     (dbias is the dQ kernel's), the caller chose another backward (``Config.backward``), or
     the call is interpreted and chose none (the interpreted backward can hang:
-    docs/limitations.md). Every other input the forward takes (a bias, a dense mask, segment
-    ids), the backward takes too."""
-    reason = _backward_refuses(cfg, has_bias, has_mask, head_dim)
+    docs/limitations.md). Every input the forward takes (a bias, a dense mask, segment ids,
+    dropout, each with any other), the backward takes too."""
+    reason = _backward_refuses(cfg, has_bias)
     if reason:
         return reason
     config = cfg.block_sizes
@@ -208,8 +202,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype,
                          has_bias=bias is not None, has_mask=masks.mask is not None,
                          has_segment_ids=masks.q_segment_ids is not None)
-    reason = reason or _backward_refuses(cfg, bias is not None, masks.mask is not None,
-                                         q.shape[-1])
+    reason = reason or _backward_refuses(cfg, bias is not None)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
     extras = extras or SinksAndDropout()

@@ -329,7 +329,8 @@ def _write_positions(positions, wg, rows: int, cols: int):
 def _dropout(cfg, refs, b, head):
     """-> drop(x, queries, keys, query_axis): x times 1 / (1 - rate) where the library's hash
     keeps pair (query, key) and 0 where it drops it (``dropout_sinks.apply_dropout``'s
-    product: a NaN row stays NaN), or None without dropout. ``queries`` and ``keys`` are the
+    product: a NaN row stays NaN), or None without dropout; ``x`` a tuple of tiles: each
+    dropped by one hash. ``queries`` and ``keys`` are the
     tile's local indices as vectors in its row or column layout; ``query_axis`` is the tile's
     axis of queries (1: the transposed tiles of dK/dV). Global indices: the ring's offset is
     added. One mix per query and per pair, as ``dropout_sinks.keep`` factors it."""
@@ -342,11 +343,13 @@ def _dropout(cfg, refs, b, head):
     def drop(x, queries, keys, query_axis: int):
         if offset is not None:
             queries, keys = queries + offset[0], keys + offset[1]
-        spread = lambda v, axis: lax.broadcast_in_dim(v, x.shape, (axis,))
+        xs = x if isinstance(x, tuple) else (x,)
+        spread = lambda v, axis: lax.broadcast_in_dim(v, xs[0].shape, (axis,))
         bits = dropout_sinks.mix(spread(dropout_sinks.row_key(seed, queries), query_axis)
                                  ^ spread(dropout_sinks.column_key(seed, keys), 1 - query_axis))
-        return dropout_sinks.apply_dropout(x, dropout_sinks.kept(bits, cfg.dropout_rate),
-                                           cfg.dropout_rate)
+        keep = dropout_sinks.kept(bits, cfg.dropout_rate)
+        out = tuple(dropout_sinks.apply_dropout(y, keep, cfg.dropout_rate) for y in xs)
+        return out if isinstance(x, tuple) else out[0]
 
     return drop
 
@@ -461,11 +464,12 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             if key_poison is not None:
                 s_t = s_t + lax.broadcast_in_dim(key_poison, tile, (0,))
             allowed = None
-            if masked:
-                allowed = masking.structural_allowed(
-                    cfg.mask, lax.broadcast_in_dim(i * c.block_q + query_offsets(), tile, (1,)),
-                    lax.broadcast_in_dim(key_start + key_offsets(), tile, (0,)), q_len, kv_len,
-                    offset)
+            if masked and cfg.mask.restricts:  # two query bounds per key, as the forward's
+                lo, hi = masking.query_bounds_per_key(cfg.mask, key_start + key_offsets(),
+                                                      i * c.block_q, q_len, kv_len, offset)
+                per_key = lambda x: x if x is None or jnp.ndim(x) == 0 else \
+                    lax.broadcast_in_dim(x, tile, (0,))
+                allowed = masking.within_bounds(cols(query_offsets()), per_key(lo), per_key(hi))
             load = lambda ref: plgpu.load(ref.at[slot], layout=_COLS)
             if key_ids is not None:  # rule 4 on every tile, the interior too
                 allowed = masking.all_of([allowed, _same_segment(
@@ -475,14 +479,22 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             allowed = masking.all_of([allowed, mask_t])
             p_t, capped = _probs(cfg, softmax, s_t, cols, load(max_ring), load(log_sum_ring),
                                  allowed, bias_t)
+            # Dropout: dV from the dropped P^T, dP^T dropped alike. With a bias or mask tile
+            # P^T is dropped beside dP^T (one hash) and dV's 16-bit operand made at once;
+            # without, after dS^T: each order the one that spills least (sm_90a, D=128).
             drop = _dropout(cfg, refs, b, kv_head * g.groups + member)
-            if drop is not None:  # dropout: dV from the dropped P^T, dP^T dropped alike
+            dv_lhs = None
+            if drop is not None:
                 queries, keys = i * c.block_q + query_offsets(), key_start + key_offsets()
-                dp_t = drop(dp_t, queries, keys, 1)
+                if g.streamed:
+                    dp_t, dv_lhs = drop((dp_t, p_t), queries, keys, 1)
+                    dv_lhs = dv_lhs.astype(g.dtype)
+                else:
+                    dp_t = drop(dp_t, queries, keys, 1)
             _, dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring),
                                         masked or key_ids is not None or g.has_mask)
-            if drop is not None:
-                p_t = drop(p_t, queries, keys, 1)
+            if dv_lhs is None:
+                dv_lhs = (p_t if drop is None else drop(p_t, queries, keys, 1)).astype(g.dtype)
             ds_t = dqk_t.astype(g.dtype)
             ds_t_lhs = ds_t
             # Fused, dS^T goes to shared memory, dK's operand and dQ's: from registers too it
@@ -491,7 +503,7 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                 ds_t_all.at[wg][...] = ds_t
                 plgpu.commit_smem()
                 ds_t_lhs = ds_t_all.at[mine]
-            dv, dk = _accumulate_two(dv, p_t.astype(g.dtype), do_ring.at[slot],
+            dv, dk = _accumulate_two(dv, dv_lhs, do_ring.at[slot],
                                      dk, ds_t_lhs, q_ring.at[slot], interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
             if fused:  # after dK and dV: dQ's fp32 tile is never live beside P^T and dS^T
