@@ -6,8 +6,8 @@ backward (backward.py: dK/dV per key tile, dQ per query tile, no atomics) recomp
 them. ``backward_unsupported`` says when the table sends the backward to pallas_triton instead
 (the caller's ``Config(backward="pallas_triton")``, an interpreted call that did not choose
 ``Config(backward="mosaic_gpu")``, or dbias with the fused dQ: pallas_triton's backward
-reads the same RowStats). A bias and a dense mask
-stream through the backward's rings as through the forward's; the dQ kernel writes dbias.
+reads the same RowStats). A bias and a dense mask stream through the backward's rings as
+through the forward's; the dQ kernel writes dbias.
 ``unsupported`` names every feature of a call that the kernel does not take;
 ``unavailable`` says why the kernel cannot be offered at all here (jax older than 0.11, or no
 ``jax.experimental.pallas.mosaic_gpu``).

@@ -479,9 +479,10 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             allowed = masking.all_of([allowed, mask_t])
             p_t, capped = _probs(cfg, softmax, s_t, cols, load(max_ring), load(log_sum_ring),
                                  allowed, bias_t)
-            # Dropout: dV from the dropped P^T, dP^T dropped alike. With a bias or mask tile
-            # P^T is dropped beside dP^T (one hash) and dV's 16-bit operand made at once;
-            # without, after dS^T: each order the one that spills least (sm_90a, D=128).
+            # Dropout: dV from the dropped P^T, dP^T dropped alike. With a tile streamed beside
+            # Q and dO (ids, a bias, a mask) P^T is dropped beside dP^T (one hash) and dV's
+            # 16-bit operand made at once; without, after dS^T: each order the one that
+            # spills least (sm_90a, D=128).
             drop = _dropout(cfg, refs, b, kv_head * g.groups + member)
             dv_lhs = None
             if drop is not None:
