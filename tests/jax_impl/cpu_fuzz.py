@@ -1,9 +1,10 @@
 """Seeded fuzz of the fused CPU kernel (implementation="cpu") against the float64 oracle.
 
-    python3 tests/jax_impl/cpu_fuzz.py FAMILY [FAMILY ...] --seed S [--calls N] [--index I]
-        [--implementation xla]
+    python3 tests/jax_impl/cpu_fuzz.py FAMILY [FAMILY ...] --seed S [--calls N | --sample ci]
+        [--index I] [--implementation xla]
 
-draws N calls (default: the family's own count) of each FAMILY from the seed, one family after
+draws N calls (default: the family's own count; ``--sample ci``: the first third of its
+configurations, ``calls_in``) of each FAMILY from the seed, one family after
 the other in one process (the import and start-up, about 12 s under the sanitizers, paid once),
 and runs each forward and backward (jax.vjp: out, dq, dk, dv, and dbias / dsinks where a bias /
 attention_sinks exist) with ``implementation="cpu"``, then judges every result against
@@ -357,6 +358,7 @@ class Family:
     feature: bool = False
     per_config: int = 6  # calls per static configuration (one compilation)
     data: object = None  # (Draw, Call) -> None: adjusts a drawn call's data
+    whole_in_ci: bool = False  # the "ci" sample draws every call (calls_in)
 
 
 FAMILIES = {
@@ -378,7 +380,8 @@ FAMILIES = {
                      "with every mask"),
     "regressions": Family(config_regressions, 2, "the first crashes reported: L=512 bottom_right "
                           "causal with kv length 100 (use-after-free); 4096 queries of length 10, "
-                          "window (5, 5) (SIGSEGV)", per_config=1, data=data_regressions),
+                          "window (5, 5) (SIGSEGV)", per_config=1, data=data_regressions,
+                          whole_in_ci=True),
     "decode": Family(config_decode, 24, "cpu_kernel.decode on a dense cache: Lq 1-16, GQA/MQA, "
                      "lengths, windows, offsets, soft cap, sinks, non-finite values"),
     "decode_paged": Family(config_decode_paged, 24, "cpu_kernel.decode on shuffled pages of 1-64 "
@@ -395,6 +398,21 @@ FAMILIES = {
                        feature=True),
 }
 assert set(FEATURE_FAMILIES) == {n for n, f in FAMILIES.items() if f.feature}
+SAMPLES = ("full", "ci")
+
+
+def calls_in(family: str, sample: str = "full") -> int:
+    """The calls a sample draws of ``family``: "full", its own count; "ci", the calls of the
+    first third of its configurations (at least one; every call of the regressions), what CI
+    runs under the sanitizers (a third of the compilations; every case of the coverage list
+    still reached)."""
+    if sample not in SAMPLES:
+        raise ValueError(f"sample must be one of {SAMPLES}, got {sample!r}")
+    fam = FAMILIES[family]
+    if sample == "full" or fam.whole_in_ci:
+        return fam.calls
+    configs = -(-fam.calls // fam.per_config)
+    return min(fam.calls, fam.per_config * -(-configs // 3))
 
 
 def draw_config(family: str, seed: int, config_index: int) -> Config:
@@ -809,15 +827,16 @@ def judge(call: Call, results: dict, oracle: dict, plain: dict) -> list[str]:
     return problems
 
 
-def coverage(seed: int, families=None) -> dict:
-    """What the drawn calls reach (drawing only, nothing runs): name -> number of calls."""
+def coverage(seed: int, families=None, sample: str = "full") -> dict:
+    """What the drawn calls of ``sample`` reach (drawing only, nothing runs): name -> number of
+    calls."""
     counts = {}
 
     def count(name, condition=True):
         counts[name] = counts.get(name, 0) + int(bool(condition))
 
     for family in families or FAMILIES:
-        for index in range(FAMILIES[family].calls):
+        for index in range(calls_in(family, sample)):
             call = draw_call(family, seed, index)
             c = call.config
             count("calls")
@@ -915,7 +934,10 @@ def main(argv=None) -> int:
     # No ``choices``: argparse would refuse an empty list of families (the --list form).
     parser.add_argument("family", nargs="*", help=f"one or more of {', '.join(FAMILIES)}")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--calls", type=int, default=None, help="default: the family's own count")
+    draws = parser.add_mutually_exclusive_group()
+    draws.add_argument("--calls", type=int, default=None, help="default: the family's own count")
+    draws.add_argument("--sample", choices=SAMPLES, default="full",
+                       help="ci: the first third of each family's configurations (calls_in)")
     parser.add_argument("--index", type=int, action="append", help="run only this call (repeatable)")
     parser.add_argument("--implementation", default="cpu", choices=["cpu", "xla"])
     parser.add_argument("--list", action="store_true", help="the families and their default calls")
@@ -925,16 +947,17 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"argument family: {unknown} not among {sorted(FAMILIES)}")
     if args.coverage:
-        for name, n in sorted(coverage(args.seed, args.family or None).items()):
+        for name, n in sorted(coverage(args.seed, args.family or None, args.sample).items()):
             print(f"{n:5}  {name}")
         return 0
     if args.list or not args.family:
         for name, fam in FAMILIES.items():
-            print(f"{name:16} {fam.calls:4} calls{'  FEATURE' if fam.feature else ''}  {fam.summary}")
+            print(f"{name:16} {fam.calls:4} calls ({calls_in(name, 'ci'):3} in CI)"
+                  f"{'  FEATURE' if fam.feature else ''}  {fam.summary}")
         return 0
     ok = True
     for family in args.family:
-        calls = FAMILIES[family].calls if args.calls is None else args.calls
+        calls = calls_in(family, args.sample) if args.calls is None else args.calls
         summary = run_family(family, args.seed, calls, args.implementation, args.index)
         print(json.dumps({"summary": summary}), flush=True)
         ok = ok and summary["failed"] == 0 and summary["calls"] > 0
