@@ -2,7 +2,8 @@
 measured without a GPU.
 
     python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
-        [--only defaults|all|segments|bias_mask|fused_dq] [--kernels all|forward|backward] [--seq-len 4096]
+        [--only defaults|all|segments|bias_mask|bias_with_mask|fused_dq]
+        [--kernels all|forward|backward] [--seq-len 4096]
 
 Needs jax >= 0.11 with its CUDA plugin (``pip install 'jax[cuda13]==0.11.2'``, Python >= 3.12;
 ptxas comes with the plugin's nvcc package): XLA compiles for the compile-only CUDA device of
@@ -103,7 +104,9 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     other tiles and head_dim 256 (not offered: it shows why); ``segments`` only the calls with
     segment ids (bf16, D=64/128, causal and not); ``bias_mask`` only the calls with a bias
     (float32 [1, H] and bfloat16 [B, H]) or a bool mask [B, 1] or both (the backward's rows: a
-    constant bias, but ``DBIAS_LABEL``'s, whose dQ kernel writes dS); ``fused_dq`` only the backward with
+    constant bias, but ``DBIAS_LABEL``'s, whose dQ kernel writes dS); ``bias_with_mask`` only
+    those with both (every bias dtype and shape and the mask at once: what the CUDA compile lane
+    compiles); ``fused_dq`` only the backward with
     ``BackwardConfig(dq="fused")`` (bf16, D=64/128, causal and not; ``all`` has them too)."""
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
@@ -125,6 +128,8 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
         for d in (64, 128) for causal in (False, True)]
     if only == "bias_mask":
         return bias_mask_rows
+    if only == "bias_with_mask":
+        return [row for row in bias_mask_rows if "bias" in row[5] and "mask" in row[5]]
     fused_rows = [(FUSED_DQ_LABEL, "bfloat16", d, causal, None, dict(dq="fused"))
                   for d in (64, 128) for causal in (False, True)]
     fused_rows += [(f"{FUSED_DQ_LABEL}, {label}", "bfloat16", 128, True, None,
@@ -465,7 +470,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
     parser.add_argument("--only", choices=("defaults", "all", "candidates", "segments", "bias_mask",
-                                           "fused_dq"), default="defaults")
+                                           "bias_with_mask", "fused_dq"), default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
     parser.add_argument("--head-dims", type=_head_dims,

@@ -8,7 +8,7 @@
 # The lane's environment is a venv of its own (default .venv-cuda-compile, about 1 GB: jax,
 # jaxlib, the plugin without NVIDIA's library wheels, pytest, pytest-xdist), made on first use.
 # The lane is skipped, saying why, where there is no Python >= 3.12 or no ptxas; any other
-# failure fails it.
+# failure fails it. Arguments go to pytest (e.g. --durations=20).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${CUDA_COMPILE_LANE_VENV:-.venv-cuda-compile}
@@ -32,9 +32,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" "pytest>=8"
   "$VENV/bin/python" -m pip install -q --no-deps "jax-cuda13-plugin==$JAX_VERSION" "jax-cuda13-pjrt==$JAX_VERSION"
 fi
-# two workers: the compiles are single-threaded (a venv made before xdist was needed gets it here)
+# two workers, as worksteal shares them (an idle worker takes queued tests from the other): the
+# compiles are single-threaded (a venv made before xdist was needed gets it here)
 "$VENV/bin/python" -c "import xdist" 2>/dev/null || "$VENV/bin/python" -m pip install -q "pytest-xdist>=3"
 if ! command -v ptxas >/dev/null; then echo "cuda compile lane skipped: no ptxas on PATH (CUDA 13)"; exit 0; fi
-CUDA_COMPILE_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup \
+CUDA_COMPILE_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist worksteal "$@" \
   tests/benchmarks/test_mosaic_compile_report.py tests/sharding/test_ring_overlap.py \
   tests/jax_impl/test_mosaic_gpu_shard_map.py -k "compile or mosaic_gpu_shard_map" 
