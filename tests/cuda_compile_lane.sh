@@ -33,8 +33,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps "jax-cuda13-plugin==$JAX_VERSION" "jax-cuda13-pjrt==$JAX_VERSION"
 fi
 # two workers, as worksteal shares them (an idle worker takes queued tests from the other): the
-# compiles are single-threaded (a venv made before xdist was needed gets it here)
-"$VENV/bin/python" -c "import xdist" 2>/dev/null || "$VENV/bin/python" -m pip install -q "pytest-xdist>=3"
+# compiles are single-threaded (a venv made before xdist 3.2, which has worksteal, gets it here)
+"$VENV/bin/python" -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" \
+  2>/dev/null || "$VENV/bin/python" -m pip install -q "pytest-xdist>=3.2"
 if ! command -v ptxas >/dev/null; then echo "cuda compile lane skipped: no ptxas on PATH (CUDA 13)"; exit 0; fi
 CUDA_COMPILE_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist worksteal "$@" \
   tests/benchmarks/test_mosaic_compile_report.py tests/sharding/test_ring_overlap.py \
