@@ -29,7 +29,8 @@ from jax_impl import masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.mosaic_gpu.config import (SHARED_MEMORY_BUDGET, BackwardConfig, Config,
-                                        default_backward_config, default_config)
+                                        default_backward_config, default_config,
+                                        packs_query_group)
 
 __all__ = ["Config", "BackwardConfig", "forward", "backward", "backward_unsupported", "unsupported", "unavailable", "HEAD_DIMS", "DTYPES"]
 
@@ -82,6 +83,13 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
         if cfg.block_sizes is not None and not isinstance(cfg.block_sizes, Config):
             return ("block_sizes is a BlockSizes (the Triton kernels' tiles); this kernel takes "
                     "jax_impl.mosaic_gpu.Config")
+        if isinstance(cfg.block_sizes, Config) and cfg.block_sizes.pack_query_group:
+            per_head = [x for x, given in (("dropout", bool(cfg.dropout_rate)), ("a bias", has_bias),
+                                           ("a dense mask", has_mask)) if given]
+            if per_head:
+                return (f"Config(pack_query_group=True) packs a kv head's query heads into one "
+                        f"tile's rows, where {' and '.join(per_head)} would differ per query head "
+                        "within a tile (None packs only the calls that allow it)")
         if isinstance(cfg.block_sizes, Config):
             need = cfg.block_sizes.shared_memory_bytes(  # 16-bit only
                 head_dim, jnp.bfloat16, pairwise_bytes=_pairwise_bytes(has_bias, has_mask),
@@ -147,12 +155,14 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     batch, lq, heads, head_dim = q.shape
     geometry = Geometry(batch, lq, k.shape[1], heads, k.shape[2], head_dim, jnp.dtype(q.dtype),
                         config, bias_dtype, masks.mask is not None)
+    packed = packs_query_group(config, lq, heads // k.shape[2], per_head_pairs=bool(
+        cfg.dropout_rate) or bias is not None or masks.mask is not None)
     q, k, v = _nonfinite_rule(q, k, v)
     out, row_max, log_sum = forward_call(
         cfg, geometry, q, k, v, masks.q_len, masks.kv_len, masks.position_offset,
         None if sinks is None else sinks.astype(jnp.float32), masks.q_segment_ids,
         masks.kv_segment_ids, seeds, dropout_offset, bias, masks.mask, num_sms=_num_sms(),
-        interpret=interpret)
+        interpret=interpret, pack_query_group=packed)
     return out, online_softmax.RowStats(row_max, log_sum)
 
 

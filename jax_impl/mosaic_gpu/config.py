@@ -34,6 +34,12 @@ class Config:
       hang: docs/limitations.md).
     backward_config: the tiles and dQ strategy of this package's backward kernels
       (``BackwardConfig``, e.g. ``BackwardConfig(dq="fused")``); None: ``default_backward_config``.
+    pack_query_group: whether the forward packs the query heads that share a kv head into one
+      work item's rows (GQA/MQA; row r is query r // G of the group's head r % G): None (the
+      default) where ``packs_query_group`` finds it pays (few query rows), True always (MHA
+      has nothing to pack), False never. A call with dropout, a bias or a dense mask is never
+      packed (they differ per query head within a tile's rows); True with one of them is
+      refused by name.
     """
 
     block_q: int = 64
@@ -42,6 +48,7 @@ class Config:
     persistent: bool = True
     backward: str | None = None
     backward_config: "BackwardConfig | None" = None
+    pack_query_group: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_stages"):
@@ -67,6 +74,13 @@ class Config:
                                                                BackwardConfig):
             raise TypeError(f"mosaic_gpu.Config.backward_config={self.backward_config!r} must be "
                             "a mosaic_gpu.BackwardConfig or None")
+        if self.pack_query_group not in (None, True, False):
+            raise TypeError(f"mosaic_gpu.Config.pack_query_group={self.pack_query_group!r} must "
+                            "be None (where it pays), True or False")
+
+    @property
+    def rows_per_cta(self) -> int:
+        return CONSUMERS * self.block_q
 
     def shared_memory_bytes(self, head_dim: int, dtype, pairwise_bytes: int = 0,
                             segment_ids: bool = False) -> int:
@@ -134,6 +148,28 @@ def default_config(head_dim: int, dtype, *, dropout: bool = False,
             head_dim, dtype, pairwise_bytes) > SHARED_MEMORY_BUDGET):
         return PAIRWISE
     return tiles
+
+
+PACKING_GAIN = 0.9  # pack where it leaves at most this share of the unpacked work items
+
+
+def packs_query_group(config: Config, lq: int, groups: int, *,
+                      per_head_pairs: bool = False) -> bool:
+    """Whether the forward packs each kv head's ``groups`` query heads into one work item's
+    rows (``Config.pack_query_group``; None decides here). It pays where Lq fills few CTA rows:
+    unpacked, each query head's Lq rows are padded to whole items of ``2 * block_q`` rows and
+    every item reads the kv head's K and V tiles again; packed, the group's Lq * groups rows
+    fill the items and each K/V tile serves them all. Packed where that leaves at most
+    ``PACKING_GAIN`` of the unpacked items (FlashAttention-3's PackGQA rule, in items): e.g.
+    Lq=64 with 8 query heads per kv head at D=128, 4 items instead of 8. ``per_head_pairs``:
+    the call has dropout (its hash is seeded per query head), a bias or a dense mask (their
+    tiles are per head): never packed."""
+    if groups == 1 or per_head_pairs or config.pack_query_group is False:
+        return False
+    if config.pack_query_group:
+        return True
+    rows = config.rows_per_cta
+    return -(-lq * groups // rows) <= PACKING_GAIN * groups * -(-lq // rows)
 
 
 def _default_tiles(head_dim: int, dropout: bool) -> Config:

@@ -79,10 +79,21 @@ class Geometry:
     bias_dtype: object = None  # the bias's dtype, or None: no bias
     has_mask: bool = False
     has_segments: bool = False
+    # Rows per query position: G where a kv head's G query heads are packed into the rows
+    # (row r is query r // G of head r % G of the group: ``_packed``), else 1.
+    group_rows: int = 1
 
     @property
     def rows_per_cta(self) -> int:
-        return CONSUMERS * self.config.block_q
+        return self.config.rows_per_cta
+
+    def positions(self, first_row, num_rows: int):
+        """(first query position, number of positions) of rows ``[first_row, + num_rows)``."""
+        g = self.group_rows
+        if g == 1:
+            return first_row, num_rows
+        first = lax.div(first_row, g)
+        return first, lax.div(first_row + num_rows - 1, g) - first + 1
 
     @property
     def num_pairs(self) -> int:
@@ -200,12 +211,12 @@ class _Item:
         self.offset = None if refs.offset is None else refs.offset[b]
         cta_start = pair * geometry.rows_per_cta
         self.lo, self.hi = masking.kv_block_range(
-            cfg.mask, cta_start, geometry.rows_per_cta, c.block_kv, self.q_len, self.kv_len,
-            self.offset)
+            cfg.mask, *geometry.positions(cta_start, geometry.rows_per_cta), c.block_kv,
+            self.q_len, self.kv_len, self.offset)
         if wg is not None:
-            self.q_start = cta_start + wg * c.block_q
-            split = masking.kv_block_split(cfg.mask, self.q_start, c.block_q, c.block_kv,
-                                           self.q_len, self.kv_len, self.offset)
+            self.q_start = cta_start + wg * c.block_q  # a row (a position unless packed)
+            split = masking.kv_block_split(cfg.mask, *geometry.positions(self.q_start, c.block_q),
+                                           c.block_kv, self.q_len, self.kv_len, self.offset)
             # Inside the CTA's range (an empty own range may sit anywhere): five stretches.
             self.bounds = [self.lo, *(jnp.minimum(jnp.maximum(x, self.lo), self.hi) for x in split),
                            self.hi]
@@ -237,7 +248,7 @@ class _KernelRefs:
     q_len: object     # [B] int32
     kv_len: object    # [B] int32
     offset: object    # [B] int32 or None
-    sinks: object     # [Bs, Hs] float32 or None
+    sinks: object     # [Bs, Hs] float32 (packed: [Bs, Hs, lq_stats], per row) or None
     out: object       # [B, Lq, Hq, D]
     row_max: object   # [B, Hq, lq_stats] float32
     log_sum: object   # [B, Hq, lq_stats] float32
@@ -311,6 +322,9 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     tile = (c.block_q, c.block_kv)
     key_iota = lambda: plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
     row_iota = lambda: plgpu.broadcasted_iota(jnp.int32, (c.block_q,), 0, layout=_ROW)
+    # The query position of each of the warpgroup's rows (packed: G rows per position).
+    row_positions = (lambda first: first + row_iota()) if geometry.group_rows == 1 else (
+        lambda first: lax.div(first + row_iota(), jnp.int32(geometry.group_rows)))
 
     def schedule_sync():
         plgpu.barrier_arrive(schedule)
@@ -320,8 +334,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         it = _Item(cfg, geometry, refs, pair, head, b, wg)
         plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(it.q_start, c.block_q), head], q_smem,
                                 q_loaded.at[wg])
-        sink = None if refs.sinks is None else refs.sinks[
-            0 if refs.sinks.shape[0] == 1 else b, 0 if refs.sinks.shape[1] == 1 else head]
+        sink = None if refs.sinks is None else _sink(refs.sinks, b, head, it.q_start, c.block_q)
         row_max, row_sum = (plgpu.layout_cast(x, _ROW)
                             for x in dropout_sinks.initial_stats(sink, (c.block_q,)))
         # Segment ids by plain loads from global memory (a few bytes per row and key).
@@ -345,7 +358,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             bias, allowed = pairwise.read(slot, own_rows)
             t, _ = softmax.logits(s, cfg, bias)
             if masked and cfg.mask.restricts:  # (an unused iota fails layout inference)
-                lo, hi = masking.key_bounds_per_row(cfg.mask, it.q_start + row_iota(),
+                lo, hi = masking.key_bounds_per_row(cfg.mask, row_positions(it.q_start),
                                                     j * c.block_kv, it.q_len, it.kv_len,
                                                     it.offset)
                 per_row = lambda x: x if x is None or jnp.ndim(x) == 0 else \
@@ -458,6 +471,16 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     order.loop(lax.axis_index("cta"), item, jnp.int32(0))
 
 
+def _sink(sinks, b, head, first_row, num_rows: int):
+    """The sink of the item's head (``sinks`` [Bs, Hs]), or, packed, of each of its rows
+    (``sinks`` [Bs, Hs, rows]: the head of each row, ``_packed``), in the row layout."""
+    index = (0 if sinks.shape[0] == 1 else b, 0 if sinks.shape[1] == 1 else head)
+    if sinks.ndim == 2:
+        return sinks[index]
+    return plgpu.load(sinks.at[(*index, pl.ds(first_row, num_rows))], layout=_ROW,
+                      optimized=False)
+
+
 class _Dropout:
     """Dropout on a consumer's P tiles, by the library's hash (dropout_sinks.keep, factored):
     the row keys of its ``block_q`` rows (one mix per row) are drawn once per item in the row
@@ -560,14 +583,24 @@ def _store(geometry: Geometry, refs: _KernelRefs, it: _Item, acc, row_max, row_s
 def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_len, offset=None,
                  sinks=None, q_segment_ids=None, kv_segment_ids=None, seeds=None,
                  dropout_offset=None, bias=None, mask=None, *, num_sms: int | None = None,
-                 interpret=None):
+                 interpret=None, pack_query_group: bool = False):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), q_len/kv_len [B] int32, offset [B] int32
     or None, sinks [Bs, Hs] float32 or None, segment ids [B, Lq] and [B, Lk] int32 or None,
     dropout seeds [Bs, Hs] uint32 or None (dropout at ``cfg.dropout_rate``) and its offset [2]
     int32 or None, bias [Bb, Hb, Lq, Lk] float or None and mask [Bm, Hm, Lq, Lk] bool (True:
     may attend) or None (Bx in {1, B}, Hx in {1, Hq}; ``geometry`` names the bias's dtype and
     whether a mask is given) -> (out [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32,
-    natural log)."""
+    natural log). ``pack_query_group``: each kv head's query heads are packed into the rows of
+    its work items (``config.packs_query_group`` says where it pays)."""
+    if pack_query_group and geometry.heads > geometry.kv_heads:
+        if cfg.dropout_rate or bias is not None or mask is not None:
+            raise ValueError("pack_query_group=True: dropout, a bias and a dense mask differ per "
+                             "query head within a packed tile's rows; call it unpacked")
+        q, q_segment_ids, sinks, packed = _packed(q, q_segment_ids, sinks, geometry)
+        out, row_max, log_sum = forward_call(
+            cfg, packed, q, k, v, q_len, kv_len, offset, sinks, q_segment_ids, kv_segment_ids,
+            num_sms=num_sms, interpret=interpret)
+        return _unpacked(out, row_max, log_sum, packed.group_rows)
     c = geometry.config
     lq, lk = geometry.lq, geometry.lk
     if (None if bias is None else jnp.dtype(bias.dtype)) != geometry.bias_dtype or (
@@ -630,6 +663,36 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
     # take one device's result for every device's).
     out, row_max, log_sum = vma.like(kernel(*operands), vma.axes_of(*operands))
     return out[:, :lq], row_max[..., :lq], log_sum[..., :lq]
+
+
+def _packed(q, q_segment_ids, sinks, geometry: Geometry):
+    """The call with each kv head's G query heads packed into its rows (FlashAttention-3's
+    PackGQA): q [B, Lq * G, Hkv, D] with row r = query r // G of the group's head r % G (one
+    XLA transpose of q), each query's segment id repeated G times, per-head sinks laid out per
+    row ([Bs, Hkv, lq_stats]), and the packed geometry. The mask's rules read a row's query
+    position (``Geometry.group_rows``); K and V are read once per item for the whole group."""
+    g = geometry.heads // geometry.kv_heads
+    batch, lq, _, d = q.shape
+    q = q.reshape(batch, lq, geometry.kv_heads, g, d).transpose(0, 1, 3, 2, 4).reshape(
+        batch, lq * g, geometry.kv_heads, d)
+    packed = dataclasses.replace(geometry, lq=lq * g, heads=geometry.kv_heads, group_rows=g)
+    if q_segment_ids is not None:
+        q_segment_ids = jnp.repeat(q_segment_ids, g, axis=1)
+    if sinks is not None and sinks.shape[1] != 1:
+        member = jnp.arange(packed.lq_stats) % g
+        sinks = sinks.reshape(sinks.shape[0], geometry.kv_heads, g)[:, :, member]
+    return q, q_segment_ids, sinks, packed
+
+
+def _unpacked(out, row_max, log_sum, g: int):
+    """``_packed``'s inverse on the results: out [B, Lq, Hq, D], statistics [B, Hq, Lq]."""
+    batch, rows, kv_heads, d = out.shape
+    lq = rows // g
+    out = out.reshape(batch, lq, g, kv_heads, d).transpose(0, 1, 3, 2, 4).reshape(
+        batch, lq, kv_heads * g, d)
+    stats = lambda x: x.reshape(batch, kv_heads, lq, g).transpose(0, 1, 3, 2).reshape(
+        batch, kv_heads * g, lq)
+    return out, stats(row_max), stats(log_sum)
 
 
 def rows_of_sixteen_bytes(x):

@@ -23,7 +23,8 @@ from jax_impl import (dropout_sinks, implementations, masking, mosaic_gpu, onlin
                       pallas_triton, recompute_vjp, reference)
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.flash_attention import explain_implementation, flash_attention
-from jax_impl.mosaic_gpu.config import BackwardConfig, Config, default_config
+from jax_impl.mosaic_gpu.config import (BackwardConfig, Config, default_config,
+                                        packs_query_group)
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
 from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run, torch_arrays
 
@@ -57,7 +58,7 @@ def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
     (dict(has_bias=True, has_mask=True, block_sizes=Config(64, 64, 2), head_dim=128), None),
     (dict(has_bias=True, block_sizes=Config(64, 128, 2), head_dim=128),
      "block_sizes=Config(block_q=64, block_kv=128, num_stages=2, persistent=True, backward=None, "
-     "backward_config=None) needs 292.1 KiB of shared memory at head_dim=128 with a bias"),
+     "backward_config=None, pack_query_group=None) needs 292.1 KiB of shared memory at head_dim=128 with a bias"),
     (dict(has_segment_ids=True), None),  # taken, forward and backward
     (dict(dropout_rate=0.1), None),  # taken, forward and backward
     (dict(block_sizes=BlockSizes()), "block_sizes is a BlockSizes"),
@@ -69,6 +70,14 @@ def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
      "backward_config=BackwardConfig(block_q=128, block_kv=128, num_stages=2, dq='fused') needs"),
     (dict(block_sizes=Config(backward_config=BackwardConfig(dq="fused")), head_dim=128,
           has_segment_ids=True), None),  # the default tiles fit, fused
+    (dict(block_sizes=Config(pack_query_group=True), dropout_rate=0.1, has_mask=True),
+     "Config(pack_query_group=True) packs a kv head's query heads into one tile's rows, where "
+     "dropout and a dense mask would differ per query head"),
+    (dict(block_sizes=Config(pack_query_group=True), has_bias=True),
+     "Config(pack_query_group=True) packs a kv head's query heads into one tile's rows, where "
+     "a bias would differ per query head"),
+    (dict(block_sizes=Config(pack_query_group=True), has_sinks=True, has_segment_ids=True), None),
+    (dict(block_sizes=Config(), dropout_rate=0.1, has_bias=True), None),  # None: left unpacked
 ], ids=lambda x: str(x)[:40])
 def test_every_feature_it_does_not_take_is_named(monkeypatch, features, reason):
     monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)  # judged as on jax >= 0.11
@@ -110,7 +119,8 @@ def test_unsupported_calls_by_name_are_refused_before_tracing(monkeypatch):
     (dict(block_q=192), "64 or 128"), (dict(num_stages=1), r"\[2, 4\]"),
     (dict(persistent=1), "bool"),
     (dict(backward_config="fused"),
-     r"backward_config='fused' must be a mosaic_gpu.BackwardConfig")])
+     r"backward_config='fused' must be a mosaic_gpu.BackwardConfig"),
+    (dict(pack_query_group="yes"), r"pack_query_group='yes' must be None \(where it pays\)")])
 def test_config_is_validated(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         Config(**kwargs)
@@ -128,6 +138,25 @@ def test_backward_config_dq_is_validated_and_its_shared_memory_counts_the_fused_
         tiles = 2 * 64 * (64 * 2 + head_dim * 4)
         assert tiles - 512 <= fused - separate <= tiles, head_dim
         assert fused <= 227 * 1024
+
+
+@pytest.mark.parametrize("config, lq, groups, per_head_pairs, packed", [
+    (Config(64, 128, 2), 64, 8, False, True),     # 4 items of 128 rows instead of 8
+    (Config(128, 64, 2), 96, 8, False, True),     # 3 items of 256 rows instead of 8
+    (Config(64, 128, 2), 200, 4, False, True),    # 7 instead of 8: 0.875 of them
+    (Config(64, 128, 2), 600, 2, False, False),   # 10 instead of 10: no gain
+    (Config(64, 128, 2), 4096, 8, False, False),  # whole items either way
+    (Config(64, 128, 2), 64, 1, False, False),    # MHA: nothing to pack
+    (Config(64, 128, 2), 64, 8, True, False),     # dropout, a bias or a mask: per head
+    (Config(pack_query_group=False), 64, 8, False, False),
+    (Config(pack_query_group=True), 4096, 8, False, True),
+    (Config(pack_query_group=True), 4096, 8, True, False),  # unsupported() refuses it by name
+])
+def test_the_query_group_is_packed_where_it_fills_fewer_items(config, lq, groups,
+                                                               per_head_pairs, packed):
+    """FlashAttention-3's PackGQA rule in work items: packed where the group's Lq * G rows fill
+    at most 0.9 of the items that G heads of Lq rows each take."""
+    assert packs_query_group(config, lq, groups, per_head_pairs=per_head_pairs) is packed
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -210,6 +239,22 @@ def test_dq_strategies_are_benchmark_plugins_that_pass_their_backward_config(mon
                 default_config(head_dim, jnp.bfloat16), backward="mosaic_gpu",
                 backward_config=dc.replace(default_backward_config(head_dim, jnp.bfloat16),
                                            dq=dq)), (spec, head_dim)
+
+
+def test_the_unpacked_plugin_passes_the_default_tiles_never_packed(monkeypatch):
+    """run_gpu.sh's step 3d times the default (packed where it pays) beside this plug-in."""
+    import dataclasses as dc
+
+    import jax_impl.flash_attention as api
+    from conformance import registry
+    seen = []
+    monkeypatch.setattr(api, "flash_attention",
+                        lambda *a, **k: seen.append((k["implementation"], k["block_sizes"])))
+    for head_dim in (64, 128):
+        q = jnp.zeros((1, 64, 8, head_dim), jnp.bfloat16)
+        registry.get_adapter("benchmarks.mosaic_tiles:unpacked", "cpu").fn(q, q, q)
+        assert seen[-1] == ("mosaic_gpu", dc.replace(default_config(head_dim, jnp.bfloat16),
+                                                     pack_query_group=False))
 
 
 @pytest.mark.parametrize("spec", [masking.MaskSpec(is_causal=True), masking.MaskSpec(),
@@ -400,6 +445,72 @@ def test_backward_call_refuses_one_sided_segment_ids():
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec())
     with pytest.raises(ValueError, match="q_segment_ids and kv_segment_ids"):
         backward_call(cfg, BackwardConfig(), *[None] * 8, q_segment_ids=jnp.zeros((1, 64)))
+
+
+# --- A packed query group (GQA/MQA with few query rows) -----------------------------------
+
+PACKED_PROBLEMS = [  # few query rows; the group fills an item's rows (packs_query_group)
+    Case("bf16-packed-causal-bottomright-lengths-segments-sinks", q_len=40, kv_len=300,
+         q_heads=8, kv_heads=2, dtype="bfloat16", causal="bottom_right", lengths=True,
+         segments=True, sinks=True, seed=90),
+    Case("fp16-packed-mqa-window-softcap-d128", q_len=24, kv_len=200, q_heads=4, kv_heads=1,
+         head_dim=128, dtype="float16", window=(30, 5), soft_cap=5.0, seed=91),
+]
+
+
+def _packings(monkeypatch):
+    """The rows per query position of every packed forward call from now on (a list)."""
+    import importlib
+    kernel = importlib.import_module("jax_impl.mosaic_gpu.forward")  # the module, not the function
+    seen, packed = [], kernel._packed
+
+    def spy(*args):
+        result = packed(*args)
+        seen.append(result[-1].group_rows)
+        return result
+    monkeypatch.setattr(kernel, "_packed", spy)
+    return seen
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", PACKED_PROBLEMS, ids=lambda p: p.name)
+def test_a_packed_query_group_matches_the_float64_oracle(monkeypatch, problem, interpret):
+    """Each kv head's query heads in one item's rows (row r: query r // G of head r % G): the
+    band, the lengths and the segment ids read each row's query position, the sinks each row's
+    head. The default (None) packs these calls; the backward is the unpacked one's
+    (interpreted, pallas_triton's, from the same RowStats)."""
+    seen = _packings(monkeypatch)
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
+    assert seen and set(seen) == {problem.q_heads // problem.kv_heads}
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+@needs_mosaic
+def test_a_packed_forward_computes_what_the_unpacked_one_does():
+    """Packed (forced) and unpacked, each row sees the same key tiles in the same order: out
+    agrees to one bf16 rounding and the RowStats to float32 rounding (measured: out bitwise,
+    a log-sum 1 ulp apart), on a call the rule alone would not pack (Lq=300)."""
+    rng = np.random.default_rng(92)
+    b, lq, lk, hq, hkv, d = 2, 300, 260, 6, 2, 64
+    q, k, v = (jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16)
+               for n, h in ((lq, hq), (lk, hkv), (lk, hkv)))
+    sinks = jnp.asarray(rng.standard_normal((b, hq)), jnp.float32)
+    masks = masking.MaskInputs(jnp.asarray([lq, 170], jnp.int32), jnp.asarray([lk, 90], jnp.int32),
+                               None, None, None)
+    spec = masking.MaskSpec(is_causal=True, bottom_right=True, has_q_lengths=True,
+                            has_kv_lengths=True)
+    results = []
+    for pack in (False, True):
+        cfg = AttentionConfig(scale=d ** -0.5, mask=spec, interpret=True,
+                              block_sizes=Config(pack_query_group=pack))
+        assert packs_query_group(cfg.block_sizes, lq, hq // hkv) is pack
+        results.append(mosaic_gpu.forward(cfg, q, k, v, None, masks,
+                                          dropout_sinks.SinksAndDropout(sinks=sinks)))
+    (out, stats), (packed_out, packed_stats) = results
+    np.testing.assert_allclose(np.asarray(packed_out, np.float32), np.asarray(out, np.float32),
+                               rtol=2 ** -8, atol=1e-6)
+    for x, y in zip(packed_stats, stats):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
 
 
 # --- Dropout (the forward's here; the backward's with the backward below) -------------------
@@ -766,13 +877,14 @@ BACKWARD_PROBLEMS = [
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("problem", PROBLEMS + BACKWARD_PROBLEMS + SEGMENT_PROBLEMS,
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("problem", PROBLEMS + BACKWARD_PROBLEMS + SEGMENT_PROBLEMS
+                         + PACKED_PROBLEMS, ids=lambda p: p.name)
 def test_backward_kernels_match_the_float64_oracle(monkeypatch, problem, interpret):
-    """PROBLEMS and SEGMENT_PROBLEMS too when interpreted: interpreted calls route to
-    pallas_triton's backward by default, so only Config(backward="mosaic_gpu") differentiates
-    them through these kernels (compiled, the forward's tests already do)."""
-    if not interpret and problem in PROBLEMS + SEGMENT_PROBLEMS:
+    """PROBLEMS, SEGMENT_PROBLEMS and PACKED_PROBLEMS (the RowStats of a packed forward) too
+    when interpreted: interpreted calls route to pallas_triton's backward by default, so only
+    Config(backward="mosaic_gpu") differentiates them through these kernels (compiled, the
+    forward's tests already do)."""
+    if not interpret and problem in PROBLEMS + SEGMENT_PROBLEMS + PACKED_PROBLEMS:
         pytest.skip("compiled, the forward's oracle tests run it")
     _mosaic_backward_only(monkeypatch, interpret)
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
