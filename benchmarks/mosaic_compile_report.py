@@ -2,7 +2,7 @@
 measured without a GPU.
 
     python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
-        [--only defaults|all|segments|bias_mask|bias_with_mask|fused_dq]
+        [--only defaults|all|segments|bias_mask|bias_with_mask|fused_dq|packed]
         [--kernels all|forward|backward] [--seq-len 4096]
 
 Needs jax >= 0.11 with its CUDA plugin (``pip install 'jax[cuda13]==0.11.2'``, Python >= 3.12;
@@ -64,6 +64,7 @@ class Facts:
     partial_waits: int = 0              # wgmma.wait_group N > 0: a GEMM left running (pipelining)
     serialized: list = dataclasses.field(default_factory=list)  # ptxas C75xx: wgmma serialised
     kernel: str = "forward"             # forward, dK/dV or dQ
+    packed: bool = False                # the forward packed the query group into its rows
 
 
 def _environment(dump: str):
@@ -96,6 +97,13 @@ DROPOUT_STREAMED = (("bias float32 [1, H] + dropout 0.1", dict(bias="float32", d
 DBIAS_LABEL = "bias bfloat16 [B, H] + mask, dbias"  # the one bias row that is differentiated
 COMBINED_LABEL = "bias bfloat16 [B, H] + mask + dropout 0.1 + segment ids"
 COMBINED = dict(bias="bfloat16", bias_batch=True, mask=True, dropout=0.1, segments=True)
+# A few query rows of 8 query heads against one kv head (MQA; a prefill chunk or a speculative
+# step): the forward packs the group into its rows (config.packs_query_group), with the per-row
+# rules and per-head sinks. Forward only: the backward does not pack. With segment ids too at
+# D=128 causal: they spill there packed or not (docs/limitations.md).
+PACKED_Q_LEN = 96
+PACKED_LABEL = f"GQA 8:1 packed, Lq={PACKED_Q_LEN}, lengths, bottom-right, sinks"
+PACKED = dict(kv_heads=1, q_seq_len=PACKED_Q_LEN, lengths=True, bottom_right=True, sinks=True)
 
 
 def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
@@ -107,7 +115,9 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     constant bias, but ``DBIAS_LABEL``'s, whose dQ kernel writes dS); ``bias_with_mask`` only
     those with both (every bias dtype and shape and the mask at once: what the CUDA compile lane
     compiles); ``fused_dq`` only the backward with
-    ``BackwardConfig(dq="fused")`` (bf16, D=64/128, causal and not; ``all`` has them too)."""
+    ``BackwardConfig(dq="fused")`` (bf16, D=64/128, causal and not; ``all`` has them too);
+    ``packed`` only the forward of a packed query group (``PACKED_LABEL``, bf16, D=64/128,
+    causal and not, and with segment ids at D=128 causal; ``all`` has them too)."""
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
              for d in (64, 128) for causal in (False, True)]
@@ -136,12 +146,19 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
                     dict(options, dq="fused")) for label, options in FUSED_DQ_MASKS]
     if only == "fused_dq":
         return fused_rows
+    packed_rows = [(PACKED_LABEL, "bfloat16", d, causal, None, PACKED)
+                   for d in (64, 128) for causal in (False, True)]
+    packed_rows.append((f"{PACKED_LABEL}, segment ids", "bfloat16", 128, True, None,
+                        dict(PACKED, segments=True)))
+    if only == "packed":
+        return packed_rows
     if only == "all":
         found += [
             ("edges: L=4001 (padded to 4008)", "bfloat16", 128, True, None, dict(seq_len=seq_len - 95)),
             ("lengths, bottom-right, window, soft cap, sinks", "bfloat16", 128, True, None,
              dict(lengths=True, bottom_right=True, window=(512, 0), soft_cap=30.0, sinks=True)),
             ("GQA 8:2", "bfloat16", 128, True, None, dict(kv_heads=2)),
+            *packed_rows,
             *segment_rows,
             *bias_mask_rows,
             ("3 stages", "bfloat16", 64, True, Config(64, 128, 3), {}),
@@ -202,23 +219,28 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
     import jax
     import jax.numpy as jnp
 
+    from jax_impl.mosaic_gpu.config import packs_query_group
     from jax_impl.mosaic_gpu.forward import Geometry, forward_call
 
     config = _forward_config(head_dim, dtype, config, options)
     length = options.get("seq_len", seq_len)
+    q_length = options.get("q_seq_len", length)
     kv_heads = options.get("kv_heads", KV_HEADS)
     cfg = _attention_config(head_dim, causal, options)
     bias_dtype, has_mask, pairwise_bytes = _pairwise(options)
-    geometry = Geometry(BATCH, length, length, HEADS, kv_heads, head_dim, jnp.dtype(dtype), config,
-                        bias_dtype, has_mask)
+    geometry = Geometry(BATCH, q_length, length, HEADS, kv_heads, head_dim, jnp.dtype(dtype),
+                        config, bias_dtype, has_mask)
+    packed = packs_query_group(config, q_length, HEADS // kv_heads, per_head_pairs=bool(
+        cfg.dropout_rate) or bias_dtype is not None or has_mask)  # as mosaic_gpu.forward decides
     sharding = jax.sharding.SingleDeviceSharding(device)
     struct = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
-    args = [struct((BATCH, length, HEADS, head_dim), dtype),
+    args = [struct((BATCH, q_length, HEADS, head_dim), dtype),
             struct((BATCH, length, kv_heads, head_dim), dtype),
             struct((BATCH, length, kv_heads, head_dim), dtype),
             struct((BATCH,), jnp.int32), struct((BATCH,), jnp.int32)]
     sinks = struct((1, HEADS), jnp.float32) if options.get("sinks") else None
-    segments = ([struct((BATCH, length), jnp.int32)] * 2) if options.get("segments") else [None] * 2
+    segments = ([struct((BATCH, q_length), jnp.int32), struct((BATCH, length), jnp.int32)]
+                if options.get("segments") else [None] * 2)
     seeds = struct((BATCH, HEADS), jnp.uint32) if options.get("dropout") else None
     bias = None if bias_dtype is None else struct(
         (BATCH if options.get("bias_batch") else 1, HEADS, length, length), bias_dtype)
@@ -226,12 +248,12 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
 
     def forward(q, k, v, q_len, kv_len, sinks, q_segments, kv_segments, seeds, bias, mask):
         return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks, q_segments,
-                            kv_segments, seeds, None, bias, mask)
+                            kv_segments, seeds, None, bias, mask, pack_query_group=packed)
 
     facts = Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q, config.block_kv,
                   config.num_stages, config.persistent, length,
                   config.shared_memory_bytes(head_dim, dtype, pairwise_bytes,
-                                             bool(options.get("segments"))))
+                                             bool(options.get("segments"))), packed=packed)
     from jax_impl.mosaic_gpu.config import SHARED_MEMORY_BUDGET
     if facts.shared_estimate > SHARED_MEMORY_BUDGET:
         raise ValueError(f"over the shared-memory budget: {facts.shared_estimate / 1024:.1f} KiB "
@@ -348,10 +370,10 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
                                               topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
-            if config is not None or head_dim > 128 or _backward_elsewhere(head_dim, causal,
-                                                                           options):
-                continue  # forward tiles, a head_dim the kernel does not offer, or a call
-                # whose backward is pallas_triton's
+            if config is not None or head_dim > 128 or "q_seq_len" in options or \
+                    _backward_elsewhere(head_dim, causal, options):
+                continue  # forward tiles, a head_dim the kernel does not offer, a forward-only
+                # row (packed), or a call whose backward is pallas_triton's
             dump = Path(root) / f"backward_{index}"
             dump.mkdir()
             os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
@@ -470,7 +492,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
     parser.add_argument("--only", choices=("defaults", "all", "candidates", "segments", "bias_mask",
-                                           "bias_with_mask", "fused_dq"), default="defaults")
+                                           "bias_with_mask", "fused_dq", "packed"),
+                        default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
     parser.add_argument("--head-dims", type=_head_dims,

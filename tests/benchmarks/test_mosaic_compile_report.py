@@ -10,7 +10,7 @@ shipped configurations in bf16 (the forward's 4 and 4 with dropout, then the bac
 is the same program with the other 16-bit type, so its rows are read from the committed report,
 not compiled again); then, at D=128 only (the larger registers and shared memory; the committed
 report, ``--only all``, has their D=64 rows too), the forward and backward with segment ids, with
-a bias and a mask together, and the fused dQ: the lane took 4.5 minutes on two workers on the
+a bias and a mask together, the fused dQ, and the packed query group's forward: the lane took 4.5 minutes on two workers on the
 slower 2-core host (2026-12-02; 11.8 before the shipped rows were compiled once and the rows
 with a bias or a mask alone read from the committed report).
 """
@@ -245,6 +245,39 @@ def test_the_fused_dq_backward_compiles_without_spills(tmp_path_factory):
         # one reduce-add per loop body that attends (the causal edge tiles have their own)
         assert r["tma_reduces"] >= (2 if r["causal"] else 1), label
         assert r["tma_loads"] >= 7 and set(r["setmaxnreg"]) == {"inc 240", "dec 24"}, label
+
+
+def _assert_packed_rows(rows, head_dims):
+    """The packed query group's forward rows (bf16, causal and not): packed as the shipped
+    rule decides, 0 spill bytes, shared memory within its estimate, the softmax pipelined and
+    no wgmma serialised; with segment ids (D=128 causal) no more than docs/limitations.md
+    names (4/4 bytes, as the same call unpacked)."""
+    from benchmarks.mosaic_compile_report import PACKED_LABEL
+    assert sorted((r["label"], r["head_dim"], r["causal"]) for r in rows) == sorted(
+        [(PACKED_LABEL, d, c) for d in head_dims for c in (False, True)]
+        + [(f"{PACKED_LABEL}, segment ids", 128, True)] * (128 in head_dims))
+    for r in rows:
+        label = f"{r['label']} D={r['head_dim']} causal={r['causal']}"
+        assert r["ok"] and r["packed"] and r["kernel"] == "forward", f"{label}: {r['error']}"
+        most = 4 if "segment ids" in r["label"] else 0
+        assert r["spill_stores"] <= most and r["spill_loads"] <= most, label
+        assert r["shared"] <= min(227 * 1024, r["shared_estimate"]), label
+        assert r["tma_loads"] >= 3 and r["partial_waits"] >= 1 and r["serialized"] == [], label
+
+
+def test_a_packed_query_group_compiles_without_spills(tmp_path_factory):
+    """The forward with each kv head's 8 query heads packed into its rows (Lq=96, MQA: the
+    band and lengths per row's query position, the sinks per row's head), at D=128, causal
+    and not, and with segment ids; the committed report holds the D=64 rows (next test)."""
+    _assert_packed_rows(_report(tmp_path_factory, "--only", "packed", "--head-dims", "128"),
+                        (128,))
+
+
+def test_the_committed_packed_rows_are_packed_at_zero_spills():
+    """benchmarks/results/mosaic_compile_report_sm90.json's packed rows, D=64 and 128."""
+    from benchmarks.mosaic_compile_report import PACKED_LABEL
+    _assert_packed_rows([r for r in _committed_report() if r["label"].startswith(PACKED_LABEL)],
+                        (64, 128))
 
 
 def _assert_within_budget(rows):
