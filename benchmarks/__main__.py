@@ -1,4 +1,4 @@
-"""python -m benchmarks [--suite quick|course|sweep|gpu|gpu_large|mosaic_tiles|mosaic_dq|sharded|dropout|cpu|decode]
+"""python -m benchmarks [--suite quick|course|sweep|gpu|gpu_large|mosaic_tiles|mosaic_dq|mosaic_pack|sharded|dropout|cpu|decode]
 [--impl NAME|module:function ...]
 [--out DIR | --update-reference] [--device cpu|cuda]
 

@@ -1,8 +1,9 @@
-"""The Mosaic GPU forward's tile candidates and the backward's dQ strategies, as benchmark
-plug-ins (``--impl module:function``).
+"""The Mosaic GPU forward's tile candidates, the backward's dQ strategies and the forward's
+query-group packing, as benchmark plug-ins (``--impl module:function``).
 
     python -m benchmarks --suite mosaic_tiles --device cuda     # run_gpu.sh's step 3b
     python -m benchmarks --suite mosaic_dq --device cuda        # run_gpu.sh's step 3c
+    python -m benchmarks --suite mosaic_pack --device cuda      # run_gpu.sh's step 3d
 
 ``TILE_CANDIDATES`` is the sweep of ``benchmarks.mosaic_compile_report --only candidates``
 (query rows per consumer warpgroup, keys per stage, stages); each candidate is a function
@@ -78,3 +79,19 @@ for _dq in DQ_STRATEGIES:
     globals()[f"backward_dq_{_dq}"] = _dq_strategy(_dq)
 
 DQ_PLUGINS = tuple(f"benchmarks.mosaic_tiles:backward_dq_{dq}" for dq in DQ_STRATEGIES)
+
+
+def unpacked(q, k, v, bias=None, mask=None, **keywords):
+    """The default tiles with the query group never packed (``Config(pack_query_group=False)``):
+    what the default (``jax_impl.mosaic_gpu``, packed where ``packs_query_group`` says it pays)
+    is timed against."""
+    import dataclasses
+
+    from jax_impl.flash_attention import flash_attention
+    from jax_impl.mosaic_gpu.config import default_config
+    tiles = dataclasses.replace(default_config(q.shape[-1], q.dtype), pack_query_group=False)
+    return flash_attention(q, k, v, bias, mask, implementation="mosaic_gpu", block_sizes=tiles,
+                           **keywords)
+
+
+PACK_PLUGINS = ("benchmarks.mosaic_tiles:unpacked",)

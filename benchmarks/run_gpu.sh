@@ -28,6 +28,11 @@
 #      BackwardConfig(dq="fused"); L=8192 causal fwd+bwd, D=128 and 64), DQ_BUDGET s (default
 #      20; 0 skips it), taken out of step 3's budget, after 3b and cut like it; its table is
 #      $OUT/bench_mosaic_dq.md,
+#   3d. the Mosaic GPU forward's packed query group beside the same call unpacked (python -m
+#      benchmarks --suite mosaic_pack: GQA 32:8 at Lq=64 and 64:8 at Lq=96 against Lk=8192,
+#      D=128, B=4, bf16, forward; the Triton kernel and torch's cuDNN beside), PACK_BUDGET s
+#      (default 20; 0 skips it), taken out of step 3's budget, after 3c and cut like it; its
+#      table is $OUT/bench_mosaic_pack.md,
 #   4. (off unless PEER_BUDGET > 0: measured on 2026-11-30) JAX's Hopper kernel (jax.pallas.mgpu, Mosaic GPU) at L=4096/8192, in a process of its
 #      own so that a crash there cannot cost step 3's results (skipped when time is short),
 #   5. the decode suite (python -m benchmarks --suite decode: a few query rows against a long dense
@@ -45,15 +50,17 @@
 # CONF_TIMEOUT (120), SKIP_CONFORMANCE (0), PYTHON (python3), GPU_TESTS_TIMEOUT (60; 0 skips the
 # gpu lane), SKIP_TUNING (1), TUNE_TIMEOUT (110), TUNE_ARGS (extra arguments of
 # benchmarks.tune_blocks), PEER_BUDGET (0 s for step 4: skipped), TILES_BUDGET (45), DQ_BUDGET (20),
-# DECODE_BUDGET (60), LARGE_BUDGET (75), TOTAL_BUDGET (420 s for steps 1-3c and 5: the benchmark's
-# --time-budget is what is left after steps 1-2 and the 3a, 3b, 3c and 5 shares, at least 90),
+# PACK_BUDGET (20), DECODE_BUDGET (60), LARGE_BUDGET (75), TOTAL_BUDGET (420 s for steps 1-3d and
+# 5: the benchmark's --time-budget is what is left after steps 1-2 and the 3a-3d and 5 shares,
+# at least 90),
 # DEADLINE (465 s: a step that starts late gets the time left before it, less its start-up and
 # report and the shares of the steps it must leave time for, and is skipped when under 20 s
 # (decode: 40) is left; no step's timeout runs past DEADLINE + 15 s; each step's tables are
 # copied to $OUT as it ends). Typically (conformance about 80 s, the gpu lane its 60, step 3
 # about 105, 3a about 100) the tile candidates (3b) get what step 5's share leaves, about 35 s,
-# and the script ends in about 7.8 minutes; a slow one ends by DEADLINE + 15 s + packing: the
-# device tool's 8 minutes, with the machine's start-up on top.
+# and the script ends in about 7.8 minutes; 3c and 3d then find under 20 s left and are skipped
+# unless the earlier steps end sooner (TILES_BUDGET=0 gives them 3b's time); a slow run ends by
+# DEADLINE + 15 s + packing: the device tool's 8 minutes, with the machine's start-up on top.
 # The larger shape (3a) cost 45 s of the earlier defaults: the gpu lane 90 -> 60 s, the tile
 # candidates 75 -> 45 s, step 3's floor 120 -> 90 s. In return a configuration's inputs are now
 # drawn once for all its implementations and both modes (benchmarks.measure.draw_inputs): step 3
@@ -158,8 +165,8 @@ if [ "${SKIP_TUNING:-1}" != "1" ]; then
 fi
 
 start=$SECONDS
-# steps 3a's, 3b's, 3c's and 5's shares come out of step 3's
-budget=$(( ${TOTAL_BUDGET:-420} - SECONDS - ${DECODE_BUDGET:-60} - ${TILES_BUDGET:-45} - ${LARGE_BUDGET:-75} - ${DQ_BUDGET:-20} ))
+# steps 3a's, 3b's, 3c's, 3d's and 5's shares come out of step 3's
+budget=$(( ${TOTAL_BUDGET:-420} - SECONDS - ${DECODE_BUDGET:-60} - ${TILES_BUDGET:-45} - ${LARGE_BUDGET:-75} - ${DQ_BUDGET:-20} - ${PACK_BUDGET:-20} ))
 [ "$budget" -lt 90 ] && budget=90
 budget=$(fit "$budget" 20)
 [ "$budget" -lt 20 ] && budget=20  # step 3 always runs: the script's exit code is its
@@ -195,6 +202,13 @@ if [ "$SUITE" = "gpu" ] && [ "$dq_budget" -gt 0 ]; then
   dq_rc=$suite_rc
 fi
 
+pack_rc=skipped
+pack_budget=$(fit "${PACK_BUDGET:-20}" $(( 20 + ${DECODE_BUDGET:-60} )))  # step 5's share kept
+if [ "$SUITE" = "gpu" ] && [ "$pack_budget" -gt 0 ]; then
+  timed_suite mosaic_pack "$pack_budget" 40 "Mosaic GPU packed query group"
+  pack_rc=$suite_rc
+fi
+
 peer_rc=skipped
 peer_budget=${PEER_BUDGET:-0}
 [ "$peer_budget" -gt 0 ] && peer_budget=$(fit "$peer_budget" $(( 30 + ${DECODE_BUDGET:-60} )))
@@ -220,7 +234,7 @@ if [ "$decode_budget" -ge 40 ]; then  # 30 s of it start the process and write t
   [ -f "$WORK/benchmarks_decode/bench_decode.md" ] && cp "$WORK/benchmarks_decode/bench_decode.md" "$OUT/bench_decode.md"
 fi
 
-echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc tiles=$tiles_rc dq=$dq_rc large=$large_rc mgpu=$peer_rc decode=$decode_rc" > "$WORK/exit_codes.txt"
+echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc tiles=$tiles_rc dq=$dq_rc pack=$pack_rc large=$large_rc mgpu=$peer_rc decode=$decode_rc" > "$WORK/exit_codes.txt"
 log "$(cat "$WORK/exit_codes.txt") after $SECONDS s"
 cp "$LOG" "$WORK/run_gpu.log"
 tar -czf "$OUT/gpu_results.tar.gz" -C "$WORK" .

@@ -171,6 +171,25 @@ def _mosaic_dq() -> Suite:
         max_repeats=10, min_repeats=3, measure_budget_s=0.25, input_sets=1, time_budget_s=20.0)
 
 
+# A prefill chunk of few query rows against a long cache, GQA 32:8 (Lq=64: half an item per
+# query head) and 64:8 (Lq=96), D=128, not causal: where the forward packs the query group.
+PACKED_GQA = tuple(Config(Shape(4, heads, lq, 128, "bfloat16", kv_heads=8, kv_len=8192), None, "fwd")
+                   for heads, lq in ((32, 64), (64, 96)))
+
+
+def _mosaic_pack() -> Suite:
+    from benchmarks.mosaic_tiles import PACK_PLUGINS
+    return Suite(
+        "mosaic_pack",
+        "the Mosaic GPU forward with its query group packed into the rows (the default there) "
+        "beside the same call unpacked (benchmarks/mosaic_tiles.py), the Triton kernel and torch's "
+        "cuDNN: bf16, B=4, GQA 32:8 at Lq=64 and 64:8 at Lq=96, Lk=8192, D=128, forward; a time "
+        "budget of 20 s (run_gpu.sh's step 3d, PACK_BUDGET)",
+        PACKED_GQA, impls={"cuda": ("jax_impl.mosaic_gpu", *PACK_PLUGINS, "jax_impl.pallas_triton",
+                                    "torch.sdpa.cudnn")},
+        max_repeats=10, min_repeats=3, measure_budget_s=0.25, input_sets=1, time_budget_s=20.0)
+
+
 def _sharded() -> Suite:
     return Suite(
         "sharded",
@@ -211,7 +230,8 @@ def _decode() -> Suite:
         (), runner="benchmarks.decode")
 
 
-SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _gpu_large(), _mosaic_tiles(), _mosaic_dq(), _sharded(),
+SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _gpu_large(), _mosaic_tiles(), _mosaic_dq(),
+                              _mosaic_pack(), _sharded(),
                               _dropout(), _cpu(), _decode())}
 
 

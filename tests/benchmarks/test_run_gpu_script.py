@@ -59,14 +59,16 @@ def test_the_larger_shape_runs_after_step_3_and_its_tables_land_in_out(tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     steps = _benchmark_calls(calls)
     assert [s for s, _ in steps] == ["gpu", "gpu_large", "mosaic_tiles", "mosaic_dq",
-                                     "decode"], calls
+                                     "mosaic_pack", "decode"], calls
     large = dict(steps)["gpu_large"]
     assert "--device cuda" in large and "--time-budget 75" in large
     assert "--time-budget 45" in dict(steps)["mosaic_tiles"]
     assert "--time-budget 20" in dict(steps)["mosaic_dq"]  # the backward's dQ strategies
+    assert "--time-budget 20" in dict(steps)["mosaic_pack"]  # the forward's packed query group
     assert "DECODE_BUDGET_S=30" in dict(steps)["decode"]
     for name in ("bench_gpu_large.md", "bench_gpu_large.json", "bench_summary.md", "bench_gpu.json",
-                 "bench_mosaic_tiles.md", "bench_mosaic_dq.md", "bench_decode.md", "run_gpu.log",
+                 "bench_mosaic_tiles.md", "bench_mosaic_dq.md", "bench_mosaic_pack.md",
+                 "bench_decode.md", "run_gpu.log",
                  "gpu_results.tar.gz"):
         assert (out / name).is_file(), name
     assert (out / "bench_gpu_large.md").read_text() == "# gpu_large\n"
@@ -82,7 +84,8 @@ def test_a_late_start_shrinks_the_steps_and_skips_what_does_not_fit(tmp_path):
     """DEADLINE=60 s (the stand-ins take almost no time): step 3 gets what is left less its 20 s of
     start-up and report, the larger shape what is left less its 25, the tile candidates are
     skipped (step 5's 60 s are kept), the decode suite runs; no later step's limit runs past
-    the deadline + 15 s; the dQ strategies (step 3c) are skipped as well."""
+    the deadline + 15 s; the dQ strategies (step 3c) and the packed query group (3d) are
+    skipped as well."""
     run, calls, out = _dry_run(tmp_path, DEADLINE="60")
     assert run.returncode == 0, run.stdout + run.stderr
     steps = dict(_benchmark_calls(calls))
@@ -93,7 +96,8 @@ def test_a_late_start_shrinks_the_steps_and_skips_what_does_not_fit(tmp_path):
     limits = [int(c.split()[1]) for c in calls if c.startswith("timeout")]
     assert max(limits[2:]) <= 75, limits  # after conformance and the lane: DEADLINE + 15 s
     log = (out / "run_gpu.log").read_text()
-    assert "tiles=skipped" in log and "dq=skipped" in log and "large=0" in log and "decode=0" in log
+    assert "tiles=skipped" in log and "dq=skipped" in log and "pack=skipped" in log
+    assert "large=0" in log and "decode=0" in log
 
 
 def test_the_larger_shape_suite_is_the_issues_points():
@@ -110,3 +114,16 @@ def test_the_larger_shape_suite_is_the_issues_points():
                                         "torch.sdpa.cudnn", "torch.sdpa.flash"}
     assert all(a.case() == b.case() for a, b in zip(suite.configs[::2], suite.configs[1::2]))
     assert suite.input_sets == 1 and suite.max_repeats <= 5 and suite.time_budget_s == 75
+
+
+def test_the_packed_query_group_suite_times_packed_beside_unpacked():
+    """GQA with few query rows against a long cache, where the default packs (the rule says
+    so for each point) beside the same call unpacked, the Triton kernel and torch's cuDNN."""
+    from jax_impl.mosaic_gpu.config import default_config, packs_query_group
+    suite = suites.get_suite("mosaic_pack")
+    assert suite.impls["cuda"][:2] == ("jax_impl.mosaic_gpu", "benchmarks.mosaic_tiles:unpacked")
+    for c in suite.configs:
+        s = c.shape
+        assert packs_query_group(default_config(s.head_dim, s.dtype), s.seq_len,
+                                 s.heads // s.kv_heads), s
+        assert (s.kv_len, c.mode) == (8192, "fwd")
