@@ -4,7 +4,9 @@
 # (tests/benchmarks/test_mosaic_compile_report.py: 0 spills, shared memory, TMA, wgmma,
 # setmaxnreg; the machine's ptxas, CUDA 13, assembles) and the ring's send/compute overlap in
 # XLA:GPU's schedule on 8 devices (tests/sharding/test_ring_overlap.py), and the kernels' outputs
-# and gradients typed as varying inside shard_map (tests/jax_impl/test_mosaic_gpu_shard_map.py).
+# and gradients typed as varying inside shard_map (tests/jax_impl/test_mosaic_gpu_shard_map.py);
+# then the Mosaic GPU kernels' numbers in its interpreter against the float64 oracle
+# (tests/jax_impl/test_mosaic_gpu.py), the oracle run by the suite's Python (it has torch).
 # The lane's environment is a venv of its own (default .venv-cuda-compile, about 1 GB: jax,
 # jaxlib, the plugin without NVIDIA's library wheels, pytest, pytest-xdist), made on first use.
 # The lane is skipped, saying why, where there is no Python >= 3.12 or no ptxas; any other
@@ -39,4 +41,14 @@ fi
 if ! command -v ptxas >/dev/null; then echo "cuda compile lane skipped: no ptxas on PATH (CUDA 13)"; exit 0; fi
 CUDA_COMPILE_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist worksteal "$@" \
   tests/benchmarks/test_mosaic_compile_report.py tests/sharding/test_ring_overlap.py \
-  tests/jax_impl/test_mosaic_gpu_shard_map.py -k "compile or mosaic_gpu_shard_map" 
+  tests/jax_impl/test_mosaic_gpu_shard_map.py -k "compile or mosaic_gpu_shard_map"
+# The Mosaic GPU kernels' numbers in the Mosaic GPU interpreter (tests/jax_impl/test_mosaic_gpu.py:
+# jax 0.11, no GPU), judged by the float64 oracle (torch_ref) in the Python that has torch:
+# $ORACLE_PYTHON, default python3, the suite's (conformance/oracle.py runs it there; this venv
+# has no torch: none is built for the CPU on Python 3.12 here).
+ORACLE=${ORACLE_PYTHON:-python3}
+if ! PYTHONPATH=$PWD $ORACLE -c "import torch_ref" 2>/dev/null; then
+  echo "Mosaic GPU interpreter tests skipped: $ORACLE cannot import torch_ref (torch), the oracle"; exit 0
+fi
+ORACLE_PYTHON=$ORACLE PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist worksteal "$@" \
+  tests/jax_impl/test_mosaic_gpu.py

@@ -98,12 +98,9 @@ def run_arrays(q, k, v, cotangent, implementation, *, bias=None, mask=None, jit_
 
 
 def torch_arrays(q, k, v, cotangent, *, dtype=np.float64, **kwargs):
-    """torch_ref.manual_attention's output and gradients for the same numpy inputs, in dtype."""
-    from torch_ref import attention_with_grads, manual_attention
+    """torch_ref.manual_attention's output and gradients for the same numpy inputs, in dtype
+    (``conformance.oracle.manual_with_grads``: in the Python that has torch)."""
     cast = lambda x: np.asarray(x).astype(dtype) if isinstance(x, np.ndarray) and x.dtype.kind == "f" \
         or getattr(x, "dtype", None) == ml_dtypes.bfloat16 else x
     kwargs = {n: cast(x) for n, x in kwargs.items() if x is not None}
-    bias = kwargs.pop("bias", None)
-    results = attention_with_grads(manual_attention, cast(q), cast(k), cast(v), cast(cotangent),
-                                   bias=bias, **kwargs)
-    return {name: np.asarray(x, np.float64) for name, x in results.items()}
+    return torch_oracle.manual_with_grads(cast(q), cast(k), cast(v), cast(cotangent), **kwargs)

@@ -5,8 +5,9 @@ The interpreter runs the kernel's program (TMA copies, the mbarrier ring, the sc
 the masks and the base-2 softmax, the persistent loop) except the P V product, which it cannot
 run as a register-operand wgmma: there it is a plain dot (forward._accumulate_values). The
 interpreter checks at the end that every warpgroup observed every barrier phase. On jax 0.10
-(CI) the kernel is not offered and only the first group of tests runs; the others need an
-environment with jax 0.11 (Python >= 3.12), e.g. ``pip install -e '.[test]' jax==0.11.2``.
+(CI's suite) the kernel is not offered and only the first group of tests runs; the others need
+jax 0.11 (Python >= 3.12): CI's CUDA compile lane runs them in its venv, with the oracle in the
+suite's Python (tests/cuda_compile_lane.sh, ``ORACLE_PYTHON``).
 """
 from __future__ import annotations
 
