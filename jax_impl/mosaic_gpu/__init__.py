@@ -35,7 +35,8 @@ from jax_impl.mosaic_gpu.config import (SHARED_MEMORY_BUDGET, BackwardConfig, Co
 __all__ = ["Config", "BackwardConfig", "forward", "backward", "backward_unsupported", "unsupported", "unavailable", "HEAD_DIMS", "DTYPES"]
 
 MIN_JAX = (0, 11)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # the forward's
+BACKWARD_HEAD_DIMS = (64, 128)  # the backward's: at 256 pallas_triton's (backward_unsupported)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 PLATFORM_ERROR = (
     "implementation='mosaic_gpu' runs only on a CUDA GPU of compute capability 9.0 (H100, H200; "
@@ -79,6 +80,14 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
         return f"head_dim={head_dim} is not one of {HEAD_DIMS}"
     if dtype is not None and jnp.dtype(dtype) not in DTYPES:
         return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float16 (wgmma's 16-bit operands)"
+    if head_dim not in BACKWARD_HEAD_DIMS:
+        refused = [x for x, given in (("a bias", has_bias), ("a dense mask", has_mask),
+                                      ("dropout", bool(cfg is not None and cfg.dropout_rate)))
+                   if given]
+        if refused:
+            return (f"head_dim={head_dim} with {' and '.join(refused)}: at head_dim 256 a bias "
+                    "or mask ring does not fit the shared memory beside K and V (192 KiB), and "
+                    "dropout's hash spilled 52 bytes (compiled for sm_90a)")
     if cfg is not None:
         if cfg.block_sizes is not None and not isinstance(cfg.block_sizes, Config):
             return ("block_sizes is a BlockSizes (the Triton kernels' tiles); this kernel takes "
@@ -173,8 +182,11 @@ def _nonfinite_rule(q, k, v):
             online_softmax.finite_or_zero(v))
 
 
-def _backward_refuses(cfg: AttentionConfig, has_bias: bool) -> str | None:
+def _backward_refuses(cfg: AttentionConfig, has_bias: bool, head_dim: int | None) -> str | None:
     """What the backward kernels do not take, or None (``backward_unsupported``)."""
+    if head_dim is not None and head_dim not in BACKWARD_HEAD_DIMS:
+        return (f"head_dim={head_dim}: the dK/dV kernel's fp32 dK and dV (2 x 64 x {head_dim} "
+                "per warpgroup) do not fit its registers")
     chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
     if has_bias and cfg.bias_gradient and chosen is not None and chosen.dq == "fused":
         return ("a differentiated bias with BackwardConfig(dq='fused'): dbias is written by the "
@@ -182,14 +194,16 @@ def _backward_refuses(cfg: AttentionConfig, has_bias: bool) -> str | None:
     return None
 
 
-def backward_unsupported(cfg: AttentionConfig, *, has_bias: bool = False) -> str | None:
+def backward_unsupported(cfg: AttentionConfig, *, has_bias: bool = False,
+                         head_dim: int | None = None) -> str | None:
     """Why this package's backward kernels do not differentiate a call that its forward runs,
-    or None: a differentiated bias (``cfg.bias_gradient``) with ``BackwardConfig(dq="fused")``
-    (dbias is the dQ kernel's), the caller chose another backward (``Config.backward``), or
+    or None: head_dim 256 (the forward's alone), a differentiated bias (``cfg.bias_gradient``)
+    with ``BackwardConfig(dq="fused")`` (dbias is the dQ kernel's), the caller chose another
+    backward (``Config.backward``), or
     the call is interpreted and chose none (the interpreted backward can hang:
     docs/limitations.md). Every input the forward takes (a bias, a dense mask, segment ids,
     dropout, each with any other), the backward takes too."""
-    reason = _backward_refuses(cfg, has_bias)
+    reason = _backward_refuses(cfg, has_bias, head_dim)
     if reason:
         return reason
     config = cfg.block_sizes
@@ -212,7 +226,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype,
                          has_bias=bias is not None, has_mask=masks.mask is not None,
                          has_segment_ids=masks.q_segment_ids is not None)
-    reason = reason or _backward_refuses(cfg, bias is not None)
+    reason = reason or _backward_refuses(cfg, bias is not None, q.shape[-1])
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
     extras = extras or SinksAndDropout()

@@ -70,12 +70,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
-from jax_impl.mosaic_gpu.config import CONSUMERS, BackwardConfig
+from jax_impl.mosaic_gpu.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, BackwardConfig
 from jax_impl.mosaic_gpu.forward import pairwise_source, pairwise_tiles, rows_of_sixteen_bytes
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
 
-CONSUMER_REGISTERS = 240  # FA3 with three warpgroups: 2 x 128 x 240 + 128 x 24 of 65536
-PRODUCER_REGISTERS = 24
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
 _COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 _MEMORY_WARPGROUP = CONSUMERS

@@ -13,6 +13,11 @@ import numpy as np
 
 SHARED_MEMORY_BUDGET = 227 * 1024  # bytes a CTA may take on sm_90 (232448 opt-in less 1 KiB)
 CONSUMERS = 2  # compute warpgroups per CTA (FlashAttention-3's forward)
+# Registers per thread after setmaxnreg, every kernel: FA3's split for two compute warpgroups
+# and a memory one, 2 x 128 x 240 + 128 x 24 = 64512 of the SM's 65536. (The forward's 232/40
+# until 2026-12-02 spilled where this does not: every feature at once at D=128, D=256.)
+CONSUMER_REGISTERS = 240
+PRODUCER_REGISTERS = 24
 ALIGNMENT_SLACK = 3 * 1024  # Mosaic's padding between the forward's buffers (shared_memory_bytes)
 BACKWARDS = ("mosaic_gpu", "pallas_triton")
 DQ_STRATEGIES = ("separate", "fused")  # BackwardConfig.dq
@@ -34,6 +39,9 @@ class Config:
       hang: docs/limitations.md).
     backward_config: the tiles and dQ strategy of this package's backward kernels
       (``BackwardConfig``, e.g. ``BackwardConfig(dq="fused")``); None: ``default_backward_config``.
+    overlap: FA3's intra-warpgroup overlap in the forward: the next tile's S = Q K^T issued with
+      this tile's P V and the softmax run while P V is in flight (True, the default at head_dim
+      64/128); False: P V waited before the next S, fewer registers live (head_dim 256).
     pack_query_group: whether the forward packs the query heads that share a kv head into one
       work item's rows (GQA/MQA; row r is query r // G of the group's head r % G): None (the
       default) where ``packs_query_group`` finds it pays (few query rows), True always (MHA
@@ -49,6 +57,7 @@ class Config:
     backward: str | None = None
     backward_config: "BackwardConfig | None" = None
     pack_query_group: bool | None = None
+    overlap: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_stages"):
@@ -74,6 +83,8 @@ class Config:
                                                                BackwardConfig):
             raise TypeError(f"mosaic_gpu.Config.backward_config={self.backward_config!r} must be "
                             "a mosaic_gpu.BackwardConfig or None")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"mosaic_gpu.Config.overlap={self.overlap!r} must be a bool")
         if self.pack_query_group not in (None, True, False):
             raise TypeError(f"mosaic_gpu.Config.pack_query_group={self.pack_query_group!r} must "
                             "be None (where it pays), True or False")
@@ -127,7 +138,10 @@ def default_config(head_dim: int, dtype, *, dropout: bool = False,
       (S 128 x 64 = 64 x 128 in fp32), 0 spills and 68 KiB of shared memory;
     - head_dim 128: 64 x 128 x 2 (``PREVIOUS_DEFAULT``): the only 128-key candidate that fits
       (a third stage or 192 keys need 228 KiB), and 128 query rows spill;
-    - head_dim 256 (not offered): 64 keys per stage, so that the ring and the accumulators fit.
+    - head_dim 256: 64 x 64 x 2 without the intra-warpgroup overlap (``D256``): the ring fits
+      (196 KiB), and O's 64 x 256 fp32 accumulator (128 registers per thread) leaves too few
+      registers to keep P_{j-1} and a running P V beside S (the overlap spilled 16-24 bytes in
+      the masked tiles, 0-4 without it).
 
     ``Config(64, 128, 2)`` (``PREVIOUS_DEFAULT``) stays selectable at every head_dim.
 
@@ -144,8 +158,10 @@ def default_config(head_dim: int, dtype, *, dropout: bool = False,
     at head_dim 128 always ``PAIRWISE``: on 64 x 128 a mask spills 64/64 bytes in the causal
     tiles and a 16-bit bias needs 228 KiB ("bias_mask" rows of the compile report)."""
     tiles = _default_tiles(head_dim, dropout)
-    if pairwise_bytes and (head_dim > 64 or dropout or tiles.shared_memory_bytes(
-            head_dim, dtype, pairwise_bytes) > SHARED_MEMORY_BUDGET):
+    if head_dim > 128 or not pairwise_bytes:
+        return tiles  # at 256 a bias or mask ring does not fit beside K and V: not offered
+    if head_dim > 64 or dropout or tiles.shared_memory_bytes(
+            head_dim, dtype, pairwise_bytes) > SHARED_MEMORY_BUDGET:
         return PAIRWISE
     return tiles
 
@@ -172,12 +188,15 @@ def packs_query_group(config: Config, lq: int, groups: int, *,
     return -(-lq * groups // rows) <= PACKING_GAIN * groups * -(-lq // rows)
 
 
+D256 = Config(block_q=64, block_kv=64, num_stages=2, overlap=False)  # head_dim 256
+
+
 def _default_tiles(head_dim: int, dropout: bool) -> Config:
     if head_dim <= 64:
         return Config(block_q=128, block_kv=64, num_stages=2)
     if head_dim <= 128:
         return DROPOUT_D128 if dropout else PREVIOUS_DEFAULT
-    return Config(block_q=64, block_kv=64, num_stages=2)
+    return D256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,10 +7,10 @@ warpgroups:
   structure allows (``masking.kv_block_range`` of the CTA's ``2 * block_q`` rows) into a ring
   of ``num_stages`` shared-memory stages, each guarded by a *produced* mbarrier (the TMA
   arrives on it) and a *consumed* one (both consumers arrive on it); it gives up registers
-  (``set_max_registers`` down to 40);
+  (``set_max_registers`` down to 24);
 - two *compute* warpgroups (``_consumer``) each own ``block_q`` query rows: Q by TMA into
   shared memory, S = Q K^T and O += P V on the tensor cores (``wgmma``, fp32 accumulators in
-  registers, up to 232 per thread), the online softmax in base 2 with the scale folded
+  registers, up to 240 per thread), the online softmax in base 2 with the scale folded
   (``online_softmax.Base2Softmax``). Their GEMMs ping-pong: a *schedule* mbarrier that both
   arrive on lets one warpgroup's softmax run under the other's GEMMs (warpgroup 1 starts one
   phase late, warpgroup 0 catches up at the end);
@@ -27,7 +27,9 @@ where they are compared; dropout, when asked, drops P after its row sum by the l
 ``_Dropout``). Inside a consumer the attended tiles are
 pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
 with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
-first attended tile is the prologue (no P V yet), an epilogue adds the last P V.
+first attended tile is the prologue (no P V yet), an epilogue adds the last P V. With
+``Config.overlap=False`` (head_dim 256: O's accumulator takes half the registers) each tile's
+P V is waited before the next S (``sequential``).
 A bias and a dense mask (``_Pairwise``) come through the ring with K: the memory warpgroup
 copies the CTA's ``[2 * block_q, block_kv]`` tile of each by TMA into a stage of their own ring
 (one *produced* barrier for both, one *consumed* barrier that the consumers arrive on once their
@@ -54,11 +56,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
-from jax_impl.mosaic_gpu.config import CONSUMERS, Config
+from jax_impl.mosaic_gpu.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, Config
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
 
-CONSUMER_REGISTERS = 232  # per thread; 2 x 128 x 232 + 128 x 40 = 64512 of the SM's 65536
-PRODUCER_REGISTERS = 40
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per query row of a WGMMA tile
 _COLUMN = plgpu.Layout.WGMMA.reduce(0)  # one value per key column of a WGMMA tile
 _MEMORY_WARPGROUP = CONSUMERS        # warpgroups 0 and 1 compute, 2 loads
@@ -387,7 +387,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             plgpu.barrier_wait(schedule)
             return state
 
-        def first(j, carry):
+        def first(j, carry, masked: bool = True):
             """The first key tile this warpgroup attends: S, its softmax, no P V yet (the
             pipeline's prologue; the mask rule is applied, right for any tile)."""
             acc, row_max, row_sum, p_prev, step = carry
@@ -400,11 +400,16 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 return s_ref[...]
 
             s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
-            rescale, p, row_max, row_sum = softmax_of(s, j, slot, True, row_max, row_sum)
+            rescale, p, row_max, row_sum = softmax_of(s, j, slot, masked, row_max, row_sum)
             p = dropped(p, j)
             acc = acc * online_softmax.rows_to(rescale, acc)
             acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
             return acc, row_max, row_sum, p, step + 1
+
+        def sequential(j, carry, masked: bool):
+            """Key tile ``j`` without the overlap (``Config.overlap=False``): P_{j-1} V_{j-1}
+            waited, then S_j and its softmax with no GEMM in flight beside them."""
+            return first(j, last(carry), masked)
 
         def attend(j, carry, masked: bool):
             """Key tile ``j`` (FA3's intra-warpgroup pipelining): S_j = Q K_j^T and
@@ -459,8 +464,8 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         carry = lax.cond(attends, lambda x: first(b[1], x), lambda x: x, carry)
         after_first = b[1] + 1
         for start, stop, masked in ((b[1], b[2], True), (b[2], b[3], False), (b[3], b[4], True)):
-            carry = lax.fori_loop(jnp.maximum(start, after_first), stop,
-                                  functools.partial(attend, masked=masked), carry)
+            carry = lax.fori_loop(jnp.maximum(start, after_first), stop, functools.partial(
+                attend if c.overlap else sequential, masked=masked), carry)
         carry = lax.cond(attends, last, lambda x: x, carry)
         carry = lax.fori_loop(b[4], b[5], pass_, carry)
         acc, row_max, row_sum, _, step = carry

@@ -52,14 +52,19 @@ def test_table_entry_is_by_name_only_and_says_whose_backward_it_uses():
 
 
 @pytest.mark.parametrize("features, reason", [
-    (dict(head_dim=96), "head_dim=96 is not one of (64, 128)"),
+    (dict(head_dim=96), "head_dim=96 is not one of (64, 128, 256)"),
+    (dict(head_dim=256, has_bias=True, dropout_rate=0.1),
+     "head_dim=256 with a bias and dropout: at head_dim 256 a bias or mask ring does not fit"),
+    (dict(head_dim=256, has_mask=True), "head_dim=256 with a dense mask"),
+    (dict(head_dim=256, has_segment_ids=True, has_sinks=True, soft_cap=3.0), None),
     (dict(dtype=jnp.float32), "dtype float32 is not bfloat16 or float16"),
     (dict(has_bias=True), None),  # taken, forward and backward
     (dict(has_mask=True), None),
     (dict(has_bias=True, has_mask=True, block_sizes=Config(64, 64, 2), head_dim=128), None),
     (dict(has_bias=True, block_sizes=Config(64, 128, 2), head_dim=128),
      "block_sizes=Config(block_q=64, block_kv=128, num_stages=2, persistent=True, backward=None, "
-     "backward_config=None, pack_query_group=None) needs 292.1 KiB of shared memory at head_dim=128 with a bias"),
+     "backward_config=None, pack_query_group=None, overlap=True) needs 292.1 KiB of shared memory "
+     "at head_dim=128 with a bias"),
     (dict(has_segment_ids=True), None),  # taken, forward and backward
     (dict(dropout_rate=0.1), None),  # taken, forward and backward
     (dict(block_sizes=BlockSizes()), "block_sizes is a BlockSizes"),
@@ -121,7 +126,8 @@ def test_unsupported_calls_by_name_are_refused_before_tracing(monkeypatch):
     (dict(persistent=1), "bool"),
     (dict(backward_config="fused"),
      r"backward_config='fused' must be a mosaic_gpu.BackwardConfig"),
-    (dict(pack_query_group="yes"), r"pack_query_group='yes' must be None \(where it pays\)")])
+    (dict(pack_query_group="yes"), r"pack_query_group='yes' must be None \(where it pays\)"),
+    (dict(overlap=1), "overlap=1 must be a bool")])
 def test_config_is_validated(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         Config(**kwargs)
@@ -308,7 +314,8 @@ def test_forward_and_backward_match_the_float64_oracle(problem, interpret):
 
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("config", [Config(64, 64, 2), Config(64, 128, 3), Config(128, 64, 4),
-                                    Config(64, 64, 2, persistent=False)], ids=str)
+                                    Config(64, 64, 2, persistent=False),
+                                    Config(64, 128, 2, overlap=False)], ids=str)
 def test_tiles_stages_and_a_persistent_loop_of_many_items(monkeypatch, config, interpret):
     """Two CTAs walk all 2 x 4 x 3 items (several items each: the ring's slot and phase run on
     across items), with causal bottom-right lengths: each config gives the oracle's numbers."""
@@ -446,6 +453,43 @@ def test_backward_call_refuses_one_sided_segment_ids():
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec())
     with pytest.raises(ValueError, match="q_segment_ids and kv_segment_ids"):
         backward_call(cfg, BackwardConfig(), *[None] * 8, q_segment_ids=jnp.zeros((1, 64)))
+
+
+# --- head_dim 256: the forward alone -----------------------------------------------------
+
+D256_PROBLEMS = [
+    Case("bf16-d256-causal-bottomright-lengths-gqa-softcap-sinks", q_len=150, kv_len=200,
+         q_heads=4, kv_heads=2, head_dim=256, dtype="bfloat16", causal="bottom_right",
+         lengths=True, soft_cap=20.0, sinks=True, seed=95),
+    Case("fp16-d256-window-segments", q_len=130, kv_len=130, q_heads=2, kv_heads=2,
+         head_dim=256, dtype="float16", window=(40, 9), segments=True, seed=96),
+]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("problem", D256_PROBLEMS, ids=lambda p: p.name)
+def test_head_dim_256_matches_the_float64_oracle(problem, interpret):
+    """The forward on config.D256's tiles (64 x 64 x 2, each tile's P V waited before the next
+    S: ``Config.overlap=False``); the gradients are pallas_triton's (backward_unsupported)."""
+    assert default_config(256, jnp.bfloat16) == Config(64, 64, 2, overlap=False)
+    results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret)
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+def test_head_dim_256_is_differentiated_by_pallas_tritons_backward(monkeypatch):
+    """Compiled too: the dK/dV kernel's fp32 dK and dV would not fit its registers."""
+    called = []
+    monkeypatch.setattr(mosaic_gpu, "backward", lambda *a, **k: called.append("mosaic_gpu"))
+    monkeypatch.setattr(pallas_triton, "backward", lambda *a, **k: called.append("pallas_triton"))
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), block_sizes=None)
+    masks = masking.MaskInputs(None, None, None, None, None)
+    for head_dim in (128, 256):
+        implementations.get("mosaic_gpu").backward(cfg, jnp.zeros((1, 64, 1, head_dim)), None,
+                                                   None, None, masks, None, None, None)
+    assert called == ["mosaic_gpu", "pallas_triton"]
+    assert mosaic_gpu.backward_unsupported(cfg, head_dim=256).startswith(
+        "head_dim=256: the dK/dV kernel's fp32 dK and dV (2 x 64 x 256 per warpgroup) do not "
+        "fit its registers")
 
 
 # --- A packed query group (GQA/MQA with few query rows) -----------------------------------
