@@ -93,8 +93,9 @@ class Implementation:
 def _mosaic_gpu_backward(cfg: AttentionConfig, q, k, v, bias, masks, *args, **kwargs):
     """mosaic_gpu's backward: its own kernels, or, where ``mosaic_gpu.backward_unsupported``
     gives a reason (head_dim 256, dbias with the fused dQ, the caller's
-    ``Config(backward="pallas_triton")``, an interpreted call), the Pallas Triton kernels from the same RowStats with their own tiles
-    (the mosaic_gpu.Config in cfg.block_sizes is the forward's)."""
+    ``Config(backward="pallas_triton")``, an interpreted call), the Pallas Triton kernels from
+    the same RowStats with their own tiles (the mosaic_gpu.Config in cfg.block_sizes is the
+    forward's)."""
     if mosaic_gpu.backward_unsupported(cfg, has_bias=bias is not None,
                                        head_dim=q.shape[-1]) is None:
         return mosaic_gpu.backward(cfg, q, k, v, bias, masks, *args, **kwargs)
@@ -127,8 +128,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "mosaic_gpu": Implementation(
         "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two wgmma consumers, persistent): forward (ping-ponging consumers), dK/dV "
-        "and dQ (no atomics); interpreted, at head_dim 256, with dbias and the fused dQ, or with "
-        "Config(backward='pallas_triton'), pallas_triton's backward; decode: pallas_triton's split-K kernel",
+        "and dQ (no atomics); pallas_triton's backward when interpreted, at head_dim 256, for "
+        "dbias with the fused dQ, or by Config(backward='pallas_triton'); decode: "
+        "pallas_triton's split-K kernel",
         mosaic_gpu.forward, _mosaic_gpu_backward, needs_cuda=True, automatic=False,
         manual_because="one GPU run of its forward so far (an H200: correct, 1.3-1.7x cuDNN's "
                        "time) and none of its backward, proven only in the Mosaic GPU "

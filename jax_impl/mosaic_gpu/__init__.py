@@ -199,9 +199,8 @@ def backward_unsupported(cfg: AttentionConfig, *, has_bias: bool = False,
     """Why this package's backward kernels do not differentiate a call that its forward runs,
     or None: head_dim 256 (the forward's alone), a differentiated bias (``cfg.bias_gradient``)
     with ``BackwardConfig(dq="fused")`` (dbias is the dQ kernel's), the caller chose another
-    backward (``Config.backward``), or
-    the call is interpreted and chose none (the interpreted backward can hang:
-    docs/limitations.md). Every input the forward takes (a bias, a dense mask, segment ids,
+    backward (``Config.backward``), or the call is interpreted and chose none (the interpreted
+    backward can hang: docs/limitations.md). Every input the forward takes (a bias, a dense mask, segment ids,
     dropout, each with any other), the backward takes too."""
     reason = _backward_refuses(cfg, has_bias, head_dim)
     if reason:
