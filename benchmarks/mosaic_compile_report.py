@@ -2,7 +2,7 @@
 measured without a GPU.
 
     python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
-        [--only defaults|all|segments|bias_mask|bias_with_mask|fused_dq|packed|d256]
+        [--only defaults|all|segments|bias_mask|bias_with_mask|fused_dq|packed|d256|edges]
         [--kernels all|forward|backward] [--seq-len 4096]
 
 Needs jax >= 0.11 with its CUDA plugin (``pip install 'jax[cuda13]==0.11.2'``, Python >= 3.12;
@@ -104,6 +104,11 @@ COMBINED = dict(bias="bfloat16", bias_batch=True, mask=True, dropout=0.1, segmen
 PACKED_Q_LEN = 96
 PACKED_LABEL = f"GQA 8:1 packed, Lq={PACKED_Q_LEN}, lengths, bottom-right, sinks"
 PACKED = dict(kv_heads=1, q_seq_len=PACKED_Q_LEN, lengths=True, bottom_right=True, sinks=True)
+# One side's last tile padded alone, not causal: the mask is then the key lengths alone (no
+# rule reads the rows) or the query lengths alone. Keys padded alone failed Mosaic's layout
+# inference at D=128 until 2026-12-02 (an unused row iota).
+EDGE_ROWS = (("keys padded alone: Lq=4096, Lk=4000", dict(seq_len=4000, q_seq_len=4096), (64, 128, 256)),
+             ("queries padded alone: Lq=4000, Lk=4096", dict(q_seq_len=4000), (64, 128)))
 # head_dim 256: the forward alone (its backward is pallas_triton's), on config.D256's tiles.
 D256_FEATURES = (("", {}), ("lengths, bottom-right, window, soft cap, sinks",
                             dict(lengths=True, bottom_right=True, window=(512, 0), soft_cap=30.0,
@@ -123,7 +128,8 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     ``packed`` only the forward of a packed query group (``PACKED_LABEL``, bf16, D=64/128,
     causal and not, and with segment ids at D=128 causal; ``all`` has them too); ``d256``
     only the forward at head_dim 256 (bf16, causal and not, plain, with the band's features,
-    with segment ids; ``all`` has them too)."""
+    with segment ids; ``all`` has them too); ``edges`` only the forward with one side's last
+    tile padded alone (``EDGE_ROWS``; ``all`` has them too)."""
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
              for d in (64, 128) for causal in (False, True)]
@@ -162,9 +168,14 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
                  for label, options in D256_FEATURES for causal in (False, True)]
     if only == "d256":
         return d256_rows
+    edge_rows = [(label, "bfloat16", d, False, None, options) for label, options, dims in EDGE_ROWS
+                 for d in dims]
+    if only == "edges":
+        return edge_rows
     if only == "all":
         found += [
             ("edges: L=4001 (padded to 4008)", "bfloat16", 128, True, None, dict(seq_len=seq_len - 95)),
+            *edge_rows,
             ("lengths, bottom-right, window, soft cap, sinks", "bfloat16", 128, True, None,
              dict(lengths=True, bottom_right=True, window=(512, 0), soft_cap=30.0, sinks=True)),
             ("GQA 8:2", "bfloat16", 128, True, None, dict(kv_heads=2)),
@@ -384,7 +395,7 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
             if config is not None or head_dim > 128 or "q_seq_len" in options or \
                     _backward_elsewhere(head_dim, causal, options):
                 continue  # forward tiles, a head_dim the kernel does not offer, a forward-only
-                # row (packed), or a call whose backward is pallas_triton's
+                # row (Lq != Lk: packed, edges), or a call whose backward is pallas_triton's
             dump = Path(root) / f"backward_{index}"
             dump.mkdir()
             os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
@@ -503,7 +514,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
     parser.add_argument("--only", choices=("defaults", "all", "candidates", "segments", "bias_mask",
-                                           "bias_with_mask", "fused_dq", "packed", "d256"),
+                                           "bias_with_mask", "fused_dq", "packed", "d256",
+                                           "edges"),
                         default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")

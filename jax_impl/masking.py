@@ -48,6 +48,12 @@ class MaskSpec:
         return self.is_causal or self.window_left is not None or self.window_right is not None
 
     @property
+    def varies_by_row(self) -> bool:
+        """Whether rules 1-3 depend on the query row (a band, or query lengths): only then
+        does ``key_bounds_per_row`` read its ``rows``."""
+        return self.has_band or self.has_q_lengths
+
+    @property
     def restricts(self) -> bool:
         """Whether rules 1-3 can refuse any pair (``structural_allowed`` is not None)."""
         return self.has_band or self.has_q_lengths or self.has_kv_lengths
@@ -105,7 +111,8 @@ def key_bounds_per_row(spec: MaskSpec, rows, first_col, q_len, kv_len, position_
     (unbounded), with ``structural_allowed`` true exactly where ``lo <= c <= hi``
     (``within_bounds``). A kernel then compares its column iota with two values per row, where
     ``cols - rows`` per pair, hoisted out of a loop, costs a register per pair (the Mosaic GPU
-    forward spilled so with segment ids, a mask or dropout)."""
+    forward spilled so with segment ids, a mask or dropout). ``rows`` may be None where the
+    spec does not vary by row (``MaskSpec.varies_by_row``)."""
     lo = hi = None
     d_lo, d_hi = diagonal_band(spec, q_len, kv_len, position_offset)
     if d_hi is not None:

@@ -357,10 +357,11 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             plgpu.barrier_arrive(k_consumed.at[slot])
             bias, allowed = pairwise.read(slot, own_rows)
             t, _ = softmax.logits(s, cfg, bias)
-            if masked and cfg.mask.restricts:  # (an unused iota fails layout inference)
-                lo, hi = masking.key_bounds_per_row(cfg.mask, row_positions(it.q_start),
-                                                    j * c.block_kv, it.q_len, it.kv_len,
-                                                    it.offset)
+            if masked and cfg.mask.restricts:  # (an unused iota fails layout inference:
+                # with key lengths alone the bounds do not read the rows)
+                rows = row_positions(it.q_start) if cfg.mask.varies_by_row else None
+                lo, hi = masking.key_bounds_per_row(cfg.mask, rows, j * c.block_kv, it.q_len,
+                                                    it.kv_len, it.offset)
                 per_row = lambda x: x if x is None or jnp.ndim(x) == 0 else \
                     online_softmax.rows_to(x, s)  # a bound may be absent or one scalar
                 structural = masking.within_bounds(key_iota(), per_row(lo), per_row(hi))

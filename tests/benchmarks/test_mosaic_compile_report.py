@@ -278,6 +278,22 @@ def test_the_committed_packed_rows_are_packed_at_zero_spills():
                         (64, 128))
 
 
+def test_one_side_padded_alone_compiles_without_spills(tmp_path_factory):
+    """The forward, not causal, with only its keys padded (Lq=4096, Lk=4000: the mask is the
+    key lengths alone, which no row reads) at D=64/128/256, or only its queries (Lq=4000) at
+    D=64/128: compiled, 0 spill bytes. Keys padded alone failed Mosaic's layout inference at
+    D=128 until 2026-12-02 (the row iota was built and left unused), as did the candidate
+    Config(64, 192, 2) at D=64 (4096 keys are no whole number of 192-key tiles)."""
+    found = _report(tmp_path_factory, "--only", "edges")
+    assert sorted((r["label"].split(":")[0], r["head_dim"]) for r in found) == sorted(
+        [("keys padded alone", d) for d in (64, 128, 256)]
+        + [("queries padded alone", d) for d in (64, 128)])
+    for r in found:
+        label = f"{r['label']} D={r['head_dim']}"
+        assert r["ok"], f"{label}: {r['error']}"
+        assert r["spill_stores"] == r["spill_loads"] == r["stack_frame"] == 0, label
+
+
 # head_dim 256's forward rows above 0 spill bytes (stored = loaded), as docs/limitations.md names
 D256_SPILLS = {("D=256", True): 4, ("D=256, segment ids", True): 12}
 

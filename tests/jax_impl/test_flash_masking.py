@@ -23,6 +23,8 @@ SPECS = [
     masking.MaskSpec(window_left=0, window_right=0, bottom_right=True),
     masking.MaskSpec(window_right=7, bottom_right=True, has_q_lengths=True, has_kv_lengths=True),
     masking.MaskSpec(is_causal=True, bottom_right=True, has_q_lengths=True, has_kv_lengths=True),
+    masking.MaskSpec(has_kv_lengths=True),  # no rule reads the rows (keys padded alone)
+    masking.MaskSpec(has_q_lengths=True),
 ]
 SHAPES = [(37, 53), (53, 37), (16, 16), (1, 40), (40, 1)]
 BLOCKS = [(16, 16), (16, 32), (32, 16)]
@@ -113,7 +115,8 @@ def test_per_row_bounds_state_the_rules_exactly(spec, keys_first):
     """key_bounds_per_row (the Mosaic forward's masked tiles, queries x keys) and
     query_bounds_per_key (the Mosaic dK/dV's, keys x queries), each with within_bounds,
     allow exactly the pairs of rules 1-3, for tiles anywhere (before, across and past the
-    band and the lengths), random lengths and position offsets."""
+    band and the lengths), random lengths and position offsets; key_bounds_per_row without
+    rows where the spec does not vary by row."""
     rng = np.random.default_rng(7)
     tile_rows, tile_cols = 16, 32
     local = np.arange(tile_cols)[None, :]
@@ -123,7 +126,10 @@ def test_per_row_bounds_state_the_rules_exactly(spec, keys_first):
         offset = int(rng.integers(-40, 41)) if rng.random() < 0.5 else 0
         first_row, first_col = (int(x) for x in rng.integers(-8, 80, 2))
         rows = first_row + np.arange(tile_rows)
-        lo, hi = bounds(spec, jnp.asarray(rows, jnp.int32), jnp.int32(first_col),
+        # Where no rule reads the rows the Mosaic forward passes none (an unused iota fails
+        # its layout inference): the bounds must not need them.
+        given = jnp.asarray(rows, jnp.int32) if spec.varies_by_row or keys_first else None
+        lo, hi = bounds(spec, given, jnp.int32(first_col),
                         jnp.int32(q_len), jnp.int32(kv_len), jnp.int32(offset) if offset else None)
         per_row = lambda x: x if x is None or jnp.ndim(x) == 0 else jnp.asarray(x)[:, None]
         got = masking.within_bounds(jnp.asarray(local, jnp.int32), per_row(lo), per_row(hi))
