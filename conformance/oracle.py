@@ -54,10 +54,6 @@ def manual_with_grads(q, k, v, cotangent, **kwargs) -> dict[str, np.ndarray]:
     return {n: np.asarray(x).astype(np.float64) for n, x in res.items()}
 
 
-def _is_array(x) -> bool:
-    return isinstance(x, np.ndarray)
-
-
 class _Server:
     """``python -m conformance.oracle`` in ``$ORACLE_PYTHON``: a call's arrays travel in an
     .npz file (bfloat16 as its bits), the other arguments as a JSON line; it answers ``ok``
@@ -81,7 +77,7 @@ class _Server:
         return cls._instance
 
     def call(self, arguments: dict) -> dict[str, np.ndarray]:
-        arrays = {n: x for n, x in arguments.items() if _is_array(x)}
+        arrays = {n: x for n, x in arguments.items() if isinstance(x, np.ndarray)}
         bf16 = [n for n, x in arrays.items() if x.dtype == ml_dtypes.bfloat16]
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "call.npz")

@@ -91,6 +91,22 @@ def poisoned_rows(x):
     return x + per_row(row_poison(x)).astype(x.dtype)
 
 
+def pack_query_groups(x, groups: int):
+    """``[B, Lq, Hkv * G, ...] -> [B, Lq * G, Hkv, ...]``: each kv head's G query heads as rows
+    of one tile (GQA/MQA), row r being query r // G of the group's head r % G: the decode
+    kernels' rows and the Mosaic GPU forward's packed items. ``unpack_query_groups`` inverts it."""
+    b, lq, hq = x.shape[:3]
+    grouped = x.reshape(b, lq, hq // groups, groups, *x.shape[3:])
+    return jnp.swapaxes(grouped, 2, 3).reshape(b, lq * groups, hq // groups, *x.shape[3:])
+
+
+def unpack_query_groups(x, groups: int):
+    """``[B, Lq * G, Hkv, ...] -> [B, Lq, Hkv * G, ...]`` (``pack_query_groups``'s inverse)."""
+    b, rows, hkv = x.shape[:3]
+    grouped = x.reshape(b, rows // groups, groups, hkv, *x.shape[3:])
+    return jnp.swapaxes(grouped, 2, 3).reshape(b, rows // groups, hkv * groups, *x.shape[3:])
+
+
 def key_poison(k, v):
     """``[..., n, D] -> [..., n]``: NaN where key n's row of K or of V holds a non-finite value."""
     return row_poison(k) + row_poison(v)

@@ -678,9 +678,8 @@ def _packed(q, q_segment_ids, sinks, geometry: Geometry):
     row ([Bs, Hkv, lq_stats]), and the packed geometry. The mask's rules read a row's query
     position (``Geometry.group_rows``); K and V are read once per item for the whole group."""
     g = geometry.heads // geometry.kv_heads
-    batch, lq, _, d = q.shape
-    q = q.reshape(batch, lq, geometry.kv_heads, g, d).transpose(0, 1, 3, 2, 4).reshape(
-        batch, lq * g, geometry.kv_heads, d)
+    lq = q.shape[1]
+    q = online_softmax.pack_query_groups(q, g)
     packed = dataclasses.replace(geometry, lq=lq * g, heads=geometry.kv_heads, group_rows=g)
     if q_segment_ids is not None:
         q_segment_ids = jnp.repeat(q_segment_ids, g, axis=1)
@@ -692,13 +691,9 @@ def _packed(q, q_segment_ids, sinks, geometry: Geometry):
 
 def _unpacked(out, row_max, log_sum, g: int):
     """``_packed``'s inverse on the results: out [B, Lq, Hq, D], statistics [B, Hq, Lq]."""
-    batch, rows, kv_heads, d = out.shape
-    lq = rows // g
-    out = out.reshape(batch, lq, g, kv_heads, d).transpose(0, 1, 3, 2, 4).reshape(
-        batch, lq, kv_heads * g, d)
-    stats = lambda x: x.reshape(batch, kv_heads, lq, g).transpose(0, 1, 3, 2).reshape(
-        batch, kv_heads * g, lq)
-    return out, stats(row_max), stats(log_sum)
+    stats = lambda x: jnp.swapaxes(
+        online_softmax.unpack_query_groups(jnp.swapaxes(x, 1, 2), g), 1, 2)
+    return online_softmax.unpack_query_groups(out, g), stats(row_max), stats(log_sum)
 
 
 def rows_of_sixteen_bytes(x):

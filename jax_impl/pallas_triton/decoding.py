@@ -140,8 +140,8 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
     if not cfg.interpret:
         q = platform.requires_cuda(q, common.PLATFORM_ERROR)
     # Packed rows, the query side of the non-finite rule applied (as the forward's q).
-    q_rows = jnp.moveaxis(online_softmax.poisoned_rows(q).reshape(b, lq, hkv, groups, d), 1, 2)
-    q_rows = q_rows.reshape(b, hkv, rows, d)
+    q_rows = jnp.swapaxes(online_softmax.pack_query_groups(online_softmax.poisoned_rows(q),
+                                                             groups), 1, 2)  # [B, Hkv, rows, D]
     d_tile, lk_tiled = layout.d_tile, layout.lk_tiled
     if page_table is None:
         cache_spec = pl.BlockSpec((None, lk_tiled, None, d_tile), lambda r, i, h: (i, 0, h, 0))
@@ -184,10 +184,13 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
     if extras.sinks is not None:  # one more run: no value, logit = the sink
         sink = jnp.broadcast_to(extras.sinks.astype(jnp.float32).reshape(extras.sinks.shape[0], -1, 1),
                                 (b, hq, lq))
-        sink = jnp.moveaxis(sink.reshape(b, hkv, groups, lq), 3, 2).reshape(b * hkv, 1, rows)
+        sink = jnp.swapaxes(online_softmax.pack_query_groups(jnp.swapaxes(sink, 1, 2), groups),
+                            1, 2).reshape(b * hkv, 1, rows)
         out, stats = online_softmax.merge(out, stats, jnp.zeros_like(out), online_softmax.RowStats(
             jnp.where(sink > -jnp.inf, sink, jnp.inf), jnp.zeros_like(sink)))
-    out = jnp.moveaxis(out.reshape(b, hkv, lq, groups, d), 2, 1).reshape(b, lq, hq, d)
-    stats = online_softmax.RowStats(*(jnp.moveaxis(x.reshape(b, hkv, lq, groups), 3, 2).reshape(b, hq, lq)
+    # [B, Hkv, rows, ...] -> [B, Lq, Hq, ...]
+    unpack = lambda x: online_softmax.unpack_query_groups(jnp.swapaxes(x, 1, 2), groups)
+    out = unpack(out.reshape(b, hkv, rows, d))
+    stats = online_softmax.RowStats(*(jnp.swapaxes(unpack(x.reshape(b, hkv, rows)), 1, 2)
                                       for x in stats))
     return out.astype(q.dtype), stats
