@@ -76,7 +76,7 @@ def print_probes(probe_rows) -> None:
     print("\nprobes (compared with docs/semantics.md; only jax_impl.* probes set the exit code):")
     for p in probe_rows:
         flag = "" if p.conforms is not False else f"  <-- {report.probe_verdict(p)}"
-        print(f"  {p.probe:26s} {p.impl:24s} {p.observation[:110]}{flag}")
+        print(report.wrapped(f"{p.probe} {p.impl}: {p.observation}{flag}", "  ", "      "))
 
 
 def main(argv=None) -> int:
@@ -120,9 +120,10 @@ def main(argv=None) -> int:
     command = shlex.join(["python", "-m", "conformance"] + list(sys.argv[1:] if argv is None else argv))
     env = report.environment(device, command)
     md, js = report.write(out_dir, results, probe_rows, cases, impls, env, args.suite, seconds, skipped, exit_code)
-    print(f"\n{len(cases)} cases x {len(impls)} implementations in {seconds:.0f} s; report {md}, numbers {js}")
+    print("\n" + report.wrapped(f"{len(cases)} cases x {len(impls)} implementations in {seconds:.0f} s; "
+                               f"report {md}, numbers {js}"))
     if failed:
-        print("must-pass failures: " + ", ".join(f"{i} on {c}" for i, c in failed), file=sys.stderr)
+        print(report.wrapped("must-pass failures: " + ", ".join(f"{i} on {c}" for i, c in failed)), file=sys.stderr)
     return exit_code
 
 

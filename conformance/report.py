@@ -7,6 +7,7 @@ import platform
 import site
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 from conformance import tolerance
@@ -61,7 +62,8 @@ def cell(r: Result, footnote: int | None = None) -> str:
 
 
 def short_reason(r: Result) -> str:
-    return (r.reason or "").splitlines()[0][:160] if r.reason else ""
+    """The first line of why a cell is an error or n.s., whole: the terminal wraps it."""
+    return r.reason.splitlines()[0] if r.reason else ""
 
 
 def footnotes(results: list[Result]) -> dict[tuple[str, str], int]:
@@ -75,7 +77,7 @@ def footnotes(results: list[Result]) -> dict[tuple[str, str], int]:
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths))
+    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
     return "\n".join([fmt(rows[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows[1:]])
 
 
@@ -89,11 +91,40 @@ def _grid(results: list[Result], cases: list[Case], impls: list[str], notes: dic
     return [["case"] + impls] + [[c.name] + [text(c.name, i) for i in impls] for c in cases]
 
 
+TERMINAL_WIDTH = 120
+
+
+def wrapped(text: str, first: str = "", rest: str = "    ") -> str:
+    """``text`` folded at word boundaries to the terminal width, its lines after the first
+    indented by ``rest``."""
+    return textwrap.fill(text, TERMINAL_WIDTH, initial_indent=first, subsequent_indent=rest,
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def _summary_rows(results: list[Result], impls: list[str]) -> list[list[str]]:
+    rows = [["implementation", "pass", "FAIL", "n.s.", "error", "worst ratio (case)"]]
+    for impl, s in summary(results, impls).items():
+        worst = "-" if s["worst_ratio"] is None else f"{s['worst_ratio']:.2f} ({s['worst_case']})"
+        rows.append([impl, str(s["pass"]), str(s["FAIL"]), str(s["n.s."]), str(s["error"]), worst])
+    return rows
+
+
 def terminal_table(results, cases, impls) -> str:
-    """The grid, the legend of its cells, and why each error or n.s. cell is one."""
+    """What a terminal of 120 columns shows: the grid of cases by implementations where it fits,
+    else one row per implementation (the grid is in the Markdown report); then each failure,
+    the legend, and why each error or n.s. cell is one."""
     notes = footnotes(results)
-    lines = [_table(_grid(results, cases, impls, notes)), "", RATIO_LEGEND]
-    lines += [f"  [{n}] " + (reason if reason.startswith(impl) else f"{impl}: {reason}")
+    grid = _table(_grid(results, cases, impls, notes))
+    if max(map(len, grid.splitlines())) <= TERMINAL_WIDTH:
+        lines = [grid]
+    else:
+        lines = [_table(_summary_rows(results, impls)), "",
+                 wrapped("The grid of cases by implementations, and every reason in full: the report below.")]
+        lines += [wrapped(f"{r.status} {r.impl} on {r.case}: " + (f"{r.worst_ratio:.3g}" if r.status == FAIL
+                                                                  else short_reason(r)), "  ", "      ")
+                  for r in results if r.status in (FAIL, ERROR)]
+    lines += ["", wrapped(RATIO_LEGEND)]
+    lines += [wrapped(reason if reason.startswith(impl) else f"{impl}: {reason}", f"  [{n}] ", "      ")
               for (impl, reason), n in notes.items()]
     return "\n".join(lines)
 
@@ -160,13 +191,13 @@ def markdown(results, probes: list[ProbeRow], cases, impls, env: dict, suite: st
                                   f"rel {v.relative_norm:.2g})" for v in r.verdicts if not v.passed)
                 lines.append(f"- `{r.impl}` on `{r.case}`: {parts}" + (f". {r.note}" if r.note else ""))
             else:
-                lines.append(f"- `{r.impl}` on `{r.case}`: {r.reason.splitlines()[0]}")
+                lines.append(f"- `{r.impl}` on `{r.case}`: {short_reason(r)}")
     ns = [r for r in results if r.status == NOT_SUPPORTED]
     if ns:
         lines += ["", "## Not supported (reasons)", ""]
         reasons: dict = {}
         for r in ns:
-            reasons.setdefault((r.impl, r.reason.splitlines()[0][:200]), []).append(r.case)
+            reasons.setdefault((r.impl, short_reason(r)), []).append(r.case)
         for (impl, reason), which in reasons.items():
             lines.append(f"- `{impl}`: {reason} ({len(which)} cases)")
     if probes:
