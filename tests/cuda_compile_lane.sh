@@ -30,10 +30,14 @@ find_python() {
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(find_python)
   if [ -z "$PY" ]; then echo "cuda compile lane skipped: no Python >= 3.12 (jax $JAX_VERSION's CUDA plugin needs it)"; exit 0; fi
+  echo "cuda compile lane: making the venv $VENV with $PY (about 1.1 GB: jax and jaxlib $JAX_VERSION," \
+       "jax-cuda13-plugin and -pjrt without NVIDIA's library wheels, pytest, pytest-xdist);" \
+       "CUDA_COMPILE_LANE_VENV=DIR puts it elsewhere"
   $PY -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" "pytest>=8"
   "$VENV/bin/python" -m pip install -q --no-deps "jax-cuda13-plugin==$JAX_VERSION" "jax-cuda13-pjrt==$JAX_VERSION"
 fi
+echo "cuda compile lane: jax $JAX_VERSION from the venv $VENV"
 # two workers, as worksteal shares them (an idle worker takes queued tests from the other): the
 # compiles are single-threaded (a venv made before xdist 3.2, which has worksteal, gets it here)
 "$VENV/bin/python" -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" \
