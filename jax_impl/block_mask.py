@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import masking
+from jax_impl import arguments, masking
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # Pairs in one mask_mod evaluation (a slab of query tiles x key tiles x batch x heads): bounds
@@ -141,7 +141,10 @@ def check_block_mask(block_mask, *, batch: int, heads: int, q_len: int, kv_len: 
         if want is not None and getattr(block_mask, name) != want:
             raise ValueError(f"block_mask.{name}={getattr(block_mask, name)} must equal the "
                              f"implementation's {name}={want}")
-    b, h = block_mask.kv_num_blocks.shape[:2] if block_mask.kv_num_blocks.ndim == 3 else (0, 0)
+    counts_shape = getattr(block_mask.kv_num_blocks, "shape", None)
+    if counts_shape is None or len(counts_shape) != 3:
+        raise ValueError(f"block_mask.kv_num_blocks must be int32 [B, H, nq]; got shape {counts_shape}")
+    b, h = counts_shape[:2]
     if b not in (1, batch) or h not in (1, heads):
         raise ValueError(f"block_mask has (B, H)=({b}, {h}) (kv_num_blocks.shape="
                          f"{block_mask.kv_num_blocks.shape}); each must be 1 or the call's "
@@ -174,8 +177,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Lq: int,
     a traced array is refused; one that closes over a concrete array compiles it in as a
     constant (a new array recompiles). Pass the same function object to reuse the compilation.
 
-    The pairs are evaluated in slabs of whole tiles of about ``SLAB_ELEMENTS`` pairs (all B and
-    H), never ``[Lq, Lk]`` at once. ``block_size``: an int, or ``(block_q, block_kv)``.
+    The pairs are evaluated in slabs of whole tiles, all B and H at once, of at most
+    ``SLAB_ELEMENTS`` pairs (or one tile pair where that is more), never ``[Lq, Lk]`` at once. ``block_size``: an int, or ``(block_q, block_kv)``.
     """
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx, *mod_aux) -> bool; "
@@ -279,9 +282,10 @@ def block_mask_from_bounds(spec: masking.MaskSpec, q_len: int, kv_len: int, *,
     spec = masking.with_padding(spec, queries_padded=q_lengths is not None or q_len % block_q != 0,
                                 keys_padded=kv_lengths is not None or kv_len % block_kv != 0)
     nq, nk = _cdiv(q_len, block_q), _cdiv(kv_len, block_kv)
-    q_lens = _per_row(q_lengths, batch, q_len, high=q_len)
-    kv_lens = _per_row(kv_lengths, batch, kv_len, high=kv_len)
-    offset = None if position_offset is None else _per_row(position_offset, batch, 0)
+    # flash_attention's rule for lengths: concrete ones outside [0, L] refused, traced clamped.
+    q_lens = arguments.lengths("q_lengths", q_lengths, (batch,), q_len)[:, None]
+    kv_lens = arguments.lengths("kv_lengths", kv_lengths, (batch,), kv_len)[:, None]
+    offset = None if position_offset is None else jnp.asarray(position_offset, jnp.int32)[:, None]
     q_tiles, kv_tiles = jnp.arange(nq, dtype=jnp.int32), jnp.arange(nk, dtype=jnp.int32)
     # Both projections of the band: kv_block_split's key-tile range per query tile and
     # q_block_split's query-tile range per key tile. Each alone keeps one tile past a window
@@ -322,25 +326,17 @@ def _tile_id_range(ids, lengths, block: int):
 
 def _common_batch(per_row: dict, seq_lens: dict) -> int:
     """The batch size B that the per-row arrays share (1 if none is given)."""
-    batch = None
+    first = None
     for name, x in per_row.items():
         x = jnp.asarray(x)
         want = f"[B, {seq_lens[name]}]" if name in seq_lens else "[B]"
         if (not jnp.issubdtype(x.dtype, jnp.integer) or x.ndim != (2 if name in seq_lens else 1)
                 or (name in seq_lens and x.shape[1] != seq_lens[name])):
             raise ValueError(f"{name} must be integers {want}; got {x.dtype} {x.shape}")
-        if batch is not None and x.shape[0] != batch:
-            raise ValueError(f"{name} has batch {x.shape[0]}, the other per-row arguments "
-                             f"({', '.join(per_row)}) {batch}")
-        batch = x.shape[0]
-    return 1 if batch is None else batch
-
-
-def _per_row(x, batch: int, default: int, high: int | None = None):
-    """``[B, 1]`` int32: x per batch row (clipped to ``[0, high]`` for a length), or ``default``
-    for every row."""
-    x = jnp.full((batch,), default, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
-    return (x if high is None else jnp.clip(x, 0, high))[:, None]
+        if first is not None and x.shape[0] != first[1]:
+            raise ValueError(f"{name} has batch {x.shape[0]} where {first[0]} has {first[1]}")
+        first = first or (name, x.shape[0])
+    return 1 if first is None else first[1]
 
 
 def _block_size(block_size) -> tuple[int, int]:

@@ -105,11 +105,17 @@ def test_create_block_mask_matches_numpy_oracle(index):
                                 mod_aux=tuple(jnp.asarray(a) for a in aux))
     assert mask.shape == (batch or 1, heads or 1, lq, lk)
     check_block_mask_against(mask, classes)
+    # A pytree: the lists are jit arguments, lengths and block sizes static.
+    np.testing.assert_array_equal(jax.jit(lambda m: m.to_dense())(mask), classes)
 
 
-def test_ragged_tile_whose_valid_pairs_all_attend_is_partial():
-    mask = bm.create_block_mask(lambda b, h, q, kv: q >= 0, None, None, 100, 70, block_size=64)
-    np.testing.assert_array_equal(np.asarray(mask.to_dense())[0, 0], [[2, 1], [1, 1]])
+@pytest.mark.parametrize("lq, lk", [(63, 48), (64, 47)])
+def test_ragged_tile_whose_valid_pairs_all_attend_is_partial(lq, lk):
+    """One padded row or column is enough to make a tile partial."""
+    mask = bm.create_block_mask(lambda b, h, q, kv: q >= 0, None, None, lq, lk, block_size=16)
+    classes = np.full((1, 1, -(-lq // 16), -(-lk // 16)), bm.FULL)
+    classes[..., lq // 16:, :] = classes[..., :, lk // 16:] = bm.PARTIAL
+    check_block_mask_against(mask, classes)
 
 
 @pytest.mark.parametrize("index", range(6))
@@ -288,6 +294,14 @@ def test_check_block_mask_names_what_differs():
     broken = dataclasses.replace(mask, q_indices=mask.q_indices[..., :2])
     with pytest.raises(ValueError, match=r"block_mask.q_indices must be int32 \(2, 1, 5, 4\)"):
         bm.check_block_mask(broken, batch=2, heads=1, q_len=100, kv_len=80)
+    with pytest.raises(ValueError, match=r"q_lengths must lie in \[0, 100\]"):
+        bm.block_mask_from_bounds(masking.MaskSpec(), 100, 80, q_lengths=np.array([101]))
+    with pytest.raises(ValueError, match=r"kv_segment_ids must be integers \[B, 80\]"):
+        bm.block_mask_from_bounds(masking.MaskSpec(), 100, 80, q_segment_ids=np.zeros((2, 100), int),
+                                  kv_segment_ids=np.zeros((2, 81), int))
+    with pytest.raises(ValueError, match="kv_lengths has batch 3 where q_lengths has 2"):
+        bm.block_mask_from_bounds(masking.MaskSpec(), 100, 80, q_lengths=np.array([1, 2]),
+                                  kv_lengths=np.array([1, 2, 3]))
     with pytest.raises(TypeError, match="block_mask must be a jax_impl.block_mask.BlockMask"):
         bm.check_block_mask(mask.to_dense(), batch=2, heads=1, q_len=100, kv_len=80)
 
