@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.typing import ArrayLike
 
 from jax_impl import arguments, cudnn, implementations, partitioned, recompute_vjp, reference
@@ -161,17 +160,12 @@ def _attention(q, k, v, bias, masks, extras, page_table, *, implementation, cfg)
 
     if implementation is not None:
         return run(implementation)(q, k, v, bias, masks, extras, page_table)
-    # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
-    per_platform = {platform: run(name) for platform, name in (("cuda", "pallas_triton"), ("cpu", "cpu"))
-                    if implementations.unsupported(name, head_dim=q.shape[-1], platform=platform,
-                                                   features=features) is None
-                    and not (paged and implementations.paged_unsupported(
-                        implementations.get(name), lq=q.shape[1], dtype=k.dtype,
-                        page_size=k.shape[1], head_dim=q.shape[-1]))}
-    if not per_platform:
-        return run("xla")(q, k, v, bias, masks, extras, page_table)
-    return lax.platform_dependent(q, k, v, bias, masks, extras, page_table, **per_platform,
-                                  default=run("xla"))
+    pages = (dict(lq=q.shape[1], dtype=k.dtype, page_size=k.shape[1], head_dim=q.shape[-1])
+             if paged else None)
+    choose = lambda platform: implementations.automatic(implementations.reasons(
+        platform, head_dim=q.shape[-1], features=features, paged=pages))
+    return implementations.on_lowering_platform(choose, run, q, k, v, bias, masks, extras,
+                                                page_table)
 
 
 def _run(implementation, cfg, q, k, v, bias, masks, extras, page_table):
@@ -217,12 +211,10 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         cfg=call.cfg, extras=call.extras)
     features = arguments.features(call.cfg, call.bias, call.masks, call.extras, call.q.dtype)
     paged = call.page_table is not None
-    reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,
-                                      interpret=call.cfg.interpret, features=features)
-                     or (implementations.paged_unsupported(
-                         impl, lq=call.q.shape[1], dtype=call.k.dtype, page_size=call.k.shape[1],
-                         head_dim=call.q.shape[-1]) if paged else None)
-               for name, impl in IMPLEMENTATIONS.items()}
+    reasons = implementations.reasons(
+        platform, head_dim=call.q.shape[-1], interpret=call.cfg.interpret, features=features,
+        paged=dict(lq=call.q.shape[1], dtype=call.k.dtype, page_size=call.k.shape[1],
+                   head_dim=call.q.shape[-1]) if paged else None)
     lk = call.page_table.shape[1] * call.k.shape[1] if paged else call.k.shape[1]
 
     def choice(chosen):
@@ -248,8 +240,7 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
             if name != chosen and reasons[name] is None:
                 reasons[name] = f"implementation={chosen!r} was requested"
         return choice(chosen)
-    chosen = next(name for name, impl in IMPLEMENTATIONS.items()
-                  if impl.automatic and reasons[name] is None)
+    chosen = implementations.automatic(reasons)
     for name, impl in IMPLEMENTATIONS.items():
         if name == chosen or reasons[name] is not None:
             continue
