@@ -96,7 +96,7 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
 
 
 def _ring_kernels(cfg) -> tuple[str, ...]:
-    """The implementations a ring's local step can be: with dropout, those hashing at global positions."""
+    """The implementations a ring's local step can be (with dropout: those hashing global positions)."""
     return implementations.ring_dropout_capable() if cfg.dropout_rate else implementations.ring_capable()
 
 
@@ -121,7 +121,7 @@ def _refuse_local_dropout(chosen, cfg, where):
 
 
 def _refuse_pairwise(chosen, call, bias, masks, what):
-    """arguments.validate saw no bias or mask (they are per-device here): the local kernel must take them."""
+    """arguments.validate saw no bias or mask (they are per-device here): the kernel must take them."""
     if chosen.call_unsupported is None or (bias is None and masks.mask is None):
         return
     reason = chosen.call_unsupported(head_dim=call.q.shape[-1], **arguments.features(

@@ -106,10 +106,12 @@ class SequenceCall:
     pairwise_bytes: int = 0  # the bias and mask bytes an all-to-all moves (cp_cost.estimates)
 
 
-def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
+def sharding_plan(mesh, q_spec, q_shape, k_shape, *,
+                  ring_unavailable: str | None = "not offered for this call",
                   call: SequenceCall | None = None) -> ShardingPlan:
-    """The plan for q sharded as ``q_spec`` (a PartitionSpec over ``mesh``). ``call`` None:
-    no all-to-all (the ring or a gather)."""
+    """The plan for q sharded as ``q_spec`` (a PartitionSpec over ``mesh``).
+    ``ring_unavailable``: why the call's kernel cannot run a ring (``ring_unavailable``), or
+    None. ``call`` None: no all-to-all (the ring or a gather)."""
     spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
     batch, seq, heads, dim = (_axes(s) for s in spec[:4])
     b, lq, hq, _ = q_shape
@@ -137,8 +139,6 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
         b_loc, hq_loc = b // _size(mesh, batch), hq // _size(mesh, heads)
         hkv_loc = hkv // _size(mesh, kv_heads)
         shape = (b_loc, lq, lk, hq_loc, hkv_loc, q_shape[3], call.itemsize if call else 4)
-        ring_needs = ("a local kernel that takes position offsets (explain_implementation names "
-                      "it; with dropout one that hashes global positions: xla), no position offset")
         requested = call.requested if call else None
         if set(seq) & set(batch + heads):
             why = f"mesh axis {seq} also shards batch or heads"
@@ -147,9 +147,8 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
         elif len(seq) == 2:  # the hybrid: all-to-all over the inner axis, ring over the outer
             outer, inner = (mesh.shape[a] for a in seq)
             why = (None if call is not None else "not offered for this call") or (
-                None if allow_ring else f"its ring needs {ring_needs}") or (
-                None if lq % (2 * n) == 0 and lk % (2 * n) == 0 else
-                f"sequences {lq}, {lk} must be divisible by {2 * n}") or (
+                f"its ring: {ring_unavailable}" if ring_unavailable else None) or (
+                _zigzag_chunks_unavailable(lq, lk, n)) or (
                 "a bias or dense mask is not taken by the hybrid (the ring over one axis takes "
                 "it)" if call.has_bias_or_mask else ulysses.unavailable(inner, hq_loc, hkv_loc))
             choice = cp_cost.choose(n, shape, hybrid_inner=inner, hybrid_unavailable=why,
@@ -159,9 +158,7 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
             choice = cp_cost.choose(n, shape, ring_unavailable=raise_reason,
                                     all_to_all_unavailable=raise_reason, requested=requested)
         else:
-            chunks = 2 * n
-            ring_reason = (None if allow_ring and lq % chunks == 0 and lk % chunks == 0 else
-                           f"the ring needs {ring_needs}, sequences divisible by {chunks}")
+            ring_reason = ring_unavailable or _zigzag_chunks_unavailable(lq, lk, n)
             a2a_reason = (
                 "not offered for this call" if call is None else
                 f"sequences {lq}, {lk} do not divide over {n} devices" if lq % n or lk % n else
@@ -181,6 +178,15 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
         notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
                      "needs the whole head): all-gathered")
     return ShardingPlan(batch, heads, kv_heads, sequence, tuple(notes), strategy, choice)
+
+
+def _zigzag_chunks_unavailable(lq: int, lk: int, n: int) -> str | None:
+    """Why the zigzag ring over ``n`` devices (2 chunks on each) cannot cut these sequences."""
+    uneven = [f"{length} {what}" for length, what in ((lq, "queries"), (lk, "keys")) if length % (2 * n)]
+    if uneven:
+        return (f"{' and '.join(uneven)} do not divide into {2 * n} chunks (the zigzag ring: "
+                f"2 on each of {n} devices)")
+    return None
 
 
 def _specs(plan: ShardingPlan, named_shapes: dict, hq: int, b: int) -> dict:
@@ -229,12 +235,18 @@ def _backward_body(implementation, cfg, names, *arrays):
     return (dq, dk, dv) + ((dbias,) if dbias is not None else ())
 
 
-def ring_supported(implementation, names) -> bool:
-    """Whether a call can run as a ring: a local implementation that takes
+def ring_unavailable(implementation, names) -> str | None:
+    """Why a call cannot run as a ring, or None: it needs a local implementation that takes
     MaskInputs.position_offset, and no offset of its own already; with dropout, one that hashes
     at the ring's global positions (``takes_dropout_offset``). Sinks join after the merge."""
-    dropout_ok = "seeds" not in names or implementation.takes_dropout_offset
-    return implementation.takes_position_offset and dropout_ok and "offset" not in names
+    if not implementation.takes_position_offset:
+        return f"the local kernel {implementation.name} takes no position offset"
+    if "seeds" in names and not implementation.takes_dropout_offset:
+        return (f"the local kernel {implementation.name} hashes dropout at local positions "
+                "(dropout in a ring needs one that hashes its global positions)")
+    if "offset" in names:
+        return "the call already carries a position offset"
+    return None
 
 
 def sequence_call(cfg, names, dtype, pairwise=None, hq: int = 1) -> SequenceCall:
@@ -256,7 +268,7 @@ def _local_plan(implementation, cfg, mesh, arg_shapes, names):
     spec = q.sharding.spec if isinstance(q.sharding, NamedSharding) else P()
     pairwise = {n: named[n] for n in ("bias", "mask") if n in named}
     plan = sharding_plan(mesh, spec, q.shape, named["k"].shape,
-                         allow_ring=ring_supported(implementation, names),
+                         ring_unavailable=ring_unavailable(implementation, names),
                          call=sequence_call(cfg, names, q.dtype, pairwise, q.shape[2]))
     return plan, named
 
@@ -438,13 +450,15 @@ def explain(implementation, q, q_shape, k_shape, pairwise: dict, cfg=None,
     Lk]``} of the call. A sequence-sharded call names cp_cost's choice with its estimated bytes
     per device."""
     has_bias_or_mask = bool(pairwise)
-    sharding = getattr(q, "sharding", None)
+    # Under jit the aval's (a spec only on a mesh with explicit axes); else the array's.
+    tracer = isinstance(q, jax.core.Tracer)
+    sharding = jax.typeof(q).sharding if tracer else getattr(q, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
         return None
     names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ()) + tuple(
         short for field, short in _EXTRA_FIELDS if extras is not None and getattr(extras, field) is not None)
     plan = sharding_plan(sharding.mesh, _canonical_spec(sharding.spec, len(q.shape)), q_shape, k_shape,
-                         allow_ring=ring_supported(implementation, names),
+                         ring_unavailable=ring_unavailable(implementation, names),
                          call=sequence_call(cfg, names, q.dtype, pairwise, q_shape[2]))
     if plan.sequence and plan.strategy == "hybrid":
         outer, inner = plan.sequence
