@@ -312,6 +312,8 @@ def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
 def _shardings(mesh, plan, named, results):
     hq, b = named["q"].shape[2], named["q"].shape[0]
     specs = _specs(plan, {n: s.shape for n, s in named.items()}, hq, b)
+    if "table" in named:  # a paged call (_paged_plan)
+        specs.update(k=_pool_spec(plan), v=_pool_spec(plan), table=P(plan.batch or None, None))
     to = lambda n: NamedSharding(mesh, specs[n])
     return tuple(to(n) for n in named), tuple(to(n) for n in results)
 
@@ -373,7 +375,9 @@ def sharding_rule(names, results, operand_types):
     groups = hq // hkv
     # Shardy refuses a size-1 factor inside a compound dim: MQA's query heads are all "g".
     h = "n" if groups == 1 else "g" if hkv == 1 else "(n g)"
-    factors = dict(q=f"b q {h} d", k="b k n d", v="b k n d", q_len="b", kv_len="b", offset="b",
+    pool = "table" in shapes  # a paged call: k and v are the page pool, shared by the batch
+    factors = dict(q=f"b q {h} d", k="p s n d" if pool else "b k n d",
+                   v="p s n d" if pool else "b k n d", table="b t", q_len="b", kv_len="b", offset="b",
                    q_seg="b q", kv_seg="b k", d_out=f"b q {h} d", max=f"b {h} q",
                    log_sum=f"b {h} q", delta=f"b {h} q", out=f"b q {h} d", dq=f"b q {h} d",
                    dk="b k n d", dv="b k n d", dbias=f"b {h} q k")
@@ -386,6 +390,62 @@ def sharding_rule(names, results, operand_types):
     return (rule, {"g": groups}) if h == "(n g)" else rule
 
 
+# --- The paged-cache forward: the decode path on a page pool shared by the batch --------------
+
+def _pool_spec(plan: ShardingPlan):
+    """The page pool on every device, split only along kv heads with their query groups: any
+    row's page ids may point anywhere in the pool, so no page can be left off a device."""
+    return P(None, None, plan.kv_heads or None, None)
+
+
+def _paged_plan(mesh, named) -> ShardingPlan:
+    """q's batch and heads as ``sharding_plan`` keeps them (a sequence split is not honoured:
+    the decode path reads the whole cache); a pool sharded other than ``_pool_spec`` is
+    gathered, and said so."""
+    q, pages, table = named["q"], named["k"], named["table"]
+    spec_of = lambda x: tuple(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else ()
+    plan = sharding_plan(mesh, spec_of(q), q.shape,
+                         (q.shape[0], table.shape[1] * pages.shape[1], *pages.shape[2:]),
+                         ring_unavailable="a paged KV cache runs on the decode path")
+    want = tuple(_pool_spec(plan))
+    notes = tuple(
+        f"{name}_pages sharded as {spec_of(named[name])}: the page pool is shared by the whole "
+        "batch (page ids index all of it), so every device holds all of it, split at most along "
+        f"its kv heads like the query heads: all-gathered to {_pool_spec(plan)}; keep it "
+        "replicated, or split only its kv heads" for name in ("k", "v")
+        if any(set(_axes(got)) - set(_axes(w)) for got, w in zip(spec_of(named[name]), want)))
+    return dataclasses.replace(plan, notes=plan.notes + notes)
+
+
+def _paged_body(implementation, cfg, names, *arrays):
+    named = dict(zip(names, arrays))
+    q, k, v, _, masks, extras = _unpack(named)
+    out, stats = implementation.decode(cfg, q, k, v, masks, extras, named["table"])
+    return out, stats.max, stats.log_sum
+
+
+def _make_paged_op():
+    def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
+        named = dict(zip(names, arg_shapes))
+        return _shardings(mesh, _paged_plan(mesh, named), named, FORWARD_RESULTS)[1]
+
+    def partition(implementation, cfg, names, mesh, arg_shapes, result_shape):
+        named = dict(zip(names, arg_shapes))
+        plan = _paged_plan(mesh, named)
+        for note in plan.notes:
+            warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
+        args, results = _shardings(mesh, plan, named, FORWARD_RESULTS)
+        return mesh, functools.partial(_paged_body, implementation, cfg, names), results, args
+
+    def rule(implementation, cfg, names, mesh, operand_types, result_types):
+        return sharding_rule(names, FORWARD_RESULTS, operand_types)
+
+    op = custom_partitioning(_paged_body, static_argnums=(0, 1, 2))
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+    return op
+
+
+_paged_op = _make_paged_op()
 _forward_op = _make_op(_forward_body, _ring_forward_body, _a2a_forward_body, _hybrid_forward_body,
                        lambda cfg, names: FORWARD_RESULTS)
 _backward_op = _make_op(_backward_body, _ring_backward_body, _a2a_backward_body,
@@ -402,18 +462,38 @@ def _folded(op, implementation, cfg, names):
     @call.def_vmap
     def rule(axis_size, in_batched, *arrays):
         b = dict(zip(names, arrays))["q"].shape[0 + in_batched[names.index("q")]]
+        pool = {"k", "v"} if "table" in names else set()  # a paged call's pages: no batch axis
+        batched_pool = any(batched for name, batched in zip(names, in_batched) if name in pool)
         folded = []
         for name, x, batched in zip(names, arrays, in_batched):
+            if name in pool and not batched_pool:
+                folded.append(x)  # one pool for every mapped call
+                continue
             if not batched:
                 x = jnp.broadcast_to(x, (axis_size,) + x.shape)
             if name in ("bias", "mask") + _PER_HEAD and x.shape[1] != b:  # broadcast batch: materialise it
                 x = jnp.broadcast_to(x, (axis_size, b) + x.shape[2:])
+            if name == "table" and batched_pool:  # the pools are stacked: call i's ids move up
+                num_pages = dict(zip(names, arrays))["k"].shape[int(in_batched[names.index("k")])]
+                x = x + (jnp.arange(axis_size, dtype=x.dtype) * num_pages)[:, None, None]
             folded.append(x.reshape((axis_size * x.shape[1],) + x.shape[2:]))
         outs = _folded(op, implementation, cfg, names)(*folded)
         outs = tuple(o.reshape((axis_size, b) + o.shape[1:]) for o in outs)
         return outs, tuple(True for _ in outs)
 
     return call
+
+
+def paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras, page_table):
+    """``implementation.decode`` on a paged cache, partitioned under jit: batch and heads local
+    (the page table, lengths and sinks follow q's batch), the page pool whole on every device
+    but its kv heads (``_pool_spec``)."""
+    if cfg.interpret and implementation.interpreter_has_effects:
+        return implementation.decode(cfg, q, k_pages, v_pages, masks, extras, page_table)
+    named = _named(q, k_pages, v_pages, None, masks, extras, table=page_table)
+    names = tuple(named)
+    out, row_max, log_sum = _folded(_paged_op, implementation, cfg, names)(*named.values())
+    return out, online_softmax.RowStats(row_max, log_sum)
 
 
 def forward(implementation, cfg, q, k, v, bias, masks, extras=None):
