@@ -63,3 +63,27 @@ def test_paged_decode_keeps_the_batch_and_heads_local(implementation, partitione
         assert len(gathered["warnings"]) == 2 and all(
             "page pool is shared by the whole batch" in w and "all-gathered" in w
             for w in gathered["warnings"]), gathered["warnings"]
+
+
+def test_paged_decode_under_vmap_folds_the_batch_and_stacks_batched_pools():
+    """vmap of a paged call (the partitioned op folds the mapped axis into the batch): one pool
+    shared by every mapped call, or a pool per call (stacked, the table's ids moved up), each
+    equal to the unmapped call on its own pool (in-process, one device)."""
+    import jax
+    import numpy as np
+    from jax_impl import flash_attention
+
+    rng = np.random.default_rng()
+    q = rng.standard_normal((3, 2, 1, 4, 16)).astype(np.float32)      # [calls, B, 1, Hq, D]
+    pools = rng.standard_normal((2, 3, 8, 16, 2, 16)).astype(np.float32)  # k, v: [calls, pages, ...]
+    tables = np.stack([rng.permutation(8)[:6].reshape(2, 3) for _ in range(3)]).astype(np.int32)
+    lengths = rng.integers(1, 49, (3, 2)).astype(np.int32)
+    paged = lambda q, k, v, t, n: flash_attention(q, k, v, page_table=t, key_value_seq_lengths=n)
+    per_pool = jax.jit(jax.vmap(paged))(q, pools[0], pools[1], tables, lengths)
+    shared = jax.jit(jax.vmap(paged, in_axes=(0, None, None, 0, 0)))(
+        q, pools[0, 0], pools[1, 0], tables, lengths)
+    for i in range(3):
+        np.testing.assert_allclose(per_pool[i], paged(q[i], pools[0, i], pools[1, i], tables[i],
+                                                      lengths[i]), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(shared[i], paged(q[i], pools[0, 0], pools[1, 0], tables[i],
+                                                    lengths[i]), atol=1e-6, rtol=0)
