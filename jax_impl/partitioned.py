@@ -14,7 +14,10 @@ gives both the forward and the backward (so the whole custom VJP) a rule, valid 
 * a sequence axis (one mesh axis) runs as a ring (``ring.py``) or an all-to-all
   (``ulysses.py``), two axes as the hybrid, as ``cp_cost`` chooses: q, k, v and segment ids
   sharded along it, bias/mask and dbias along their query rows with every key column (the
-  all-to-all reshards a per-head one by head).
+  all-to-all reshards a per-head one by head);
+* a paged KV cache call (``paged_forward``, the decode path) keeps q's batch and heads, with
+  the page table, lengths and sinks; the page pool, shared by the batch, is whole on every
+  device but its kv heads (a pool split along its pages is gathered, and said so).
 
 Under ``vmap`` (which custom_partitioning does not support) the mapped axis is folded into
 the batch axis (``custom_vmap``).
