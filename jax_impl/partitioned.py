@@ -32,7 +32,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_impl import cp_cost, dropout_sinks, masking, online_softmax, ring, ulysses
 
@@ -533,9 +533,14 @@ def explain(implementation, q, q_shape, k_shape, pairwise: dict, cfg=None,
     Lk]``} of the call. A sequence-sharded call names cp_cost's choice with its estimated bytes
     per device."""
     has_bias_or_mask = bool(pairwise)
-    # Under jit the aval's (a spec only on a mesh with explicit axes); else the array's.
-    tracer = isinstance(q, jax.core.Tracer)
-    sharding = jax.typeof(q).sharding if tracer else getattr(q, "sharding", None)
+    # Under jit the aval's, known on a mesh with explicit axes (on an automatic one the
+    # partitioner decides later); else the array's.
+    if isinstance(q, jax.core.Tracer):
+        sharding = jax.typeof(q).sharding
+        if AxisType.Explicit not in getattr(sharding.mesh, "axis_types", ()):
+            return None
+    else:
+        sharding = getattr(q, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
         return None
     names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ()) + tuple(
