@@ -62,7 +62,7 @@ def _layouts(n: int, batch: int, length: int, heads: int, head_dim: int):
 
 def _estimated_mib(mesh, spec, shape, strategy):
     from jax_impl import cp_cost, partitioned
-    plan = partitioned.sharding_plan(mesh, spec, shape, shape, allow_ring=True,
+    plan = partitioned.sharding_plan(mesh, spec, shape, shape, ring_unavailable=None,
                                      call=partitioned.SequenceCall(itemsize=4, requested=strategy))
     if plan.choice is None:
         return None, None

@@ -32,9 +32,10 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
       reorder global arrays with ``ring.to_zigzag`` before sharding) or "contiguous" (device r
       holds chunk r of N).
     implementation: the local kernel each ring step runs, one of ``implementations.ring_capable()``:
-      "xla" (or None), "pallas_triton" (a CUDA GPU, or anywhere with interpret=True; the Pallas
+      "xla", "pallas_triton" (a CUDA GPU, or anywhere with interpret=True; the Pallas
       interpreter of jax 0.10 needs ``check_vma=False`` on the enclosing ``jax.shard_map``) or
-      "cpu" (the fused C++ kernel on a CPU).
+      "cpu" (the fused C++ kernel on a CPU); None: flash_attention's automatic choice among
+      these for the platform the call is lowered for.
     bias, mask: broadcastable to ``[..., Hq, Lq_loc, Lk]`` where ``Lq_loc`` is this device's
       query rows (in the order of its query block, i.e. the layout's) and ``Lk`` is the GLOBAL
       key length, columns in global (natural) key order whatever the layout: shard them along
@@ -54,9 +55,7 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     num_devices = _axis_size("axis_name", axis_name, "ring_attention")
     if layout not in ring.LAYOUTS:
         raise ValueError(f"{layout=} must be one of {ring.LAYOUTS}")
-    if implementation is None:
-        implementation = implementations.ring_capable()[0]
-    if implementation not in implementations.ring_capable():
+    if implementation not in implementations.ring_capable() + (None,):
         raise ValueError(f"{implementation=} must be one of {implementations.ring_capable()} or None "
                          "for ring_attention")
     call = arguments.validate(
@@ -82,22 +81,53 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     bias, mask = (_rows_local(name, x, call.batch_shape + (call.q.shape[2], lq, num_devices * lk))
                   for name, x in (("bias", bias), ("mask", mask)))
     masks = masks._replace(mask=mask)
-    chosen = implementations.get(call.implementation or implementation)
-    if chosen.call_unsupported is not None and (bias is not None or mask is not None):
-        # arguments.validate saw neither (they are per-device here): the local kernel must take them.
-        reason = chosen.call_unsupported(head_dim=call.q.shape[-1],
-                                         **arguments.features(call.cfg, bias, masks, call.extras)._asdict())
-        if reason:
-            raise ValueError(f"implementation={chosen.name!r} cannot run this ring: {reason}")
-    if call.cfg.dropout_rate and not chosen.takes_dropout_offset:
-        raise ValueError(f"implementation={chosen.name!r} cannot run dropout in a ring: its kernels "
-                         "hash local positions; use one that hashes the ring's global positions: "
-                         f"{implementations.ring_dropout_capable()}")
-    description = ring.Ring(axis_name, num_devices, layout, chosen,
-                            dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
-    q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
-    out, lse = ring.ring_vjp(description, q, call.k, call.v, bias, masks, call.extras)
+
+    def run(name):
+        chosen = implementations.get(name)
+        _refuse_pairwise(chosen, call, bias, masks, "this ring")
+        _refuse_local_dropout(chosen, call.cfg, "a ring")
+        description = ring.Ring(axis_name, num_devices, layout, chosen,
+                                dataclasses.replace(call.cfg, mask=spec), call.cfg.mask.bottom_right)
+        return lambda q, *args: ring.ring_vjp(
+            description, arguments.gpu_only_precision_guard(name, description.cfg, q), *args)
+
+    out, lse = _local_kernel(call, _ring_kernels(call.cfg), run, bias, masks)
     return call.to_user(out, lse, return_residual)
+
+
+def _ring_kernels(cfg) -> tuple[str, ...]:
+    """The implementations a ring's local step can be (with dropout: those hashing global positions)."""
+    return implementations.ring_dropout_capable() if cfg.dropout_rate else implementations.ring_capable()
+
+
+def _local_kernel(call, among, run, bias, masks):
+    """``run(name)(q, k, v, bias, masks, extras)`` with the implementation requested, or for
+    None the one flash_attention chooses automatically, among those the strategy can use
+    (``among``), decided where the call is lowered."""
+    args = (call.q, call.k, call.v, bias, masks, call.extras)
+    if call.implementation is not None:
+        return run(call.implementation)(*args)
+    features = arguments.features(call.cfg, bias, masks, call.extras, call.q.dtype)
+    choose = lambda platform: implementations.automatic(
+        implementations.reasons(platform, head_dim=call.q.shape[-1], features=features), among)
+    return implementations.on_lowering_platform(choose, run, *args)
+
+
+def _refuse_local_dropout(chosen, cfg, where):
+    if cfg.dropout_rate and not chosen.takes_dropout_offset:
+        raise ValueError(f"implementation={chosen.name!r} cannot run dropout in {where}: its "
+                         "kernels hash local positions; use one that hashes the ring's global "
+                         f"positions: {implementations.ring_dropout_capable()}")
+
+
+def _refuse_pairwise(chosen, call, bias, masks, what):
+    """arguments.validate saw no bias or mask (they are per-device here): the kernel must take them."""
+    if chosen.call_unsupported is None or (bias is None and masks.mask is None):
+        return
+    reason = chosen.call_unsupported(head_dim=call.q.shape[-1], **arguments.features(
+        call.cfg, bias, masks, call.extras)._asdict())
+    if reason:
+        raise ValueError(f"implementation={chosen.name!r} cannot run {what}: {reason}")
 
 
 def _rows_local(name, x, shape, function="ring_attention"):
@@ -145,7 +175,7 @@ def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
                       is_causal: bool = False, causal_alignment: str = "top_left",
                       local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None,
                       q_segment_ids=None, kv_segment_ids=None, logits_soft_cap: float | None = None,
-                      implementation: str = "xla", block_sizes=None, precision=None,
+                      implementation: str | None = "xla", block_sizes=None, precision=None,
                       attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
                       broadcast_dropout: bool = True, return_residual: bool = False):
     """Exact attention over a sequence sharded along ``axis_name`` (call inside
@@ -163,10 +193,9 @@ def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
     Returns ``[..., Lq_loc, Hq, D]`` (and with return_residual the logsumexp ``[..., Lq_loc, Hq]``).
     """
     num_devices = _axis_size("axis_name", axis_name, "ulysses_attention")
-    chosen = implementations.get(implementation)
-    if chosen.forward is None:
-        raise ValueError(f"{implementation=} has no blocked forward; ulysses_attention runs one "
-                         f"of {tuple(n for n in implementations.IMPLEMENTATIONS if implementations.get(n).forward)}")
+    if implementation not in implementations.blocked() + (None,):
+        raise ValueError(f"{implementation=} must be one of {implementations.blocked()} or None "
+                         "for ulysses_attention (it runs a blocked forward)")
     call = arguments.validate(
         query, key, value, scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
         local_window_size=local_window_size, q_segment_ids=q_segment_ids,
@@ -181,17 +210,19 @@ def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
     reason = ulysses.unavailable(num_devices, call.q.shape[2], call.k.shape[2], shared)
     if reason:
         raise ValueError(f"ulysses_attention over {axis_name!r}: {reason}; use ring_attention")
-    if chosen.call_unsupported is not None and (bias is not None or mask is not None):
-        why = chosen.call_unsupported(head_dim=call.q.shape[-1], **arguments.features(
-            call.cfg, bias, call.masks._replace(mask=mask), call.extras)._asdict())
-        if why:
-            raise ValueError(f"implementation={chosen.name!r} cannot run this call: {why}")
     spec, masks = _global_masks(call, query_seq_lengths, key_value_seq_lengths,
                                 num_devices * lq, num_devices * lk)
     masks = masks._replace(mask=mask)
-    description = ulysses.Ulysses(axis_name, num_devices, chosen, dataclasses.replace(call.cfg, mask=spec))
-    q = arguments.gpu_only_precision_guard(chosen.name, description.cfg, call.q)
-    out, lse = ulysses.ulysses_vjp(description, q, call.k, call.v, bias, masks, call.extras)
+
+    def run(name):
+        chosen = implementations.get(name)
+        _refuse_pairwise(chosen, call, bias, masks, "this call")
+        description = ulysses.Ulysses(axis_name, num_devices, chosen,
+                                      dataclasses.replace(call.cfg, mask=spec))
+        return lambda q, *args: ulysses.ulysses_vjp(
+            description, arguments.gpu_only_precision_guard(name, description.cfg, q), *args)
+
+    out, lse = _local_kernel(call, implementations.blocked(), run, bias, masks)
     return call.to_user(out, lse, return_residual)
 
 
@@ -200,7 +231,7 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
                      causal_alignment: str = "top_left", local_window_size=None,
                      query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
                      kv_segment_ids=None, logits_soft_cap: float | None = None,
-                     implementation: str = "xla", block_sizes=None, precision=None,
+                     implementation: str | None = "xla", block_sizes=None, precision=None,
                      attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
                      broadcast_dropout: bool = True, return_residual: bool = False):
     """Exact attention over a sequence sharded over two mesh axes (call inside
@@ -225,9 +256,9 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
                          f"{ring_axis!r}); for one axis use ring_attention or ulysses_attention")
     inner = _axis_size("all_to_all_axis", all_to_all_axis, "hybrid_attention")
     outer = _axis_size("ring_axis", ring_axis, "hybrid_attention")
-    if implementation not in implementations.ring_capable():
+    if implementation not in implementations.ring_capable() + (None,):
         raise ValueError(f"{implementation=} must be one of {implementations.ring_capable()} "
-                         "for hybrid_attention (its ring step takes position offsets)")
+                         "or None for hybrid_attention (its ring step takes position offsets)")
     call = arguments.validate(
         query, key, value, scale=scale, is_causal=is_causal, causal_alignment=causal_alignment,
         local_window_size=local_window_size, q_segment_ids=q_segment_ids,
@@ -235,11 +266,6 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
         implementation=implementation, block_sizes=block_sizes, precision=precision,
         attention_sinks=attention_sinks, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
         broadcast_dropout=broadcast_dropout)
-    chosen = implementations.get(implementation)
-    if call.cfg.dropout_rate and not chosen.takes_dropout_offset:
-        raise ValueError(f"implementation={chosen.name!r} cannot run dropout in the hybrid's ring: "
-                         "its kernels hash local positions; use one of "
-                         f"{implementations.ring_dropout_capable()}")
     reason = ulysses.unavailable(inner, call.q.shape[2], call.k.shape[2], False)
     if reason:
         raise ValueError(f"hybrid_attention's all-to-all over {all_to_all_axis!r}: {reason}; "
@@ -251,8 +277,14 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
                              f"2 * {outer} chunks (the zigzag ring over {ring_axis!r})")
     spec, masks = _global_masks(call, query_seq_lengths, key_value_seq_lengths, lq, lk)
     cfg = dataclasses.replace(call.cfg, mask=spec)
-    description = ulysses.Hybrid(ulysses.Ulysses(all_to_all_axis, inner, chosen, cfg),
-                                 ring.zigzag_ring(cfg, ring_axis, outer, chosen))
-    q = arguments.gpu_only_precision_guard(chosen.name, cfg, call.q)
-    out, lse = ulysses.ulysses_vjp(description, q, call.k, call.v, None, masks, call.extras)
+
+    def run(name):
+        chosen = implementations.get(name)
+        _refuse_local_dropout(chosen, cfg, "the hybrid's ring")
+        description = ulysses.Hybrid(ulysses.Ulysses(all_to_all_axis, inner, chosen, cfg),
+                                     ring.zigzag_ring(cfg, ring_axis, outer, chosen))
+        return lambda q, *args: ulysses.ulysses_vjp(
+            description, arguments.gpu_only_precision_guard(name, cfg, q), *args)
+
+    out, lse = _local_kernel(call, _ring_kernels(cfg), run, None, masks)
     return call.to_user(out, lse, return_residual)

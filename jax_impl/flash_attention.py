@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.typing import ArrayLike
 
 from jax_impl import arguments, cudnn, implementations, partitioned, recompute_vjp, reference
@@ -132,6 +131,12 @@ def flash_attention(
         out = cudnn.attention(call.q, call.k, call.v, call.bias, scale=call.cfg.scale,
                               is_causal=call.cfg.mask.is_causal)
         return call.to_user(out, None, False)
+    if call.cfg.context_parallel_strategy is not None and call.page_table is None:
+        # A refused strategy raises here where q's sharding is known (a sharded array, a mesh
+        # with explicit axes), not from inside XLA's partitioner when the program compiles.
+        _strategy(query, call, call.implementation or implementations.automatic(
+            _reasons(jax.default_backend(), call.cfg, call.q, call.k, call.bias, call.masks,
+                     call.extras, None)))
     out, lse = _dispatch(call)
     return call.to_user(out, lse, return_residual)
 
@@ -161,17 +166,27 @@ def _attention(q, k, v, bias, masks, extras, page_table, *, implementation, cfg)
 
     if implementation is not None:
         return run(implementation)(q, k, v, bias, masks, extras, page_table)
-    # Decided where the call is lowered, so that jax.export for "cuda" works on a CPU host.
-    per_platform = {platform: run(name) for platform, name in (("cuda", "pallas_triton"), ("cpu", "cpu"))
-                    if implementations.unsupported(name, head_dim=q.shape[-1], platform=platform,
-                                                   features=features) is None
-                    and not (paged and implementations.paged_unsupported(
-                        implementations.get(name), lq=q.shape[1], dtype=k.dtype,
-                        page_size=k.shape[1], head_dim=q.shape[-1]))}
-    if not per_platform:
-        return run("xla")(q, k, v, bias, masks, extras, page_table)
-    return lax.platform_dependent(q, k, v, bias, masks, extras, page_table, **per_platform,
-                                  default=run("xla"))
+    choose = lambda platform: implementations.automatic(
+        _reasons(platform, cfg, q, k, bias, masks, extras, page_table))
+    return implementations.on_lowering_platform(choose, run, q, k, v, bias, masks, extras,
+                                                page_table)
+
+
+def _reasons(platform, cfg, q, k, bias, masks, extras, page_table) -> dict:
+    """implementations.reasons for a call (q, k as ``_attention`` takes them)."""
+    return implementations.reasons(
+        platform, head_dim=q.shape[-1], interpret=cfg.interpret,
+        features=arguments.features(cfg, bias, masks, extras, q.dtype),
+        paged=None if page_table is None else dict(lq=q.shape[1], dtype=k.dtype,
+                                                   page_size=k.shape[1], head_dim=q.shape[-1]))
+
+
+def _strategy(query, call, chosen: str) -> str | None:
+    """How sharded inputs run (partitioned.explain); a refused context_parallel_strategy raises."""
+    return partitioned.explain(
+        implementations.get(chosen), query, call.q.shape, call.k.shape,
+        {n: x for n, x in (("bias", call.bias), ("mask", call.masks.mask)) if x is not None},
+        cfg=call.cfg, extras=call.extras)
 
 
 def _run(implementation, cfg, q, k, v, bias, masks, extras, page_table):
@@ -211,18 +226,10 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     call = arguments.validate(query, key, value, bias, mask, implementation=implementation,
                               interpret=interpret, **kwargs)
     platform = platform or jax.default_backend()
-    strategy = lambda chosen: partitioned.explain(  # --- sharded inputs (partitioned.py)
-        implementations.get(chosen), query, call.q.shape, call.k.shape,
-        {n: x for n, x in (("bias", call.bias), ("mask", call.masks.mask)) if x is not None},
-        cfg=call.cfg, extras=call.extras)
     features = arguments.features(call.cfg, call.bias, call.masks, call.extras, call.q.dtype)
     paged = call.page_table is not None
-    reasons = {name: impl.unsupported(head_dim=call.q.shape[-1], platform=platform,
-                                      interpret=call.cfg.interpret, features=features)
-                     or (implementations.paged_unsupported(
-                         impl, lq=call.q.shape[1], dtype=call.k.dtype, page_size=call.k.shape[1],
-                         head_dim=call.q.shape[-1]) if paged else None)
-               for name, impl in IMPLEMENTATIONS.items()}
+    reasons = _reasons(platform, call.cfg, call.q, call.k, call.bias, call.masks, call.extras,
+                       call.page_table)
     lk = call.page_table.shape[1] * call.k.shape[1] if paged else call.k.shape[1]
 
     def choice(chosen):
@@ -231,12 +238,13 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                    implementations.decode_path(impl, lq=call.q.shape[1], lk=lk, features=features,
                                                paged=paged))
         if why_not is not None:
-            return ImplementationChoice(chosen, reasons, strategy(chosen), "regular", why_not)
+            return ImplementationChoice(chosen, reasons, _strategy(query, call, chosen), "regular", why_not)
         why = ("a paged KV cache runs on the decode path" if paged else
                f"{call.q.shape[1]} query rows against {lk} keys, no bias, mask, segment ids or dropout")
         if impl.decode_note:
             why += f"; {impl.decode_note}"
-        return ImplementationChoice(chosen, reasons, None if paged else strategy(chosen), "decode", why)
+        return ImplementationChoice(chosen, reasons, None if paged else _strategy(query, call, chosen),
+                                    "decode", why)
 
     if call.implementation == cudnn.NAME:
         return ImplementationChoice(cudnn.NAME, {name: f"implementation={cudnn.NAME!r} was requested"
@@ -248,8 +256,7 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
             if name != chosen and reasons[name] is None:
                 reasons[name] = f"implementation={chosen!r} was requested"
         return choice(chosen)
-    chosen = next(name for name, impl in IMPLEMENTATIONS.items()
-                  if impl.automatic and reasons[name] is None)
+    chosen = implementations.automatic(reasons)
     for name, impl in IMPLEMENTATIONS.items():
         if name == chosen or reasons[name] is not None:
             continue

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple
 
+from jax import lax
+
 from jax_impl import cpu_kernel, mosaic_gpu, pallas_triton, xla
 from jax_impl.platform import CUDA_PLATFORMS
 from jax_impl.config import AttentionConfig, BlockSizes
@@ -219,6 +221,43 @@ def get(name: str) -> Implementation:
         hint = " (that is jax.nn.dot_product_attention's cuDNN path)" if name == "cudnn" else ""
         raise ValueError(f"implementation={name!r}{hint} must be one of "
                          f"{tuple(IMPLEMENTATIONS)} or None") from None
+
+
+def reasons(platform: str, *, head_dim: int, interpret: bool = False,
+            features: CallFeatures | None = None, paged: dict | None = None) -> dict:
+    """Why each implementation cannot run a call on ``platform``: {name: reason, or None if it
+    can}. ``paged``: the paged call's ``paged_unsupported`` arguments (None: a dense call)."""
+    return {name: impl.unsupported(head_dim=head_dim, platform=platform, interpret=interpret,
+                                   features=features)
+                  or (paged_unsupported(impl, **paged) if paged is not None else None)
+            for name, impl in IMPLEMENTATIONS.items()}
+
+
+def automatic(reasons_by_name: dict, among: tuple[str, ...] | None = None) -> str:
+    """What ``implementation=None`` runs: the first automatic implementation, in order of
+    preference, that ``reasons_by_name`` (``reasons``) lets run the call and, for a strategy
+    that can use only some, is one of ``among``."""
+    for name, impl in IMPLEMENTATIONS.items():
+        if impl.automatic and reasons_by_name[name] is None and (among is None or name in among):
+            return name
+    raise ValueError(f"no implementation can run this call: {reasons_by_name}")
+
+
+def on_lowering_platform(choose: Callable[[str], str], run: Callable[[str], Callable], *args):
+    """``run(choose(platform))(*args)`` for the platform the call is lowered for, decided there
+    (so that jax.export for "cuda" works on a CPU host); platforms other than CUDA and the CPU
+    take ``choose("other")``."""
+    default = choose("other")
+    branches = {platform: run(name) for platform in ("cuda", "cpu")
+                if (name := choose(platform)) != default}
+    if not branches:
+        return run(default)(*args)
+    return lax.platform_dependent(*args, **branches, default=run(default))
+
+
+def blocked() -> tuple[str, ...]:
+    """The implementations with a blocked forward and backward (a strategy's local kernel)."""
+    return tuple(name for name, impl in IMPLEMENTATIONS.items() if impl.forward is not None)
 
 
 def ring_capable() -> tuple[str, ...]:

@@ -14,7 +14,10 @@ gives both the forward and the backward (so the whole custom VJP) a rule, valid 
 * a sequence axis (one mesh axis) runs as a ring (``ring.py``) or an all-to-all
   (``ulysses.py``), two axes as the hybrid, as ``cp_cost`` chooses: q, k, v and segment ids
   sharded along it, bias/mask and dbias along their query rows with every key column (the
-  all-to-all reshards a per-head one by head).
+  all-to-all reshards a per-head one by head);
+* a paged KV cache call (``paged_forward``, the decode path) keeps q's batch and heads, with
+  the page table, lengths and sinks; the page pool, shared by the batch, is whole on every
+  device but its kv heads (a pool split along its pages is gathered, and said so).
 
 Under ``vmap`` (which custom_partitioning does not support) the mapped axis is folded into
 the batch axis (``custom_vmap``).
@@ -29,7 +32,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_impl import cp_cost, dropout_sinks, masking, online_softmax, ring, ulysses
 
@@ -106,10 +109,12 @@ class SequenceCall:
     pairwise_bytes: int = 0  # the bias and mask bytes an all-to-all moves (cp_cost.estimates)
 
 
-def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
+def sharding_plan(mesh, q_spec, q_shape, k_shape, *,
+                  ring_unavailable: str | None = "not offered for this call",
                   call: SequenceCall | None = None) -> ShardingPlan:
-    """The plan for q sharded as ``q_spec`` (a PartitionSpec over ``mesh``). ``call`` None:
-    no all-to-all (the ring or a gather)."""
+    """The plan for q sharded as ``q_spec`` (a PartitionSpec over ``mesh``).
+    ``ring_unavailable``: why the call's kernel cannot run a ring (``ring_unavailable``), or
+    None. ``call`` None: no all-to-all (the ring or a gather)."""
     spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
     batch, seq, heads, dim = (_axes(s) for s in spec[:4])
     b, lq, hq, _ = q_shape
@@ -137,8 +142,6 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
         b_loc, hq_loc = b // _size(mesh, batch), hq // _size(mesh, heads)
         hkv_loc = hkv // _size(mesh, kv_heads)
         shape = (b_loc, lq, lk, hq_loc, hkv_loc, q_shape[3], call.itemsize if call else 4)
-        ring_needs = ("a local kernel that takes position offsets (explain_implementation names "
-                      "it; with dropout one that hashes global positions: xla), no position offset")
         requested = call.requested if call else None
         if set(seq) & set(batch + heads):
             why = f"mesh axis {seq} also shards batch or heads"
@@ -147,9 +150,8 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
         elif len(seq) == 2:  # the hybrid: all-to-all over the inner axis, ring over the outer
             outer, inner = (mesh.shape[a] for a in seq)
             why = (None if call is not None else "not offered for this call") or (
-                None if allow_ring else f"its ring needs {ring_needs}") or (
-                None if lq % (2 * n) == 0 and lk % (2 * n) == 0 else
-                f"sequences {lq}, {lk} must be divisible by {2 * n}") or (
+                f"its ring: {ring_unavailable}" if ring_unavailable else None) or (
+                _zigzag_chunks_unavailable(lq, lk, n)) or (
                 "a bias or dense mask is not taken by the hybrid (the ring over one axis takes "
                 "it)" if call.has_bias_or_mask else ulysses.unavailable(inner, hq_loc, hkv_loc))
             choice = cp_cost.choose(n, shape, hybrid_inner=inner, hybrid_unavailable=why,
@@ -159,9 +161,7 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
             choice = cp_cost.choose(n, shape, ring_unavailable=raise_reason,
                                     all_to_all_unavailable=raise_reason, requested=requested)
         else:
-            chunks = 2 * n
-            ring_reason = (None if allow_ring and lq % chunks == 0 and lk % chunks == 0 else
-                           f"the ring needs {ring_needs}, sequences divisible by {chunks}")
+            ring_reason = ring_unavailable or _zigzag_chunks_unavailable(lq, lk, n)
             a2a_reason = (
                 "not offered for this call" if call is None else
                 f"sequences {lq}, {lk} do not divide over {n} devices" if lq % n or lk % n else
@@ -181,6 +181,15 @@ def sharding_plan(mesh, q_spec, q_shape, k_shape, *, allow_ring: bool = False,
         notes.append(f"head_dim sharding over {dim} cannot be honoured (every dot product "
                      "needs the whole head): all-gathered")
     return ShardingPlan(batch, heads, kv_heads, sequence, tuple(notes), strategy, choice)
+
+
+def _zigzag_chunks_unavailable(lq: int, lk: int, n: int) -> str | None:
+    """Why the zigzag ring over ``n`` devices (2 chunks on each) cannot cut these sequences."""
+    uneven = [f"{length} {what}" for length, what in ((lq, "queries"), (lk, "keys")) if length % (2 * n)]
+    if uneven:
+        return (f"{' and '.join(uneven)} do not divide into {2 * n} chunks (the zigzag ring: "
+                f"2 on each of {n} devices)")
+    return None
 
 
 def _specs(plan: ShardingPlan, named_shapes: dict, hq: int, b: int) -> dict:
@@ -229,12 +238,18 @@ def _backward_body(implementation, cfg, names, *arrays):
     return (dq, dk, dv) + ((dbias,) if dbias is not None else ())
 
 
-def ring_supported(implementation, names) -> bool:
-    """Whether a call can run as a ring: a local implementation that takes
+def ring_unavailable(implementation, names) -> str | None:
+    """Why a call cannot run as a ring, or None: it needs a local implementation that takes
     MaskInputs.position_offset, and no offset of its own already; with dropout, one that hashes
     at the ring's global positions (``takes_dropout_offset``). Sinks join after the merge."""
-    dropout_ok = "seeds" not in names or implementation.takes_dropout_offset
-    return implementation.takes_position_offset and dropout_ok and "offset" not in names
+    if not implementation.takes_position_offset:
+        return f"the local kernel {implementation.name} takes no position offset"
+    if "seeds" in names and not implementation.takes_dropout_offset:
+        return (f"the local kernel {implementation.name} hashes dropout at local positions "
+                "(dropout in a ring needs one that hashes its global positions)")
+    if "offset" in names:
+        return "the call already carries a position offset"
+    return None
 
 
 def sequence_call(cfg, names, dtype, pairwise=None, hq: int = 1) -> SequenceCall:
@@ -256,7 +271,7 @@ def _local_plan(implementation, cfg, mesh, arg_shapes, names):
     spec = q.sharding.spec if isinstance(q.sharding, NamedSharding) else P()
     pairwise = {n: named[n] for n in ("bias", "mask") if n in named}
     plan = sharding_plan(mesh, spec, q.shape, named["k"].shape,
-                         allow_ring=ring_supported(implementation, names),
+                         ring_unavailable=ring_unavailable(implementation, names),
                          call=sequence_call(cfg, names, q.dtype, pairwise, q.shape[2]))
     return plan, named
 
@@ -300,6 +315,8 @@ def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
 def _shardings(mesh, plan, named, results):
     hq, b = named["q"].shape[2], named["q"].shape[0]
     specs = _specs(plan, {n: s.shape for n, s in named.items()}, hq, b)
+    if "table" in named:  # a paged call (_paged_plan)
+        specs.update(k=_pool_spec(plan), v=_pool_spec(plan), table=P(plan.batch or None, None))
     to = lambda n: NamedSharding(mesh, specs[n])
     return tuple(to(n) for n in named), tuple(to(n) for n in results)
 
@@ -361,7 +378,9 @@ def sharding_rule(names, results, operand_types):
     groups = hq // hkv
     # Shardy refuses a size-1 factor inside a compound dim: MQA's query heads are all "g".
     h = "n" if groups == 1 else "g" if hkv == 1 else "(n g)"
-    factors = dict(q=f"b q {h} d", k="b k n d", v="b k n d", q_len="b", kv_len="b", offset="b",
+    pool = "table" in shapes  # a paged call: k and v are the page pool, shared by the batch
+    factors = dict(q=f"b q {h} d", k="p s n d" if pool else "b k n d",
+                   v="p s n d" if pool else "b k n d", table="b t", q_len="b", kv_len="b", offset="b",
                    q_seg="b q", kv_seg="b k", d_out=f"b q {h} d", max=f"b {h} q",
                    log_sum=f"b {h} q", delta=f"b {h} q", out=f"b q {h} d", dq=f"b q {h} d",
                    dk="b k n d", dv="b k n d", dbias=f"b {h} q k")
@@ -374,6 +393,62 @@ def sharding_rule(names, results, operand_types):
     return (rule, {"g": groups}) if h == "(n g)" else rule
 
 
+# --- The paged-cache forward: the decode path on a page pool shared by the batch --------------
+
+def _pool_spec(plan: ShardingPlan):
+    """The page pool on every device, split only along kv heads with their query groups: any
+    row's page ids may point anywhere in the pool, so no page can be left off a device."""
+    return P(None, None, plan.kv_heads or None, None)
+
+
+def _paged_plan(mesh, named) -> ShardingPlan:
+    """q's batch and heads as ``sharding_plan`` keeps them (a sequence split is not honoured:
+    the decode path reads the whole cache); a pool sharded other than ``_pool_spec`` is
+    gathered, and said so."""
+    q, pages, table = named["q"], named["k"], named["table"]
+    spec_of = lambda x: tuple(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else ()
+    plan = sharding_plan(mesh, spec_of(q), q.shape,
+                         (q.shape[0], table.shape[1] * pages.shape[1], *pages.shape[2:]),
+                         ring_unavailable="a paged KV cache runs on the decode path")
+    want = tuple(_pool_spec(plan))
+    notes = tuple(
+        f"{name}_pages sharded as {spec_of(named[name])}: the page pool is shared by the whole "
+        "batch (page ids index all of it), so every device holds all of it, split at most along "
+        f"its kv heads like the query heads: all-gathered to {_pool_spec(plan)}; keep it "
+        "replicated, or split only its kv heads" for name in ("k", "v")
+        if any(set(_axes(got)) - set(_axes(w)) for got, w in zip(spec_of(named[name]), want)))
+    return dataclasses.replace(plan, notes=plan.notes + notes)
+
+
+def _paged_body(implementation, cfg, names, *arrays):
+    named = dict(zip(names, arrays))
+    q, k, v, _, masks, extras = _unpack(named)
+    out, stats = implementation.decode(cfg, q, k, v, masks, extras, named["table"])
+    return out, stats.max, stats.log_sum
+
+
+def _make_paged_op():
+    def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
+        named = dict(zip(names, arg_shapes))
+        return _shardings(mesh, _paged_plan(mesh, named), named, FORWARD_RESULTS)[1]
+
+    def partition(implementation, cfg, names, mesh, arg_shapes, result_shape):
+        named = dict(zip(names, arg_shapes))
+        plan = _paged_plan(mesh, named)
+        for note in plan.notes:
+            warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
+        args, results = _shardings(mesh, plan, named, FORWARD_RESULTS)
+        return mesh, functools.partial(_paged_body, implementation, cfg, names), results, args
+
+    def rule(implementation, cfg, names, mesh, operand_types, result_types):
+        return sharding_rule(names, FORWARD_RESULTS, operand_types)
+
+    op = custom_partitioning(_paged_body, static_argnums=(0, 1, 2))
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+    return op
+
+
+_paged_op = _make_paged_op()
 _forward_op = _make_op(_forward_body, _ring_forward_body, _a2a_forward_body, _hybrid_forward_body,
                        lambda cfg, names: FORWARD_RESULTS)
 _backward_op = _make_op(_backward_body, _ring_backward_body, _a2a_backward_body,
@@ -390,18 +465,38 @@ def _folded(op, implementation, cfg, names):
     @call.def_vmap
     def rule(axis_size, in_batched, *arrays):
         b = dict(zip(names, arrays))["q"].shape[0 + in_batched[names.index("q")]]
+        pool = {"k", "v"} if "table" in names else set()  # a paged call's pages: no batch axis
+        batched_pool = any(batched for name, batched in zip(names, in_batched) if name in pool)
         folded = []
         for name, x, batched in zip(names, arrays, in_batched):
+            if name in pool and not batched_pool:
+                folded.append(x)  # one pool for every mapped call
+                continue
             if not batched:
                 x = jnp.broadcast_to(x, (axis_size,) + x.shape)
             if name in ("bias", "mask") + _PER_HEAD and x.shape[1] != b:  # broadcast batch: materialise it
                 x = jnp.broadcast_to(x, (axis_size, b) + x.shape[2:])
+            if name == "table" and batched_pool:  # the pools are stacked: call i's ids move up
+                num_pages = dict(zip(names, arrays))["k"].shape[int(in_batched[names.index("k")])]
+                x = x + (jnp.arange(axis_size, dtype=x.dtype) * num_pages)[:, None, None]
             folded.append(x.reshape((axis_size * x.shape[1],) + x.shape[2:]))
         outs = _folded(op, implementation, cfg, names)(*folded)
         outs = tuple(o.reshape((axis_size, b) + o.shape[1:]) for o in outs)
         return outs, tuple(True for _ in outs)
 
     return call
+
+
+def paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras, page_table):
+    """``implementation.decode`` on a paged cache, partitioned under jit: batch and heads local
+    (the page table, lengths and sinks follow q's batch), the page pool whole on every device
+    but its kv heads (``_pool_spec``)."""
+    if cfg.interpret and implementation.interpreter_has_effects:
+        return implementation.decode(cfg, q, k_pages, v_pages, masks, extras, page_table)
+    named = _named(q, k_pages, v_pages, None, masks, extras, table=page_table)
+    names = tuple(named)
+    out, row_max, log_sum = _folded(_paged_op, implementation, cfg, names)(*named.values())
+    return out, online_softmax.RowStats(row_max, log_sum)
 
 
 def forward(implementation, cfg, q, k, v, bias, masks, extras=None):
@@ -438,13 +533,20 @@ def explain(implementation, q, q_shape, k_shape, pairwise: dict, cfg=None,
     Lk]``} of the call. A sequence-sharded call names cp_cost's choice with its estimated bytes
     per device."""
     has_bias_or_mask = bool(pairwise)
-    sharding = getattr(q, "sharding", None)
+    # Under jit the aval's, known on a mesh with explicit axes (on an automatic one the
+    # partitioner decides later); else the array's.
+    if isinstance(q, jax.core.Tracer):
+        sharding = jax.typeof(q).sharding
+        if AxisType.Explicit not in getattr(sharding.mesh, "axis_types", ()):
+            return None
+    else:
+        sharding = getattr(q, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
         return None
     names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ()) + tuple(
         short for field, short in _EXTRA_FIELDS if extras is not None and getattr(extras, field) is not None)
     plan = sharding_plan(sharding.mesh, _canonical_spec(sharding.spec, len(q.shape)), q_shape, k_shape,
-                         allow_ring=ring_supported(implementation, names),
+                         ring_unavailable=ring_unavailable(implementation, names),
                          call=sequence_call(cfg, names, q.dtype, pairwise, q_shape[2]))
     if plan.sequence and plan.strategy == "hybrid":
         outer, inner = plan.sequence

@@ -97,7 +97,8 @@ PAGED_GRADIENT_ERROR = (
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras, page_table):
-    return implementation.decode(cfg, q, k_pages, v_pages, masks, extras, page_table)
+    return partitioned.paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras,
+                                     page_table)
 
 
 def _refuse_paged_gradient(implementation, cfg, residuals, cotangents):

@@ -148,11 +148,17 @@ def test_ulysses_refuses_kv_heads_that_do_not_divide_the_axis():
         jax.eval_shape(mapped, q, kv)
 
 
-def test_all_to_all_reshards_a_per_head_bias_and_mask_by_head():
+@pytest.fixture(scope="module")
+def sequence_a2a_run():
+    """One run of partition_sequence.py's all-to-all configurations and strategy refusals."""
+    return run_script("partition_sequence.py", "exact_a2a")
+
+
+def test_all_to_all_reshards_a_per_head_bias_and_mask_by_head(sequence_a2a_run):
     """context_parallel_strategy="all_to_all" with a per-head bias (differentiated) and dense
     mask, sharded along their query rows: resharded by head with the operands, dbias back along
     the rows; fwd+bwd vs torch_ref float64, no permute, no all-gather."""
-    results = run_script("partition_sequence.py", "exact_a2a")
+    results = {name: r for name, r in sequence_a2a_run.items() if name != "refused"}
     assert len(results) == 2
     for name, r in results.items():
         assert r["all_gathers"] == 0 and r["permutes"] == 0 and r["all_to_alls"] > 0, (name, r)
@@ -172,7 +178,7 @@ def test_cost_model_counts_the_bias_the_all_to_all_moves_and_refuses_a_shared_on
     def plan(pairwise, requested=None):
         call = partitioned.sequence_call(None, ("q", "k", "v") + tuple(pairwise), jnp.float32,
                                          pairwise, hq=8)
-        return partitioned.sharding_plan(mesh, P(None, "seq"), shape, shape, allow_ring=True,
+        return partitioned.sharding_plan(mesh, P(None, "seq"), shape, shape, ring_unavailable=None,
                                          call=dataclasses.replace(call, requested=requested))
     bias = jax.ShapeDtypeStruct((1, 8, 4096, 4096), jnp.float32)
     plain, with_bias = plan({}), plan({"bias": bias})
@@ -212,3 +218,49 @@ def test_ulysses_attention_refuses_a_bias_shared_by_every_head():
         else:
             with pytest.raises(ValueError, match="shared by every head.*use ring_attention"):
                 jax.eval_shape(mapped, q, bias)
+
+
+RING_72_OVER_8 = ("context_parallel_strategy='ring' cannot run this call: 72 queries and 72 keys "
+                  "do not divide into 16 chunks (the zigzag ring: 2 on each of 8 devices)")
+
+
+def test_a_refused_strategy_names_the_failing_condition_before_lowering(sequence_a2a_run):
+    """A sharded array (eager) or a mesh with explicit axes (under jit): a ValueError at trace
+    time that names the one condition that failed, with its numbers. Under plain jit only the
+    partitioner sees the sharding: XLA wraps the same message, which comes first in its text."""
+    import jax
+    from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+    from jax_impl import flash_attention
+    refused = sequence_a2a_run["refused"]
+    assert refused["eager"] == ["ValueError", RING_72_OVER_8]
+    assert RING_72_OVER_8 in refused["jit"][1]
+    mesh = AbstractMesh((8,), ("seq",), axis_types=(AxisType.Explicit,))
+    q = _abstract((1, 72, 8, 16), mesh, P(None, "seq"))
+    with pytest.raises(ValueError) as caught:
+        jax.eval_shape(lambda q: flash_attention(q, q, q, context_parallel_strategy="ring"), q)
+    assert str(caught.value) == RING_72_OVER_8
+
+
+def test_the_rings_refusal_names_only_the_condition_that_failed():
+    """What the partitioner raises for a requested ring: the uneven sequence alone, or the
+    kernel's reason alone."""
+    import dataclasses
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax_impl import implementations, partitioned
+    mesh = AbstractMesh((8,), ("seq",))
+
+    def refusal(lk, names=("q", "k", "v"), kernel="xla"):
+        call = dataclasses.replace(partitioned.sequence_call(None, names, jnp.float32, hq=8),
+                                   requested="ring")
+        why_not = partitioned.ring_unavailable(implementations.get(kernel), names)
+        with pytest.raises(ValueError) as caught:
+            partitioned.sharding_plan(mesh, P(None, "seq"), (1, 64, 8, 16), (1, lk, 8, 16),
+                                      ring_unavailable=why_not, call=call)
+        return str(caught.value)
+
+    assert refusal(72) == ("context_parallel_strategy='ring' cannot run this call: 72 keys do not "
+                           "divide into 16 chunks (the zigzag ring: 2 on each of 8 devices)")
+    assert refusal(64, ("q", "k", "v", "seeds"), "cpu") == (
+        "context_parallel_strategy='ring' cannot run this call: the local kernel cpu hashes "
+        "dropout at local positions (dropout in a ring needs one that hashes its global positions)")

@@ -137,3 +137,42 @@ def test_traced_lengths_past_the_sequence_mean_the_whole_sequence():
                                    atol=TOL, rtol=0, err_msg=name)
 
 
+
+
+@pytest.mark.parametrize("function", ["ring_attention", "ulysses_attention", "hybrid_attention"])
+def test_implementation_none_runs_flash_attentions_automatic_choice(function):
+    """implementation=None in the shard_map functions is what flash_attention chooses for the
+    platform, among the kernels the strategy can use: on a CPU the fused C++ kernel; xla for
+    tiles that kernel cannot take (block_k 32) and for dropout in a ring (it hashes local
+    positions). A one-device mesh, in-process; values vs a numpy float64 oracle."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jax_impl
+    from jax_impl.config import BlockSizes
+
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((1, 32, 2, 16)).astype(np.float32) for _ in range(3))
+    attention = getattr(jax_impl, function)
+    hybrid = function == "hybrid_attention"
+    axes = dict(all_to_all_axis="chip", ring_axis="host") if hybrid else dict(axis_name="seq")
+    names = ("host", "chip") if hybrid else ("seq",)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names)
+    seq = P(None, names)
+
+    def run(**kwargs):
+        body = lambda *xs: attention(*xs, is_causal=True, implementation=None, **axes, **kwargs)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))
+        return f(q, k, v), f.lower(q, k, v).compile().as_text()
+
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k, dtype=np.float64) / 4.0
+    logits = logits + np.where(np.tri(32) > 0, 0, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    expected = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    cpu_kernel = "jax_flash_attention_cpu_forward"
+    for kwargs, kernel_runs in ((dict(), True), (dict(block_sizes=BlockSizes(block_k=32)), False)):
+        out, hlo = run(**kwargs)
+        assert (cpu_kernel in hlo) == kernel_runs, kwargs
+        np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=TOL, rtol=0)
+    if function != "ulysses_attention":
+        _, hlo = run(dropout_rate=0.5, dropout_rng=jax.random.key(0))
+        assert cpu_kernel not in hlo

@@ -2,7 +2,9 @@
 
 argv: implementation, partitioner ("shardy" | "gspmd"). Prints all-gather counts of the
 compiled fwd+bwd, errors vs the float64 oracle, the output sharding, and what a head_dim
-sharding does (warning text, errors).
+sharding does (warning text, errors); and the same for a paged KV cache call (forward only:
+batch, batch + heads, a page pool sharded along its pages) with implementation=None (and
+"xla" in the xla run).
 """
 import json
 import sys
@@ -57,6 +59,54 @@ def run(spec, constant_bias=False):
                 errors=max_errors(out, grads, ref_out, ref_grads))
 
 
+def paged(paged_implementation):
+    """A decode step (2 query rows, GQA 8/4, bottom-right causal, lengths, sinks) on a shuffled
+    page table into a pool with spare pages: {layout: all-gathers, output spec, warnings, max
+    |err| vs torch_ref float64 and vs the same call unsharded}."""
+    import torch
+    from torch_ref import manual_attention
+    b, page_size, per_row, num_pages = 4, 16, 4, 24
+    q = rng.standard_normal((b, 2, HQ, D)).astype(np.float32)
+    pool = rng.standard_normal((2, num_pages, page_size, HKV, D)).astype(np.float32)
+    table = rng.permutation(num_pages)[:b * per_row].reshape(b, per_row).astype(np.int32)
+    lengths = rng.integers(2, per_row * page_size + 1, b).astype(np.int32)
+    sinks = rng.standard_normal((b, HQ)).astype(np.float32)
+    options = dict(is_causal=True, causal_alignment="bottom_right")
+    dense = lambda x: torch.from_numpy(x[table].reshape(b, -1, HKV, D).transpose(0, 2, 1, 3))
+    ref = manual_attention(torch.from_numpy(q.transpose(0, 2, 1, 3)).double(),
+                           dense(pool[0]).double(), dense(pool[1]).double(),
+                           key_value_seq_lengths=torch.from_numpy(lengths),
+                           attention_sinks=torch.from_numpy(sinks).double(), **options)
+    ref = ref.numpy().transpose(0, 2, 1, 3)
+    f = jax.jit(lambda q, k, v, t, n, s: flash_attention(
+        q, k, v, page_table=t, key_value_seq_lengths=n, attention_sinks=s,
+        implementation=paged_implementation, **options))
+    unsharded = np.asarray(f(q, pool[0], pool[1], table, lengths, sinks), np.float64)
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+    layouts = {  # q's batch (and heads); the page pool's layout
+        "batch": (("data",), (), ()),
+        "batch_heads": (("data", None, "model"), (None, None, "model"), ("data", "model")),
+        "pool_split_by_pages": (("data",), ("data",), ()),
+    }
+    results = {}
+    for name, (q_spec, pool_spec, sinks_spec) in layouts.items():
+        args = (put(q, *q_spec), put(pool[0], *pool_spec), put(pool[1], *pool_spec),
+                put(table, "data"), put(lengths, "data"), put(sinks, *(sinks_spec or ("data",))))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hlo = f.lower(*args).compile().as_text()
+        out = f(*args)
+        results[name] = dict(
+            all_gathers=hlo.count("all-gather"),
+            out_spec=str(tuple(out.sharding.spec) + (None,) * (4 - len(out.sharding.spec))),
+            warnings=[str(w.message) for w in caught if "flash_attention" in str(w.message)],
+            error=float(np.max(np.abs(np.asarray(out, np.float64) - ref))),
+            vs_unsharded=float(np.max(np.abs(np.asarray(out, np.float64) - unsharded))))
+    return results
+
+
 print(json.dumps({"batch_heads": run(P("data", None, "model", None)),
                   "batch_heads_constant_bias": run(P("data", None, "model", None), constant_bias=True),
-                  "head_dim": run(P(None, None, None, "model"))}))
+                  "head_dim": run(P(None, None, None, "model")),
+                  "paged": {str(name): paged(name)
+                            for name in ((None, "xla") if implementation == "xla" else (None,))}}))

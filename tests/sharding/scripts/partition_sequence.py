@@ -5,6 +5,7 @@ argv: "exact" [implementation] -> 8 devices, L<=64, errors vs torch_ref float64 
       their query rows with every key column;
       "exact_a2a" -> the same for per-head bias/mask configs with
       context_parallel_strategy="all_to_all" (resharded by head);
+      and what a refused context_parallel_strategy raises, eagerly and under jit ("refused");
       "memory" -> L=32768, H=8, D=64 fp32 causal: compiled per-device arguments + temporaries
       on 8 devices vs 1 (compiled only, never run).
 """
@@ -96,6 +97,23 @@ def exact(implementation="xla", strategy=None):
     return results
 
 
+def refused():
+    """context_parallel_strategy="ring" for 72 keys over 8 devices (not 16 zigzag chunks):
+    {"eager"|"jit": (exception type, message)}."""
+    mesh = Mesh(np.array(jax.devices()), ("seq",))
+    x = jax.device_put(np.random.default_rng().standard_normal((1, 72, 8, 16), np.float32),
+                       NamedSharding(mesh, P(None, "seq")))
+    ring = lambda q: flash_attention(q, q, q, context_parallel_strategy="ring")
+    raised = {}
+    for how, fn in (("eager", ring), ("jit", jax.jit(ring))):
+        try:
+            fn(x).block_until_ready()
+            raised[how] = None
+        except Exception as err:  # noqa: BLE001 (the type is what is reported)
+            raised[how] = (type(err).__name__, str(err))
+    return raised
+
+
 def memory():
     shape = (1, 32768, 8, 64)
 
@@ -120,6 +138,6 @@ def memory():
 
 if __name__ == "__main__":
     if sys.argv[1] == "exact_a2a":
-        print(json.dumps(exact("xla", "all_to_all")))
+        print(json.dumps(dict(exact("xla", "all_to_all"), refused=refused())))
     else:
         print(json.dumps(exact(*sys.argv[2:]) if sys.argv[1] == "exact" else memory()))
