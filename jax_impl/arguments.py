@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import cp_cost, cudnn, dropout_sinks, implementations, kv_cache, masking, platform
+from jax_impl import cp_cost, cudnn, dropout_sinks, implementations, masking, platform
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.mosaic_gpu.config import Config as MosaicConfig
 
@@ -209,19 +209,38 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
 
 def _page_table(page_table, pages, batch_shape):
     """-> (page_table [B, P] int32, logical key length P * page_size); ids follow
-    ``kv_cache.page_ids``' rule (concrete ids out of range raise, traced ones are clamped)."""
+    ``page_ids``' rule."""
     if pages.ndim != 4:
         raise ValueError(f"with page_table, key and value are pages [num_pages, page_size, "
                          f"num_kv_heads, head_dim]; got key.shape={pages.shape}")
     num_pages, page_size = pages.shape[:2]
     if min(num_pages, page_size) < 1:
         raise ValueError(f"key/value pages need num_pages >= 1 and page_size >= 1; got {pages.shape=}")
-    table = kv_cache.page_ids(page_table, num_pages)
+    table = page_ids(page_table, num_pages)
     if table.shape[:-1] != batch_shape or table.ndim != len(batch_shape) + 1 or table.shape[-1] < 1:
         raise ValueError(f"page_table.shape={table.shape} must be [batch..., pages_per_sequence] "
                          f"with the query's batch dims {batch_shape} and pages_per_sequence >= 1")
     pages_per_sequence = table.shape[-1]
     return table.reshape(-1, pages_per_sequence), pages_per_sequence * page_size
+
+
+def page_ids(page_table, num_pages: int) -> jax.Array:
+    """``page_table`` as int32 ids under the one rule of every paged entry point (``gather``,
+    ``append``, ``flash_attention(page_table=...)`` and so each decode path): integers with
+    ``0 <= id < num_pages``. Concrete ids out of range raise. Traced ids (under ``jit``) cannot
+    be checked and are clamped into ``[0, num_pages - 1]`` by all of them alike, so a gather
+    then a dense call reads what the paged call reads, and an append writes where both read
+    (a clamped id names a valid but wrong page: check tables before ``jit``)."""
+    values = _concrete(page_table)  # before any cast: int64 ids must not wrap
+    table = jnp.asarray(page_table) if values is None else values
+    if not np.issubdtype(table.dtype, np.integer):
+        raise TypeError(f"page_table must be integers (int32 page ids); got {table.dtype}")
+    if values is None:  # clamped before the int32 cast, which could wrap a traced int64 id
+        return jnp.clip(table, 0, num_pages - 1).astype(jnp.int32)
+    if values.size and (values.min() < 0 or values.max() >= num_pages):
+        raise ValueError(f"page_table ids must lie in [0, num_pages={num_pages}) (0 <= id < "
+                         f"num_pages); got values in [{values.min()}, {values.max()}]")
+    return jnp.asarray(values, jnp.int32)
 
 
 def _refuse_with_pages(*, bias, mask, q_segment_ids, dropout):

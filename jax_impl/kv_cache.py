@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_impl import arguments
+
 
 def make_page_table(batch: int, pages_per_sequence: int, *, num_pages: int | None = None,
                     key=None) -> jax.Array:
@@ -35,10 +37,10 @@ def init_pages(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dty
 
 
 def _table(pages, page_table, name="k_pages"):
-    """page_table's ids (``page_ids``), once the pages' and the table's shapes are checked."""
+    """page_table's ids (``arguments.page_ids``), once the pages' and the table's shapes are checked."""
     if pages.ndim != 4:
         raise ValueError(f"{name} must be [num_pages, page_size, Hkv, D]; got {name}.shape={pages.shape}")
-    table = page_ids(page_table, pages.shape[0])
+    table = arguments.page_ids(page_table, pages.shape[0])
     if table.ndim != 2:
         raise ValueError(f"page_table must be int [batch, pages_per_sequence]; got shape={table.shape}")
     return table
@@ -51,25 +53,6 @@ def _concrete(x):
         return None
 
 
-def page_ids(page_table, num_pages: int) -> jax.Array:
-    """``page_table`` as int32 ids under the one rule of every paged entry point (``gather``,
-    ``append``, ``flash_attention(page_table=...)`` and so each decode path): integers with
-    ``0 <= id < num_pages``. Concrete ids out of range raise. Traced ids (under ``jit``) cannot
-    be checked and are clamped into ``[0, num_pages - 1]`` by all of them alike, so a gather
-    then a dense call reads what the paged call reads, and an append writes where both read
-    (a clamped id names a valid but wrong page: check tables before ``jit``)."""
-    values = _concrete(page_table)  # before any cast: int64 ids must not wrap
-    table = jnp.asarray(page_table) if values is None else values
-    if not np.issubdtype(table.dtype, np.integer):
-        raise TypeError(f"page_table must be integers (int32 page ids); got {table.dtype}")
-    if values is None:  # clamped before the int32 cast, which could wrap a traced int64 id
-        return jnp.clip(table, 0, num_pages - 1).astype(jnp.int32)
-    if values.size and (values.min() < 0 or values.max() >= num_pages):
-        raise ValueError(f"page_table ids must lie in [0, num_pages={num_pages}) (0 <= id < "
-                         f"num_pages); got values in [{values.min()}, {values.max()}]")
-    return jnp.asarray(values, jnp.int32)
-
-
 def append(k_pages, v_pages, page_table, lengths, new_keys, new_values):
     """Write ``new_keys``/``new_values`` ``[B, n, Hkv, D]`` at positions ``lengths[b] ...
     lengths[b] + n - 1`` of each row -> ``(k_pages, v_pages)``; the new lengths are
@@ -77,7 +60,7 @@ def append(k_pages, v_pages, page_table, lengths, new_keys, new_values):
 
     ``lengths`` must be int ``[B]``, traced or not. Concrete lengths past the table's capacity
     (``P * page_size``) raise; traced ones never write out of bounds: writes past the capacity
-    are dropped. Page ids follow ``page_ids``' rule.
+    are dropped. Page ids follow ``arguments.page_ids``' rule.
     """
     k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
     new_keys, new_values = jnp.asarray(new_keys), jnp.asarray(new_values)
@@ -112,8 +95,9 @@ def append(k_pages, v_pages, page_table, lengths, new_keys, new_values):
 
 def gather(pages, page_table):
     """The dense cache ``[B, P * page_size, Hkv, D]`` the pages hold (a copy: for checking, or
-    for gradients, which the paged call does not give). Page ids follow ``page_ids``' rule, so
-    under ``jit`` too this equals what ``flash_attention(page_table=...)`` reads."""
+    for gradients, which the paged call does not give). Page ids follow
+    ``arguments.page_ids``' rule, so under ``jit`` too this holds what
+    ``flash_attention(page_table=...)`` reads."""
     pages = jnp.asarray(pages)
     table = _table(pages, page_table, "pages")
     batch, pages_per_sequence = table.shape
