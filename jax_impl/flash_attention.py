@@ -126,6 +126,8 @@ def flash_attention(
     decode path when it has one (split over the keys; ``explain_implementation(...).path``).
 
     A query row with no allowed key gives output 0, logsumexp -inf and zero gradients.
+    Derivatives are reverse mode (a custom VJP); forward mode (``jax.jvp``, ``jax.jacfwd``)
+    and higher orders run with implementation="reference" only, and elsewhere raise saying so.
     Flax keywords (``dropout_*``, ``deterministic``, ``dtype``, ``module``, ...) are honoured or
     refused with an error, so the function is usable as ``attention_fn`` directly.
     """

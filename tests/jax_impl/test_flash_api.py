@@ -117,6 +117,50 @@ def test_logsumexp_residual_matches_dense_and_is_differentiable(implementation):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
 
 
+# --- Forward-mode autodiff: refused by the blocked paths, naming the one that has it ----------
+
+FORWARD_MODE = {
+    "jvp": lambda f, q: jax.jvp(f, (q,), (q * 0.5,)),
+    "jit_of_jvp": lambda f, q: jax.jit(lambda q: jax.jvp(f, (q,), (q * 0.5,)))(q),
+    "jvp_of_jit": lambda f, q: jax.jvp(jax.jit(f), (q,), (q * 0.5,)),
+    "jacfwd": lambda f, q: jax.jacfwd(f)(q),
+    "linearized": lambda f, q: jax.linearize(f, q)[1](q),
+    "hessian": lambda f, q: jax.hessian(lambda q: f(q).sum())(q),
+}
+
+
+@pytest.mark.parametrize("implementation", ["xla", None])
+@pytest.mark.parametrize("transform", FORWARD_MODE)
+def test_forward_mode_is_refused_naming_the_reference(transform, implementation):
+    """JAX's own message ("can't apply forward-mode autodiff (jvp) to a custom_vjp function")
+    names no way out and, under jit, is raised far from the call."""
+    q, k, v = _qkv(b=1, lq=6, lk=6, hq=2, hkv=1, d=4, seed=17)
+    flash = lambda q: flash_attention(q, k, v, is_causal=True, implementation=implementation)
+    with pytest.raises(NotImplementedError, match=r"Forward mode \(jax.jvp, .*implementation='reference'"):
+        FORWARD_MODE[transform](flash, q)
+
+
+def test_the_reference_pushes_tangents_forward_as_the_float64_oracle():
+    """The way the refusal names works: jax.jvp of implementation='reference' against the
+    float64 oracle's central difference along the tangent (step 1e-5: error ~1e-10)."""
+    import torch
+    import torch_ref
+    q, k, v = _qkv(b=2, lq=7, lk=9, hq=4, hkv=2, d=8, seed=18)
+    rng = np.random.default_rng(19)
+    tangents = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v)]
+    attend = lambda q, k, v: flash_attention(q, k, v, is_causal=True, implementation="reference")
+    out, out_tangent = jax.jvp(attend, (q, k, v), tuple(tangents))
+
+    def oracle(step):  # float64 attention at primals + step * tangents
+        moved = (torch.tensor(np.asarray(x, np.float64) + step * np.asarray(t, np.float64))
+                 .permute(0, 2, 1, 3) for x, t in zip((q, k, v), tangents))
+        return torch_ref.manual_attention(*moved, is_causal=True).permute(0, 2, 1, 3).numpy()
+
+    np.testing.assert_allclose(np.asarray(out), oracle(0.0), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(out_tangent), (oracle(1e-5) - oracle(-1e-5)) / 2e-5,
+                               atol=5e-5, rtol=0)
+
+
 # --- Transformations and shapes ---------------------------------------------------------------
 
 def _dense(q, k, v, *, is_causal=False, mask=None, key_value_seq_lengths=None,

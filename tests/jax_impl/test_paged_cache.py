@@ -215,6 +215,8 @@ def test_paged_calls_refuse_gradients():
         jax.grad(lambda k: flash_attention(q, k, v_pages, page_table=table).sum())(k_pages)
     with pytest.raises(NotImplementedError, match="forward only"):
         jax.grad(lambda q: flash_attention(q, k_pages, v_pages, page_table=table).sum())(q)
+    with pytest.raises(NotImplementedError, match="forward only"):  # forward mode too
+        jax.jvp(lambda q: flash_attention(q, k_pages, v_pages, page_table=table), (q,), (q,))
 
 
 # --- The writer ---------------------------------------------------------------------------
