@@ -18,6 +18,8 @@ from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.mosaic_gpu.config import Config as MosaicConfig
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+# What implementation= takes: the table's names, and jax.nn's cuDNN kernel by name (cudnn.py).
+IMPLEMENTATION_NAMES = tuple(implementations.IMPLEMENTATIONS) + (cudnn.NAME,)
 
 # ``precision=`` may also be one of these jax.lax.DotAlgorithmPresets (float32 inputs only): each
 # accumulates in float32 and lowers in Pallas Triton (TF32_TF32_F32_X3 as its tf32x3 dot) and
@@ -71,6 +73,16 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
              attn_weights_value_einsum=None, page_table=None) -> Call:
     """flash_attention's arguments checked (each error names its argument and the rule) and
     brought to canonical shapes. The defaults are flash_attention's (a test keeps them equal)."""
+    for name, flag in (("is_causal", is_causal), ("return_residual", return_residual),
+                       ("interpret", interpret), ("broadcast_dropout", broadcast_dropout),
+                       ("force_fp32_for_softmax", force_fp32_for_softmax)):
+        _flag(name, flag)
+    _flag("deterministic", deterministic, none="a direct call: dropout active when dropout_rate > 0")
+    _option("implementation", implementation, IMPLEMENTATION_NAMES,
+            none="chosen per platform: explain_implementation says which")
+    _option("causal_alignment", causal_alignment, masking.CAUSAL_ALIGNMENTS)
+    _option("context_parallel_strategy", context_parallel_strategy, cp_cost.STRATEGIES,
+            none="chosen by the cost model")
     mask = _validate_flax_keywords(dropout_rate, deterministic, module, qk_attn_weights_einsum,
                                    attn_weights_value_einsum, mask)
     del force_fp32_for_softmax  # the softmax is always fp32
@@ -108,10 +120,6 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     b = math.prod(batch_shape)
     full_shape = batch_shape + (hq, lq, lk)
 
-    if causal_alignment not in masking.CAUSAL_ALIGNMENTS:
-        raise ValueError(f"{causal_alignment=} must be one of {masking.CAUSAL_ALIGNMENTS}")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"{is_causal=} must be a Python bool (it is static)")
     window_left, window_right = _window(local_window_size)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
@@ -146,8 +154,6 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         raise TypeError(f"block_sizes must be a jax_impl.BlockSizes (or, with "
                         f"implementation='mosaic_gpu', a jax_impl.mosaic_gpu.Config); got "
                         f"{type(block_sizes).__name__}")
-    if implementation is not None and implementation != cudnn.NAME:
-        implementations.get(implementation)  # a clear error for an unknown name
     if interpret and implementation not in (None, "pallas_triton", "mosaic_gpu"):
         raise ValueError(f"interpret=True runs a Pallas kernel in its interpreter; it does not "
                          f"apply to {implementation=}")
@@ -169,7 +175,7 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                           block_sizes=block_sizes, interpret=bool(interpret),
                           precision=_precision(precision, query.dtype), dropout_rate=rate,
-                          context_parallel_strategy=_strategy(context_parallel_strategy))
+                          context_parallel_strategy=context_parallel_strategy)
     if implementation in ("cpu", "mosaic_gpu"):  # the platform is judged where the call is lowered
         reason = implementations.unsupported(
             implementation, head_dim=head_dim, platform="cpu" if implementation == "cpu" else "cuda",
@@ -202,31 +208,39 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
 
 
 def _page_table(page_table, pages, batch_shape):
-    """-> (page_table [B, P] int32, logical key length P * page_size). Concrete ids outside
-    [0, num_pages) are refused; traced ones (under jit) are clamped into range, so that no
-    read leaves the pages (a clamped id reads a valid but wrong page: check ids before jit)."""
+    """-> (page_table [B, P] int32, logical key length P * page_size); ids follow
+    ``page_ids``' rule."""
     if pages.ndim != 4:
         raise ValueError(f"with page_table, key and value are pages [num_pages, page_size, "
                          f"num_kv_heads, head_dim]; got key.shape={pages.shape}")
     num_pages, page_size = pages.shape[:2]
-    values = _concrete(page_table)
-    table = jnp.asarray(page_table) if values is None else values
-    if not np.issubdtype(table.dtype, np.integer):
-        raise TypeError(f"page_table must be integers (int32 page ids); got {table.dtype}")
+    if min(num_pages, page_size) < 1:
+        raise ValueError(f"key/value pages need num_pages >= 1 and page_size >= 1; got {pages.shape=}")
+    table = page_ids(page_table, num_pages)
     if table.shape[:-1] != batch_shape or table.ndim != len(batch_shape) + 1 or table.shape[-1] < 1:
         raise ValueError(f"page_table.shape={table.shape} must be [batch..., pages_per_sequence] "
                          f"with the query's batch dims {batch_shape} and pages_per_sequence >= 1")
-    if min(num_pages, page_size) < 1:
-        raise ValueError(f"key/value pages need num_pages >= 1 and page_size >= 1; got {pages.shape=}")
     pages_per_sequence = table.shape[-1]
-    if values is not None:
-        if values.size and (values.min() < 0 or values.max() >= num_pages):
-            raise ValueError(f"page_table ids must lie in [0, num_pages={num_pages}); got values "
-                             f"in [{values.min()}, {values.max()}]")
-        table = jnp.asarray(values.reshape(-1, pages_per_sequence), jnp.int32)
-    else:  # clamped before the int32 cast, which could wrap a traced int64 id
-        table = jnp.clip(table, 0, num_pages - 1).reshape(-1, pages_per_sequence).astype(jnp.int32)
-    return table, pages_per_sequence * page_size
+    return table.reshape(-1, pages_per_sequence), pages_per_sequence * page_size
+
+
+def page_ids(page_table, num_pages: int) -> jax.Array:
+    """``page_table`` as int32 ids under the one rule of every paged entry point (``gather``,
+    ``append``, ``flash_attention(page_table=...)`` and so each decode path): integers with
+    ``0 <= id < num_pages``. Concrete ids out of range raise. Traced ids (under ``jit``) cannot
+    be checked and are clamped into ``[0, num_pages - 1]`` by all of them alike, so a gather
+    then a dense call reads what the paged call reads, and an append writes where both read
+    (a clamped id names a valid but wrong page: check tables before ``jit``)."""
+    values = _concrete(page_table)  # before any cast: int64 ids must not wrap
+    table = jnp.asarray(page_table) if values is None else values
+    if not np.issubdtype(table.dtype, np.integer):
+        raise TypeError(f"page_table must be integers (int32 page ids); got {table.dtype}")
+    if values is None:  # clamped before the int32 cast, which could wrap a traced int64 id
+        return jnp.clip(table, 0, num_pages - 1).astype(jnp.int32)
+    if values.size and (values.min() < 0 or values.max() >= num_pages):
+        raise ValueError(f"page_table ids must lie in [0, num_pages={num_pages}) (0 <= id < "
+                         f"num_pages); got values in [{values.min()}, {values.max()}]")
+    return jnp.asarray(values, jnp.int32)
 
 
 def _refuse_with_pages(*, bias, mask, q_segment_ids, dropout):
@@ -266,12 +280,24 @@ def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, valu
     return mask
 
 
-def _strategy(strategy):
-    """context_parallel_strategy: None (the cost model, cp_cost.py, picks) or one of cp_cost.STRATEGIES."""
-    if strategy is not None and strategy not in cp_cost.STRATEGIES:
-        raise ValueError(f"context_parallel_strategy={strategy!r} must be None (chosen by the cost "
-                         f"model) or one of {cp_cost.STRATEGIES}")
-    return strategy
+def _flag(name, value, *, none: str | None = None):
+    """A static boolean argument: a Python (or numpy) bool, never another type read as one;
+    also None where ``none`` says what None means."""
+    if isinstance(value, (bool, np.bool_)) or (value is None and none):
+        return
+    allowed = f"None ({none}) or a Python bool" if none else "a Python bool"
+    raise TypeError(f"{name}={value!r} must be {allowed} (it is static)")
+
+
+def _option(name, value, choices, *, none: str | None = None):
+    """A static str argument: one of ``choices``; also None where ``none`` says what None means."""
+    if value is None and none:
+        return
+    allowed = (f"None ({none}) or " if none else "") + f"one of {choices}"
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be {allowed}: a str (it is static)")
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be {allowed}")
 
 
 def _sinks(sinks, batch_shape, hq):

@@ -114,15 +114,19 @@ def flash_attention(
         ``[num_pages, page_size, Hkv, D]`` shared by the batch: logical key j of a batch row is
         slot ``j % page_size`` of page ``page_table[..., j // page_size]`` (logical
         Lk = pages_per_sequence * page_size). key_value_seq_lengths (default: the whole table)
-        says how many keys each row holds. Concrete ids outside [0, num_pages) raise; traced
-        ones are clamped (never read out of bounds). Runs on the decode path (xla, or an
-        implementation with one); takes lengths, causal, windows, soft cap and sinks, not bias,
-        mask, segment ids or dropout; not differentiable. ``jax_impl.kv_cache`` writes pages.
+        says how many keys each row holds. Ids follow ``arguments.page_ids``, as
+        ``kv_cache.gather`` and ``append`` do: concrete ids outside [0, num_pages) raise;
+        traced ones are clamped (never read out of bounds), so a gather then a dense call gives
+        this call's answer. Runs on the decode path (xla, or an implementation with one); takes
+        lengths, causal, windows, soft cap and sinks, not bias, mask, segment ids or dropout;
+        not differentiable. ``jax_impl.kv_cache`` writes pages.
 
     Few query rows (<= 16) against a long cache (>= 512 keys) run on the implementation's
     decode path when it has one (split over the keys; ``explain_implementation(...).path``).
 
     A query row with no allowed key gives output 0, logsumexp -inf and zero gradients.
+    Derivatives are reverse mode (a custom VJP); forward mode (``jax.jvp``, ``jax.jacfwd``)
+    and higher orders run with implementation="reference" only, and elsewhere raise saying so.
     Flax keywords (``dropout_*``, ``deterministic``, ``dtype``, ``module``, ...) are honoured or
     refused with an error, so the function is usable as ``attention_fn`` directly.
     """

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_impl import arguments
+
 
 def make_page_table(batch: int, pages_per_sequence: int, *, num_pages: int | None = None,
                     key=None) -> jax.Array:
@@ -34,12 +36,14 @@ def init_pages(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dty
     return jnp.zeros((num_pages, page_size, kv_heads, head_dim), dtype)
 
 
-def _check(pages, page_table, name="k_pages"):
+def _table(pages, page_table, name="k_pages"):
+    """page_table's ids (``arguments.page_ids``), once the pages' and the table's shapes are checked."""
     if pages.ndim != 4:
         raise ValueError(f"{name} must be [num_pages, page_size, Hkv, D]; got {name}.shape={pages.shape}")
-    if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
-        raise ValueError(f"page_table must be int [batch, pages_per_sequence]; got "
-                         f"shape={page_table.shape} dtype={page_table.dtype}")
+    table = arguments.page_ids(page_table, pages.shape[0])
+    if table.ndim != 2:
+        raise ValueError(f"page_table must be int [batch, pages_per_sequence]; got shape={table.shape}")
+    return table
 
 
 def _concrete(x):
@@ -54,17 +58,17 @@ def append(k_pages, v_pages, page_table, lengths, new_keys, new_values):
     lengths[b] + n - 1`` of each row -> ``(k_pages, v_pages)``; the new lengths are
     ``lengths + n``.
 
-    Concrete lengths past the table's capacity (``P * page_size``) or page ids out of range
-    raise; traced ones never write out of bounds: writes past the capacity or to an
-    out-of-range page are dropped.
+    ``lengths`` must be int ``[B]``, traced or not. Concrete lengths past the table's capacity
+    (``P * page_size``) raise; traced ones never write out of bounds: writes past the capacity
+    are dropped. Page ids follow ``arguments.page_ids``' rule.
     """
-    k_pages, v_pages, page_table = map(jnp.asarray, (k_pages, v_pages, page_table))
+    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
     new_keys, new_values = jnp.asarray(new_keys), jnp.asarray(new_values)
-    _check(k_pages, page_table)
+    table = _table(k_pages, page_table)
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"k_pages and v_pages must have the same shape; got {k_pages.shape} {v_pages.shape}")
     num_pages, page_size, hkv, d = k_pages.shape
-    batch, pages_per_sequence = page_table.shape
+    batch, pages_per_sequence = table.shape
     if new_keys.shape != new_values.shape or new_keys.ndim != 4 or new_keys.shape[0] != batch \
             or new_keys.shape[2:] != (hkv, d):
         raise ValueError(f"new_keys and new_values must be [batch={batch}, n, Hkv={hkv}, D={d}]; got "
@@ -72,21 +76,18 @@ def append(k_pages, v_pages, page_table, lengths, new_keys, new_values):
     n = new_keys.shape[1]
     capacity = pages_per_sequence * page_size
     known = _concrete(lengths)
-    if known is not None:
-        if known.shape != (batch,) or not np.issubdtype(known.dtype, np.integer):
-            raise ValueError(f"lengths must be int [batch={batch}]; got shape {known.shape} dtype {known.dtype}")
-        if known.size and (known.min() < 0 or known.max() + n > capacity):
-            raise ValueError(f"lengths + n must lie in [0, {capacity}] (pages_per_sequence * "
-                             f"page_size); got lengths in [{known.min()}, {known.max()}] and n={n}")
-    table = _concrete(page_table)
-    if table is not None and table.size and (table.min() < 0 or table.max() >= num_pages):
-        raise ValueError(f"page_table ids must lie in [0, num_pages={num_pages}); got values in "
-                         f"[{table.min()}, {table.max()}]")
+    lengths = jnp.asarray(lengths) if known is None else known
+    # dtype and shape are known at trace time: a traced float or misshapen length is refused too.
+    if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"lengths must be int [batch={batch}]; got shape {lengths.shape} dtype {lengths.dtype}")
+    if known is not None and known.size and (known.min() < 0 or known.max() + n > capacity):
+        raise ValueError(f"lengths + n must lie in [0, {capacity}] (pages_per_sequence * "
+                         f"page_size); got lengths in [{known.min()}, {known.max()}] and n={n}")
     positions = jnp.asarray(lengths, jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)  # [B, n]
     slot_of_table = jnp.clip(positions // page_size, 0, pages_per_sequence - 1)
-    pages = jnp.take_along_axis(page_table.astype(jnp.int32), slot_of_table, axis=1)
-    # Out of bounds (past the capacity, or a bad traced id) -> index num_pages: dropped.
-    pages = jnp.where((positions >= 0) & (positions < capacity) & (pages >= 0), pages, num_pages)
+    pages = jnp.take_along_axis(table, slot_of_table, axis=1)
+    # Past the capacity -> index num_pages: dropped.
+    pages = jnp.where((positions >= 0) & (positions < capacity), pages, num_pages)
     slots = positions % page_size
     write = lambda cache, new: cache.at[pages, slots].set(new.astype(cache.dtype), mode="drop")
     return write(k_pages, new_keys), write(v_pages, new_values)
@@ -94,8 +95,10 @@ def append(k_pages, v_pages, page_table, lengths, new_keys, new_values):
 
 def gather(pages, page_table):
     """The dense cache ``[B, P * page_size, Hkv, D]`` the pages hold (a copy: for checking, or
-    for gradients, which the paged call does not give)."""
-    pages, page_table = jnp.asarray(pages), jnp.asarray(page_table)
-    _check(pages, page_table, "pages")
-    batch, pages_per_sequence = page_table.shape
-    return pages[page_table].reshape(batch, pages_per_sequence * pages.shape[1], *pages.shape[2:])
+    for gradients, which the paged call does not give). Page ids follow
+    ``arguments.page_ids``' rule, so under ``jit`` too this holds what
+    ``flash_attention(page_table=...)`` reads."""
+    pages = jnp.asarray(pages)
+    table = _table(pages, page_table, "pages")
+    batch, pages_per_sequence = table.shape
+    return pages[table].reshape(batch, pages_per_sequence * pages.shape[1], *pages.shape[2:])

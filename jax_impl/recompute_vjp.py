@@ -13,6 +13,8 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend
+from jax.interpreters import ad, batching, mlir
 
 from jax_impl import dropout_sinks, masking, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
@@ -22,14 +24,65 @@ SECOND_ORDER_ERROR = (
     "flash_attention's blocked implementations (xla, pallas_triton, cpu) have a first-order VJP "
     "only: their backward pass cannot be differentiated again. For higher-order derivatives "
     "use implementation='reference' (dense autodiff, [Lq, Lk] memory).")
+FORWARD_MODE_ERROR = (
+    "flash_attention's blocked implementations (xla, pallas_triton, cpu) have a custom VJP: "
+    "reverse mode only (jax.grad, jax.vjp, jax.jacrev). Forward mode (jax.jvp, jax.jacfwd, "
+    "jax.hessian, applying jax.linearize's function) cannot run through them; use "
+    "implementation='reference' (dense autodiff, [Lq, Lk] memory), which supports it.")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+# --- Forward mode, refused in words -------------------------------------------------------
+# JAX cannot push tangents forward through a custom VJP and says so without naming a way out,
+# often where the program is lowered, far from this call. So each differentiable input passes
+# through an identity whose tangent is a primitive that raises the given message when it is
+# evaluated, batched (jax.jacfwd) or lowered, all of which only forward mode does: reverse mode
+# stages it and transposes it to the identity.
+_forward_tangent_p = jax.extend.core.Primitive("flash_attention_forward_mode_tangent")
+_forward_tangent_p.def_abstract_eval(lambda tangent, **params: tangent)
+
+
+def _raise_message(*args, message, **params):
+    raise NotImplementedError(message)
+
+
+_forward_tangent_p.def_impl(_raise_message)
+mlir.register_lowering(_forward_tangent_p, _raise_message)
+batching.primitive_batchers[_forward_tangent_p] = _raise_message
+ad.deflinear(_forward_tangent_p, lambda cotangent, **params: [cotangent])
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def refuse_forward_mode(x, message: str):
+    """``x``; pushing a tangent forward through it raises ``message``, reverse mode passes."""
+    return x
+
+
+@refuse_forward_mode.defjvp
+def _refuse_forward_mode_jvp(message, primals, tangents):
+    # The primal stays guarded, for a forward pass over this one (jax.hessian).
+    return (refuse_forward_mode(primals[0], message),
+            _forward_tangent_p.bind(tangents[0], message=message))
+
+
+def _refusing_forward_mode(message, *arrays):
+    return [None if x is None else refuse_forward_mode(x, message) for x in arrays]
+
+
 def attention(implementation, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs,
               extras: dropout_sinks.SinksAndDropout):
     """-> (out [B, Lq, Hq, D], lse [B, Hq, Lq] float32, natural log, -inf for empty rows).
 
-    ``implementation``: the chosen ``implementations.Implementation`` (static, hashable)."""
+    ``implementation``: the chosen ``implementations.Implementation`` (static, hashable).
+    Differentiable in reverse mode; forward mode raises FORWARD_MODE_ERROR. The bias is not
+    guarded: the guard's identity would add a [B, Hq, Lq, Lk] value to every jaxpr, where the
+    tests look for score-sized arrays (a tangent of the bias alone gets JAX's own message)."""
+    q, k, v, sinks = _refusing_forward_mode(FORWARD_MODE_ERROR, q, k, v, extras.sinks)
+    return _attention(implementation, cfg, q, k, v, bias, masks, extras._replace(sinks=sinks))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(implementation, cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs,
+               extras: dropout_sinks.SinksAndDropout):
     out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
     return out, online_softmax.logsumexp(stats)
 
@@ -60,7 +113,7 @@ def _attention_bwd(implementation, cfg, residuals: Residuals, cotangents):
     return dq, dk, dv, dbias, mask_cotangents, d_extras
 
 
-attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 # The implementations' own passes, each behind a custom VJP that refuses to be differentiated:
@@ -84,6 +137,9 @@ def _refuse_second_order(implementation, cfg, residuals, cotangents):
 
 def paged_attention(implementation, cfg: AttentionConfig, q, k_pages, v_pages, masks, extras, page_table):
     """A paged-cache call: the implementation's decode path, forward only. -> (out, lse)."""
+    q, k_pages, v_pages, sinks = _refusing_forward_mode(PAGED_GRADIENT_ERROR, q, k_pages, v_pages,
+                                                        extras.sinks)
+    extras = extras._replace(sinks=sinks)
     out, stats = _paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras, page_table)
     return out, online_softmax.logsumexp(stats)
 

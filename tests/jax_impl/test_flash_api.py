@@ -35,7 +35,16 @@ BAD_CALLS = {
     "window": (lambda q, k, v: flash_attention(q, k, v, local_window_size=(-1, 2)), ValueError, "local_window_size"),
     "scale": (lambda q, k, v: flash_attention(q, k, v, scale=-1.0), ValueError, "scale"),
     "soft_cap": (lambda q, k, v: flash_attention(q, k, v, logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
-    "implementation": (lambda q, k, v: flash_attention(q, k, v, implementation="cuDNN"), ValueError, "must be one of"),
+    "implementation": (lambda q, k, v: flash_attention(q, k, v, implementation="cuDNN"), ValueError, r"implementation='cuDNN' must be None \(.*\) or one of \('pallas_triton'"),
+    "implementation_list": (lambda q, k, v: flash_attention(q, k, v, implementation=["xla"]), TypeError, r"implementation=\['xla'\] must be None \(.*\) or one of \('pallas_triton'.*'cudnn'\): a str"),
+    "return_residual_str": (lambda q, k, v: flash_attention(q, k, v, return_residual="yes"), TypeError, "return_residual='yes' must be a Python bool"),
+    "interpret_int": (lambda q, k, v: flash_attention(q, k, v, interpret=0), TypeError, "interpret=0 must be a Python bool"),
+    "is_causal_str": (lambda q, k, v: flash_attention(q, k, v, is_causal="False"), TypeError, "is_causal='False' must be a Python bool"),
+    "broadcast_dropout_str": (lambda q, k, v: flash_attention(q, k, v, broadcast_dropout="no"), TypeError, "broadcast_dropout='no' must be a Python bool"),
+    "deterministic_str": (lambda q, k, v: flash_attention(q, k, v, deterministic="true"), TypeError, r"deterministic='true' must be None \(.*\) or a Python bool"),
+    "force_fp32_int": (lambda q, k, v: flash_attention(q, k, v, force_fp32_for_softmax=1), TypeError, "force_fp32_for_softmax=1 must be a Python bool"),
+    "alignment_list": (lambda q, k, v: flash_attention(q, k, v, causal_alignment=["top_left"]), TypeError, r"causal_alignment=\['top_left'\] must be one of"),
+    "strategy_tuple": (lambda q, k, v: flash_attention(q, k, v, context_parallel_strategy=("ring",)), TypeError, r"context_parallel_strategy=\('ring',\) must be None"),
     "interpret_xla": (lambda q, k, v: flash_attention(q, k, v, implementation="xla", interpret=True), ValueError, "interpret=True"),
     "block_sizes_type": (lambda q, k, v: flash_attention(q, k, v, block_sizes=(64, 64)), TypeError, "block_sizes"),
     "head_dim_pallas": (lambda q, k, v: flash_attention(*(jnp.ones((1, 4, 1, 512)),) * 3, implementation="pallas_triton"), ValueError, "head_dim=512"),
@@ -106,6 +115,50 @@ def test_logsumexp_residual_matches_dense_and_is_differentiable(implementation):
     np.testing.assert_allclose(ours[1], dense_lse, atol=2e-5)
     for a, b in zip(ours, dense):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
+# --- Forward-mode autodiff: refused by the blocked paths, naming the one that has it ----------
+
+FORWARD_MODE = {
+    "jvp": lambda f, q: jax.jvp(f, (q,), (q * 0.5,)),
+    "jit_of_jvp": lambda f, q: jax.jit(lambda q: jax.jvp(f, (q,), (q * 0.5,)))(q),
+    "jvp_of_jit": lambda f, q: jax.jvp(jax.jit(f), (q,), (q * 0.5,)),
+    "jacfwd": lambda f, q: jax.jacfwd(f)(q),
+    "linearized": lambda f, q: jax.linearize(f, q)[1](q),
+    "hessian": lambda f, q: jax.hessian(lambda q: f(q).sum())(q),
+}
+
+
+@pytest.mark.parametrize("implementation", ["xla", None])
+@pytest.mark.parametrize("transform", FORWARD_MODE)
+def test_forward_mode_is_refused_naming_the_reference(transform, implementation):
+    """JAX's own message ("can't apply forward-mode autodiff (jvp) to a custom_vjp function")
+    names no way out and, under jit, is raised far from the call."""
+    q, k, v = _qkv(b=1, lq=6, lk=6, hq=2, hkv=1, d=4, seed=17)
+    flash = lambda q: flash_attention(q, k, v, is_causal=True, implementation=implementation)
+    with pytest.raises(NotImplementedError, match=r"Forward mode \(jax.jvp, .*implementation='reference'"):
+        FORWARD_MODE[transform](flash, q)
+
+
+def test_the_reference_pushes_tangents_forward_as_the_float64_oracle():
+    """The way the refusal names works: jax.jvp of implementation='reference' against the
+    float64 oracle's central difference along the tangent (step 1e-5: error ~1e-10)."""
+    import torch
+    import torch_ref
+    q, k, v = _qkv(b=2, lq=7, lk=9, hq=4, hkv=2, d=8, seed=18)
+    rng = np.random.default_rng(19)
+    tangents = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v)]
+    attend = lambda q, k, v: flash_attention(q, k, v, is_causal=True, implementation="reference")
+    out, out_tangent = jax.jvp(attend, (q, k, v), tuple(tangents))
+
+    def oracle(step):  # float64 attention at primals + step * tangents
+        moved = (torch.tensor(np.asarray(x, np.float64) + step * np.asarray(t, np.float64))
+                 .permute(0, 2, 1, 3) for x, t in zip((q, k, v), tangents))
+        return torch_ref.manual_attention(*moved, is_causal=True).permute(0, 2, 1, 3).numpy()
+
+    np.testing.assert_allclose(np.asarray(out), oracle(0.0), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(out_tangent), (oracle(1e-5) - oracle(-1e-5)) / 2e-5,
+                               atol=5e-5, rtol=0)
 
 
 # --- Transformations and shapes ---------------------------------------------------------------

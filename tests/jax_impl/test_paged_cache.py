@@ -170,12 +170,53 @@ def test_traced_page_ids_and_lengths_are_clamped():
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5)
 
 
+PAGED_ENTRY_POINTS = {
+    "gather": lambda q, k_pages, v_pages, table: kv_cache.gather(k_pages, table),
+    "append": lambda q, k_pages, v_pages, table: kv_cache.append(
+        k_pages, v_pages, table, jnp.zeros((2,), jnp.int32), k_pages[:2, :1], v_pages[:2, :1]),
+    "flash_attention": lambda q, k_pages, v_pages, table: flash_attention(q, k_pages, v_pages, page_table=table),
+}
+
+
+@pytest.mark.parametrize("entry", PAGED_ENTRY_POINTS)
+@pytest.mark.parametrize("bad_id", [-1, 87, 10 ** 6])
+def test_every_entry_point_refuses_concrete_ids_out_of_range(entry, bad_id):
+    """One rule, one message: 0 <= id < num_pages (87 pages here)."""
+    _, q, k_pages, v_pages, table = _setup(6)
+    with pytest.raises(ValueError, match=r"page_table ids must lie in \[0, num_pages=87\) \(0 <= id < num_pages\)"):
+        PAGED_ENTRY_POINTS[entry](q, k_pages, v_pages, table.at[1, 3].set(bad_id))
+
+
+def test_traced_ids_are_clamped_alike_by_gather_append_and_the_paged_call():
+    """Under jit a wild id reads (and is written at) the clamped page in every entry point: a
+    gather then a dense call equals the paged call and the float64 oracle with clamped ids, and
+    an append lands where both read."""
+    _, q, k_pages, v_pages, table = _setup(8)
+    wild = table.at[0, 5].set(10 ** 6).at[1, 0].set(-4)
+    clamped = np.clip(np.asarray(wild), 0, k_pages.shape[0] - 1)
+    expected = _oracle(q, k_pages, v_pages, clamped)
+    paged = jax.jit(lambda t: flash_attention(q, k_pages, v_pages, page_table=t))(wild)
+    gather = jax.jit(kv_cache.gather)
+    dense = jax.jit(lambda t: flash_attention(q, gather(k_pages, t), gather(v_pages, t)))(wild)
+    np.testing.assert_allclose(np.asarray(paged), expected, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(dense), expected, atol=2e-5, rtol=0)
+
+    lengths = jnp.array([5 * 16 + 3, 2])  # row 0 writes into page slot 5, row 1 into slot 0
+    new = jnp.asarray(np.random.default_rng(9).standard_normal((2, 4, 2, 16)), jnp.float32)
+    k_written, _ = jax.jit(kv_cache.append)(k_pages, v_pages, wild, lengths, new, new)
+    read_back = np.asarray(gather(k_written, wild))
+    for row in range(2):
+        np.testing.assert_array_equal(read_back[row, int(lengths[row]):int(lengths[row]) + 4], new[row])
+
+
 def test_paged_calls_refuse_gradients():
     _, q, k_pages, v_pages, table = _setup(4)
     with pytest.raises(NotImplementedError, match="forward only"):
         jax.grad(lambda k: flash_attention(q, k, v_pages, page_table=table).sum())(k_pages)
     with pytest.raises(NotImplementedError, match="forward only"):
         jax.grad(lambda q: flash_attention(q, k_pages, v_pages, page_table=table).sum())(q)
+    with pytest.raises(NotImplementedError, match="forward only"):  # forward mode too
+        jax.jvp(lambda q: flash_attention(q, k_pages, v_pages, page_table=table), (q,), (q,))
 
 
 # --- The writer ---------------------------------------------------------------------------
@@ -219,6 +260,19 @@ def test_append_in_place_under_donation():
     pointer = k_pages.unsafe_buffer_pointer()
     k2, _ = append(k_pages, v_pages, table, jnp.array([5, 700]), new, new)
     assert k_pages.is_deleted() and k2.unsafe_buffer_pointer() == pointer
+
+
+@pytest.mark.parametrize("lengths", [jnp.array([1.7, 0.0]), jnp.array([[1], [0]]), jnp.array([1, 0, 2])],
+                         ids=["float", "column", "too_many"])
+def test_append_checks_the_type_of_traced_lengths(lengths):
+    """dtype and shape are known at trace time: a float or misshapen traced length is refused
+    by name, as a concrete one is (not cast: 1.7 would write slot 1)."""
+    table = kv_cache.make_page_table(2, 2)
+    pages = kv_cache.init_pages(4, 4, 1, 2)
+    new = jnp.ones((2, 1, 1, 2))
+    for append in (kv_cache.append, jax.jit(kv_cache.append)):
+        with pytest.raises(ValueError, match=r"lengths must be int \[batch=2\]; got shape"):
+            append(pages, pages, table, lengths, new, new)
 
 
 def test_append_refuses_concrete_overflow_and_drops_traced():
