@@ -29,7 +29,7 @@ JAX_IMPL_LAYERS = {
     "table": ["implementations"],
     "distribution": ["ring", "ulysses", "cp_cost", "partitioned", "recompute_vjp"],
     "arguments": ["arguments"],
-    "api": ["flash_attention", "context_parallel", "kv_cache"],
+    "api": ["flash_attention", "context_parallel", "kv_cache", "block_mask"],
     "face": [""],  # jax_impl/__init__.py
 }
 BACKENDS = JAX_IMPL_LAYERS["backends"]
