@@ -10,8 +10,8 @@ warpgroups:
   (``set_max_registers`` down to 24);
 - two *compute* warpgroups (``_consumer``) each own ``block_q`` query rows: Q by TMA into
   shared memory, S = Q K^T and O += P V on the tensor cores (``wgmma``, fp32 accumulators in
-  registers, up to 240 per thread), the online softmax in base 2 with the scale folded
-  (``online_softmax.Base2Softmax``). Their GEMMs ping-pong: a *schedule* mbarrier that both
+  registers, up to 240 per thread), the online softmax in base 2, the row max subtracted
+  first (``online_softmax.online_step``). Their GEMMs ping-pong: a *schedule* mbarrier that both
   arrive on lets one warpgroup's softmax run under the other's GEMMs (warpgroup 1 starts one
   phase late, warpgroup 0 catches up at the end);
 - the *epilogue* (``_store``) of each consumer writes O through the shared memory that held
@@ -318,7 +318,6 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     q_smem, max_smem, log_sum_smem = q_smem.at[wg], max_smem.at[wg], log_sum_smem.at[wg]
     pairwise = _Pairwise(refs, smem, barriers)
     own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
-    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=refs.bias is not None)
     tile = (c.block_q, c.block_kv)
     key_iota = lambda: plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
     row_iota = lambda: plgpu.broadcasted_iota(jnp.int32, (c.block_q,), 0, layout=_ROW)
@@ -356,7 +355,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                         == lax.broadcast_in_dim(kv_segments, tile, (1,)))
             plgpu.barrier_arrive(k_consumed.at[slot])
             bias, allowed = pairwise.read(slot, own_rows)
-            t, _ = softmax.logits(s, cfg, bias)
+            t, _ = online_softmax.logits(s, cfg, bias)
             if masked and cfg.mask.restricts:  # (an unused iota fails layout inference:
                 # with key lengths alone the bounds do not read the rows)
                 rows = row_positions(it.q_start) if cfg.mask.varies_by_row else None
@@ -367,7 +366,8 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 structural = masking.within_bounds(key_iota(), per_row(lo), per_row(hi))
                 allowed = masking.all_of([allowed, structural])
             allowed = masking.all_of([allowed, same])
-            rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
+            rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, t, allowed,
+                                                                       base2=True)
             pairwise.release(slot)
             return rescale, p, row_max, row_sum
 
