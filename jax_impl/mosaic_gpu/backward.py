@@ -311,8 +311,8 @@ def _write_positions(positions, wg, rows: int, cols: int):
     row_ref[...] = plgpu.broadcasted_iota(jnp.int32, row_ref.shape, 0, layout=_ROWS)
     col_ref[...] = plgpu.broadcasted_iota(jnp.int32, col_ref.shape, 0, layout=_COLS)
     plgpu.commit_smem()
-    return (lambda: plgpu.load(row_ref.at[pl.ds(0, rows)], (), layout=_ROWS),
-            lambda: plgpu.load(col_ref.at[pl.ds(0, cols)], (), layout=_COLS))
+    return (lambda: plgpu.load(row_ref.at[pl.ds(0, rows)], layout=_ROWS),
+            lambda: plgpu.load(col_ref.at[pl.ds(0, cols)], layout=_COLS))
 
 
 # --- Dropout (the forward's hash; dV from the dropped P, dP dropped the same way) ----------
