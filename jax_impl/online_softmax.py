@@ -130,15 +130,17 @@ def attended(s, allowed, has_bias: bool):
     return finite_or_nan if allowed is None else allowed & finite_or_nan
 
 
-def online_step(row_max, row_sum, s, allowed, *, base2: bool = False):
+def online_step(row_max, row_sum, s, allowed, *, base2: bool = False, unit: float = 1.0):
     """Algorithm 1, lines 8-10: fold one key tile of logits S into the running (m, l) and return P.
 
     Rows that have seen no finite allowed logit keep m = -inf; they use 0 as the reference
     point so that no inf - inf appears, and their P is exactly 0. ``base2``: the exponentials
-    as exp2 (``_exp``: the Pallas kernels).
+    as exp2 (``_exp``: the Pallas kernels). ``unit``: s holds S / unit (q.k, unscaled), and
+    so does m: the max is still subtracted first, and one multiply takes the difference to S's
+    units (the natural max is then ``fl(m * unit)``, the max of ``fl(q.k * unit)``).
     Returns (rescale factor for the old accumulator, P, new m, new l).
     """
-    exp = _exp(base2)
+    exp = _exp(base2, unit)
     if allowed is not None:  # None: every pair of the tile is allowed
         s = jnp.where(allowed, s, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
@@ -260,6 +262,8 @@ def merge_runs(out, stats: RowStats):
 LOG2_E = math.log2(math.e)
 
 
-def _exp(base2: bool):
-    """x -> e^x: ``jnp.exp``, or with ``base2`` 2^(x log2(e)) (one multiply and exp2)."""
-    return (lambda x: jnp.exp2(x * LOG2_E)) if base2 else jnp.exp
+def _exp(base2: bool, unit: float = 1.0):
+    """x -> e^(x unit): ``jnp.exp``, or with ``base2`` 2^(x unit log2(e)) (one multiply and exp2)."""
+    if base2:
+        return lambda x: jnp.exp2(x * (unit * LOG2_E))
+    return jnp.exp if unit == 1.0 else lambda x: jnp.exp(x * unit)
