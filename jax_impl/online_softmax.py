@@ -21,7 +21,6 @@ only S (a poisoned row is NaN at every pair, and the select keeps the allowed on
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import NamedTuple
 
@@ -43,13 +42,21 @@ class RowStats(NamedTuple):
     log_sum: object  # [..., Lq] float32
 
 
-def logits(qk, cfg: AttentionConfig, bias_tile=None):
-    """S = softcap(scale * q.k) + bias. Returns (S, tanh term kept for the soft cap's gradient)."""
+def logits(qk, cfg: AttentionConfig, bias_tile=None, poison=None):
+    """S = softcap(scale * q.k) + poison + bias. Returns (S, tanh term kept for the soft cap's gradient).
+
+    ``poison`` (the non-finite rule's 0 or NaN, broadcast against the tile) is added right after
+    the last product, before the bias: the product and the add, fused into a multiply-add or
+    not, give S = fl(scale * q.k) (fma(a, b, 0) == fl(a * b)), so S is one rounded value that
+    every pass recomputes bit for bit and that no later subtraction of the row max fuses with.
+    """
     s = qk * cfg.scale
     capped = None
     if cfg.logits_soft_cap is not None:
         capped = jnp.tanh(s / cfg.logits_soft_cap)
         s = capped * cfg.logits_soft_cap
+    if poison is not None:
+        s = s + poison
     if bias_tile is not None:
         s = s + bias_tile.astype(jnp.float32)
     return s, capped
@@ -123,25 +130,23 @@ def attended(s, allowed, has_bias: bool):
     return finite_or_nan if allowed is None else allowed & finite_or_nan
 
 
-def online_step(row_max, row_sum, s, allowed, scale: float = 1.0):
-    """Algorithm 1, lines 8-10: fold one key tile into the running (m, l) and return P.
+def online_step(row_max, row_sum, s, allowed, *, base2: bool = False, unit: float = 1.0):
+    """Algorithm 1, lines 8-10: fold one key tile of logits S into the running (m, l) and return P.
 
     Rows that have seen no finite allowed logit keep m = -inf; they use 0 as the reference
-    point so that no inf - inf appears, and their P is exactly 0.
-    The logits are ``scale * s`` (scale > 0): given unscaled, the scale joins the exponent's
-    multiply-add instead of costing a pass over the tile, with the same result, as
-    ``max(scale * s) == scale * max(s)`` exactly (rounding is monotonic).
+    point so that no inf - inf appears, and their P is exactly 0. ``base2``: the exponentials
+    as exp2 (``_exp``: the Pallas kernels). ``unit``: s holds S / unit (q.k, unscaled), and
+    so does m: the max is still subtracted first, and one multiply takes the difference to S's
+    units (the natural max is then ``fl(m * unit)``, the max of ``fl(q.k * unit)``).
     Returns (rescale factor for the old accumulator, P, new m, new l).
     """
+    exp = _exp(base2, unit)
     if allowed is not None:  # None: every pair of the tile is allowed
         s = jnp.where(allowed, s, -jnp.inf)
-    tile_max = jnp.max(s, axis=-1)
-    if scale != 1.0:  # the multiply fuses into the exponent's pass below
-        s, tile_max = scale * s, scale * tile_max
-    new_max = jnp.maximum(row_max, tile_max)
+    new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-    rescale = jnp.exp(row_max - safe_max)        # 0 while row_max is -inf
-    p = jnp.exp(s - safe_max[..., None])         # 0 where not allowed
+    rescale = exp(row_max - safe_max)            # 0 while row_max is -inf
+    p = exp(s - rows_to(safe_max, s))            # 0 where not allowed
     new_sum = rescale * row_sum + jnp.sum(p, axis=-1)
     return rescale, p, new_max, new_sum
 
@@ -160,12 +165,20 @@ def logsumexp(stats: RowStats):
     return jnp.where(stats.max == jnp.inf, -jnp.inf, stats.max + stats.log_sum)
 
 
-def recomputed_probs(s, row_max, log_sum, allowed):
-    """Backward: P = exp(S - max - log_sum) from the saved statistics, exactly 0 where not allowed."""
-    shifted = (s - row_max[..., None]) - log_sum[..., None]
-    if allowed is None:
-        return jnp.exp(shifted)
-    return jnp.exp(jnp.where(allowed, shifted, -jnp.inf))
+def recomputed_probs(s, stats: RowStats, attended, *, base2: bool = False,
+                     transposed: bool = False, to_tile=None):
+    """Backward: P = exp(S - max - log_sum) from the saved statistics (the forward's S, so the
+    row max cancels exactly), exactly 0 where not ``attended`` (selected after the statistics,
+    which are NaN in a NaN row). ``base2``: as ``online_step``; ``transposed``: s is a
+    (key, query) tile; ``to_tile``: how a per-query vector meets the tile, else ``per_row``."""
+    row = to_tile or (lambda x: per_row(x, transposed))
+    if base2:  # the multiply by log2(e) and the log-sum's subtraction: one multiply-add
+        shifted = (s - row(stats.max)) * LOG2_E - row(stats.log_sum * LOG2_E)
+    else:
+        shifted = (s - row(stats.max)) - row(stats.log_sum)
+    if attended is not None:
+        shifted = jnp.where(attended, shifted, -jnp.inf)
+    return jnp.exp2(shifted) if base2 else jnp.exp(shifted)
 
 
 def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool = True,
@@ -240,80 +253,17 @@ def merge_runs(out, stats: RowStats):
 
 # --- Base 2 (the Pallas kernels) ----------------------------------------------------------------
 # exp2 is one hardware instruction (PTX ex2.approx); exp is a libdevice call (__nv_expf, about
-# ten instructions). So the GPU kernels compute P = 2^(S log2(e) - m2) and fold log2(e) into the
-# multiply that the logits need anyway. The xla path keeps the natural-log steps above.
+# ten instructions). So the GPU kernels compute P = 2^((S - m) log2(e)) (``base2=True``) from
+# the natural logits S (``logits``) and the natural RowStats. The row max is subtracted before
+# the multiply: the max's own exponent is then exactly 0 at any magnitude, forward and
+# backward, where the multiply-add S log2(e) - m log2(e) leaves the max's two roundings
+# (hundreds apart at |S| ~ 1e9).
 
 LOG2_E = math.log2(math.e)
 
 
-@dataclasses.dataclass(frozen=True)
-class Base2Softmax:
-    """The online softmax in base 2 on logits kept unmultiplied: ``S = t * unit``.
-
-    ``t`` is q.k (no soft cap, no bias: ``unit`` = scale), the soft cap's tanh (``unit`` = the
-    cap), or S itself with a bias (``unit`` = 1). The running row max is the natural-log one
-    (the max of t times unit: a per-row multiply), and the base-2 reference is
-    ``m2 = max * log2(e)``, the same rounded value in the forward and, from the saved
-    ``RowStats.max``, in the backward. Without a bias each logit then costs one multiply-add and
-    one exp2, ``2^(t * multiplier - m2)``, multiplier = unit * log2(e). With a bias
-    (``fold=False``) the max is subtracted before the multiply, ``2^((t - max) * log2(e))``: a
-    bias may put a row at -1e9, where m2 would lose the digits that tell its logits apart, or
-    at the float32 limit, where S * log2(e) overflows. The statistics are the natural-log
-    ``RowStats`` that every other part of the library reads.
-    """
-
-    unit: float  # natural logits per unit of t (> 0)
-    fold: bool   # True: one multiply-add per logit; False: subtract the max first (a bias)
-
-    @classmethod
-    def create(cls, cfg: AttentionConfig, has_bias: bool) -> "Base2Softmax":
-        if has_bias:
-            return cls(1.0, False)
-        return cls(cfg.scale if cfg.logits_soft_cap is None else cfg.logits_soft_cap, True)
-
-    @property
-    def multiplier(self) -> float:
-        return self.unit * LOG2_E
-
-    def logits(self, qk, cfg: AttentionConfig, bias_tile=None):
-        """(t, tanh term of the soft cap or None) for one tile's raw products q.k."""
-        if not self.fold:
-            return logits(qk, cfg, bias_tile)
-        if cfg.logits_soft_cap is None:
-            return qk, None
-        capped = jnp.tanh(qk * (cfg.scale / cfg.logits_soft_cap))
-        return capped, capped
-
-    def _shifted(self, t, row_max):
-        """log2 of P up to the row sum: t * multiplier - m2 (one multiply-add), or with a bias
-        (t - max) * log2(e). ``row_max``: natural, broadcast like t, finite or +inf."""
-        if self.fold:
-            return t * self.multiplier - row_max * LOG2_E
-        return (t - row_max) * LOG2_E
-
-    def step(self, row_max, row_sum, t, allowed):
-        """``online_step`` in base 2 (``row_max`` natural): (rescale, P, new max, new l)."""
-        if allowed is not None:  # None: every pair of the tile is allowed
-            t = jnp.where(allowed, t, -jnp.inf)
-        tile_max = jnp.max(t, axis=-1)
-        new_max = jnp.maximum(row_max, tile_max if self.unit == 1.0 else tile_max * self.unit)
-        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows with no finite logit yet
-        # 0 while row_max is -inf. Folded: the old and new m2 exactly as the P of the row saw them.
-        if self.fold:
-            rescale = jnp.exp2(row_max * LOG2_E - safe_max * LOG2_E)
-        else:
-            rescale = jnp.exp2((row_max - safe_max) * LOG2_E)
-        p = jnp.exp2(self._shifted(t, rows_to(safe_max, t)))
-        new_sum = rescale * row_sum + jnp.sum(p, axis=-1)
-        return rescale, p, new_max, new_sum
-
-    def probs(self, t, stats: RowStats, attended, *, transposed: bool = False):
-        """Backward: ``recomputed_probs`` from the natural-log statistics, in base 2:
-        P = 2^(shifted - log_sum * log2(e)), with the forward's m2 exactly (so P is the
-        forward's at any logit magnitude), and exactly 0 where not ``attended`` (selected after
-        the statistics, which are NaN in a NaN row). ``transposed``: t is a (key, query) tile."""
-        row = lambda x: per_row(x, transposed)
-        shifted = self._shifted(t, row(stats.max)) - row(stats.log_sum * LOG2_E)
-        if attended is not None:
-            shifted = jnp.where(attended, shifted, -jnp.inf)
-        return jnp.exp2(shifted)
+def _exp(base2: bool, unit: float = 1.0):
+    """x -> e^(x unit): ``jnp.exp``, or with ``base2`` 2^(x unit log2(e)) (one multiply and exp2)."""
+    if base2:
+        return lambda x: jnp.exp2(x * (unit * LOG2_E))
+    return jnp.exp if unit == 1.0 else lambda x: jnp.exp(x * unit)

@@ -195,12 +195,9 @@ class _Tiles:
         heads = (self.hkv, self.groups) if x.shape[1] > 1 else (1, 1)
         return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
 
-    def logits(self, q_tile, i, j, masked: bool, unscaled: bool = False):
+    def logits(self, q_tile, i, j, masked: bool):
         """(S, soft-cap term, allowed or None) ``[B, Hkv, G, bq, bk]`` for query tile i
         (``q_tile``) and key tile j.
-
-        ``unscaled`` (only without soft cap and bias): S is q.k before the scale, for
-        ``online_step(..., scale=cfg.scale)``.
 
         ``masked=False``: the tile lies inside the band for every batch row (kv_range/q_range),
         so the structural rules are not evaluated. Every tile, masked or not, adds the poison of
@@ -218,10 +215,10 @@ class _Tiles:
         qk = jnp.einsum("bhgqd,bhdk->bhgqk", q_tile, self.kv_tile_t(self.k_t, j),
                         precision=self.cfg.precision, preferred_element_type=jnp.float32)
         bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
-        s, capped = (qk, None) if unscaled else online_softmax.logits(qk, self.cfg, bias)
         q_poison = lax.dynamic_slice_in_dim(self.q_poison, i * self.block_q, self.block_q, axis=3)
         kv_poison = lax.dynamic_slice_in_dim(self.kv_poison, j * self.block_k, self.block_k, axis=2)
-        s = s + (q_poison[..., :, None] + kv_poison[:, :, None, None, :])
+        s, capped = online_softmax.logits(qk, self.cfg, bias,
+                                          q_poison[..., :, None] + kv_poison[:, :, None, None, :])
         return s, capped, allowed
 
     def kv_range(self, i):
@@ -268,19 +265,14 @@ def _forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, ext
     stats_shape = (b, t.hkv, t.groups, block_q)
     axes = vma.axes_of(q, k, v, bias, masks)  # inside shard_map, loop carries vary like these
 
-    # Plain logits: the scale joins the exponent (online_step) instead of a pass of its own.
-    unscaled = cfg.logits_soft_cap is None and bias is None
-    s_scale = cfg.scale if unscaled else 1.0
-
     def query_tile(i, outputs):
         out, stats = outputs
         q_tile = t.q_tile(t.q, i)
 
         def key_tile(j, carry, masked):
             acc, row_max, row_sum = carry
-            s, _, allowed = t.logits(q_tile, i, j, masked, unscaled)
-            rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed,
-                                                                      s_scale)
+            s, _, allowed = t.logits(q_tile, i, j, masked)
+            rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
             v_tile = t.kv_tile(t.v, j)
             p_drop = dropout_sinks.apply_dropout(p, t.keep(i, j), cfg.dropout_rate)  # the sum keeps p
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_drop.astype(v.dtype), v_tile,
@@ -343,8 +335,8 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
             do_tile = t.q_tile(d_out, i)
             s, capped, allowed = t.logits(t.q_tile(t.q, i), i, j, masked)
             attended = online_softmax.attended(s, allowed, bias is not None)
-            p = online_softmax.recomputed_probs(s, stats_tile(row_max, i), stats_tile(log_sum, i),
-                                                attended)
+            p = online_softmax.recomputed_probs(s, online_softmax.RowStats(
+                stats_tile(row_max, i), stats_tile(log_sum, i)), attended)
             dp = jnp.einsum("bhgqd,bhdk->bhgqk", do_tile, v_t, precision=cfg.precision,
                             preferred_element_type=jnp.float32)
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
@@ -482,8 +474,7 @@ def _decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=Non
         k_tile, v_tile = online_softmax.finite_or_zero(k_tile), online_softmax.finite_or_zero(v_tile)
         qk = jnp.einsum("bhrd,bsthd->bhsrt", q_rows, k_tile, precision=cfg.precision,
                         preferred_element_type=jnp.float32)
-        s, _ = online_softmax.logits(qk, cfg)
-        s = s + (q_poison + kv_poison)
+        s, _ = online_softmax.logits(qk, cfg, poison=q_poison + kv_poison)
         allowed = masking.structural_allowed(spec, query_index, cols, q_len, kv_len, offset)
         rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
         pv = jnp.einsum("bhsrt,bsthd->bhsrd", p.astype(v.dtype), v_tile, precision=cfg.precision,

@@ -21,8 +21,8 @@ feeding two wgmma compute warpgroups through an mbarrier ring).
   dQ in global memory by TMA reduce-add: FlashAttention-3's 5 GEMMs per tile pair instead of
   7, but the adds land in whatever order the CTAs finish: not bitwise repeatable.
 
-P is recomputed from the forward's natural-log ``RowStats`` in base 2 with the scale folded,
-exactly as ``online_softmax.Base2Softmax.probs`` does, and the gradient of the logits follows
+P is recomputed from the forward's natural-log ``RowStats`` in base 2, the row max subtracted
+first, exactly as ``online_softmax.recomputed_probs`` does, and the gradient of the logits follows
 ``online_softmax.logits_gradient`` (the soft cap's derivative; dS exactly 0 where P is 0 on a
 masked tile; dK's and dQ's scale applied once to the accumulator). Both walks use the mask's
 split (``q_block_split``, ``kv_block_split``): the band's edge tiles evaluate the structural
@@ -77,7 +77,6 @@ from jax_impl.mosaic_gpu.scheduler import WorkOrder
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
 _COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 _MEMORY_WARPGROUP = CONSUMERS
-_LOG2_E = online_softmax.LOG2_E
 ROW_MULTIPLE = 8
 
 
@@ -237,19 +236,13 @@ def _accumulate_two(acc_a, lhs_a, rhs_a, acc_b, lhs_b, rhs_b, interpreted: bool)
     return pl.run_state(both)((plgpu.ACC.init(acc_a), plgpu.ACC.init(acc_b)))
 
 
-def _probs(cfg, softmax, t_raw, broadcast, row_max, log_sum, allowed, bias=None):
-    """P recomputed as ``Base2Softmax.probs`` does (exactly 0 where ``allowed`` is False) and the
-    soft cap's tanh term; ``broadcast`` takes a per-query vector to the tile. With a bias tile
-    (``softmax.fold`` False) the max is subtracted before the multiply, as the forward did."""
-    t, capped = softmax.logits(t_raw, cfg, bias)
-    if softmax.fold:
-        shifted = t * softmax.multiplier - broadcast(row_max * _LOG2_E)
-    else:
-        shifted = (t - broadcast(row_max)) * _LOG2_E
-    shifted = shifted - broadcast(log_sum * _LOG2_E)
-    if allowed is not None:
-        shifted = jnp.where(allowed, shifted, -jnp.inf)
-    return jnp.exp2(shifted), capped
+def _probs(cfg, qk, broadcast, row_max, log_sum, allowed, bias=None, poison=None):
+    """P recomputed as ``online_softmax.recomputed_probs`` does (exactly 0 where ``allowed`` is
+    False) and the soft cap's tanh term; ``broadcast`` takes a per-query vector to the tile;
+    ``poison``: the streamed keys' (``online_softmax.logits``)."""
+    s, capped = online_softmax.logits(qk, cfg, bias, poison)
+    stats = online_softmax.RowStats(row_max, log_sum)
+    return online_softmax.recomputed_probs(s, stats, allowed, base2=True, to_tile=broadcast), capped
 
 
 def _logits_gradient(p, dp, capped, broadcast, delta, masked: bool):
@@ -318,8 +311,8 @@ def _write_positions(positions, wg, rows: int, cols: int):
     row_ref[...] = plgpu.broadcasted_iota(jnp.int32, row_ref.shape, 0, layout=_ROWS)
     col_ref[...] = plgpu.broadcasted_iota(jnp.int32, col_ref.shape, 0, layout=_COLS)
     plgpu.commit_smem()
-    return (lambda: plgpu.load(row_ref.at[pl.ds(0, rows)], (), layout=_ROWS),
-            lambda: plgpu.load(col_ref.at[pl.ds(0, cols)], (), layout=_COLS))
+    return (lambda: plgpu.load(row_ref.at[pl.ds(0, rows)], layout=_ROWS),
+            lambda: plgpu.load(col_ref.at[pl.ds(0, cols)], layout=_COLS))
 
 
 # --- Dropout (the forward's hash; dV from the dropped P, dP dropped the same way) ----------
@@ -419,7 +412,6 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     k_loaded, v_loaded, *produced, consumed = barriers
     k_all, v_all = k_own, v_own
     k_own, v_own = k_all.at[wg], v_all.at[wg]
-    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=g.bias_dtype is not None)
     tile = (c.block_kv, c.block_q)  # transposed: keys x queries
     key_offsets, query_offsets = _write_positions(positions, wg, c.block_kv, c.block_q)
     cols = lambda x: lax.broadcast_in_dim(x, tile, (1,))
@@ -459,8 +451,6 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             mine = _opaque_warpgroup(wg, step)
             s_t, dp_t = _two_products(tile, k_all.at[mine], q_ring.at[slot], v_all.at[mine],
                                       do_ring.at[slot])
-            if key_poison is not None:
-                s_t = s_t + lax.broadcast_in_dim(key_poison, tile, (0,))
             allowed = None
             if masked and cfg.mask.restricts:  # two query bounds per key, as the forward's
                 lo, hi = masking.query_bounds_per_key(cfg.mask, key_start + key_offsets(),
@@ -475,8 +465,9 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             bias_t, mask_t = pairwise_tiles(pairwise, slot, own_keys, g.bias_dtype is not None,
                                             g.has_mask)
             allowed = masking.all_of([allowed, mask_t])
-            p_t, capped = _probs(cfg, softmax, s_t, cols, load(max_ring), load(log_sum_ring),
-                                 allowed, bias_t)
+            p_t, capped = _probs(cfg, s_t, cols, load(max_ring), load(log_sum_ring), allowed,
+                                 bias_t, None if key_poison is None else
+                                 lax.broadcast_in_dim(key_poison, tile, (0,)))
             # Dropout: dV from the dropped P^T, dP^T dropped alike. With a tile streamed beside
             # Q and dO (ids, a bias, a mask) P^T is dropped beside dP^T (one hash) and dV's
             # 16-bit operand made at once; without, after dS^T: each order the one that
@@ -590,7 +581,6 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
     own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
     own_loaded, produced, consumed = barriers[:5], barriers[5:-1], barriers[-1]
     q_own, do_own = q_all.at[wg], do_all.at[wg]
-    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=g.bias_dtype is not None)
     tile = (c.block_q, c.block_kv)
     query_offsets, key_offsets = _write_positions(positions, wg, c.block_q, c.block_kv)
     rows_of = lambda x: lax.broadcast_in_dim(x, tile, (0,))
@@ -639,11 +629,11 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             if query_ids is not None:  # rule 4 on every tile, the interior too
                 allowed = masking.all_of([allowed, _same_segment(
                     query_ids, plgpu.load(kv_ids_ring.at[slot], layout=_COLS), tile)])
-            s = s + lax.broadcast_in_dim(poison, tile, (1,))
             bias, mask = pairwise_tiles(pairwise, slot, own_rows, g.bias_dtype is not None,
                                         g.has_mask)
             allowed = masking.all_of([allowed, mask])
-            p, capped = _probs(cfg, softmax, s, rows_of, row_max, log_sum, allowed, bias)
+            p, capped = _probs(cfg, s, rows_of, row_max, log_sum, allowed, bias,
+                               lax.broadcast_in_dim(poison, tile, (1,)))
             if drop is not None:  # dropout: dP dropped as the forward dropped P
                 dp = drop(dp, q_start + query_offsets(), j * c.block_kv + key_offsets(), 0)
             ds, dqk = _logits_gradient(p, dp, capped, rows_of, delta,

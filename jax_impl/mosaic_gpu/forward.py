@@ -10,8 +10,8 @@ warpgroups:
   (``set_max_registers`` down to 24);
 - two *compute* warpgroups (``_consumer``) each own ``block_q`` query rows: Q by TMA into
   shared memory, S = Q K^T and O += P V on the tensor cores (``wgmma``, fp32 accumulators in
-  registers, up to 240 per thread), the online softmax in base 2 with the scale folded
-  (``online_softmax.Base2Softmax``). Their GEMMs ping-pong: a *schedule* mbarrier that both
+  registers, up to 240 per thread), the online softmax in base 2, the row max subtracted
+  first (``online_softmax.online_step``). Their GEMMs ping-pong: a *schedule* mbarrier that both
   arrive on lets one warpgroup's softmax run under the other's GEMMs (warpgroup 1 starts one
   phase late, warpgroup 0 catches up at the end);
 - the *epilogue* (``_store``) of each consumer writes O through the shared memory that held
@@ -318,8 +318,9 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     q_smem, max_smem, log_sum_smem = q_smem.at[wg], max_smem.at[wg], log_sum_smem.at[wg]
     pairwise = _Pairwise(refs, smem, barriers)
     own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
-    softmax = online_softmax.Base2Softmax.create(cfg, has_bias=refs.bias is not None)
     tile = (c.block_q, c.block_kv)
+    # Plain logits stay q.k in the online softmax (its ``unit``): one multiply fewer per logit.
+    unit = cfg.scale if refs.bias is None and cfg.logits_soft_cap is None else 1.0
     key_iota = lambda: plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
     row_iota = lambda: plgpu.broadcasted_iota(jnp.int32, (c.block_q,), 0, layout=_ROW)
     # The query position of each of the warpgroup's rows (packed: G rows per position).
@@ -335,8 +336,8 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(it.q_start, c.block_q), head], q_smem,
                                 q_loaded.at[wg])
         sink = None if refs.sinks is None else _sink(refs.sinks, b, head, it.q_start, c.block_q)
-        row_max, row_sum = (plgpu.layout_cast(x, _ROW)
-                            for x in dropout_sinks.initial_stats(sink, (c.block_q,)))
+        row_max, row_sum = (plgpu.layout_cast(x, _ROW) for x in dropout_sinks.initial_stats(
+            None if sink is None else sink / unit, (c.block_q,)))
         # Segment ids by plain loads from global memory (a few bytes per row and key).
         q_segments = None if refs.q_segments is None else plgpu.load(
             refs.q_segments.at[b, pl.ds(it.q_start, c.block_q)], layout=_ROW, optimized=False)
@@ -356,7 +357,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                         == lax.broadcast_in_dim(kv_segments, tile, (1,)))
             plgpu.barrier_arrive(k_consumed.at[slot])
             bias, allowed = pairwise.read(slot, own_rows)
-            t, _ = softmax.logits(s, cfg, bias)
+            t = s if unit != 1.0 else online_softmax.logits(s, cfg, bias)[0]
             if masked and cfg.mask.restricts:  # (an unused iota fails layout inference:
                 # with key lengths alone the bounds do not read the rows)
                 rows = row_positions(it.q_start) if cfg.mask.varies_by_row else None
@@ -367,7 +368,8 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 structural = masking.within_bounds(key_iota(), per_row(lo), per_row(hi))
                 allowed = masking.all_of([allowed, structural])
             allowed = masking.all_of([allowed, same])
-            rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, t, allowed)
+            rescale, p, row_max, row_sum = online_softmax.online_step(
+                row_max, row_sum, t, allowed, base2=True, unit=unit)
             pairwise.release(slot)
             return rescale, p, row_max, row_sum
 
@@ -471,7 +473,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         carry = lax.fori_loop(b[4], b[5], pass_, carry)
         acc, row_max, row_sum, _, step = carry
         pl.when(wg == 0)(schedule_sync)
-        _store(geometry, refs, it, acc, row_max, row_sum, q_smem, max_smem, log_sum_smem)
+        _store(geometry, refs, it, acc, row_max * unit, row_sum, q_smem, max_smem, log_sum_smem)
         return step
 
     order.loop(lax.axis_index("cta"), item, jnp.int32(0))

@@ -15,9 +15,9 @@
   into a zeroed buffer that it updates in place (input_output_aliases): the tiles the band
   excludes stay 0, so it still skips them, like the xla path.
 
-Both recompute P = exp(S - m - log l) from q, k and the saved row statistics, in base 2 with
-the scale folded in (online_softmax.Base2Softmax), and apply the scale of dq and dk once to
-the accumulator rather than to every logit; delta =
+Both recompute P = exp(S - m - log l) from q, k and the saved row statistics, in base 2
+(online_softmax.recomputed_probs: the forward's S, whose row max cancels exactly), and apply the
+scale of dq and dk once to the accumulator rather than to every d(q.k); delta =
 rowsum(dO * O) (minus the cotangent of the logsumexp, if any) comes from the custom VJP.
 As in the forward, loads and stores past Lq, Lk and D are masked (layout.py).
 """
@@ -61,7 +61,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
     cols = key_positions[:, None]                                     # keys: [bk, 1]
     kv_seg = None if kv_seg_ref is None else load(kv_seg_ref, key_ok)
     bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
-    softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
     # The head of a mask/bias tile (its head axis may be broadcast; an array index, not a Python
     # int, which the interpreter's masked load cannot take).
     per_head = lambda ref, g: jnp.int32(0) if ref.shape[0] == 1 else g
@@ -87,12 +86,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
                 pair_tile(mask_ref, g, queries, query_ok), structural=masked,
                 position_offset=offset)
             qk = common.dot(k, q, cfg.precision, trans_b=True)         # S^T: [bk, bq]
-            t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref, g, queries, query_ok))
             # The query rows' poison on every tile: q must stay finite for dK += dS^T Q.
-            t = t + online_softmax.per_row(per_query(query_poison_ref), transposed=True)
-            attended = online_softmax.attended(t, allowed, bias_ref is not None)
+            s, capped = online_softmax.logits(
+                qk, cfg, pair_tile(bias_ref, g, queries, query_ok),
+                online_softmax.per_row(per_query(query_poison_ref), transposed=True))
+            attended = online_softmax.attended(s, allowed, bias_ref is not None)
             stats = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref))
-            p = softmax.probs(t, stats, attended, transposed=True)    # P^T
+            p = online_softmax.recomputed_probs(s, stats, attended, base2=True,
+                                               transposed=True)  # P^T
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask (the same
             # (query, key) hash, evaluated transposed).
             keep = common.dropout_keep(cfg, seed, rows, cols, dropout_offset_ref)
@@ -135,13 +136,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
                                     None if q_seg_ref is None else per_query(q_seg_ref), q_len,
                                     kv_len, offset, per_query(query_poison_ref))
     refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref, key_poison_ref)
-    softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, dq, masked):
-        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked,
-                                      finite_kv=True)
-        attended = online_softmax.attended(tile.t, tile.allowed, bias_ref is not None)
-        p = softmax.probs(tile.t, stats, attended)
+        tile = common.key_tile_logits(cfg, layout, query, refs, j, block_k, masked, finite_kv=True)
+        attended = online_softmax.attended(tile.s, tile.allowed, bias_ref is not None)
+        p = online_softmax.recomputed_probs(tile.s, stats, attended, base2=True)
         dp = common.dot(do, tile.v, cfg.precision, trans_b=True)
         # dP reaches P through the same keep mask.
         keep = common.dropout_keep(cfg, seed, query.rows, tile.cols, dropout_offset_ref)

@@ -53,13 +53,13 @@ class KeyTile(NamedTuple):
     cols: jax.Array                 # [1, bk] key positions
     ok: jax.Array | None            # [bk] inside Lk, None: all are (or an interior tile)
     allowed: jax.Array | None       # [bq, bk] the mask rule, None: every pair
-    t: jax.Array                    # [bq, bk] logits in base 2 (online_softmax.Base2Softmax)
+    s: jax.Array                    # [bq, bk] logits S (online_softmax.logits)
     capped: jax.Array | None        # what softmax.logits returns for the soft cap's gradient
     k: jax.Array                    # [bk, Dp]
     v: jax.Array                    # [bk, Dp], non-finite entries as 0 where a pair may be excluded
 
 
-def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: int,
+def key_tile_logits(cfg, layout, query: QueryTile, refs, j, block_k: int,
                     masked: bool, *, finite_kv: bool, page_slot=None) -> KeyTile:
     """Key tile ``j`` of the forward and dQ kernels: its loads (masked at the edges), the mask
     rule and the logits. ``refs``: (k, v, kv segment ids, mask, bias, key poison); segment ids,
@@ -92,9 +92,9 @@ def key_tile_logits(cfg, layout, softmax, query: QueryTile, refs, j, block_k: in
     if allowed is not None and not finite_kv:
         v = online_softmax.finite_or_zero(v)
     qk = dot(query.q, k, cfg.precision, trans_b=True)                # [bq, bk]
-    t, capped = softmax.logits(qk, cfg, pair_tile(bias_ref))
-    t = t + online_softmax.per_row(load(key_poison_ref.at[cache_rows], key_ok), transposed=True)
-    return KeyTile(cols, key_ok, allowed, t, capped, k, v)
+    key_poison = online_softmax.per_row(load(key_poison_ref.at[cache_rows], key_ok), transposed=True)
+    s, capped = online_softmax.logits(qk, cfg, pair_tile(bias_ref), key_poison)
+    return KeyTile(cols, key_ok, allowed, s, capped, k, v)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,7 +78,6 @@ def _decode_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, key_p
     q = load(q_ref, row_ok, feature_ok)                                   # [R, Dp]
     query = common.QueryTile.create(q, (packed // groups)[:, None], row_ok, None, q_len, kv_len, offset)
     refs = (k_ref, v_ref, None, None, None, key_poison_ref)
-    softmax = online_softmax.Base2Softmax.create(cfg, False)
 
     def key_tile(j, carry):
         acc, row_max, row_sum = carry
@@ -87,9 +86,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, key_p
             first = j * block_k
             page = jnp.clip(table_ref[first // page_size], 0, k_ref.shape[0] - 1)  # never out of bounds
             page_slot = (page, first % page_size)
-        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, True,
+        tile = common.key_tile_logits(cfg, layout, query, refs, j, block_k, True,
                                       finite_kv=False, page_slot=page_slot)
-        rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, tile.t, tile.allowed)
+        rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, tile.s, tile.allowed,
+                                                                   base2=True)
         acc = rescale[:, None] * acc + common.dot(p.astype(tile.v.dtype), tile.v, cfg.precision)
         return acc, row_max, row_sum
 

@@ -3,8 +3,8 @@
 Each program keeps its query tile in registers and walks the key tiles that the mask
 structure allows (masking.kv_block_range), with a running row max m, a running sum l in m's
 scale and an fp32 output accumulator, rescaled whenever m grows; O and the row statistics
-(m and log l) are written once at the end. P is computed in base 2 with the scale folded in
-(online_softmax.Base2Softmax); the statistics written are the natural-log RowStats.
+(m and log l) are written once at the end. P is computed in base 2, the row max subtracted
+first (online_softmax.online_step); the statistics written are the natural-log RowStats.
 The last tiles may reach past Lq, Lk and D: their loads and stores are masked (layout.py).
 The non-finite rule (online_softmax), with no reduction in the kernel: XLA makes every query row
 that holds a non-finite value all NaN (q enters only S, whose select keeps the NaN at the
@@ -42,13 +42,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
     q_seg = None if q_seg_ref is None else load(q_seg_ref, query_ok)
     query = common.QueryTile.create(q, rows, query_ok, q_seg, q_len, kv_len, offset)
     refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref, key_poison_ref)
-    softmax = online_softmax.Base2Softmax.create(cfg, bias_ref is not None)
 
     def key_tile(j, carry, masked):
         acc, row_max, row_sum = carry
-        tile = common.key_tile_logits(cfg, layout, softmax, query, refs, j, block_k, masked,
-                                      finite_kv=False)
-        rescale, p, row_max, row_sum = softmax.step(row_max, row_sum, tile.t, tile.allowed)
+        tile = common.key_tile_logits(cfg, layout, query, refs, j, block_k, masked, finite_kv=False)
+        rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, tile.s, tile.allowed,
+                                                                   base2=True)
         keep = common.dropout_keep(cfg, seed, rows, tile.cols, dropout_offset_ref)
         p_drop = dropout_sinks.apply_dropout(p, keep, cfg.dropout_rate)
         acc = rescale[:, None] * acc + common.dot(p_drop.astype(tile.v.dtype), tile.v, cfg.precision)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from conformance import tolerance
-from jax_impl import BlockSizes
+from jax_impl import BlockSizes, explain_implementation, kv_cache
 from jax_impl.flash_attention import flash_attention
 from jax_impl.pallas_triton import heuristics
 from _flash_helpers import run_arrays, torch_arrays
@@ -261,6 +262,91 @@ def test_an_additive_neg_inf_bias_excludes_its_keys_from_a_nan_row_gradient(vari
     reference = _assert_oracle_nan_pattern(variant, q, k, v, ct, bias=bias)
     assert np.isnan(reference["dk"][0, :48, 1]).any(-1).all() and np.isfinite(reference["dk"][0, 48:]).all()
     assert np.isfinite(reference["dbias"][0, 1, :, 48:]).all()
+
+
+# --- 5c. huge logits: the row max cancels exactly ----------------------------------------------
+# q, k ~ N(0, 1) * sqrt(magnitude), D = 16, scale 1/4: the logits S = q.k / 4 are of order
+# `magnitude`, far apart, so each row's softmax is one-hot. The float32 exponent
+# S log2(e) - max log2(e) rounds its two terms apart (hundreds at 1e9): P of the max must come
+# out exactly 1, forward (else inf or 0: NaN, an empty row) and backward (else dv is off).
+# Up to the dtype's limit: float16 q and k near its largest values, bfloat16 logits near
+# float32's.
+
+HUGE_D = 16
+HUGE = [("float32", 1e3), ("float32", 1e6), ("float32", 1e9), ("float16", 1e8),
+        ("bfloat16", 1e9), ("bfloat16", 1e36)]
+HUGE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+HUGE_VARIANTS = {
+    "reference": dict(implementation="reference"),
+    "xla": dict(implementation="xla", block_sizes=BlockSizes(16, 16)),
+    "pallas_triton": dict(implementation="pallas_triton", block_sizes=BlockSizes(16, 16, 16, 16, 16, 16)),
+}
+
+
+def _huge_inputs(seed, dtype, magnitude, q_shape, kv_shape):
+    rng = np.random.default_rng(seed)
+    draw = lambda shape, size: (rng.standard_normal(shape) * size).astype(HUGE_DTYPES[dtype])
+    size = np.sqrt(magnitude)
+    return rng, draw(q_shape, size), draw(kv_shape, size), draw(kv_shape, 1.0), draw(q_shape, 1.0)
+
+
+def _assert_huge_logits_match_oracle(results, reference, plain, dtype, q, k, v, ct):
+    """No non-finite value, and within conformance's tolerance; for dq and dk that tolerance
+    gets a float32 floor. At a one-hot row dS = P (dP - delta) is the difference of two
+    float32 sums of the same products dO . v (delta = rowsum(dO * O) is summed outside the
+    kernels), which may round apart by D ulps: dq, dk = scale dS k reach scale |k| times that,
+    where the float64 oracle's dS cancels exactly (the plain 16-bit baseline's too)."""
+    largest = lambda *xs: max(float(np.abs(np.asarray(x, np.float64)).max()) for x in xs)
+    rounding = HUGE_D * np.finfo(np.float32).eps * HUGE_D ** -0.5 * largest(q, k) * \
+        HUGE_D * largest(ct) * largest(v)
+    for name in results:
+        bad = ~np.isfinite(results[name])
+        assert not bad.any(), f"{name}: {bad.sum()} NaN/inf"
+        verdict = tolerance.judge(name, results[name], reference[name], plain[name], dtype)
+        floor = rounding if name in ("dq", "dk") else 0.0
+        assert verdict.passed or verdict.error <= floor, (verdict, floor)
+
+
+@pytest.mark.parametrize("variant", HUGE_VARIANTS)
+@pytest.mark.parametrize("dtype, magnitude", HUGE, ids=[f"{d}-{m:.0e}" for d, m in HUGE])
+def test_huge_logits_give_the_oracles_output_and_gradients(variant, dtype, magnitude):
+    """Causal, GQA, two 16-wide tiles each way (a row max that grows from tile to tile)."""
+    _, q, k, v, ct = _huge_inputs(30, dtype, magnitude, (1, 32, 2, HUGE_D), (1, 32, 1, HUGE_D))
+    options = dict(HUGE_VARIANTS[variant])
+    results = run_arrays(q, k, v, ct, options.pop("implementation"), is_causal=True, **options)
+    _assert_huge_logits_match_oracle(results, torch_arrays(q, k, v, ct, is_causal=True),
+                                     torch_arrays(q, k, v, ct, dtype=HUGE_DTYPES[dtype], is_causal=True),
+                                     dtype, q, k, v, ct)
+
+
+def test_huge_logits_on_the_decode_path():
+    """Two query rows of 4 heads against 512 keys: pallas_triton's decode kernel (key runs that
+    XLA merges), with gradients (the backward from the merged RowStats)."""
+    dtype = "float32"
+    _, q, k, v, ct = _huge_inputs(31, dtype, 1e9, (1, 2, 4, HUGE_D), (1, 512, 2, HUGE_D))
+    kwargs = dict(is_causal=True, causal_alignment="bottom_right")
+    assert explain_implementation(q, k, v, implementation="pallas_triton", interpret=True,
+                                  **kwargs).path == "decode"
+    results = run_arrays(q, k, v, ct, "pallas_triton", **kwargs)
+    _assert_huge_logits_match_oracle(results, torch_arrays(q, k, v, ct, **kwargs),
+                                     torch_arrays(q, k, v, ct, dtype=HUGE_DTYPES[dtype], **kwargs),
+                                     dtype, q, k, v, ct)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+def test_huge_logits_on_a_paged_cache(implementation):
+    """bfloat16 logits near float32's limit, pages of 16 slots, shuffled; judged by the oracle
+    on the gathered dense cache."""
+    dtype, magnitude = "bfloat16", 1e36
+    _, q, k_pages, v_pages, ct = _huge_inputs(32, dtype, magnitude, (2, 1, 4, HUGE_D), (7, 16, 2, HUGE_D))
+    table = np.asarray(kv_cache.make_page_table(2, 3, num_pages=7, key=jax.random.key(32)))
+    extra = {"interpret": True} if implementation == "pallas_triton" else {}
+    out = flash_attention(q, k_pages, v_pages, page_table=table, implementation=implementation, **extra)
+    gathered = lambda pages: pages[table].reshape(2, 3 * 16, 2, HUGE_D)
+    expected = torch_arrays(q, gathered(k_pages), gathered(v_pages), ct)["out"]
+    out = np.asarray(out, np.float64)
+    assert np.all(np.isfinite(out)), f"{np.sum(~np.isfinite(out))} NaN/inf"
+    np.testing.assert_allclose(out, expected, rtol=0, atol=float(np.finfo(HUGE_DTYPES[dtype]).eps))
 
 
 # --- 6. every JAX transformation of the default implementation -------------------------------

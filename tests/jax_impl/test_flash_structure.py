@@ -260,7 +260,7 @@ def test_gpu_only_precision_lowers_for_cuda_through_xla():
     assert algorithms and set(algorithms) == {("tf32", "3")}
 
 
-# P = exp2(t * c - m2): jnp.exp2 lowers to Triton's math.exp2 or, for float32 on this JAX, to
+# P = exp2((S - m) * log2(e)): jnp.exp2 lowers to Triton's math.exp2 or, for float32 on this JAX, to
 # libdevice's __nv_exp2f; both are one PTX ex2.approx. exp (__nv_expf or math.exp) costs a
 # range reduction of about ten instructions around the same ex2.approx.
 EXP2 = re.compile(r'math\.exp2 |symbol = "__nv_exp2f"')

@@ -327,6 +327,28 @@ def test_tiles_stages_and_a_persistent_loop_of_many_items(monkeypatch, config, i
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("dtype, magnitude", [("float16", 1e8), ("bfloat16", 1e9), ("bfloat16", 1e36)],
+                         ids=["fp16-1e8", "bf16-1e9", "bf16-1e36"])
+def test_huge_logits_give_the_oracles_output(dtype, magnitude, interpret):
+    """q, k ~ N(0, 1) * sqrt(magnitude), D=64: logits q.k / 8 of order ``magnitude`` (up to
+    float16's largest inputs and float32's largest logits), far apart: one-hot rows. The row max
+    is subtracted before the multiply by log2(e) (online_softmax.online_step), so the max's P is
+    exactly 1 (S log2(e) - max log2(e) rounds its terms hundreds apart: inf, NaN rows)."""
+    rng = np.random.default_rng(48)
+    numpy_dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    draw = lambda shape, size: (rng.standard_normal(shape) * size).astype(numpy_dtype)
+    size = np.sqrt(magnitude)
+    q, k, v = draw((1, 70, 2, 64), size), draw((1, 130, 1, 64), size), draw((1, 130, 1, 64), 1.0)
+    out = flash_attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                          implementation="mosaic_gpu", interpret=interpret)
+    out = np.asarray(out, np.float64)
+    expected = torch_arrays(q, k, v, draw(q.shape, 1.0), is_causal=True,
+                            causal_alignment="bottom_right")["out"]
+    assert np.all(np.isfinite(out)), f"{np.sum(~np.isfinite(out))} NaN/inf"
+    np.testing.assert_allclose(out, expected, rtol=0, atol=float(np.finfo(numpy_dtype).eps))
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
 def test_row_stats_are_the_contract_and_repeat_bit_for_bit(interpret):
     """RowStats as every backend writes them: rows with no allowed key (past q_len, a window
     that misses every key) have max = +inf and log_sum = 0 exactly and output 0; the others
