@@ -1,6 +1,6 @@
 """The decode path (few query rows against a long cache: xla.decode's split-K with query-group
 packing), chosen by the dispatcher, judged by torch_ref.manual_attention in float64 (forward,
-and gradients through the regular backward from the decode forward's RowStats)."""
+and gradients: differentiated, the regular forward and backward run)."""
 from __future__ import annotations
 
 import re

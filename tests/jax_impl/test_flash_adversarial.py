@@ -319,16 +319,21 @@ def test_huge_logits_give_the_oracles_output_and_gradients(variant, dtype, magni
                                      dtype, q, k, v, ct)
 
 
-def test_huge_logits_on_the_decode_path():
-    """Two query rows of 4 heads against 512 keys: pallas_triton's decode kernel (key runs that
-    XLA merges), with gradients (the backward from the merged RowStats)."""
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton", "cpu"])
+def test_huge_logits_on_the_decode_path(implementation):
+    """Two query rows of 4 heads against 512 keys: the decode path (split over the keys, runs
+    merged), its output alone and with gradients (differentiated, the regular forward runs, so
+    the backward recomputes the same logits)."""
     dtype = "float32"
     _, q, k, v, ct = _huge_inputs(31, dtype, 1e9, (1, 2, 4, HUGE_D), (1, 512, 2, HUGE_D))
     kwargs = dict(is_causal=True, causal_alignment="bottom_right")
-    assert explain_implementation(q, k, v, implementation="pallas_triton", interpret=True,
-                                  **kwargs).path == "decode"
-    results = run_arrays(q, k, v, ct, "pallas_triton", **kwargs)
-    _assert_huge_logits_match_oracle(results, torch_arrays(q, k, v, ct, **kwargs),
+    extra = {"interpret": True} if implementation == "pallas_triton" else {}
+    assert explain_implementation(q, k, v, implementation=implementation, **extra, **kwargs).path == "decode"
+    expected = torch_arrays(q, k, v, ct, **kwargs)
+    out = np.asarray(flash_attention(q, k, v, implementation=implementation, **extra, **kwargs), np.float64)
+    np.testing.assert_allclose(out, expected["out"], rtol=0, atol=float(np.finfo(np.float32).eps))
+    results = run_arrays(q, k, v, ct, implementation, **kwargs)
+    _assert_huge_logits_match_oracle(results, expected,
                                      torch_arrays(q, k, v, ct, dtype=HUGE_DTYPES[dtype], **kwargs),
                                      dtype, q, k, v, ct)
 
