@@ -266,9 +266,11 @@ struct Problem {
     return q_seg == nullptr && !mask && i1 <= qlen(b) && j1 <= kvlen(b) &&
            j0 - (i1 - 1) >= d_lo[b] && (j1 - 1) - i0 <= d_hi[b];
   }
-  // How the logits are held in a tile (online_softmax.Base2Softmax): without a bias, unscaled
-  // (q.k, or the soft cap's tanh) so each exponent is one multiply-add; with one, as S itself.
-  bool folded() const { return !bias; }
+  // How the forward and decode hold a tile's logits: without a bias unscaled (q.k, or the soft
+  // cap's tanh), S = t * unit; with one, as S itself (unit 1). The row max is subtracted in
+  // that domain before the multiply by unit * log2(e): the max's own exponent is exactly 0
+  // and every other one <= 0 at any magnitude (at |S| ~ 1e9 the two roundings of
+  // t * unit * log2(e) - max * log2(e) lie hundreds apart).
   float unit() const { return bias ? 1.0f : soft_cap > 0.0f ? soft_cap : scale; }
   float kept_scale() const { return static_cast<float>(1.0 / (1.0 - double{dropout_rate})); }
   uint32_t keep_threshold() const {
@@ -367,18 +369,22 @@ struct Poison {
 };
 
 // Logits of one tile row: t holds q.k (unscaled) of query row i against keys [j0, j0 + n);
-// turned in place into the tile's logits as Problem::folded says (the soft cap's tanh, or S
-// with the bias); `capped` (when not null) receives the tanh for the soft cap's gradient.
+// turned in place into S (`scaled`: the backward, whose statistics are S's) or else into the
+// domain Problem::unit describes (the soft cap's tanh, or S with the bias); `capped` (when
+// not null) receives the tanh for the soft cap's gradient. S is stored here, apart from the
+// max's subtraction, so that no multiply-add fuses the two (S = fl(t * unit) as the forward's
+// max = fl(t_max * unit)).
 inline void RowLogits(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
-                      float* t, float* capped) {
-  if (P.soft_cap == 0.0f && !P.bias) return;
+                      float* t, float* capped, bool scaled) {
+  if (P.soft_cap == 0.0f && !P.bias && !scaled) return;
   const float* bias = P.bias ? P.bias.at(b, h) + i * P.Lk + j0 : nullptr;
   const float cap = P.soft_cap, inner = cap > 0.0f ? P.scale / cap : 0.0f;
+  const bool to_s = scaled || bias;
   // -> (logit, tanh) of raw products x
   auto logit = [&](vf x, vf bias_v, vf* th) {
     if (cap > 0.0f) {
       *th = tanhv(x * inner);
-      x = bias ? *th * cap : *th;
+      x = to_s ? *th * cap : *th;
     } else {
       x = x * P.scale;
     }
@@ -429,22 +435,19 @@ inline float RowMax(const float* row, int64_t n) {
   return m;
 }
 
-// row[c] = 2^((row[c] - sub) * mult + shift) for c < n, 0 for n <= c < nw; returns their sum.
-// Folded logits take sub = 0 (one multiply-add each); S with a bias subtracts the row max
-// first, so that a logit of -1e9 keeps its digits (online_softmax.Base2Softmax).
-template <bool kSubtract>
-inline float ExpRow(float* row, int64_t n, int64_t nw, float sub, float mult, float shift) {
-  vf sum = splat(0.0f), vm = splat(mult), vs = splat(shift), vsub = splat(sub);
+// row[c] = 2^((row[c] - max) * mult) for c < n, 0 for n <= c < nw; returns their sum. The
+// row max is subtracted first (exact near it), so that logits of 1e9 keep their digits.
+inline float ExpRow(float* row, int64_t n, int64_t nw, float max, float mult) {
+  vf sum = splat(0.0f), vm = splat(mult), vmax = splat(max);
   int64_t c = 0;
   for (; c + W <= n; c += W) {
-    vf x = load(row + c);
-    vf p = exp2v((kSubtract ? x - vsub : x) * vm + vs);
+    vf p = exp2v((load(row + c) - vmax) * vm);
     store(row + c, p);
     sum += p;
   }
   float total = 0.0f;
   for (; c < n; ++c) {
-    row[c] = exp2s((kSubtract ? row[c] - sub : row[c]) * mult + shift);
+    row[c] = exp2s((row[c] - max) * mult);
     total += row[c];
   }
   for (; c < nw; ++c) row[c] = 0.0f;
@@ -452,18 +455,19 @@ inline float ExpRow(float* row, int64_t n, int64_t nw, float sub, float mult, fl
   return total;
 }
 
-// One backward tile row, its logits and mask applied (excluded pairs at -inf): P recomputed
-// from the forward's statistics, 2^((x - sub) * mult + shift); P and dS = P (dP - delta) are
-// exactly 0 at an excluded pair, whatever the statistics and delta of a NaN row hold (a NaN
-// row reaches only the keys it attends);
+// One backward tile row, its logits S and mask applied (excluded pairs at -inf): P recomputed
+// from the forward's statistics, 2^((S - max) * log2(e) - log_sum * log2(e)) (the max
+// subtracted first, as the forward did); P and dS = P (dP - delta) are exactly 0 at an
+// excluded pair, whatever the statistics and delta of a NaN row hold (a NaN row reaches only
+// the keys it attends);
 // d(q.k) = dS times the soft cap's derivative 1 - tanh^2 (`capped`: the tanh row) when `cap`.
 // Leaves P in t, d(q.k) in dp, dS in dbias (unless null); dp arrives dropped (dropout).
-template <bool kSubtract>
 inline void GradientRow(int64_t n, int64_t nw, float* t, float* dp, const float* capped,
-                        float* dbias, float sub, float mult, float shift, float delta, bool cap) {
+                        float* dbias, float max, float log_sum, float delta, bool cap) {
+  const float shift = -log_sum * LOG2_E;
   auto step = [&](vf x, vf dpv, vf cv, vf* dqk) {
     vi excluded = x == NEG_INF;
-    vf p = select(excluded, splat(0.0f), exp2v((kSubtract ? x - sub : x) * mult + shift));
+    vf p = select(excluded, splat(0.0f), exp2v((x - max) * LOG2_E + shift));
     vf ds = select(excluded, splat(0.0f), p * (dpv - delta));
     *dqk = cap ? select(excluded, splat(0.0f), ds * (1.0f - cv * cv)) : ds;
     return std::pair<vf, vf>(p, ds);
@@ -492,6 +496,36 @@ struct TileScratch {
   std::vector<uint8_t> q_bad, k_bad, v_bad;
 };
 
+// A row's end, in the forward and decode: `parts` partial results (part(p) -> Partial: the
+// max of its logits S, -inf where it saw none; its sum and unnormalised acc [D], relative to
+// that max) and the sink as one more term, combined by log-sum-exp in part order; writes the
+// output row o [D] and the RowStats (an empty row: 0 and max +inf, log_sum 0).
+struct Partial {
+  float max, sum;
+  const float* acc;
+};
+template <typename Parts>
+inline void FinishRow(int64_t parts, Parts part, float sink, int64_t D, float* o, float* row_max,
+                      float* log_sum) {
+  float mx = sink;
+  for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part(p).max);
+  const float safe = mx == NEG_INF ? 0.0f : mx;
+  float l = sink > NEG_INF ? exp2s((sink - safe) * LOG2_E) : 0.0f;
+  std::fill(o, o + D, 0.0f);
+  for (int64_t p = 0; p < parts; ++p) {
+    // 0 for a part that saw no finite logit (its max -inf): 0 times its sum keeps a NaN.
+    const Partial x = part(p);
+    const float w = exp2s((x.max - safe) * LOG2_E);
+    l += w * x.sum;
+    for (int64_t d = 0; d < D; ++d) o[d] += w * x.acc[d];
+  }
+  const bool empty = l == 0.0f;  // a NaN sum is not empty: the row's output is NaN
+  const float inv = empty ? 0.0f : 1.0f / l;
+  for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : o[d] * inv;
+  *row_max = empty ? INFINITY : mx;
+  *log_sum = empty ? 0.0f : std::log(l);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward: one item per (b, hq, query tile). q [B, Lq, Hq, D] as given; k as K^T panels
 // kt [B, Hkv, Lk_pad / PW, D, PW] and v head-major [B, Hkv, Lk, D] (XLA lays them out once per
@@ -501,8 +535,7 @@ template <typename Pool>
 void Forward(const Problem& P, const float* q, const float* kt, const float* v, int64_t lk_pad,
              float* out, float* row_max, float* log_sum, int64_t bq, int64_t bk, Pool& pool) {
   const int64_t D = P.D, q_tiles = (P.Lq + bq - 1) / bq, ldt = round_up(bk, PW);
-  const bool folded = P.folded();
-  const float unit = P.unit(), mult = folded ? unit * LOG2_E : LOG2_E;
+  const float unit = P.unit(), mult = unit * LOG2_E;
   const float kept = P.kept_scale();
   const uint32_t threshold = P.keep_threshold();
   auto run = [&](int64_t item) {
@@ -517,9 +550,9 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
     s.q.resize(bq * D); s.kt.resize(D * ldt); s.v.resize(bk * D); s.t.resize(bq * ldt);
     s.acc.assign(bq * D, 0.0f);
     s.q_bad.resize(bq); s.k_bad.resize(ldt); s.v_bad.resize(bk);
-    // The online softmax starts from (m, l) = (-inf, 0), or (sink, 1) with a sink.
-    const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
-    std::vector<float> mx(m, sink), l(m, sink > NEG_INF ? 1.0f : 0.0f);
+    // The online softmax starts from (m, l) = (-inf, 0), its max in the tile's domain (see
+    // Problem::unit); the sink joins at the end (FinishRow).
+    std::vector<float> mx(m, NEG_INF), l(m, 0.0f);
     const uint32_t seed = P.dropout_rate > 0.0f ? *P.seeds.at(b, h) : 0;
     const uint8_t* q_bad = BadRowFlags(qa_raw, q_stride, m, D, s.q_bad.data());
     Span keys = P.KeySpan(b, i0, i1, bk);
@@ -550,17 +583,13 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       Gemm(m, nw, D, qa, qa_r, 1, k_panels, PW, D * PW, t, ldt, false);  // t = q k^T
       for (int64_t r = 0; r < m; ++r) {
         float* tr = t + r * ldt;
-        RowLogits(P, b, h, i0 + r, j0, n, tr, nullptr);
+        RowLogits(P, b, h, i0 + r, j0, n, tr, nullptr, false);
         if (masked) MaskRow(P, b, h, i0 + r, j0, n, tr, poison.q && poison.q[r], poison);
-        // Online softmax in base 2 with the natural-log running max that RowStats keeps:
-        // folded, p = 2^(t * unit * log2(e) - m2) with m2 = max * log2(e); else
-        // p = 2^((S - max) * log2(e)).
-        float new_max = std::max(mx[r], RowMax(tr, n) * unit);
+        // Online softmax in base 2: p = 2^((t - max) * unit * log2(e)).
+        float new_max = std::max(mx[r], RowMax(tr, n));
         float safe_max = new_max == NEG_INF ? 0.0f : new_max;  // no finite logit yet
-        float rescale = folded ? exp2s(mx[r] * LOG2_E - safe_max * LOG2_E)  // 0 while mx is -inf
-                               : exp2s((mx[r] - safe_max) * LOG2_E);
-        l[r] = rescale * l[r] + (folded ? ExpRow<false>(tr, n, nw, 0.0f, mult, -(safe_max * LOG2_E))
-                                        : ExpRow<true>(tr, n, nw, safe_max, mult, 0.0f));
+        float rescale = exp2s((mx[r] - safe_max) * mult);  // 0 while mx is -inf
+        l[r] = rescale * l[r] + ExpRow(tr, n, nw, safe_max, mult);
         mx[r] = new_max;
         if (P.dropout_rate > 0.0f)  // on P where it meets V; the sum keeps every p
           DropRow(seed, RowKey(seed, i0 + r), j0, n, threshold, kept, tr);
@@ -571,15 +600,13 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       }
       Gemm(m, D, n, t, ldt, 1, v_rows, D, PW, s.acc.data(), D, true);  // acc += p v
     }
+    const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
     for (int64_t r = 0; r < m; ++r) {
-      bool empty = l[r] == 0.0f;  // a NaN sum is not empty: the row's output is NaN
-      float inv = empty ? 0.0f : 1.0f / l[r];
+      // The row's max as S: fl(t_max * unit), the product the backward's S takes at that key.
+      const Partial row{mx[r] * unit, l[r], s.acc.data() + r * D};
+      const int64_t st = (b * P.Hq + h) * P.Lq + i0 + r;
       float* o = out + ((b * P.Lq + i0 + r) * P.Hq + h) * D;
-      const float* a = s.acc.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : a[d] * inv;
-      int64_t st = (b * P.Hq + h) * P.Lq + i0 + r;
-      row_max[st] = empty ? INFINITY : mx[r];
-      log_sum[st] = empty ? 0.0f : std::log(l[r]);
+      FinishRow(1, [&](int64_t) { return row; }, sink, D, o, row_max + st, log_sum + st);
     }
   };
   ParallelFor(pool, P.B * P.Hq * q_tiles, run);
@@ -597,8 +624,7 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
               float* dk, float* dv, float* dbias, int64_t bq, int64_t bk, int64_t chunks,
               Pool& pool) {
   const int64_t D = P.D, G = P.groups(), k_tiles = (P.Lk + bk - 1) / bk, ldt = round_up(bk, PW);
-  const bool folded = P.folded(), cap = P.soft_cap > 0.0f, capped_apart = cap && P.bias;
-  const float mult = folded ? P.unit() * LOG2_E : LOG2_E;
+  const bool cap = P.soft_cap > 0.0f;
   const float kept = P.kept_scale();
   const uint32_t threshold = P.keep_threshold();
   const int64_t dq_size = P.B * P.Hq * P.Lq * D;
@@ -608,7 +634,7 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
     const float* kh = k + bh * P.Lk * D;
     const float* vh = v + bh * P.Lk * D;
     s.kt.resize(D * ldt); s.vt.resize(D * ldt); s.t.resize(bq * ldt); s.dp.resize(bq * ldt);
-    if (capped_apart) s.capped.resize(bq * ldt);
+    if (cap) s.capped.resize(bq * ldt);
     s.q.resize(bq * D); s.k.resize(bk * D); s.acc.resize(2 * bk * D);
     s.q_bad.resize(bq); s.k_bad.resize(bk); s.v_bad.resize(bk);
     for (int64_t tile = chunk; tile < k_tiles; tile += chunks) {
@@ -656,18 +682,14 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
             const int64_t i = i0 + r;
             float* tr = t + r * ldt;
             float* dpr = dp + r * ldt;
-            float* cr = capped_apart ? s.capped.data() + r * ldt : tr;  // the soft cap's tanh
-            RowLogits(P, b, h, i, j0, n, tr, capped_apart ? cr : nullptr);
+            float* cr = cap ? s.capped.data() + r * ldt : nullptr;  // the soft cap's tanh
+            RowLogits(P, b, h, i, j0, n, tr, cr, true);
             if (masked) MaskRow(P, b, h, i, j0, n, tr, poison.q && poison.q[r], poison);
             if (P.dropout_rate > 0.0f)  // dP reaches P through the forward's dropout mask
               DropRow(seed, RowKey(seed, i), j0, n, threshold, kept, dpr);
-            const float mx = row_max[row0 + i], ls = log_sum[row0 + i] * LOG2_E;
             float* dbr = dbias == nullptr ? nullptr : dbias + (row0 + i) * P.Lk + j0;
-            if (folded)  // P = 2^(t * mult - m2 - log_sum * log2(e)), m2 the forward's
-              GradientRow<false>(n, nw, tr, dpr, cr, dbr, 0.0f, mult, -(mx * LOG2_E) - ls,
-                                 delta[row0 + i], cap);
-            else  // P = 2^((S - max) * log2(e) - log_sum * log2(e))
-              GradientRow<true>(n, nw, tr, dpr, cr, dbr, mx, mult, -ls, delta[row0 + i], cap);
+            GradientRow(n, nw, tr, dpr, cr, dbr, row_max[row0 + i], log_sum[row0 + i],
+                        delta[row0 + i], cap);
             if (P.dropout_rate > 0.0f)  // dV = P_dropped^T dO
               DropRow(seed, RowKey(seed, i), j0, n, threshold, kept, tr);
           }
@@ -968,7 +990,7 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
   static thread_local DecodeScratch s;
   const int64_t G = P.groups(), M = G * P.Lq, HM = P.Hkv * M, Dp = P.D, Dk = cache.Dk;
   const int64_t bk = DECODE_BLOCK_K, ldt = round_up(bk, W);
-  const float unit = P.unit(), mult = unit * LOG2_E;  // no bias on this path: logits folded
+  const float unit = P.unit(), mult = unit * LOG2_E;  // no bias on this path: t unscaled
   // Rows read in place when they already are float32 rows of Dp floats; else converted.
   const bool in_place = cache.type == CacheType::kF32 && Dk == Dp;
   s.q.resize(HM * Dp); s.t.resize(M * ldt); s.krow.resize(bk); s.vrow.resize(bk);
@@ -1062,15 +1084,15 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
       for (int64_t r = 0; r < M; ++r) {
         const int64_t g = r / P.Lq, i = r % P.Lq, h = hk * G + g;
         float* tr = t + r * ldt;
-        RowLogits(P, b, h, i, j0, n, tr, nullptr);
+        RowLogits(P, b, h, i, j0, n, tr, nullptr, false);
         if (masked) MaskRow(P, b, h, i, j0, n, tr, head_q_bad != nullptr && head_q_bad[r], poison);
-        // The forward's online softmax (natural-log max kept, base-2 exponentials).
+        // The forward's online softmax (its max in the tile's domain until the split's end).
         float& mx = part_max[hk * M + r];
         float& sum = part_sum[hk * M + r];
-        const float new_max = std::max(mx, RowMax(tr, n) * unit);
+        const float new_max = std::max(mx, RowMax(tr, n));
         const float safe_max = new_max == NEG_INF ? 0.0f : new_max;
-        const float rescale = exp2s(mx * LOG2_E - safe_max * LOG2_E);  // 0 while mx is -inf
-        sum = rescale * sum + ExpRow<false>(tr, n, nw, 0.0f, mult, -(safe_max * LOG2_E));
+        const float rescale = exp2s((mx - safe_max) * mult);  // 0 while mx is -inf
+        sum = rescale * sum + ExpRow(tr, n, nw, safe_max, mult);
         mx = new_max;
         if (rescale != 1.0f) {
           float* a = acc + r * Dp;
@@ -1080,6 +1102,7 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
       DecodeValues(M, n, Dp, t, ldt, s.vrow.data(), acc);
     }
   }
+  for (int64_t hr = 0; hr < HM; ++hr) part_max[hr] *= unit;  // as S, as DecodeMerge takes it
 }
 
 // Merges the splits of batch row b in split order (log-sum-exp), the sink as one more term,
@@ -1092,26 +1115,13 @@ inline void DecodeMerge(const Problem& P, int64_t splits, const float* part_acc,
   for (int64_t hr = 0; hr < HM; ++hr) {
     const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq, h = hk * G + g;
     const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
-    auto at = [&](int64_t split) { return (b * splits + split) * HM + hr; };
-    float mx = sink;
-    for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, part_max[at(sp)]);
-    const float safe = mx == NEG_INF ? 0.0f : mx;
-    float l = sink > NEG_INF ? exp2s((sink - safe) * LOG2_E) : 0.0f;
-    float* o = out + ((b * P.Lq + i) * P.Hq + h) * Dp;
-    std::fill(o, o + Dp, 0.0f);
-    for (int64_t sp = 0; sp < splits; ++sp) {
-      // 0 for a split that saw no finite logit (its max -inf): 0 times its sum keeps a NaN.
-      const float w = exp2s(part_max[at(sp)] * LOG2_E - safe * LOG2_E);
-      l += w * part_sum[at(sp)];
-      const float* a = part_acc + at(sp) * Dp;
-      for (int64_t d = 0; d < Dp; ++d) o[d] += w * a[d];
-    }
-    const bool empty = l == 0.0f;  // a NaN sum is not empty: the row's output is NaN
-    const float inv = empty ? 0.0f : 1.0f / l;
-    for (int64_t d = 0; d < Dp; ++d) o[d] = empty ? 0.0f : o[d] * inv;
+    auto part = [&](int64_t split) {
+      const int64_t at = (b * splits + split) * HM + hr;
+      return Partial{part_max[at], part_sum[at], part_acc + at * Dp};
+    };
     const int64_t st = (b * P.Hq + h) * P.Lq + i;
-    row_max[st] = empty ? INFINITY : mx;
-    log_sum[st] = empty ? 0.0f : std::log(l);
+    FinishRow(splits, part, sink, Dp, out + ((b * P.Lq + i) * P.Hq + h) * Dp, row_max + st,
+              log_sum + st);
   }
 }
 
