@@ -33,6 +33,11 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 // Invariants of the tile ranges and buffer offsets, checked in the sanitizer build (build.py
 // defines FLASH_CPU_CHECKS there): a broken one aborts with its line instead of reading on.
@@ -70,6 +75,21 @@ inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return x - vf{}; }  // x - 0 folds to a broadcast (x + 0 would not: -0)
 inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
+// a * b + c, one rounding where the target has FMA (else two), in every shape of the
+// microkernel: the compiler's own contraction varies with the shape (GCC 12 left micro<1, 1>
+// a multiply and an add), and the backward's logits must equal the forward's bit for bit
+// (at |S| ~ 1e9 one ulp is e^64 in P).
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);  // W = 8: -mfma implies AVX
+#elif defined(__aarch64__)
+  return vfmaq_f32(c, a, b);
+#else
+  return a * b + c;  // no FMA instruction: nothing to contract into
+#endif
+}
 
 constexpr float LOG2_E = 1.4426950408889634f;
 constexpr float NEG_INF = -INFINITY;
@@ -136,7 +156,7 @@ void micro(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, in
     for (int c = 0; c < N; ++c) b[c] = load(B + k * ldb + c * W);
     for (int r = 0; r < M; ++r) {
       vf a = splat(A[r * ar + k * ak]);
-      for (int c = 0; c < N; ++c) acc[r][c] += a * b[c];
+      for (int c = 0; c < N; ++c) acc[r][c] = fmadd(a, b[c], acc[r][c]);
     }
   }
   for (int r = 0; r < M; ++r)
@@ -499,16 +519,21 @@ struct TileScratch {
 // A row's end, in the forward and decode: `parts` partial results (part(p) -> Partial: the
 // max of its logits S, -inf where it saw none; its sum and unnormalised acc [D], relative to
 // that max) and the sink as one more term, combined by log-sum-exp in part order; writes the
-// output row o [D] and the RowStats (an empty row: 0 and max +inf, log_sum 0).
+// output row o [D] and the RowStats (an empty row: 0 and max +inf, log_sum 0), whose max is
+// the winning part's `stats_max`.
 struct Partial {
   float max, sum;
   const float* acc;
+  float stats_max;  // the max as the backward's S takes it (decode: summed in its order)
 };
 template <typename Parts>
 inline void FinishRow(int64_t parts, Parts part, float sink, int64_t D, float* o, float* row_max,
                       float* log_sum) {
-  float mx = sink;
-  for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part(p).max);
+  float mx = sink, stats_max = sink;
+  for (int64_t p = 0; p < parts; ++p) {
+    const Partial x = part(p);
+    if (x.max > mx) mx = x.max, stats_max = x.stats_max;
+  }
   const float safe = mx == NEG_INF ? 0.0f : mx;
   float l = sink > NEG_INF ? exp2s((sink - safe) * LOG2_E) : 0.0f;
   std::fill(o, o + D, 0.0f);
@@ -522,7 +547,7 @@ inline void FinishRow(int64_t parts, Parts part, float sink, int64_t D, float* o
   const bool empty = l == 0.0f;  // a NaN sum is not empty: the row's output is NaN
   const float inv = empty ? 0.0f : 1.0f / l;
   for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : o[d] * inv;
-  *row_max = empty ? INFINITY : mx;
+  *row_max = empty ? INFINITY : stats_max;
   *log_sum = empty ? 0.0f : std::log(l);
 }
 
@@ -603,7 +628,7 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
     const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
     for (int64_t r = 0; r < m; ++r) {
       // The row's max as S: fl(t_max * unit), the product the backward's S takes at that key.
-      const Partial row{mx[r] * unit, l[r], s.acc.data() + r * D};
+      const Partial row{mx[r] * unit, l[r], s.acc.data() + r * D, mx[r] * unit};
       const int64_t st = (b * P.Hq + h) * P.Lq + i0 + r;
       float* o = out + ((b * P.Lq + i0 + r) * P.Hq + h) * D;
       FinishRow(1, [&](int64_t) { return row; }, sink, D, o, row_max + st, log_sum + st);
@@ -968,7 +993,9 @@ constexpr int64_t DECODE_BLOCK_K = 32;
 
 struct DecodeScratch {
   std::vector<float> q, k, v, k_clean, v_clean, t;  // k, v: [Hkv, bk, Dp] converted rows
+  std::vector<float> key_panel, dot;  // one key as a K^T panel [Dp, W] (lane 0), its logits
   std::vector<int64_t> key_offset, next_offset;  // kv head 0's row of each key
+  std::vector<int64_t> max_key;  // [Hkv * M] the key of each row's running max, -1: none
   std::vector<const float*> krow, vrow;
   std::vector<uint8_t> q_bad, k_bad, v_bad;
 };
@@ -986,7 +1013,7 @@ inline Span DecodeSplitRange(const Problem& P, int64_t b, int64_t split, int64_t
 // hk * G + g, query row i. q [B, Lq, Hq, Dp] float32.
 template <typename T>
 void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t b, Span keys,
-                 float* part_acc, float* part_max, float* part_sum) {
+                 float* part_acc, float* part_max, float* part_sum, float* part_stats_max) {
   static thread_local DecodeScratch s;
   const int64_t G = P.groups(), M = G * P.Lq, HM = P.Hkv * M, Dp = P.D, Dk = cache.Dk;
   const int64_t bk = DECODE_BLOCK_K, ldt = round_up(bk, W);
@@ -999,13 +1026,14 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
     s.v.resize(P.Hkv * bk * Dp);
   }
   s.k_clean.resize(bk * Dp); s.v_clean.resize(bk * Dp); s.key_offset.resize(bk); s.next_offset.resize(bk);
-  s.q_bad.resize(HM); s.k_bad.resize(bk); s.v_bad.resize(bk);
+  s.q_bad.resize(HM); s.k_bad.resize(bk); s.v_bad.resize(bk); s.max_key.resize(HM);
   std::fill(part_acc, part_acc + HM * Dp, 0.0f);
   for (int64_t hr = 0; hr < HM; ++hr) {
     const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq;
     std::memcpy(s.q.data() + hr * Dp, q + ((b * P.Lq + i) * P.Hq + hk * G + g) * Dp, Dp * sizeof(float));
     part_max[hr] = NEG_INF;
     part_sum[hr] = 0.0f;
+    s.max_key[hr] = -1;
   }
   // The non-finite rule: bad query rows are flagged and computed with as 0.
   const uint8_t* q_bad = BadRows(s.q.data(), Dp, HM, Dp, s.q_bad.data()) ? s.q_bad.data() : nullptr;
@@ -1089,7 +1117,9 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
         // The forward's online softmax (its max in the tile's domain until the split's end).
         float& mx = part_max[hk * M + r];
         float& sum = part_sum[hk * M + r];
-        const float new_max = std::max(mx, RowMax(tr, n));
+        const float tile_max = RowMax(tr, n);
+        if (tile_max > mx) s.max_key[hk * M + r] = j0 + (std::find(tr, tr + n, tile_max) - tr);
+        const float new_max = std::max(mx, tile_max);
         const float safe_max = new_max == NEG_INF ? 0.0f : new_max;
         const float rescale = exp2s((mx - safe_max) * mult);  // 0 while mx is -inf
         sum = rescale * sum + ExpRow(tr, n, nw, safe_max, mult);
@@ -1102,22 +1132,41 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
       DecodeValues(M, n, Dp, t, ldt, s.vrow.data(), acc);
     }
   }
-  for (int64_t hr = 0; hr < HM; ++hr) part_max[hr] *= unit;  // as S, as DecodeMerge takes it
+  // The RowStats' max: the max key's logit recomputed by the backward's product (Gemm: the
+  // same sum, in the same order, as its S there), since these dot products sum in another
+  // order and at |S| ~ 1e9 one ulp apart is e^64 in the backward's P. The softmax here keeps
+  // its own max (the partial sums are relative to it).
+  s.key_panel.assign(Dp * W, 0.0f); s.dot.resize(W);
+  for (int64_t hr = 0; hr < HM; ++hr) {
+    part_max[hr] *= unit;  // as S, as DecodeMerge takes it
+    part_stats_max[hr] = part_max[hr];
+    const int64_t j = s.max_key[hr];
+    if (j < 0) continue;
+    const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq;
+    int64_t off;
+    cache.rows(P, b, j, 1, &off);
+    for (int64_t d = 0; d < Dk; ++d) s.key_panel[d * W] = ToFloat<T>(kc[off + hk * Dk + d]);
+    Gemm(1, W, Dp, s.q.data() + hr * Dp, 0, 1, s.key_panel.data(), W, Dp * W, s.dot.data(), W,
+         false);
+    RowLogits(P, b, hk * G + g, i, j, 1, s.dot.data(), nullptr, false);
+    part_stats_max[hr] = s.dot[0] * unit;
+  }
 }
 
 // Merges the splits of batch row b in split order (log-sum-exp), the sink as one more term,
 // and writes out [B, Lq, Hq, Dp], row_max, log_sum [B, Hq, Lq] as the forward does.
 // part_* hold [B, splits, Hkv, M, (Dp)].
 inline void DecodeMerge(const Problem& P, int64_t splits, const float* part_acc,
-                        const float* part_max, const float* part_sum, int64_t b, float* out,
-                        float* row_max, float* log_sum) {
+                        const float* part_max, const float* part_sum,
+                        const float* part_stats_max, int64_t b, float* out, float* row_max,
+                        float* log_sum) {
   const int64_t G = P.groups(), M = G * P.Lq, HM = P.Hkv * M, Dp = P.D;
   for (int64_t hr = 0; hr < HM; ++hr) {
     const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq, h = hk * G + g;
     const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
     auto part = [&](int64_t split) {
       const int64_t at = (b * splits + split) * HM + hr;
-      return Partial{part_max[at], part_sum[at], part_acc + at * Dp};
+      return Partial{part_max[at], part_sum[at], part_acc + at * Dp, part_stats_max[at]};
     };
     const int64_t st = (b * P.Hq + h) * P.Lq + i;
     FinishRow(splits, part, sink, Dp, out + ((b * P.Lq + i) * P.Hq + h) * Dp, row_max + st,
@@ -1131,23 +1180,31 @@ template <typename Pool>
 void Decode(const Problem& P, const KvCache& cache, const float* q, float* out, float* row_max,
             float* log_sum, int64_t splits, Pool& pool) {
   const int64_t HM = P.Hkv * P.groups() * P.Lq, items = P.B * splits;
-  std::vector<float> part_acc(items * HM * P.D), part_max(items * HM), part_sum(items * HM);
+  std::vector<float> part_acc(items * HM * P.D), part_max(items * HM), part_sum(items * HM),
+      part_stats_max(items * HM);
   auto run = [&](int64_t item) {
     const int64_t b = item / splits;
     const Span keys = DecodeSplitRange(P, b, item % splits, splits);
     float* acc = part_acc.data() + item * HM * P.D;
     float* mx = part_max.data() + item * HM;
     float* sum = part_sum.data() + item * HM;
+    float* stats_max = part_stats_max.data() + item * HM;
     switch (cache.type) {
-      case CacheType::kF32: DecodeSplit<float>(P, cache, q, b, keys, acc, mx, sum); break;
-      case CacheType::kBF16: DecodeSplit<BF16>(P, cache, q, b, keys, acc, mx, sum); break;
-      case CacheType::kF16: DecodeSplit<_Float16>(P, cache, q, b, keys, acc, mx, sum); break;
+      case CacheType::kF32:
+        DecodeSplit<float>(P, cache, q, b, keys, acc, mx, sum, stats_max);
+        break;
+      case CacheType::kBF16:
+        DecodeSplit<BF16>(P, cache, q, b, keys, acc, mx, sum, stats_max);
+        break;
+      case CacheType::kF16:
+        DecodeSplit<_Float16>(P, cache, q, b, keys, acc, mx, sum, stats_max);
+        break;
     }
   };
   ParallelFor(pool, items, run);
   for (int64_t b = 0; b < P.B; ++b)
-    DecodeMerge(P, splits, part_acc.data(), part_max.data(), part_sum.data(), b, out, row_max,
-                log_sum);
+    DecodeMerge(P, splits, part_acc.data(), part_max.data(), part_sum.data(),
+                part_stats_max.data(), b, out, row_max, log_sum);
 }
 
 }  // namespace flash_cpu
