@@ -33,6 +33,11 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 // Invariants of the tile ranges and buffer offsets, checked in the sanitizer build (build.py
 // defines FLASH_CPU_CHECKS there): a broken one aborts with its line instead of reading on.
@@ -70,6 +75,21 @@ inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return x - vf{}; }  // x - 0 folds to a broadcast (x + 0 would not: -0)
 inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
+// a * b + c, one rounding where the target has FMA (else two), in every shape of the
+// microkernel: the compiler's own contraction varies with the shape (GCC 12 left micro<1, 1>
+// a multiply and an add), and the backward's logits must equal the forward's bit for bit
+// (at |S| ~ 1e9 one ulp is e^64 in P).
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);  // W = 8: -mfma implies AVX
+#elif defined(__aarch64__)
+  return vfmaq_f32(c, a, b);
+#else
+  return a * b + c;  // no FMA instruction: nothing to contract into
+#endif
+}
 
 constexpr float LOG2_E = 1.4426950408889634f;
 constexpr float NEG_INF = -INFINITY;
@@ -136,7 +156,7 @@ void micro(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, in
     for (int c = 0; c < N; ++c) b[c] = load(B + k * ldb + c * W);
     for (int r = 0; r < M; ++r) {
       vf a = splat(A[r * ar + k * ak]);
-      for (int c = 0; c < N; ++c) acc[r][c] += a * b[c];
+      for (int c = 0; c < N; ++c) acc[r][c] = fmadd(a, b[c], acc[r][c]);
     }
   }
   for (int r = 0; r < M; ++r)
@@ -266,9 +286,11 @@ struct Problem {
     return q_seg == nullptr && !mask && i1 <= qlen(b) && j1 <= kvlen(b) &&
            j0 - (i1 - 1) >= d_lo[b] && (j1 - 1) - i0 <= d_hi[b];
   }
-  // How the logits are held in a tile (online_softmax.Base2Softmax): without a bias, unscaled
-  // (q.k, or the soft cap's tanh) so each exponent is one multiply-add; with one, as S itself.
-  bool folded() const { return !bias; }
+  // How the forward and decode hold a tile's logits: without a bias unscaled (q.k, or the soft
+  // cap's tanh), S = t * unit; with one, as S itself (unit 1). The row max is subtracted in
+  // that domain before the multiply by unit * log2(e): the max's own exponent is exactly 0
+  // and every other one <= 0 at any magnitude (at |S| ~ 1e9 the two roundings of
+  // t * unit * log2(e) - max * log2(e) lie hundreds apart).
   float unit() const { return bias ? 1.0f : soft_cap > 0.0f ? soft_cap : scale; }
   float kept_scale() const { return static_cast<float>(1.0 / (1.0 - double{dropout_rate})); }
   uint32_t keep_threshold() const {
@@ -367,18 +389,22 @@ struct Poison {
 };
 
 // Logits of one tile row: t holds q.k (unscaled) of query row i against keys [j0, j0 + n);
-// turned in place into the tile's logits as Problem::folded says (the soft cap's tanh, or S
-// with the bias); `capped` (when not null) receives the tanh for the soft cap's gradient.
+// turned in place into S (`scaled`: the backward, whose statistics are S's) or else into the
+// domain Problem::unit describes (the soft cap's tanh, or S with the bias); `capped` (when
+// not null) receives the tanh for the soft cap's gradient. S is stored here, apart from the
+// max's subtraction, so that no multiply-add fuses the two (S = fl(t * unit) as the forward's
+// max = fl(t_max * unit)).
 inline void RowLogits(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
-                      float* t, float* capped) {
-  if (P.soft_cap == 0.0f && !P.bias) return;
+                      float* t, float* capped, bool scaled) {
+  if (P.soft_cap == 0.0f && !P.bias && !scaled) return;
   const float* bias = P.bias ? P.bias.at(b, h) + i * P.Lk + j0 : nullptr;
   const float cap = P.soft_cap, inner = cap > 0.0f ? P.scale / cap : 0.0f;
+  const bool to_s = scaled || bias;
   // -> (logit, tanh) of raw products x
   auto logit = [&](vf x, vf bias_v, vf* th) {
     if (cap > 0.0f) {
       *th = tanhv(x * inner);
-      x = bias ? *th * cap : *th;
+      x = to_s ? *th * cap : *th;
     } else {
       x = x * P.scale;
     }
@@ -429,22 +455,19 @@ inline float RowMax(const float* row, int64_t n) {
   return m;
 }
 
-// row[c] = 2^((row[c] - sub) * mult + shift) for c < n, 0 for n <= c < nw; returns their sum.
-// Folded logits take sub = 0 (one multiply-add each); S with a bias subtracts the row max
-// first, so that a logit of -1e9 keeps its digits (online_softmax.Base2Softmax).
-template <bool kSubtract>
-inline float ExpRow(float* row, int64_t n, int64_t nw, float sub, float mult, float shift) {
-  vf sum = splat(0.0f), vm = splat(mult), vs = splat(shift), vsub = splat(sub);
+// row[c] = 2^((row[c] - max) * mult) for c < n, 0 for n <= c < nw; returns their sum. The
+// row max is subtracted first (exact near it), so that logits of 1e9 keep their digits.
+inline float ExpRow(float* row, int64_t n, int64_t nw, float max, float mult) {
+  vf sum = splat(0.0f), vm = splat(mult), vmax = splat(max);
   int64_t c = 0;
   for (; c + W <= n; c += W) {
-    vf x = load(row + c);
-    vf p = exp2v((kSubtract ? x - vsub : x) * vm + vs);
+    vf p = exp2v((load(row + c) - vmax) * vm);
     store(row + c, p);
     sum += p;
   }
   float total = 0.0f;
   for (; c < n; ++c) {
-    row[c] = exp2s((kSubtract ? row[c] - sub : row[c]) * mult + shift);
+    row[c] = exp2s((row[c] - max) * mult);
     total += row[c];
   }
   for (; c < nw; ++c) row[c] = 0.0f;
@@ -452,18 +475,19 @@ inline float ExpRow(float* row, int64_t n, int64_t nw, float sub, float mult, fl
   return total;
 }
 
-// One backward tile row, its logits and mask applied (excluded pairs at -inf): P recomputed
-// from the forward's statistics, 2^((x - sub) * mult + shift); P and dS = P (dP - delta) are
-// exactly 0 at an excluded pair, whatever the statistics and delta of a NaN row hold (a NaN
-// row reaches only the keys it attends);
+// One backward tile row, its logits S and mask applied (excluded pairs at -inf): P recomputed
+// from the forward's statistics, 2^((S - max) * log2(e) - log_sum * log2(e)) (the max
+// subtracted first, as the forward did); P and dS = P (dP - delta) are exactly 0 at an
+// excluded pair, whatever the statistics and delta of a NaN row hold (a NaN row reaches only
+// the keys it attends);
 // d(q.k) = dS times the soft cap's derivative 1 - tanh^2 (`capped`: the tanh row) when `cap`.
 // Leaves P in t, d(q.k) in dp, dS in dbias (unless null); dp arrives dropped (dropout).
-template <bool kSubtract>
 inline void GradientRow(int64_t n, int64_t nw, float* t, float* dp, const float* capped,
-                        float* dbias, float sub, float mult, float shift, float delta, bool cap) {
+                        float* dbias, float max, float log_sum, float delta, bool cap) {
+  const float shift = -log_sum * LOG2_E;
   auto step = [&](vf x, vf dpv, vf cv, vf* dqk) {
     vi excluded = x == NEG_INF;
-    vf p = select(excluded, splat(0.0f), exp2v((kSubtract ? x - sub : x) * mult + shift));
+    vf p = select(excluded, splat(0.0f), exp2v((x - max) * LOG2_E + shift));
     vf ds = select(excluded, splat(0.0f), p * (dpv - delta));
     *dqk = cap ? select(excluded, splat(0.0f), ds * (1.0f - cv * cv)) : ds;
     return std::pair<vf, vf>(p, ds);
@@ -492,6 +516,41 @@ struct TileScratch {
   std::vector<uint8_t> q_bad, k_bad, v_bad;
 };
 
+// A row's end, in the forward and decode: `parts` partial results (part(p) -> Partial: the
+// max of its logits S, -inf where it saw none; its sum and unnormalised acc [D], relative to
+// that max) and the sink as one more term, combined by log-sum-exp in part order; writes the
+// output row o [D] and the RowStats (an empty row: 0 and max +inf, log_sum 0), whose max is
+// the winning part's `stats_max`.
+struct Partial {
+  float max, sum;
+  const float* acc;
+  float stats_max;  // the max as the backward's S takes it (decode: summed in its order)
+};
+template <typename Parts>
+inline void FinishRow(int64_t parts, Parts part, float sink, int64_t D, float* o, float* row_max,
+                      float* log_sum) {
+  float mx = sink, stats_max = sink;
+  for (int64_t p = 0; p < parts; ++p) {
+    const Partial x = part(p);
+    if (x.max > mx) mx = x.max, stats_max = x.stats_max;
+  }
+  const float safe = mx == NEG_INF ? 0.0f : mx;
+  float l = sink > NEG_INF ? exp2s((sink - safe) * LOG2_E) : 0.0f;
+  std::fill(o, o + D, 0.0f);
+  for (int64_t p = 0; p < parts; ++p) {
+    // 0 for a part that saw no finite logit (its max -inf): 0 times its sum keeps a NaN.
+    const Partial x = part(p);
+    const float w = exp2s((x.max - safe) * LOG2_E);
+    l += w * x.sum;
+    for (int64_t d = 0; d < D; ++d) o[d] += w * x.acc[d];
+  }
+  const bool empty = l == 0.0f;  // a NaN sum is not empty: the row's output is NaN
+  const float inv = empty ? 0.0f : 1.0f / l;
+  for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : o[d] * inv;
+  *row_max = empty ? INFINITY : stats_max;
+  *log_sum = empty ? 0.0f : std::log(l);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward: one item per (b, hq, query tile). q [B, Lq, Hq, D] as given; k as K^T panels
 // kt [B, Hkv, Lk_pad / PW, D, PW] and v head-major [B, Hkv, Lk, D] (XLA lays them out once per
@@ -501,8 +560,7 @@ template <typename Pool>
 void Forward(const Problem& P, const float* q, const float* kt, const float* v, int64_t lk_pad,
              float* out, float* row_max, float* log_sum, int64_t bq, int64_t bk, Pool& pool) {
   const int64_t D = P.D, q_tiles = (P.Lq + bq - 1) / bq, ldt = round_up(bk, PW);
-  const bool folded = P.folded();
-  const float unit = P.unit(), mult = folded ? unit * LOG2_E : LOG2_E;
+  const float unit = P.unit(), mult = unit * LOG2_E;
   const float kept = P.kept_scale();
   const uint32_t threshold = P.keep_threshold();
   auto run = [&](int64_t item) {
@@ -517,9 +575,9 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
     s.q.resize(bq * D); s.kt.resize(D * ldt); s.v.resize(bk * D); s.t.resize(bq * ldt);
     s.acc.assign(bq * D, 0.0f);
     s.q_bad.resize(bq); s.k_bad.resize(ldt); s.v_bad.resize(bk);
-    // The online softmax starts from (m, l) = (-inf, 0), or (sink, 1) with a sink.
-    const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
-    std::vector<float> mx(m, sink), l(m, sink > NEG_INF ? 1.0f : 0.0f);
+    // The online softmax starts from (m, l) = (-inf, 0), its max in the tile's domain (see
+    // Problem::unit); the sink joins at the end (FinishRow).
+    std::vector<float> mx(m, NEG_INF), l(m, 0.0f);
     const uint32_t seed = P.dropout_rate > 0.0f ? *P.seeds.at(b, h) : 0;
     const uint8_t* q_bad = BadRowFlags(qa_raw, q_stride, m, D, s.q_bad.data());
     Span keys = P.KeySpan(b, i0, i1, bk);
@@ -550,17 +608,13 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       Gemm(m, nw, D, qa, qa_r, 1, k_panels, PW, D * PW, t, ldt, false);  // t = q k^T
       for (int64_t r = 0; r < m; ++r) {
         float* tr = t + r * ldt;
-        RowLogits(P, b, h, i0 + r, j0, n, tr, nullptr);
+        RowLogits(P, b, h, i0 + r, j0, n, tr, nullptr, false);
         if (masked) MaskRow(P, b, h, i0 + r, j0, n, tr, poison.q && poison.q[r], poison);
-        // Online softmax in base 2 with the natural-log running max that RowStats keeps:
-        // folded, p = 2^(t * unit * log2(e) - m2) with m2 = max * log2(e); else
-        // p = 2^((S - max) * log2(e)).
-        float new_max = std::max(mx[r], RowMax(tr, n) * unit);
+        // Online softmax in base 2: p = 2^((t - max) * unit * log2(e)).
+        float new_max = std::max(mx[r], RowMax(tr, n));
         float safe_max = new_max == NEG_INF ? 0.0f : new_max;  // no finite logit yet
-        float rescale = folded ? exp2s(mx[r] * LOG2_E - safe_max * LOG2_E)  // 0 while mx is -inf
-                               : exp2s((mx[r] - safe_max) * LOG2_E);
-        l[r] = rescale * l[r] + (folded ? ExpRow<false>(tr, n, nw, 0.0f, mult, -(safe_max * LOG2_E))
-                                        : ExpRow<true>(tr, n, nw, safe_max, mult, 0.0f));
+        float rescale = exp2s((mx[r] - safe_max) * mult);  // 0 while mx is -inf
+        l[r] = rescale * l[r] + ExpRow(tr, n, nw, safe_max, mult);
         mx[r] = new_max;
         if (P.dropout_rate > 0.0f)  // on P where it meets V; the sum keeps every p
           DropRow(seed, RowKey(seed, i0 + r), j0, n, threshold, kept, tr);
@@ -571,15 +625,13 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       }
       Gemm(m, D, n, t, ldt, 1, v_rows, D, PW, s.acc.data(), D, true);  // acc += p v
     }
+    const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
     for (int64_t r = 0; r < m; ++r) {
-      bool empty = l[r] == 0.0f;  // a NaN sum is not empty: the row's output is NaN
-      float inv = empty ? 0.0f : 1.0f / l[r];
+      // The row's max as S: fl(t_max * unit), the product the backward's S takes at that key.
+      const Partial row{mx[r] * unit, l[r], s.acc.data() + r * D, mx[r] * unit};
+      const int64_t st = (b * P.Hq + h) * P.Lq + i0 + r;
       float* o = out + ((b * P.Lq + i0 + r) * P.Hq + h) * D;
-      const float* a = s.acc.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = empty ? 0.0f : a[d] * inv;
-      int64_t st = (b * P.Hq + h) * P.Lq + i0 + r;
-      row_max[st] = empty ? INFINITY : mx[r];
-      log_sum[st] = empty ? 0.0f : std::log(l[r]);
+      FinishRow(1, [&](int64_t) { return row; }, sink, D, o, row_max + st, log_sum + st);
     }
   };
   ParallelFor(pool, P.B * P.Hq * q_tiles, run);
@@ -597,8 +649,7 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
               float* dk, float* dv, float* dbias, int64_t bq, int64_t bk, int64_t chunks,
               Pool& pool) {
   const int64_t D = P.D, G = P.groups(), k_tiles = (P.Lk + bk - 1) / bk, ldt = round_up(bk, PW);
-  const bool folded = P.folded(), cap = P.soft_cap > 0.0f, capped_apart = cap && P.bias;
-  const float mult = folded ? P.unit() * LOG2_E : LOG2_E;
+  const bool cap = P.soft_cap > 0.0f;
   const float kept = P.kept_scale();
   const uint32_t threshold = P.keep_threshold();
   const int64_t dq_size = P.B * P.Hq * P.Lq * D;
@@ -608,7 +659,7 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
     const float* kh = k + bh * P.Lk * D;
     const float* vh = v + bh * P.Lk * D;
     s.kt.resize(D * ldt); s.vt.resize(D * ldt); s.t.resize(bq * ldt); s.dp.resize(bq * ldt);
-    if (capped_apart) s.capped.resize(bq * ldt);
+    if (cap) s.capped.resize(bq * ldt);
     s.q.resize(bq * D); s.k.resize(bk * D); s.acc.resize(2 * bk * D);
     s.q_bad.resize(bq); s.k_bad.resize(bk); s.v_bad.resize(bk);
     for (int64_t tile = chunk; tile < k_tiles; tile += chunks) {
@@ -656,18 +707,14 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
             const int64_t i = i0 + r;
             float* tr = t + r * ldt;
             float* dpr = dp + r * ldt;
-            float* cr = capped_apart ? s.capped.data() + r * ldt : tr;  // the soft cap's tanh
-            RowLogits(P, b, h, i, j0, n, tr, capped_apart ? cr : nullptr);
+            float* cr = cap ? s.capped.data() + r * ldt : nullptr;  // the soft cap's tanh
+            RowLogits(P, b, h, i, j0, n, tr, cr, true);
             if (masked) MaskRow(P, b, h, i, j0, n, tr, poison.q && poison.q[r], poison);
             if (P.dropout_rate > 0.0f)  // dP reaches P through the forward's dropout mask
               DropRow(seed, RowKey(seed, i), j0, n, threshold, kept, dpr);
-            const float mx = row_max[row0 + i], ls = log_sum[row0 + i] * LOG2_E;
             float* dbr = dbias == nullptr ? nullptr : dbias + (row0 + i) * P.Lk + j0;
-            if (folded)  // P = 2^(t * mult - m2 - log_sum * log2(e)), m2 the forward's
-              GradientRow<false>(n, nw, tr, dpr, cr, dbr, 0.0f, mult, -(mx * LOG2_E) - ls,
-                                 delta[row0 + i], cap);
-            else  // P = 2^((S - max) * log2(e) - log_sum * log2(e))
-              GradientRow<true>(n, nw, tr, dpr, cr, dbr, mx, mult, -ls, delta[row0 + i], cap);
+            GradientRow(n, nw, tr, dpr, cr, dbr, row_max[row0 + i], log_sum[row0 + i],
+                        delta[row0 + i], cap);
             if (P.dropout_rate > 0.0f)  // dV = P_dropped^T dO
               DropRow(seed, RowKey(seed, i), j0, n, threshold, kept, tr);
           }
@@ -946,7 +993,9 @@ constexpr int64_t DECODE_BLOCK_K = 32;
 
 struct DecodeScratch {
   std::vector<float> q, k, v, k_clean, v_clean, t;  // k, v: [Hkv, bk, Dp] converted rows
+  std::vector<float> key_panel, dot;  // one key as a K^T panel [Dp, W] (lane 0), its logits
   std::vector<int64_t> key_offset, next_offset;  // kv head 0's row of each key
+  std::vector<int64_t> max_key;  // [Hkv * M] the key of each row's running max, -1: none
   std::vector<const float*> krow, vrow;
   std::vector<uint8_t> q_bad, k_bad, v_bad;
 };
@@ -964,11 +1013,11 @@ inline Span DecodeSplitRange(const Problem& P, int64_t b, int64_t split, int64_t
 // hk * G + g, query row i. q [B, Lq, Hq, Dp] float32.
 template <typename T>
 void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t b, Span keys,
-                 float* part_acc, float* part_max, float* part_sum) {
+                 float* part_acc, float* part_max, float* part_sum, float* part_stats_max) {
   static thread_local DecodeScratch s;
   const int64_t G = P.groups(), M = G * P.Lq, HM = P.Hkv * M, Dp = P.D, Dk = cache.Dk;
   const int64_t bk = DECODE_BLOCK_K, ldt = round_up(bk, W);
-  const float unit = P.unit(), mult = unit * LOG2_E;  // no bias on this path: logits folded
+  const float unit = P.unit(), mult = unit * LOG2_E;  // no bias on this path: t unscaled
   // Rows read in place when they already are float32 rows of Dp floats; else converted.
   const bool in_place = cache.type == CacheType::kF32 && Dk == Dp;
   s.q.resize(HM * Dp); s.t.resize(M * ldt); s.krow.resize(bk); s.vrow.resize(bk);
@@ -977,13 +1026,14 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
     s.v.resize(P.Hkv * bk * Dp);
   }
   s.k_clean.resize(bk * Dp); s.v_clean.resize(bk * Dp); s.key_offset.resize(bk); s.next_offset.resize(bk);
-  s.q_bad.resize(HM); s.k_bad.resize(bk); s.v_bad.resize(bk);
+  s.q_bad.resize(HM); s.k_bad.resize(bk); s.v_bad.resize(bk); s.max_key.resize(HM);
   std::fill(part_acc, part_acc + HM * Dp, 0.0f);
   for (int64_t hr = 0; hr < HM; ++hr) {
     const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq;
     std::memcpy(s.q.data() + hr * Dp, q + ((b * P.Lq + i) * P.Hq + hk * G + g) * Dp, Dp * sizeof(float));
     part_max[hr] = NEG_INF;
     part_sum[hr] = 0.0f;
+    s.max_key[hr] = -1;
   }
   // The non-finite rule: bad query rows are flagged and computed with as 0.
   const uint8_t* q_bad = BadRows(s.q.data(), Dp, HM, Dp, s.q_bad.data()) ? s.q_bad.data() : nullptr;
@@ -1062,15 +1112,17 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
       for (int64_t r = 0; r < M; ++r) {
         const int64_t g = r / P.Lq, i = r % P.Lq, h = hk * G + g;
         float* tr = t + r * ldt;
-        RowLogits(P, b, h, i, j0, n, tr, nullptr);
+        RowLogits(P, b, h, i, j0, n, tr, nullptr, false);
         if (masked) MaskRow(P, b, h, i, j0, n, tr, head_q_bad != nullptr && head_q_bad[r], poison);
-        // The forward's online softmax (natural-log max kept, base-2 exponentials).
+        // The forward's online softmax (its max in the tile's domain until the split's end).
         float& mx = part_max[hk * M + r];
         float& sum = part_sum[hk * M + r];
-        const float new_max = std::max(mx, RowMax(tr, n) * unit);
+        const float tile_max = RowMax(tr, n);
+        if (tile_max > mx) s.max_key[hk * M + r] = j0 + (std::find(tr, tr + n, tile_max) - tr);
+        const float new_max = std::max(mx, tile_max);
         const float safe_max = new_max == NEG_INF ? 0.0f : new_max;
-        const float rescale = exp2s(mx * LOG2_E - safe_max * LOG2_E);  // 0 while mx is -inf
-        sum = rescale * sum + ExpRow<false>(tr, n, nw, 0.0f, mult, -(safe_max * LOG2_E));
+        const float rescale = exp2s((mx - safe_max) * mult);  // 0 while mx is -inf
+        sum = rescale * sum + ExpRow(tr, n, nw, safe_max, mult);
         mx = new_max;
         if (rescale != 1.0f) {
           float* a = acc + r * Dp;
@@ -1080,38 +1132,45 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
       DecodeValues(M, n, Dp, t, ldt, s.vrow.data(), acc);
     }
   }
+  // The RowStats' max: the max key's logit recomputed by the backward's product (Gemm: the
+  // same sum, in the same order, as its S there), since these dot products sum in another
+  // order and at |S| ~ 1e9 one ulp apart is e^64 in the backward's P. The softmax here keeps
+  // its own max (the partial sums are relative to it).
+  s.key_panel.assign(Dp * W, 0.0f); s.dot.resize(W);
+  for (int64_t hr = 0; hr < HM; ++hr) {
+    part_max[hr] *= unit;  // as S, as DecodeMerge takes it
+    part_stats_max[hr] = part_max[hr];
+    const int64_t j = s.max_key[hr];
+    if (j < 0) continue;
+    const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq;
+    int64_t off;
+    cache.rows(P, b, j, 1, &off);
+    for (int64_t d = 0; d < Dk; ++d) s.key_panel[d * W] = ToFloat<T>(kc[off + hk * Dk + d]);
+    Gemm(1, W, Dp, s.q.data() + hr * Dp, 0, 1, s.key_panel.data(), W, Dp * W, s.dot.data(), W,
+         false);
+    RowLogits(P, b, hk * G + g, i, j, 1, s.dot.data(), nullptr, false);
+    part_stats_max[hr] = s.dot[0] * unit;
+  }
 }
 
 // Merges the splits of batch row b in split order (log-sum-exp), the sink as one more term,
 // and writes out [B, Lq, Hq, Dp], row_max, log_sum [B, Hq, Lq] as the forward does.
 // part_* hold [B, splits, Hkv, M, (Dp)].
 inline void DecodeMerge(const Problem& P, int64_t splits, const float* part_acc,
-                        const float* part_max, const float* part_sum, int64_t b, float* out,
-                        float* row_max, float* log_sum) {
+                        const float* part_max, const float* part_sum,
+                        const float* part_stats_max, int64_t b, float* out, float* row_max,
+                        float* log_sum) {
   const int64_t G = P.groups(), M = G * P.Lq, HM = P.Hkv * M, Dp = P.D;
   for (int64_t hr = 0; hr < HM; ++hr) {
     const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq, h = hk * G + g;
     const float sink = P.sinks ? *P.sinks.at(b, h) : NEG_INF;
-    auto at = [&](int64_t split) { return (b * splits + split) * HM + hr; };
-    float mx = sink;
-    for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, part_max[at(sp)]);
-    const float safe = mx == NEG_INF ? 0.0f : mx;
-    float l = sink > NEG_INF ? exp2s((sink - safe) * LOG2_E) : 0.0f;
-    float* o = out + ((b * P.Lq + i) * P.Hq + h) * Dp;
-    std::fill(o, o + Dp, 0.0f);
-    for (int64_t sp = 0; sp < splits; ++sp) {
-      // 0 for a split that saw no finite logit (its max -inf): 0 times its sum keeps a NaN.
-      const float w = exp2s(part_max[at(sp)] * LOG2_E - safe * LOG2_E);
-      l += w * part_sum[at(sp)];
-      const float* a = part_acc + at(sp) * Dp;
-      for (int64_t d = 0; d < Dp; ++d) o[d] += w * a[d];
-    }
-    const bool empty = l == 0.0f;  // a NaN sum is not empty: the row's output is NaN
-    const float inv = empty ? 0.0f : 1.0f / l;
-    for (int64_t d = 0; d < Dp; ++d) o[d] = empty ? 0.0f : o[d] * inv;
+    auto part = [&](int64_t split) {
+      const int64_t at = (b * splits + split) * HM + hr;
+      return Partial{part_max[at], part_sum[at], part_acc + at * Dp, part_stats_max[at]};
+    };
     const int64_t st = (b * P.Hq + h) * P.Lq + i;
-    row_max[st] = empty ? INFINITY : mx;
-    log_sum[st] = empty ? 0.0f : std::log(l);
+    FinishRow(splits, part, sink, Dp, out + ((b * P.Lq + i) * P.Hq + h) * Dp, row_max + st,
+              log_sum + st);
   }
 }
 
@@ -1121,23 +1180,31 @@ template <typename Pool>
 void Decode(const Problem& P, const KvCache& cache, const float* q, float* out, float* row_max,
             float* log_sum, int64_t splits, Pool& pool) {
   const int64_t HM = P.Hkv * P.groups() * P.Lq, items = P.B * splits;
-  std::vector<float> part_acc(items * HM * P.D), part_max(items * HM), part_sum(items * HM);
+  std::vector<float> part_acc(items * HM * P.D), part_max(items * HM), part_sum(items * HM),
+      part_stats_max(items * HM);
   auto run = [&](int64_t item) {
     const int64_t b = item / splits;
     const Span keys = DecodeSplitRange(P, b, item % splits, splits);
     float* acc = part_acc.data() + item * HM * P.D;
     float* mx = part_max.data() + item * HM;
     float* sum = part_sum.data() + item * HM;
+    float* stats_max = part_stats_max.data() + item * HM;
     switch (cache.type) {
-      case CacheType::kF32: DecodeSplit<float>(P, cache, q, b, keys, acc, mx, sum); break;
-      case CacheType::kBF16: DecodeSplit<BF16>(P, cache, q, b, keys, acc, mx, sum); break;
-      case CacheType::kF16: DecodeSplit<_Float16>(P, cache, q, b, keys, acc, mx, sum); break;
+      case CacheType::kF32:
+        DecodeSplit<float>(P, cache, q, b, keys, acc, mx, sum, stats_max);
+        break;
+      case CacheType::kBF16:
+        DecodeSplit<BF16>(P, cache, q, b, keys, acc, mx, sum, stats_max);
+        break;
+      case CacheType::kF16:
+        DecodeSplit<_Float16>(P, cache, q, b, keys, acc, mx, sum, stats_max);
+        break;
     }
   };
   ParallelFor(pool, items, run);
   for (int64_t b = 0; b < P.B; ++b)
-    DecodeMerge(P, splits, part_acc.data(), part_max.data(), part_sum.data(), b, out, row_max,
-                log_sum);
+    DecodeMerge(P, splits, part_acc.data(), part_max.data(), part_sum.data(),
+                part_stats_max.data(), b, out, row_max, log_sum);
 }
 
 }  // namespace flash_cpu

@@ -1,11 +1,11 @@
 """The fused CPU kernel under AddressSanitizer + UndefinedBehaviorSanitizer, fuzzed against the
 float64 oracle: every family of cpu_fuzz.py, in three processes (one test per group of
 families, ``GROUPS``: the import and start-up under the sanitizers, about 12 s, paid three
-times instead of seventeen).
+times instead of eighteen).
 
 ``CPU_FUZZ_SAMPLE`` picks the draws (cpu_fuzz.calls_in): "ci" (the default) the first third of
-each family's configurations and every regression, 296 of the 730 calls, every case of
-``REQUIRED_COVERAGE`` among them; "full" all of them, the run before any change to the C++
+each family's configurations and every call of the regressions and huge_logits, 320 of the
+754 calls, every case of ``REQUIRED_COVERAGE`` among them; "full" all of them, the run before any change to the C++
 kernel lands:
 
     CPU_FUZZ_SAMPLE=full python3 -m pytest -n 2 tests/jax_impl/test_cpu_kernel_sanitized.py
@@ -118,7 +118,7 @@ def _report_excerpt(stderr: str, lines: int = 10, width: int = 240) -> str:
 # Each group's families run one after the other in one process; the groups take about the same
 # time (measured per family on the 2-core machine), so that pytest's two workers share them.
 GROUPS = {
-    "lengths": ("shapes", "lengths", "traced_lengths", "regressions", "decode"),
+    "lengths": ("shapes", "lengths", "traced_lengths", "regressions", "decode", "huge_logits"),
     "bands": ("windows", "segments", "position_offset", "blocks", "decode_paged"),
     "values_and_features": ("nonfinite", "bias", "mask", "soft_cap", "dropout", "sinks",
                             "head_dim"),
@@ -185,7 +185,9 @@ REQUIRED_COVERAGE = (
     "segment ids", "block sizes", "position offset",
     "non-finite at excluded positions", "non-finite at allowed positions",
     "FEATURE bias_shape", "FEATURE mask_shape", "FEATURE soft_cap", "FEATURE dropout",
-    "FEATURE sinks", "head_dim % 16 != 0")
+    "FEATURE sinks", "head_dim % 16 != 0",
+    *(f"logits at the {dtype} limit, {path}" for dtype in cpu_fuzz.DTYPES
+      for path in cpu_fuzz.HUGE_LOGIT_PATHS))
 
 
 @pytest.mark.parametrize("sample", cpu_fuzz.SAMPLES)
