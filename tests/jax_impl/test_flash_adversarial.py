@@ -280,6 +280,7 @@ HUGE_VARIANTS = {
     "reference": dict(implementation="reference"),
     "xla": dict(implementation="xla", block_sizes=BlockSizes(16, 16)),
     "pallas_triton": dict(implementation="pallas_triton", block_sizes=BlockSizes(16, 16, 16, 16, 16, 16)),
+    "cpu": dict(implementation="cpu"),
 }
 
 
@@ -338,7 +339,7 @@ def test_huge_logits_on_the_decode_path(implementation):
                                      dtype, q, k, v, ct)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton", "cpu"])
 def test_huge_logits_on_a_paged_cache(implementation):
     """bfloat16 logits near float32's limit, pages of 16 slots, shuffled; judged by the oracle
     on the gathered dense cache."""
