@@ -97,7 +97,7 @@ class Config:
     poison_excluded: float = 0.0       # probability of non-finite values where no row attends
     poison_allowed: float = 0.0        # probability of non-finite values at an allowed pair
     huge_logits: bool = False          # q, k scaled so that max |q.k * scale| is Call.logit_scale
-    decode_route: bool = False         # flash_attention takes the decode kernel's forward
+    decode_route: bool = False         # decode-shaped, differentiated: the regular forward runs
 
     def describe(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -361,8 +361,9 @@ def config_decode_paged(d: Draw, c: int) -> Config:
 # stays finite in float32 with the default scale 1/sqrt(D).
 HUGE_LOGITS = {"float32": (1e3, 1e6, 1e9, 5e9), "float16": (1e2, 3e3, 3.2e4),
                "bfloat16": (1e3, 1e9, 1e20, 4e36)}
-# forward + backward; the decode kernel's forward and the backward from its statistics (Lq <=
-# 16, Lk >= 512: implementations.decode_path); cpu_kernel.decode; the same on pages.
+# forward + backward; a decode-shaped call (Lq <= 16, Lk >= 512: implementations.decode_path)
+# differentiated, which runs the regular forward so that the backward recomputes its logits;
+# cpu_kernel.decode; the same on pages.
 HUGE_LOGIT_PATHS = ("attention", "decode_route", "decode", "paged")
 
 
@@ -397,12 +398,8 @@ def _logit_scale(call: Call, q: np.ndarray, k: np.ndarray, d: Draw):
     the first call of each configuration, so that the "ci" sample reaches every limit)."""
     c = call.config
     scales = HUGE_LOGITS[c.dtype]
-    # The decode route only at the limit: the decode kernel's dot products sum in another order
-    # than the backward's, so its statistics are the backward's only where the max dominates
-    # (the max key is recomputed as the backward sums it); at 1e3 in float32 the backward's P is
-    # off by ulps of S (dk 1.5e-3 against a tolerance of 1.3e-3).
     first = call.index % FAMILIES[call.family].per_config == 0
-    call.logit_scale = scales[-1] if first or c.decode_route else d.pick(scales)
+    call.logit_scale = scales[-1] if first else d.pick(scales)
     group = c.hq // c.hkv
     logits = np.einsum("bihd,bjhd->bhij", q.astype(np.float64),
                        np.repeat(k.astype(np.float64), group, axis=2))
@@ -695,8 +692,7 @@ class Runner:
             lengths = (call.q_len, call.kv_len)
             if c.lengths != "concrete":  # traced lengths, or none: one jitted program
                 args = (q, k, v, ct, bias, sinks, mask, *map(to, lengths), q_seg, kv_seg, rng)
-                calls = (DECODE_CALL, CUSTOM_CALLS[1]) if c.decode_route else CUSTOM_CALLS
-                results = self._checked(_JIT_FLASH, (static, self.implementation), args, calls)(*args)
+                results = self._checked(_JIT_FLASH, (static, self.implementation), args)(*args)
             else:  # concrete lengths (numpy): flash_attention range-checks them
                 if self.implementation == "cpu":
                     self._check_route_eager(static, q, k, v, ct, bias, sinks, mask, lengths, q_seg,
