@@ -555,8 +555,10 @@ def test_a_packed_query_group_matches_the_float64_oracle(monkeypatch, problem, i
 @needs_mosaic
 def test_a_packed_forward_computes_what_the_unpacked_one_does():
     """Packed (forced) and unpacked, each row sees the same key tiles in the same order: out
-    agrees to one bf16 rounding and the RowStats to float32 rounding (measured: out bitwise,
-    a log-sum 1 ulp apart), on a call the rule alone would not pack (Lq=300)."""
+    agrees to a bf16 rounding of out or of P (P is rounded to bf16 before P V, so a float32 p a
+    rounding apart moves out by p's ulp times |v|: at most 2^-9 here) and the RowStats to
+    float32 rounding (measured: 26 of 230,400 outputs apart, by at most 0.00098; a log-sum 1
+    ulp apart), on a call the rule alone would not pack (Lq=300)."""
     rng = np.random.default_rng(92)
     b, lq, lk, hq, hkv, d = 2, 300, 260, 6, 2, 64
     q, k, v = (jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16)
@@ -575,7 +577,7 @@ def test_a_packed_forward_computes_what_the_unpacked_one_does():
                                           dropout_sinks.SinksAndDropout(sinks=sinks)))
     (out, stats), (packed_out, packed_stats) = results
     np.testing.assert_allclose(np.asarray(packed_out, np.float32), np.asarray(out, np.float32),
-                               rtol=2 ** -8, atol=1e-6)
+                               rtol=2 ** -7, atol=2 ** -9)
     for x, y in zip(packed_stats, stats):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
 
