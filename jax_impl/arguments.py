@@ -231,7 +231,7 @@ def page_ids(page_table, num_pages: int) -> jax.Array:
     be checked and are clamped into ``[0, num_pages - 1]`` by all of them alike, so a gather
     then a dense call reads what the paged call reads, and an append writes where both read
     (a clamped id names a valid but wrong page: check tables before ``jit``)."""
-    values = _concrete(page_table)  # before any cast: int64 ids must not wrap
+    values = concrete(page_table)  # before any cast: int64 ids must not wrap
     table = jnp.asarray(page_table) if values is None else values
     if not np.issubdtype(table.dtype, np.integer):
         raise TypeError(f"page_table must be integers (int32 page ids); got {table.dtype}")
@@ -328,7 +328,7 @@ def lengths(name, lengths, batch_shape, seq_len):
     b = math.prod(batch_shape)
     if lengths is None:
         return jnp.full((b,), seq_len, jnp.int32)
-    values = _concrete(lengths)  # before any cast: int64 values must not wrap
+    values = concrete(lengths)  # before any cast: int64 values must not wrap
     lengths = jnp.asarray(lengths) if values is None else values
     if not np.issubdtype(lengths.dtype, np.integer):
         raise TypeError(f"{name} must be integers; got {lengths.dtype}")
@@ -343,7 +343,7 @@ def lengths(name, lengths, batch_shape, seq_len):
     return jnp.clip(lengths, 0, seq_len).reshape(b).astype(jnp.int32)
 
 
-def _concrete(x):
+def concrete(x):
     """x as numpy when its values are known at trace time, else None (traced under jit)."""
     try:
         return np.asarray(x)

@@ -46,13 +46,6 @@ def _table(pages, page_table, name="k_pages"):
     return table
 
 
-def _concrete(x):
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def append(k_pages, v_pages, page_table, lengths, new_keys, new_values):
     """Write ``new_keys``/``new_values`` ``[B, n, Hkv, D]`` at positions ``lengths[b] ...
     lengths[b] + n - 1`` of each row -> ``(k_pages, v_pages)``; the new lengths are
@@ -75,7 +68,7 @@ def append(k_pages, v_pages, page_table, lengths, new_keys, new_values):
                          f"{new_keys.shape} and {new_values.shape}")
     n = new_keys.shape[1]
     capacity = pages_per_sequence * page_size
-    known = _concrete(lengths)
+    known = arguments.concrete(lengths)
     lengths = jnp.asarray(lengths) if known is None else known
     # dtype and shape are known at trace time: a traced float or misshapen length is refused too.
     if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):

@@ -89,11 +89,12 @@ def _attention(implementation, cfg: AttentionConfig, q, k, v, bias, masks: maski
 
 def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
     # symbolic_zeros=True: every array arrives as a CustomVJPPrimal(value, perturbed).
-    backward_cfg, (q, k, v, bias, masks, extras) = from_primals(cfg, bias, (q, k, v, bias, masks, extras))
     # Differentiated, the forward is the regular path: the backward recomputes its logits with the
     # same products, so a row's max cancels exactly at any magnitude (a decode path's split
     # products round apart: at |logits| ~1e9, 64 apart, and exp of that is no probability).
-    out, stats = _forward(implementation, dataclasses.replace(cfg, decode=False), q, k, v, bias, masks, extras)
+    cfg = dataclasses.replace(cfg, decode=False)
+    backward_cfg, (q, k, v, bias, masks, extras) = from_primals(cfg, bias, (q, k, v, bias, masks, extras))
+    out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
     return ((out, online_softmax.logsumexp(stats)),
             Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))
 
@@ -101,8 +102,7 @@ def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
 def _attention_bwd(implementation, cfg, residuals: Residuals, cotangents):
     q, k, v, bias, masks, extras, out, stats = residuals.arrays
     d_out, delta = delta_of(out, cotangents)
-    backward_cfg = dataclasses.replace(residuals.cfg, decode=False)
-    dq, dk, dv, dbias = _first_order(implementation, backward_cfg, q, k, v, bias, masks, stats,
+    dq, dk, dv, dbias = _first_order(implementation, residuals.cfg, q, k, v, bias, masks, stats,
                                      d_out, delta, extras)
     if dbias is not None:  # None: a constant bias, whose cotangent is a symbolic zero
         dbias = reduce_to(dbias, bias.shape).astype(bias.dtype)
