@@ -303,7 +303,7 @@ def _bounds_classes(spec: masking.MaskSpec, q_len: int, kv_len: int, block_q: in
 
 
 def tile_classes(spec: masking.MaskSpec, masks: masking.MaskInputs, q_len: int, kv_len: int,
-                 block_q: int, block_kv: int, *, mask_mod: bool = False):
+                 block_q: int, block_kv: int, *, mask_mod: bool = False, band_only: bool = False):
     """The class of every tile of an implementation's grid, ``[B|1, H|1, nq, nk]`` int8, or None
     when the call has neither segment ids nor a block_mask (the band alone: the
     implementations' own band loops skip its tiles).
@@ -313,8 +313,9 @@ def tile_classes(spec: masking.MaskSpec, masks: masking.MaskInputs, q_len: int, 
     (``regrid``). ``mask_mod``: whether the call has one; without a block_mask no tile is then
     FULL (mask_mod is evaluated on every visited tile). FULL: every pair passes rules 1-4 and
     the block_mask's full tiles; a dense mask and the non-finite rule still apply there.
+    ``band_only``: the classes also where they come from the band alone (instead of None).
     """
-    if masks.q_segment_ids is None and masks.block_mask is None:
+    if masks.q_segment_ids is None and masks.block_mask is None and not band_only:
         return None
     spec = dataclasses.replace(spec, has_q_lengths=True, has_kv_lengths=True)
     classes = _bounds_classes(spec, q_len, kv_len, block_q, block_kv, masks.q_len, masks.kv_len,

@@ -240,6 +240,8 @@ class ImplementationChoice(NamedTuple):
     # or paged cache: split over the keys) or "regular"; and why.
     path: str = "regular"
     path_reason: str = ""
+    # The tiles its regular forward computes (implementations.tiles_visited), "" where unknown.
+    tiles: str = ""
 
 
 def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -267,7 +269,9 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                    implementations.decode_path(impl, lq=call.q.shape[1], lk=lk, features=features,
                                                paged=paged))
         if why_not is not None:
-            return ImplementationChoice(chosen, reasons, _strategy(query, call, chosen), "regular", why_not)
+            return ImplementationChoice(chosen, reasons, _strategy(query, call, chosen), "regular",
+                                        why_not, implementations.tiles_visited(impl, call.cfg, call.q.shape,
+                                                                               call.k.shape, call.masks))
         why = ("a paged KV cache runs on the decode path" if paged else
                f"{call.q.shape[1]} query rows against {lk} keys, no bias, mask, segment ids or dropout")
         if impl.decode_note:

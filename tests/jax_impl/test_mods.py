@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_impl import BlockSizes, create_block_mask, flash_attention
+from jax_impl import BlockSizes, create_block_mask, explain_implementation, flash_attention
 from jax_impl.block_mask import BlockMask, FULL, EMPTY
 
 B, L, H, D = 2, 96, 4, 16
@@ -230,3 +230,17 @@ def test_mods_with_a_paged_cache_are_refused():
     with pytest.raises(ValueError, match="score_mod/mask_mod/block_mask cannot be used with page_table"):
         flash_attention(q, pages, pages, page_table=jnp.zeros((1, 2), jnp.int32),
                         score_mod=lambda s, b, h, qi, ki: s)
+
+
+def test_explain_counts_the_tiles_a_block_mask_leaves():
+    q, k, v, _ = _inputs(8)
+    doc = _documents(8)
+    bm = create_block_mask(_documents_causal, B, None, L, L, block_size=16, mod_aux=(jnp.asarray(doc),))
+    choice = explain_implementation(q, k, v, mask_mod=_documents_causal, mod_aux=(jnp.asarray(doc),),
+                                    block_mask=bm, implementation="xla",
+                                    block_sizes=BlockSizes(block_q=16, block_k=16))
+    allowed = (doc[:, :, None] == doc[:, None, :]) & (POSITIONS[None, :] <= POSITIONS[:, None])
+    tiles = allowed.reshape(B, L // 16, 16, L // 16, 16)
+    full, visited = tiles.all((2, 4)).sum() * H, tiles.any((2, 4)).sum() * H
+    assert choice.tiles.startswith(f"{visited:,} of {B * H * (L // 16) ** 2:,} tiles of 16x16 "
+                                   f"({visited - full:,} partial, {full:,} full")
