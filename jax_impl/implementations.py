@@ -73,6 +73,7 @@ class Implementation:
     # `forward`, paged calls cannot run here.
     decode: Callable | None = None
     decode_takes_pages: bool = True   # False: its decode reads dense caches only
+    decode_takes_mods: bool = False   # its decode evaluates score_mod and mask_mod
     # Why its decode cannot take a call (q_len=, dtype=, has_bias= ...), or None: takes it.
     decode_unsupported: Callable[..., str | None] | None = None
     # Why its decode cannot read pages of this shape (page_size=, head_dim=), or None: takes them.
@@ -157,7 +158,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
         xla.forward, xla.backward, takes_position_offset=True, takes_dropout_offset=True,
-        decode=xla.decode,
+        decode=xla.decode, decode_takes_mods=True,
         forward_tiles=lambda cfg, q_shape, k_shape, masks: xla.chunk_sizes(cfg, q_shape[1], k_shape[1], masks)),
     "reference": Implementation(
         "reference", "dense attention (materialises [Lq, Lk]); the oracle of the tests",
@@ -179,6 +180,8 @@ def decode_path(implementation: Implementation, *, lq: int, lk: int, features: C
         return None
     if implementation.decode is None:
         return f"{implementation.name} has no decode path"
+    if features.cfg.has_mods and not implementation.decode_takes_mods:
+        return f"{implementation.name}'s decode path takes no score_mod or mask_mod"
     if implementation.decode_unsupported is not None:
         why = implementation.decode_unsupported(
             q_len=lq, dtype=features.dtype, has_bias=features.has_bias,
@@ -193,8 +196,7 @@ def decode_path(implementation: Implementation, *, lq: int, lk: int, features: C
     for present, what in ((features.has_bias, "a bias"), (features.has_mask, "a dense mask"),
                           (features.has_segment_ids, "segment ids"),
                           (features.cfg.dropout_rate > 0, "dropout"),
-                          (features.cfg.has_mods or features.cfg.mask.has_block_mask,
-                           "score_mod, mask_mod or block_mask")):
+                          (features.cfg.mask.has_block_mask, "block_mask")):
         if present:
             return f"the decode path takes no {what}"
     return None

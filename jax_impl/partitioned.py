@@ -491,7 +491,7 @@ def paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras, page_
     """``implementation.decode`` on a paged cache, partitioned under jit: batch and heads local
     (the page table, lengths and sinks follow q's batch), the page pool whole on every device
     but its kv heads (``_pool_spec``)."""
-    if cfg.interpret and implementation.interpreter_has_effects:
+    if _unpartitioned(implementation, cfg, masks, extras):
         return implementation.decode(cfg, q, k_pages, v_pages, masks, extras, page_table)
     named = _named(q, k_pages, v_pages, None, masks, extras, table=page_table)
     names = tuple(named)
