@@ -198,6 +198,22 @@ def _create(mask_mod, batch, heads, lq, lk, block_q, block_kv, mod_aux):
         lq, lk, block_q, block_kv)
 
 
+def of_mask_mod(mask_mod, batch: int, heads: int, lq: int, lk: int, mod_aux,
+                block_size: int = 128) -> BlockMask:
+    """The BlockMask that ``flash_attention`` builds for a call with a ``mask_mod`` and no
+    ``block_mask`` (so that its empty tiles are skipped): ``create_block_mask``'s evaluation,
+    over B and H only where ``mask_mod`` reads ``b`` and ``h`` (else one row or head stands
+    for all: a mask that ignores the head costs 1/H of the pairs)."""
+    index = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    jaxpr = jax.make_jaxpr(mask_mod)(index(batch, 1, 1, 1), index(1, heads, 1, 1),
+                                     index(1, 1, 1, 1), index(1, 1, 1, 1),
+                                     *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in mod_aux)).jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    reads_b, reads_h = (id(jaxpr.invars[i]) in used for i in (0, 1))
+    return _create(mask_mod, batch if reads_b else 1, heads if reads_h else 1, lq, lk,
+                   block_size, block_size, tuple(mod_aux))
+
+
 def _evaluated_tile_classes(mask_mod, batch, heads, lq, lk, block_q, block_kv, mod_aux):
     """``[B, H, nq, nk]`` tile classes, mask_mod evaluated one slab of tiles at a time."""
     nq, nk = _cdiv(lq, block_q), _cdiv(lk, block_kv)

@@ -271,3 +271,15 @@ def test_decode_and_a_paged_cache_take_the_mods():
         x.reshape(b * pages, page, hkv, D)) for x in (k, v))
     np.testing.assert_allclose(flash_attention(q, pool_k, pool_v, page_table=table, **kw), want,
                                atol=2e-5, rtol=1e-4)
+
+
+def test_a_mask_mod_without_a_block_mask_still_skips_its_empty_tiles():
+    """flash_attention evaluates the mask_mod chunk-wise into a BlockMask of its own."""
+    length = 512
+    q = jax.random.normal(jax.random.key(10), (B, length, H, D))
+    doc = jnp.asarray(np.repeat(np.arange(4), 128)[None].repeat(B, 0), jnp.int32)
+    tiles = BlockSizes(block_q=128, block_k=128)
+    choice = explain_implementation(q, q, q, mask_mod=_documents_causal, mod_aux=(doc,),
+                                    implementation="xla", block_sizes=tiles)
+    assert choice.tiles.startswith(f"{4 * B * H:,} of {16 * B * H:,} tiles of 128x128 "
+                                   f"({4 * B * H:,} partial, 0 full")
