@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from conformance import mods as mods_mod
 from conformance.adapters.base import Adapter, JaxFunctionAdapter
 from conformance.cases import Case
 from conformance.runs import JaxPrepared, NotSupported
@@ -16,8 +17,10 @@ def _jax_impl_unsupported(implementation: str, case: Case, device: str) -> str |
     from jax_impl.config import AttentionConfig
     from jax_impl.implementations import CallFeatures, unsupported
     from jax_impl.masking import MaskSpec
-    cfg = AttentionConfig(scale=1.0, mask=MaskSpec(), logits_soft_cap=case.soft_cap,
-                          dropout_rate=case.dropout)
+    score_mod, mask_mod = jax_mods(mods_mod.get(case.mods)) if case.mods else (None, None)
+    cfg = AttentionConfig(scale=1.0, mask=MaskSpec(has_block_mask=bool(case.block_size)),
+                          logits_soft_cap=case.soft_cap, dropout_rate=case.dropout,
+                          score_mod=score_mod, mask_mod=mask_mod)
     features = CallFeatures(cfg, has_bias=case.bias, has_mask=case.mask != "none",
                             has_sinks=case.sinks, dtype=case.dtype, has_segment_ids=case.segments)
     return unsupported(implementation, head_dim=case.head_dim, platform=device,
@@ -84,8 +87,7 @@ class JaxImplAdapter(Adapter):
 def jax_mods(mods):
     """The case's (score_mod, mask_mod) with ``jax.numpy`` as their namespace (None where absent)."""
     import jax.numpy as jnp
-    from conformance.mods import bound
-    return tuple(None if fn is None else bound(fn, jnp) for fn in (mods.score_mod, mods.mask_mod))
+    return tuple(None if fn is None else mods_mod.bound(fn, jnp) for fn in (mods.score_mod, mods.mask_mod))
 
 
 def _with_mods(inputs, kw):

@@ -112,6 +112,11 @@ class TorchFlexAdapter(Adapter):
     compiled: bool = False
     mods_ok = True
 
+    def _reason(self, case):
+        if case.native_causal:
+            return "FlexAttention has no causal flag of its own (a mask_mod says which diagonal)"
+        return None
+
     def _prepare(self, inputs, *, backward):
         attn = _flex(inputs, self.device, self.compiled)
 
@@ -158,6 +163,8 @@ def _or_not_supported(name: str, prepare):
 
 def _flex(inputs, device: str, compiled: bool):
     """``attn(Q, K, V, bias=None, mod_aux=(), **_)`` calling flex_attention for the case."""
+    import warnings
+
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from conformance.mods import bound
@@ -200,6 +207,8 @@ def _flex(inputs, device: str, compiled: bool):
             block_mask = create_block_mask(mask_mod, c.batch, c.q_heads, c.q_len, c.kv_len, device=device,
                                            BLOCK_SIZE=c.block_size or 128)
         scored = cap is not None or bias is not None or case_score is not None
-        return run(Q, K, V, score_mod=score_mod if scored else None, block_mask=block_mask, scale=c.scale,
-                   enable_gqa=c.q_heads != c.kv_heads)
+        with warnings.catch_warnings():  # eager on purpose: not its "use torch.compile" advice
+            warnings.simplefilter("ignore", UserWarning)
+            return run(Q, K, V, score_mod=score_mod if scored else None, block_mask=block_mask,
+                       scale=c.scale, enable_gqa=c.q_heads != c.kv_heads)
     return attn
