@@ -136,7 +136,7 @@ class TorchFlexAdapter(Adapter):
                 p = prepared(backward=True, grad_qkv=False)
                 p.info["not_differentiated"] = refused
                 return p
-            except Exception as e:  # noqa: BLE001 (its refusal of captured gradients: said in the report)
+            except RuntimeError as e:  # its refusal of them (compiled on CPU: an Inductor error)
                 refused += f"; the captured tensors' gradients: {type(e).__name__}: {_first_line(e)}"
         p = _or_not_supported(self.name, lambda: prepared(backward=False))
         p.info["not_differentiated"] = refused
