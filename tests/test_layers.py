@@ -39,7 +39,7 @@ BACKENDS = JAX_IMPL_LAYERS["backends"]
 # implementation it runs.
 JAX_IMPL_SKIPS = {"distribution": "table"}
 CONFORMANCE_LAYERS = {
-    "inputs": ["cases", "tolerance", "outputs", "devices"],
+    "inputs": ["cases", "mods", "tolerance", "outputs", "devices"],
     "runs": ["runs", "oracle"],
     "adapters": ["adapters"],
     "harness": ["harness", "plugins"],
