@@ -61,7 +61,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
     k = k + online_softmax.per_row(load(key_poison_ref, key_ok)).astype(k.dtype)
     cols = key_positions[:, None]                                     # keys: [bk, 1]
     kv_seg = None if kv_seg_ref is None else load(kv_seg_ref, key_ok)
-    band = lambda: masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
+    band = None if lists_refs is not None else masking.q_block_split(
+        cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
     mods = common.TileMods.create(cfg, b, kv_head * groups, aux_refs, aux_types, gradient=True)
     # The head of a mask/bias tile (its head axis may be broadcast; an array index, not a Python
     # int, which the interpreter's masked load cannot take).
@@ -165,7 +166,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
             store(dbias_ref.at[:, pl.ds(j * block_k, block_k)], ds, query_ok, tile.ok)
         return dq + common.dot(dqk.astype(tile.k.dtype), tile.k, cfg.precision)
 
-    band = lambda: masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
+    band = None if lists_refs is not None else masking.kv_block_split(
+        cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     dq = common.visit_tiles(full_rules, lists_refs, band, b, h, i, key_tile, jnp.zeros(q.shape, jnp.float32))
     store(dq_ref, (dq * cfg.scale).astype(dq_ref.dtype), query_ok, feature_ok)  # the scale once
 

@@ -233,9 +233,10 @@ def full_tile_rules(cfg, masks: masking.MaskInputs) -> TileRules:
 def visit_tiles(full_rules: TileRules, lists_refs, band, b, h, tile, body, carry):
     """Run ``body(index, carry, rules)`` over the tiles program ``(tile, b, h)`` visits: from the
     tile lists when there are any (``rules``: PARTIAL_TILE, then ``full_rules``), else over the
-    band ``band()`` (``(lo, full_lo, full_hi, hi)``: masking.split_fori_loop)."""
+    band (``(lo, full_lo, full_hi, hi)``, computed by the kernel only when ``lists_refs`` is None:
+    masking.split_fori_loop)."""
     if lists_refs is None:
-        return masking.split_fori_loop(band(), lambda i, c, masked: body(i, c, TileRules.band(masked)),
+        return masking.split_fori_loop(band, lambda i, c, masked: body(i, c, TileRules.band(masked)),
                                        carry)
     counts, indices, full_counts, full_indices = lists_refs
     for count_ref, index_ref, rules in ((counts, indices, PARTIAL_TILE), (full_counts, full_indices, full_rules)):

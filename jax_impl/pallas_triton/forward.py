@@ -58,7 +58,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
         return acc, row_max, row_sum
 
     init = (jnp.zeros(q.shape, jnp.float32), *dropout_sinks.initial_stats(sink, (block_q,)))
-    band = lambda: masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
+    band = None if lists_refs is not None else masking.kv_block_split(
+        cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
     acc, row_max, row_sum = common.visit_tiles(full_rules, lists_refs, band, b, h, i, key_tile, init)
     out, stats = online_softmax.finalize(acc, row_max, row_sum)
     store(o_ref, out.astype(o_ref.dtype), query_ok, feature_ok)
