@@ -41,7 +41,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
                  offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dropout_offset_ref,
                  query_poison_ref, key_poison_ref, lists_refs, aux_refs, *out_refs,
                  cfg: AttentionConfig, layout: Layout, groups: int, order: common.TileOrder,
-                 outputs: tuple[str, ...], full_rules: common.TileRules, aux_types: tuple):
+                 outputs: tuple[str, ...], aux_types: tuple):
     """Works on the transposed tiles S^T = K Q^T ``[bk, bq]``, so that dV += P^T dO and
     dK += dS^T Q are plain dots: no transpose of the computed P or dS.
 
@@ -121,7 +121,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
                 acc["dk"] += common.dot(dqk.astype(q.dtype), q, cfg.precision)
             return acc
 
-        return common.visit_tiles(full_rules, lists_refs, band, b, head, j, query_tile, carry)
+        return common.visit_tiles(lists_refs, band, b, head, j, query_tile, carry)
 
     acc = lax.fori_loop(0, groups, query_head, {name: jnp.zeros(k.shape, jnp.float32) for name in outputs})
     scale = {"dk": cfg.scale, "dv": 1.0}  # dk's scale once, here
@@ -133,7 +133,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
                offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dropout_offset_ref,
                query_poison_ref, key_poison_ref, lists_refs, aux_refs, dq_ref, dbias_ref, *,
                cfg: AttentionConfig, layout: Layout, order: common.TileOrder,
-               full_rules: common.TileRules, aux_types: tuple):
+               aux_types: tuple):
     block_q, block_k = layout.blocks.block_q_dq, layout.blocks.block_k_dq
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     seed = common.per_head(seeds_ref, b, h)
@@ -168,7 +168,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
 
     band = None if lists_refs is not None else masking.kv_block_split(
         cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
-    dq = common.visit_tiles(full_rules, lists_refs, band, b, h, i, key_tile, jnp.zeros(q.shape, jnp.float32))
+    dq = common.visit_tiles(lists_refs, band, b, h, i, key_tile, jnp.zeros(q.shape, jnp.float32))
     store(dq_ref, (dq * cfg.scale).astype(dq_ref.dtype), query_ok, feature_ok)  # the scale once
 
 
@@ -191,8 +191,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
               masks.position_offset, masks.q_segment_ids, masks.kv_segment_ids, mask, bias, seeds,
               dropout_offset, query_poison, key_poison)
     aux = tuple(map(common.mod_aux_operand, mod_aux))
-    kernel_args = dict(full_rules=common.full_tile_rules(cfg, masks),
-                       aux_types=common.mod_aux_types(mod_aux))
+    aux_types = common.mod_aux_types(mod_aux)
 
     # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
@@ -209,7 +208,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     for outputs in (("dv",), ("dk",)) if split else (("dk", "dv"),):
         grads.update(zip(outputs, pl.pallas_call(
             functools.partial(_dkdv_kernel, cfg=cfg, layout=layout, groups=groups, order=order,
-                              outputs=outputs, **kernel_args),
+                              outputs=outputs, aux_types=aux_types),
             grid=(order.num_tiles, batch, hkv),
             in_specs=list(map(order.spec, [
                 q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
@@ -260,7 +259,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     order = common.TileOrder(tiles(layout.lq, bq), masking.later_query_tiles_heavier(cfg.mask))
     results = pl.pallas_call(
         functools.partial(_dq_kernel_with_dbias if write_dbias else _dq_kernel_no_dbias, cfg=cfg,
-                          layout=layout, order=order, **kernel_args),
+                          layout=layout, order=order, aux_types=aux_types),
         grid=(order.num_tiles, batch, hq), in_specs=list(map(order.spec, in_specs)),
         out_specs=list(map(order.spec, out_specs)), out_shape=out_shape,
         input_output_aliases=aliases,
@@ -271,7 +270,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     dbias = results[1] if write_dbias else None
     # The kernels differentiated the finite copies: the gradient of finite_or_zero is 0 at the
     # non-finite entries themselves, which no product read.
-    return dq, dk, dv, dbias, ()
+    return dq, dk, dv, dbias
 
 
 def _dq_kernel_no_dbias(*refs, **kwargs):

@@ -202,6 +202,9 @@ class TileRules(NamedTuple):
 
 
 PARTIAL_TILE = TileRules(True, True, True)
+# A full tile: tile_classes said FULL only where no rule can refuse a pair (with a mask_mod, only
+# where a block_mask's full tiles promise it holds).
+FULL_TILE = TileRules(False, False, False)
 
 
 def tile_lists(cfg, masks: masking.MaskInputs, lq: int, lk: int, block_rows: int,
@@ -209,7 +212,8 @@ def tile_lists(cfg, masks: masking.MaskInputs, lq: int, lk: int, block_rows: int
     """The (partial counts, partial indices, full counts, full indices) int32 lists of a grid of
     ``block_rows`` queries x ``block_cols`` keys, per query tile, or with ``transposed`` per key
     tile (the dK/dV kernel); None when the call has neither segment ids nor a block_mask."""
-    classes = block_mask.tile_classes(cfg.mask, masks, lq, lk, block_rows, block_cols)
+    classes = block_mask.tile_classes(cfg.mask, masks, lq, lk, block_rows, block_cols,
+                                      mask_mod=cfg.mask_mod is not None)
     if classes is None:
         return None
     lists = block_mask.BlockMask.from_tile_classes(classes, lq, lk, block_rows, block_cols)
@@ -224,22 +228,16 @@ def tile_lists_spec(lists):
         pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n) for x in lists)
 
 
-def full_tile_rules(cfg, masks: masking.MaskInputs) -> TileRules:
-    """What a full tile still evaluates: mask_mod where no block_mask said where it holds
-    (the tiles came from segment ids alone)."""
-    return TileRules(False, False, cfg.mask_mod is not None and masks.block_mask is None)
-
-
-def visit_tiles(full_rules: TileRules, lists_refs, band, b, h, tile, body, carry):
+def visit_tiles(lists_refs, band, b, h, tile, body, carry):
     """Run ``body(index, carry, rules)`` over the tiles program ``(tile, b, h)`` visits: from the
-    tile lists when there are any (``rules``: PARTIAL_TILE, then ``full_rules``), else over the
+    tile lists when there are any (``rules``: PARTIAL_TILE, then FULL_TILE), else over the
     band (``(lo, full_lo, full_hi, hi)``, computed by the kernel only when ``lists_refs`` is None:
     masking.split_fori_loop)."""
     if lists_refs is None:
         return masking.split_fori_loop(band, lambda i, c, masked: body(i, c, TileRules.band(masked)),
                                        carry)
     counts, indices, full_counts, full_indices = lists_refs
-    for count_ref, index_ref, rules in ((counts, indices, PARTIAL_TILE), (full_counts, full_indices, full_rules)):
+    for count_ref, index_ref, rules in ((counts, indices, PARTIAL_TILE), (full_counts, full_indices, FULL_TILE)):
         row = (broadcast_index(count_ref, 0, b), broadcast_index(count_ref, 1, h), tile)
         carry = lax.fori_loop(0, count_ref[row], lambda t, c, index_ref=index_ref, row=row, rules=rules:
                               body(index_ref[(*row, t)], c, rules), carry)
@@ -371,12 +369,13 @@ def mod_aux_types(aux):
 
 def logits_gradient(p, dp, delta, capped, cfg, slope, *, transposed: bool = False,
                     exclusions: bool = False):
-    """online_softmax.logits_gradient (unscaled) through score_mod: dS with respect to the
-    logits before it is P * slope * (dP - delta); ``slope`` None: no score_mod."""
-    if slope is not None:  # where P = 0 (excluded) the slope may be NaN: 0 there
-        p, exclusions = jnp.where(p == 0, 0.0, p * slope), True
-    return online_softmax.logits_gradient(p, dp, delta, capped, cfg, scaled=False,
-                                          transposed=transposed, exclusions=exclusions)
+    """online_softmax.logits_gradient, unscaled, through score_mod: ``slope`` its elementwise
+    derivative (TileMods.score), or None without one. Where P = 0 the slope may be NaN (a
+    poisoned logit): the exclusions' select makes dS 0 there."""
+    return online_softmax.logits_gradient(
+        p, dp, delta, capped, cfg, scaled=False, transposed=transposed,
+        exclusions=exclusions or slope is not None,
+        score_vjp=None if slope is None else (lambda ds: ds * slope))
 
 
 def compiler_params(num_warps: int, num_stages: int):

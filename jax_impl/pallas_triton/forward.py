@@ -30,8 +30,7 @@ from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
 def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_seg_ref, kv_seg_ref,
                     mask_ref, bias_ref, sinks_ref, seeds_ref, dropout_offset_ref, key_poison_ref,
                     lists_refs, aux_refs, o_ref, max_ref, log_sum_ref, *,
-                    cfg: AttentionConfig, layout: Layout, order: common.TileOrder,
-                    full_rules: common.TileRules, aux_types: tuple):
+                    cfg: AttentionConfig, layout: Layout, order: common.TileOrder, aux_types: tuple):
     block_q, block_k = layout.blocks.block_q, layout.blocks.block_k
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     sink, seed = common.per_head(sinks_ref, b, h), common.per_head(seeds_ref, b, h)
@@ -60,7 +59,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, q_se
     init = (jnp.zeros(q.shape, jnp.float32), *dropout_sinks.initial_stats(sink, (block_q,)))
     band = None if lists_refs is not None else masking.kv_block_split(
         cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
-    acc, row_max, row_sum = common.visit_tiles(full_rules, lists_refs, band, b, h, i, key_tile, init)
+    acc, row_max, row_sum = common.visit_tiles(lists_refs, band, b, h, i, key_tile, init)
     out, stats = online_softmax.finalize(acc, row_max, row_sum)
     store(o_ref, out.astype(o_ref.dtype), query_ok, feature_ok)
     store(max_ref, stats.max, query_ok)
@@ -105,7 +104,6 @@ def forward_call(cfg: AttentionConfig, layout: Layout, q, k, v, masks: masking.M
     out_shape = [vma.out_struct(q.shape, q.dtype, q), stats_shape, stats_shape]
     order = common.TileOrder(tiles(layout.lq, block_q), masking.later_query_tiles_heavier(cfg.mask))
     kernel = functools.partial(_forward_kernel, cfg=cfg, layout=layout, order=order,
-                               full_rules=common.full_tile_rules(cfg, masks),
                                aux_types=common.mod_aux_types(mod_aux))
     return pl.pallas_call(
         kernel, grid=(order.num_tiles, batch, hq), in_specs=list(map(order.spec, in_specs)),

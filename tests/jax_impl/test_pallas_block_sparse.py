@@ -17,6 +17,7 @@ from jax_impl import block_mask as block_mask_lib
 from jax_impl import masking, pallas_triton
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.dropout_sinks import SinksAndDropout
+from jax_impl.flash_attention import flash_attention
 
 B, L, HQ, HKV, D = 2, 40, 4, 2, 16  # L is not a multiple of the tiles: a ragged last tile
 TILE = 16
@@ -42,7 +43,8 @@ def _pallas(q, k, v, cotangent, *, is_causal=False, segment_ids=None, block_mask
             mod_aux=(), **config):
     """Out and (dq, dk, dv) of the pallas_triton forward and backward called directly, and
     the backward's d_mod_aux."""
-    cfg = AttentionConfig(scale=D ** -0.5, mask=masking.MaskSpec(is_causal=is_causal),
+    spec = masking.MaskSpec(is_causal=is_causal, has_block_mask=block_mask is not None)
+    cfg = AttentionConfig(scale=D ** -0.5, mask=spec,
                           block_sizes=BLOCKS, interpret=True, **config)
     seg = None if segment_ids is None else jnp.asarray(segment_ids)
     lengths = jnp.full((B,), L, jnp.int32)
@@ -151,7 +153,11 @@ def test_alibi_score_mod_with_slopes_in_mod_aux_matches_the_oracle():
         score_mod=lambda score, b, h, q_idx, kv_idx, slopes: score + slopes[h] * (kv_idx - q_idx))
     rows, cols = _positions()
     bias = slopes[None, :, None, None] * (cols - rows)
-    _judge(got, torch_arrays(q, k, v, cotangent, is_causal=True, bias=bias))
+    oracle = torch_arrays(q, k, v, cotangent, is_causal=True, bias=bias)
+    _judge(got, oracle)
+    # The slopes' gradient (from the xla path): the bias's, weighted by the distance.
+    np.testing.assert_allclose(d_mod_aux[0], np.sum(oracle["dbias"] * (cols - rows), axis=(0, 2, 3)),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_t5_table_lookup_score_mod_matches_the_oracle():
@@ -190,3 +196,33 @@ def test_arithmetic_on_a_whole_mod_aux_array_is_refused_with_the_rule():
     with pytest.raises(TypeError, match=r"mod_aux\[0\].*indexing every axis"):
         _pallas(q, k, v, cotangent, mod_aux=(slopes,),
                 score_mod=lambda score, b, h, q_idx, kv_idx, slopes: score + (slopes * 2)[h])
+
+
+def test_flash_attention_with_a_regridded_block_mask_and_both_mods_matches_the_oracle():
+    """Through flash_attention: a prefix-LM block_mask of other tiles than the kernels' (8 x 32,
+    regridded to 16 x 16), its mask_mod, and ALiBi with differentiated slopes."""
+    q, k, v, cotangent = _inputs(8)
+    prefix = np.asarray([11, 30], np.int32)
+    slopes = 2.0 ** -np.arange(1, HQ + 1, dtype=np.float32)
+    mask = block_mask_lib.create_block_mask(_prefix_lm, B, None, L, L, block_size=(8, 32),
+                                            mod_aux=(jnp.asarray(prefix),))
+
+    def attend(q, k, v, slopes):
+        return flash_attention(
+            q, k, v, implementation="pallas_triton", interpret=True, block_sizes=BLOCKS,
+            block_mask=mask, mask_mod=lambda b, h, q_idx, kv_idx, prefix, slopes:
+                _prefix_lm(b, h, q_idx, kv_idx, prefix),
+            score_mod=lambda score, b, h, q_idx, kv_idx, prefix, slopes:
+                score + slopes[h] * (kv_idx - q_idx),
+            mod_aux=(jnp.asarray(prefix), slopes))
+
+    out, vjp = jax.vjp(attend, *map(jnp.asarray, (q, k, v, slopes)))
+    dq, dk, dv, d_slopes = vjp(jnp.asarray(cotangent))
+    got = {name: np.asarray(x, np.float64) for name, x in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv))}
+    rows, cols = _positions()
+    bias = slopes[None, :, None, None] * (cols - rows)
+    oracle = torch_arrays(q, k, v, cotangent, bias=bias,
+                          mask=(cols <= rows) | (cols < prefix[:, None, None, None]))
+    _judge(got, oracle)
+    np.testing.assert_allclose(d_slopes, np.sum(oracle["dbias"] * (cols - rows), axis=(0, 2, 3)),
+                               atol=1e-4, rtol=1e-4)
