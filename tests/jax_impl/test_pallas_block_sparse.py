@@ -25,17 +25,19 @@ BLOCKS = BlockSizes(TILE, TILE, TILE, TILE, TILE, TILE, num_warps=4, num_warps_b
 TOLERANCE = dict(atol=2e-5, rtol=1e-4)
 
 
-def _inputs(seed):
+def _inputs(seed, length=L):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, L, HQ, D)).astype(np.float32)
-    k, v = (rng.standard_normal((B, L, HKV, D)).astype(np.float32) for _ in range(2))
-    cotangent = rng.standard_normal((B, L, HQ, D)).astype(np.float32)
+    q = rng.standard_normal((B, length, HQ, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, length, HKV, D)).astype(np.float32) for _ in range(2))
+    cotangent = rng.standard_normal((B, length, HQ, D)).astype(np.float32)
     return q, k, v, cotangent
 
 
-def _packed_documents(rng):
-    """[B, L] ascending document ids: each row cut into 2-4 documents of random lengths."""
-    ids = [np.sort(rng.integers(0, rng.integers(2, 5), L)) for _ in range(B)]
+def _packed_documents(rng, length=L):
+    """[B, length] ascending document ids: a first document of 32 to 47 positions (so that
+    some tiles lie inside one document: full), then 1-3 short ones."""
+    ids = [np.concatenate([np.zeros(first, int), 1 + np.sort(rng.integers(0, 3, length - first))])
+           for first in rng.integers(32, min(48, length - 2), B)]
     return np.stack(ids).astype(np.int32)
 
 
@@ -47,10 +49,10 @@ def _pallas(q, k, v, cotangent, *, is_causal=False, segment_ids=None, block_mask
     cfg = AttentionConfig(scale=D ** -0.5, mask=spec,
                           block_sizes=BLOCKS, interpret=True, **config)
     seg = None if segment_ids is None else jnp.asarray(segment_ids)
-    lengths = jnp.full((B,), L, jnp.int32)
-    masks = masking.MaskInputs(lengths, lengths, seg, seg, None, block_mask=block_mask)
     extras = SinksAndDropout(mod_aux=tuple(mod_aux))
     q, k, v, cotangent = map(jnp.asarray, (q, k, v, cotangent))
+    lengths = jnp.full((B,), q.shape[1], jnp.int32)
+    masks = masking.MaskInputs(lengths, lengths, seg, seg, None, block_mask=block_mask)
     out, stats = pallas_triton.forward(cfg, q, k, v, None, masks, extras)
     delta = jnp.einsum("bqhd,bqhd->bhq", cotangent, out)
     dq, dk, dv, dbias, d_mod_aux = pallas_triton.backward(cfg, q, k, v, None, masks, stats,
@@ -65,14 +67,17 @@ def _judge(got, oracle, **tolerance):
         np.testing.assert_allclose(got[name], oracle[name], **{**TOLERANCE, **tolerance}, err_msg=name)
 
 
-def _positions():
-    i = np.arange(L)
+def _positions(length=L):
+    i = np.arange(length)
     return i[:, None], i[None, :]  # query rows, key columns
 
 
 def test_packed_documents_causal_match_the_oracle():
     q, k, v, cotangent = _inputs(0)
     ids = _packed_documents(np.random.default_rng(0))
+    rows, cols = _positions()
+    classes = _tile_classes((ids[:, None, :, None] == ids[:, None, None, :]) & (cols <= rows))
+    assert (classes == 2).any() and (classes == 0).any()  # full and empty tiles both occur
     got, d_mod_aux = _pallas(q, k, v, cotangent, is_causal=True, segment_ids=ids)
     _judge(got, torch_arrays(q, k, v, cotangent, is_causal=True, q_segment_ids=ids,
                              kv_segment_ids=ids))
@@ -82,18 +87,21 @@ def test_packed_documents_causal_match_the_oracle():
 def _tile_classes(allowed):
     """[B|1, H|1, nq, nk] of a dense [B|1, H|1, L, L] bool pattern: 0 empty, 1 partial, 2 full
     (pairs past L count as masked, so a ragged tile is never full)."""
-    n = -(-L // TILE)
+    length = allowed.shape[-1]
+    n = -(-length // TILE)
     padded = np.zeros((*allowed.shape[:2], n * TILE, n * TILE), bool)
-    padded[..., :L, :L] = allowed
+    padded[..., :length, :length] = allowed
     tiles = padded.reshape(*allowed.shape[:2], n, TILE, n, TILE)
     return np.where(tiles.all((3, 5)), 2, np.where(tiles.any((3, 5)), 1, 0))
 
 
 def test_kernels_visit_only_the_non_empty_tiles():
     """A score_mod that records which tile it runs on: every kernel (forward, dK/dV and dQ,
-    each query head) visits exactly the tiles that the packed documents leave non-empty."""
-    q, k, v, cotangent = _inputs(1)
-    ids = _packed_documents(np.random.default_rng(1))
+    each query head) visits exactly the tiles that the causal packed documents leave non-empty
+    (the band alone would visit the tiles below the diagonal between documents too)."""
+    length = 72  # 5 tiles: a document ends before the last two query tiles begin
+    q, k, v, cotangent = _inputs(1, length)
+    ids = _packed_documents(np.random.default_rng(1), length)
     visited = []
 
     def recording_score_mod(score, b, h, q_idx, kv_idx):
@@ -101,10 +109,13 @@ def test_kernels_visit_only_the_non_empty_tiles():
                            b, h, jnp.min(q_idx) // TILE, jnp.min(kv_idx) // TILE)
         return score
 
-    _pallas(q, k, v, cotangent, segment_ids=ids, score_mod=recording_score_mod)
-    classes = _tile_classes(ids[:, None, :, None] == ids[:, None, None, :])
+    _pallas(q, k, v, cotangent, is_causal=True, segment_ids=ids, score_mod=recording_score_mod)
+    rows, cols = _positions(length)
+    same_document = ids[:, None, :, None] == ids[:, None, None, :]
+    classes = _tile_classes(same_document & (cols <= rows))
+    band = _tile_classes(np.broadcast_to(cols <= rows, same_document.shape))
+    assert ((classes == 0) & (band != 0)).any()  # tiles that only the documents empty
     expected = sorted((b, h, i, j) for b, _, i, j in zip(*np.nonzero(classes)) for h in range(HQ))
-    assert len(expected) < B * HQ * classes.shape[-1] ** 2  # some tiles are empty
     assert sorted(visited) == sorted(expected * 3)  # forward, dK/dV, dQ: each once
 
 
