@@ -3,8 +3,8 @@
 * dK/dV: one program per (key tile, batch, kv head). It keeps K_j, V_j and the dK_j, dV_j
   accumulators in registers and walks every query tile that can see key tile j
   (masking.q_block_range, or the tile lists: common.visit_tiles), for each of the G query
-  heads that share this kv head (GQA:
-  the group's contributions are summed here, K/V are never repeated). Where the two
+  heads that share this kv head (GQA: the group's contributions are summed here, K/V are
+  never repeated). Where the two
   accumulators would not fit the registers it is two kernels, dV then dK (split_dkdv).
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
   Both read Q, K and V with their non-finite entries as 0 and the NaN poison of each query

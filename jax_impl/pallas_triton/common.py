@@ -237,10 +237,11 @@ def visit_tiles(lists_refs, band, b, h, tile, body, carry):
         return masking.split_fori_loop(band, lambda i, c, masked: body(i, c, TileRules.band(masked)),
                                        carry)
     counts, indices, full_counts, full_indices = lists_refs
-    for count_ref, index_ref, rules in ((counts, indices, PARTIAL_TILE), (full_counts, full_indices, FULL_TILE)):
+    for count_ref, index_ref, rules in ((counts, indices, PARTIAL_TILE),
+                                        (full_counts, full_indices, FULL_TILE)):
         row = (broadcast_index(count_ref, 0, b), broadcast_index(count_ref, 1, h), tile)
-        carry = lax.fori_loop(0, count_ref[row], lambda t, c, index_ref=index_ref, row=row, rules=rules:
-                              body(index_ref[(*row, t)], c, rules), carry)
+        carry = lax.fori_loop(0, count_ref[row], lambda t, c, index_ref=index_ref, row=row,
+                              rules=rules: body(index_ref[(*row, t)], c, rules), carry)
     return carry
 
 

@@ -4,8 +4,9 @@ Each program keeps its query tile in registers and walks the key tiles that the 
 structure allows (masking.kv_block_range), or with segment ids or a block_mask those its tile
 lists name (common.visit_tiles: the partial ones masked, the full ones not), with a running
 row max m, a running sum l in m's scale and an fp32 output accumulator, rescaled whenever m
-grows; O and the row statistics (m and log l) are written once at the end. P is computed in base 2, the row max subtracted
-first (online_softmax.online_step); the statistics written are the natural-log RowStats.
+grows; O and the row statistics (m and log l) are written once at the end. P is computed in
+base 2, the row max subtracted first (online_softmax.online_step); the statistics written
+are the natural-log RowStats.
 The last tiles may reach past Lq, Lk and D: their loads and stores are masked (layout.py).
 The non-finite rule (online_softmax), with no reduction in the kernel: XLA makes every query row
 that holds a non-finite value all NaN (q enters only S, whose select keeps the NaN at the

@@ -229,7 +229,8 @@ def test_flash_attention_with_a_regridded_block_mask_and_both_mods_matches_the_o
 
     out, vjp = jax.vjp(attend, *map(jnp.asarray, (q, k, v, slopes)))
     dq, dk, dv, d_slopes = vjp(jnp.asarray(cotangent))
-    got = {name: np.asarray(x, np.float64) for name, x in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv))}
+    got = {name: np.asarray(x, np.float64)
+           for name, x in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv))}
     rows, cols = _positions()
     bias = slopes[None, :, None, None] * (cols - rows)
     oracle = torch_arrays(q, k, v, cotangent, bias=bias,
