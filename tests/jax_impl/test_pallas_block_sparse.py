@@ -238,3 +238,18 @@ def test_flash_attention_with_a_regridded_block_mask_and_both_mods_matches_the_o
     _judge(got, oracle)
     np.testing.assert_allclose(d_slopes, np.sum(oracle["dbias"] * (cols - rows), axis=(0, 2, 3)),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_bool_and_scalar_mod_aux_are_read_in_the_kernels():
+    """A bool [B, L] aux indexed by the mask_mod (loaded as int8) and a 0-d float aux used as
+    a plain scalar by the score_mod (a temperature)."""
+    q, k, v, cotangent = _inputs(9)
+    rng = np.random.default_rng(9)
+    key_kept = rng.random((B, L)) < 0.7
+    temperature = np.float32(rng.uniform(0.5, 2.0))
+    got, _ = _pallas(q, k, v, cotangent, is_causal=True,
+                     mod_aux=(jnp.asarray(key_kept), jnp.asarray(temperature)),
+                     mask_mod=lambda b, h, q_idx, kv_idx, kept, temp: kept[b, kv_idx],
+                     score_mod=lambda score, b, h, q_idx, kv_idx, kept, temp: score * temp)
+    _judge(got, torch_arrays(q, k, v, cotangent, is_causal=True, scale=D ** -0.5 * float(temperature),
+                             mask=key_kept[:, None, None, :]))
