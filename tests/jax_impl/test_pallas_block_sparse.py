@@ -253,3 +253,27 @@ def test_bool_and_scalar_mod_aux_are_read_in_the_kernels():
                      score_mod=lambda score, b, h, q_idx, kv_idx, kept, temp: score * temp)
     _judge(got, torch_arrays(q, k, v, cotangent, is_causal=True, scale=D ** -0.5 * float(temperature),
                              mask=key_kept[:, None, None, :]))
+
+
+def test_a_block_mask_per_query_head_reaches_each_head_of_a_kv_group():
+    """Per-head sliding windows (GQA: two query heads per kv head): each kernel reads the tile
+    lists of its own query head, also dK/dV, which walks the group's heads in one program."""
+    q, k, v, cotangent = _inputs(10)
+    rng = np.random.default_rng(10)
+    # Each kv group holds a narrow window (no full tile) and a wide one (full tiles below the
+    # diagonal, tiles the narrow one leaves empty): reading another head's lists is wrong.
+    narrow, wide = rng.integers(3, 15, HQ // 2), rng.integers(33, 40, HQ // 2)
+    widths = np.stack([wide, narrow], 1).reshape(-1)[[0, 1, 3, 2]].astype(np.int32)
+
+    def window(b, h, q_idx, kv_idx, widths):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= widths[h])
+
+    mask = block_mask_lib.create_block_mask(window, None, HQ, L, L, block_size=TILE,
+                                            mod_aux=(jnp.asarray(widths),))
+    got, _ = _pallas(q, k, v, cotangent, block_mask=mask, mask_mod=window,
+                     mod_aux=(jnp.asarray(widths),))
+    rows, cols = _positions()
+    dense = (cols <= rows) & (rows - cols <= widths[None, :, None, None])
+    classes = np.asarray(mask.to_dense())[0]
+    assert (classes[0] == block_mask_lib.FULL).any() and not (classes[1] == block_mask_lib.FULL).any()
+    _judge(got, torch_arrays(q, k, v, cotangent, mask=dense))
