@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl import masking, online_softmax, platform, vma
+from jax_impl import block_mask, masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.cpu_kernel.build import unavailable
 
@@ -34,7 +34,7 @@ BACKWARD_BLOCKS = (64, 128)
 PANEL = 64  # flash_cpu.h's PW: K^T is read in panels of 64 keys
 _UNBOUNDED = 1 << 30  # a band side with no bound (positions stay below 2**30)
 # Bits of the kernels' `flags` attribute (flash_cpu.cc).
-_SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS = 1, 2, 4, 8, 16
+_SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS, _TILES = 1, 2, 4, 8, 16, 32
 
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
@@ -61,21 +61,36 @@ def _band(cfg: AttentionConfig, masks: masking.MaskInputs):
     return bound(d_lo, -_UNBOUNDED), bound(d_hi, _UNBOUNDED)
 
 
-def _operands(cfg: AttentionConfig, masks: masking.MaskInputs, bias, extras):
-    """The operands after q, k, v (mask rules, dense mask, bias, sinks, dropout seeds; a dummy
-    where absent) and the ``flags`` attribute that says which are present."""
+def _operands(cfg: AttentionConfig, masks: masking.MaskInputs, bias, extras, shape, blocks):
+    """The operands after q, k, v (mask rules, dense mask, bias, sinks, dropout seeds, the tile
+    classes of the grid ``blocks`` for ``shape`` = (Lq, Lk); a dummy where absent) and the
+    ``flags`` attribute that says which are present."""
     segments = masks.q_segment_ids is not None
     dummy = lambda dtype: jnp.zeros((1, 1), dtype)
     sinks = None if extras is None else extras.sinks
     seeds = None if extras is None or not cfg.dropout_rate else extras.dropout_seeds
+    tiles = _tile_classes(cfg, masks, *shape, *blocks)
     flags = (_SEGMENTS * segments | _MASK * (masks.mask is not None) | _BIAS * (bias is not None)
-             | _SINKS * (sinks is not None))
+             | _SINKS * (sinks is not None) | _TILES * (tiles is not None))
     present = lambda x, dtype: dummy(dtype) if x is None else x.astype(dtype)
     return ((masks.q_len, masks.kv_len, *_band(cfg, masks),
              masks.q_segment_ids if segments else dummy(jnp.int32),
              masks.kv_segment_ids if segments else dummy(jnp.int32),
              present(masks.mask, jnp.bool_),
-             present(bias, jnp.float32), present(sinks, jnp.float32), present(seeds, jnp.uint32)), flags)
+             present(bias, jnp.float32), present(sinks, jnp.float32), present(seeds, jnp.uint32),
+             present(tiles, jnp.int8)), flags)
+
+
+def _tile_classes(cfg: AttentionConfig, masks: masking.MaskInputs, q_len: int, kv_len: int,
+                  block_q: int, block_k: int):
+    """int8 ``[Bc, Hc, nq, nk]`` tile classes of the grid (block_q, block_k), or None when only
+    the band is known (the kernels' spans skip what lies outside it)."""
+    if masks.q_segment_ids is None:  # TODO(i42): block_mask.tile_classes once main has it
+        return None
+    return block_mask.block_mask_from_bounds(
+        cfg.mask, q_len, kv_len, block_size=(block_q, block_k), q_lengths=masks.q_len,
+        kv_lengths=masks.kv_len, position_offset=masks.position_offset,
+        q_segment_ids=masks.q_segment_ids, kv_segment_ids=masks.kv_segment_ids).to_dense()
 
 
 def _attributes(cfg: AttentionConfig, block_sizes, flags: int) -> dict:
@@ -130,14 +145,15 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     _registered()
     b, lq, hq, d = q.shape
     dp = _padded_head_dim(d)
-    operands, flags = _operands(cfg, masks, bias, extras)
+    blocks = _blocks(cfg, FORWARD_BLOCKS)
+    operands, flags = _operands(cfg, masks, bias, extras, (lq, k.shape[1]), blocks)
     stats = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
     q32, k32, v32 = (_pad_features(x, dp) for x in (q, k, v))
     out, row_max, log_sum = _varying_like_operands(jax.ffi.ffi_call(
         "jax_flash_attention_cpu_forward",
         (jax.ShapeDtypeStruct((b, lq, hq, dp), jnp.float32), stats, stats), vmap_method="sequential",
     )(q32, _key_panels(k32), _head_major(v32), *operands,
-      **_attributes(cfg, _blocks(cfg, FORWARD_BLOCKS), flags)), q, k, v, bias, masks, extras)
+      **_attributes(cfg, blocks, flags)), q, k, v, bias, masks, extras)
     return out[..., :d].astype(q.dtype), online_softmax.RowStats(row_max, log_sum)
 
 
@@ -151,9 +167,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     dp = _padded_head_dim(d)
-    operands, flags = _operands(cfg, masks, bias, extras)
-    with_dbias = bias is not None and cfg.bias_gradient
     block_q, block_k = _blocks(cfg, BACKWARD_BLOCKS)
+    operands, flags = _operands(cfg, masks, bias, extras, (lq, lk), (block_q, block_k))
+    with_dbias = bias is not None and cfg.bias_gradient
     chunks = max(1, min(-(-platform.host_threads() // (b * hkv)), -(-lk // block_k)))
     kv_shape = jax.ShapeDtypeStruct((b, hkv, lk, dp), jnp.float32)
     dbias_shape = (b, hq, lq, lk) if with_dbias else (1, 1, 1, 1)
