@@ -601,6 +601,22 @@ def allowed_pattern(call: Call) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(ok, (c.b, c.hq, c.lq, c.lk)))
 
 
+EMPTY, PARTIAL, FULL = 0, 1, 2  # jax_impl.block_mask's tile classes, restated: the tests' own
+
+
+def tile_classes_of(allowed: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+    """``[..., nq, nk]`` int8 tile classes of an allowed pattern ``[..., Lq, Lk]``, from the
+    pairs (numpy, sharing no code with jax_impl). Pairs past Lq or Lk count as excluded (a
+    ragged tile is never FULL)."""
+    *lead, lq, lk = allowed.shape
+    nq, nk = -(-lq // block_q), -(-lk // block_k)
+    padded = np.zeros((*lead, nq * block_q, nk * block_k), bool)
+    padded[..., :lq, :lk] = allowed
+    tiles = padded.reshape(*lead, nq, block_q, nk, block_k)
+    return np.where(tiles.all((-3, -1)), FULL,
+                    np.where(tiles.any((-3, -1)), PARTIAL, EMPTY)).astype(np.int8)
+
+
 def _poison(d: Draw, call: Call) -> None:
     """Non-finite values: where no row may attend (always harmless) and, with the config's
     probability, at positions an allowed pair reads."""

@@ -10,23 +10,11 @@ import pytest
 
 import cpu_fuzz
 from conformance import tolerance
-from jax_impl import cpu_kernel, masking
+from jax_impl import block_mask, cpu_kernel, explain_implementation, masking
 from jax_impl.config import AttentionConfig, BlockSizes
-from _flash_helpers import torch_arrays
+from _flash_helpers import run_arrays, torch_arrays
 
-EMPTY, PARTIAL, FULL = 0, 1, 2  # jax_impl.block_mask's constants, restated: the test's own
-
-
-def _classes_of(allowed: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
-    """``[..., nq, nk]`` tile classes of an allowed pattern ``[..., Lq, Lk]`` (numpy, from the
-    pairs: the test's own computation). Pairs past Lq or Lk count as excluded (a ragged tile is
-    never FULL)."""
-    *lead, lq, lk = allowed.shape
-    nq, nk = -(-lq // block_q), -(-lk // block_k)
-    padded = np.zeros((*lead, nq * block_q, nk * block_k), bool)
-    padded[..., :lq, :lk] = allowed
-    tiles = padded.reshape(*lead, nq, block_q, nk, block_k)
-    return np.where(tiles.all((-3, -1)), FULL, np.where(tiles.any((-3, -1)), PARTIAL, EMPTY))
+EMPTY, PARTIAL, FULL = cpu_fuzz.EMPTY, cpu_fuzz.PARTIAL, cpu_fuzz.FULL
 
 
 @pytest.mark.parametrize("dropout", [None, (0.3, False)], ids=["no_dropout", "dropout"])
@@ -39,7 +27,7 @@ def test_packed_documents_at_small_tiles_match_the_float64_oracle(dropout):
                              block_sizes=(16, 64), sinks=True, dropout=dropout)
     call = cpu_fuzz.make_call("packed_tiles", config, seed=11, index=0)
     call.q_len, call.kv_len = np.array([700, 611], np.int32), np.array([653, 700], np.int32)
-    counts = np.bincount(_classes_of(cpu_fuzz.allowed_pattern(call), 16, 64).ravel(), minlength=3)
+    counts = np.bincount(cpu_fuzz.tile_classes_of(cpu_fuzz.allowed_pattern(call), 16, 64).ravel(), minlength=3)
     assert counts[EMPTY] > 2 * counts[FULL] > 0 and counts[PARTIAL] > 0, counts
     results = cpu_fuzz.Runner("cpu").run(call)
     problems = cpu_fuzz.judge(call, results, *cpu_fuzz.references(call))
@@ -60,7 +48,7 @@ def test_the_kernels_act_on_the_tile_classes_they_are_given(monkeypatch):
     pos = np.arange(length)
     rules = ((pos[None, :] <= pos[:, None])[None]
              & (segments[:, :, None] == segments[:, None, :]))[:, None].repeat(hq, 1)  # [B, Hq, L, L]
-    classes = _classes_of(rules, block_q, block_k)
+    classes = cpu_fuzz.tile_classes_of(rules, block_q, block_k)
     nq, nk = classes.shape[-2:]
     below_diagonal = (np.arange(nk)[None, :] + 1) * block_k <= np.arange(nq)[:, None] * block_q
     expected = rules.copy()
@@ -90,4 +78,29 @@ def test_the_kernels_act_on_the_tile_classes_they_are_given(monkeypatch):
     for name, value in results.items():
         verdict = tolerance.judge(name, np.asarray(value, np.float64), reference[name], plain[name],
                                   "float32")
+        assert verdict.passed, (name, verdict)
+
+
+@pytest.mark.parametrize("tiles", [(64, 128), (48, 80)], ids=["nesting", "not_nesting"])
+def test_a_block_mask_runs_on_the_kernel_and_excludes_its_empty_tiles(tiles):
+    """A block_mask of EMPTY and FULL tiles (with causal, segment ids, GQA): the call runs on the
+    kernel and matches the oracle given the block_mask's pairs as a dense mask, whether the
+    kernel's tiles nest in the block_mask's (64 x 128) or not (48 x 80: its pairs then masked)."""
+    b, length, hq, hkv, d = 2, 260, 4, 2, 16
+    rng = np.random.default_rng(9)
+    q, k, v, d_out = (rng.standard_normal(shape).astype(np.float32) for shape in
+                      ((b, length, hq, d), (b, length, hkv, d), (b, length, hkv, d), (b, length, hq, d)))
+    segments = np.stack([np.searchsorted(cuts, np.arange(length), side="right")
+                         for cuts in ([100, 170], [30])]).astype(np.int32)
+    nq, nk = -(-length // tiles[0]), -(-length // tiles[1])
+    classes = np.where(rng.random((b, hq, nq, nk)) < 0.35, EMPTY, FULL).astype(np.int8)
+    pairs = classes.repeat(tiles[0], 2).repeat(tiles[1], 3)[:, :, :length, :length] == FULL
+    block = block_mask.BlockMask.from_tile_classes(jnp.asarray(classes), length, length, *tiles)
+    kw = dict(is_causal=True, q_segment_ids=segments, kv_segment_ids=segments)
+    assert explain_implementation(q, k, v, platform="cpu", block_mask=block, **kw).chosen == "cpu"
+    got = run_arrays(q, k, v, d_out, "cpu", block_mask=block, **kw)
+    reference = torch_arrays(q, k, v, d_out, mask=pairs, **kw)
+    plain = torch_arrays(q, k, v, d_out, dtype=np.float32, mask=pairs, **kw)
+    for name in ("out", "dq", "dk", "dv"):
+        verdict = tolerance.judge(name, got[name], reference[name], plain[name], "float32")
         assert verdict.passed, (name, verdict)
