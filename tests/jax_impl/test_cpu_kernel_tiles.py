@@ -17,17 +17,30 @@ from _flash_helpers import run_arrays, torch_arrays
 EMPTY, PARTIAL, FULL = cpu_fuzz.EMPTY, cpu_fuzz.PARTIAL, cpu_fuzz.FULL
 
 
+def _normal(rng, q_shape, kv_shape, d_out_shape):
+    """Random float32 q, k, v, d_out."""
+    shapes = (q_shape, kv_shape, kv_shape, d_out_shape)
+    return (rng.standard_normal(shape).astype(np.float32) for shape in shapes)
+
+
+def _documents(length: int, *starts):
+    """Segment ids ``[B, length]`` int32: per batch row, documents starting at 0 and ``starts``."""
+    return np.stack([np.searchsorted(cuts, np.arange(length), side="right")
+                     for cuts in starts]).astype(np.int32)
+
+
 @pytest.mark.parametrize("dropout", [None, (0.3, False)], ids=["no_dropout", "dropout"])
 def test_packed_documents_at_small_tiles_match_the_float64_oracle(dropout):
-    """Seven to twelve documents per row, causal inside, lengths, GQA, sinks (and dropout):
-    forward and gradients at 16 x 64 tiles, where most tiles are EMPTY, many FULL, the
-    documents' edges PARTIAL."""
+    """Packed documents (cpu_fuzz's packed_tiles family: 8, or with dropout 3, per row), causal
+    inside, lengths, GQA, sinks (and dropout): forward and gradients at 16 x 64 tiles, where
+    most tiles are EMPTY, many FULL, the documents' edges PARTIAL."""
     config = cpu_fuzz.Config(b=2, lq=700, lk=700, hq=4, hkv=2, d=16, dtype="float32",
                              causal="top_left", lengths="concrete", segments=True,
                              block_sizes=(16, 64), sinks=True, dropout=dropout)
     call = cpu_fuzz.make_call("packed_tiles", config, seed=11, index=0)
     call.q_len, call.kv_len = np.array([700, 611], np.int32), np.array([653, 700], np.int32)
-    counts = np.bincount(cpu_fuzz.tile_classes_of(cpu_fuzz.allowed_pattern(call), 16, 64).ravel(), minlength=3)
+    classes = cpu_fuzz.tile_classes_of(cpu_fuzz.allowed_pattern(call), 16, 64)
+    counts = np.bincount(classes.ravel(), minlength=3)
     assert counts[EMPTY] > 2 * counts[FULL] > 0 and counts[PARTIAL] > 0, counts
     results = cpu_fuzz.Runner("cpu").run(call)
     problems = cpu_fuzz.judge(call, results, *cpu_fuzz.references(call))
@@ -41,13 +54,11 @@ def test_the_kernels_act_on_the_tile_classes_they_are_given(monkeypatch):
     the result is the oracle's for the pattern the classes describe."""
     b, length, hq, hkv, d, block_q, block_k = 2, 300, 2, 1, 16, 32, 64
     rng = np.random.default_rng(7)
-    q, k, v, d_out = (rng.standard_normal(shape).astype(np.float32) for shape in
-                      ((b, length, hq, d), (b, length, hkv, d), (b, length, hkv, d), (b, length, hq, d)))
-    segments = np.stack([np.searchsorted(cuts, np.arange(length), side="right")
-                         for cuts in ([70, 150, 210], [40, 180])]).astype(np.int32)
+    q, k, v, d_out = _normal(rng, (b, length, hq, d), (b, length, hkv, d), (b, length, hq, d))
+    segments = _documents(length, [70, 150, 210], [40, 180])
     pos = np.arange(length)
-    rules = ((pos[None, :] <= pos[:, None])[None]
-             & (segments[:, :, None] == segments[:, None, :]))[:, None].repeat(hq, 1)  # [B, Hq, L, L]
+    same_document = segments[:, :, None] == segments[:, None, :]
+    rules = ((pos[None, :] <= pos[:, None])[None] & same_document)[:, None].repeat(hq, 1)
     classes = cpu_fuzz.tile_classes_of(rules, block_q, block_k)
     nq, nk = classes.shape[-2:]
     below_diagonal = (np.arange(nk)[None, :] + 1) * block_k <= np.arange(nq)[:, None] * block_q
@@ -88,10 +99,8 @@ def test_a_block_mask_runs_on_the_kernel_and_excludes_its_empty_tiles(tiles):
     kernel's tiles nest in the block_mask's (64 x 128) or not (48 x 80: its pairs then masked)."""
     b, length, hq, hkv, d = 2, 260, 4, 2, 16
     rng = np.random.default_rng(9)
-    q, k, v, d_out = (rng.standard_normal(shape).astype(np.float32) for shape in
-                      ((b, length, hq, d), (b, length, hkv, d), (b, length, hkv, d), (b, length, hq, d)))
-    segments = np.stack([np.searchsorted(cuts, np.arange(length), side="right")
-                         for cuts in ([100, 170], [30])]).astype(np.int32)
+    q, k, v, d_out = _normal(rng, (b, length, hq, d), (b, length, hkv, d), (b, length, hq, d))
+    segments = _documents(length, [100, 170], [30])
     nq, nk = -(-length // tiles[0]), -(-length // tiles[1])
     classes = np.where(rng.random((b, hq, nq, nk)) < 0.35, EMPTY, FULL).astype(np.int8)
     pairs = classes.repeat(tiles[0], 2).repeat(tiles[1], 3)[:, :, :length, :length] == FULL
