@@ -93,8 +93,9 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, F32 q, F32 kt, F32 v, S32 q_len, S3
 ffi::Error BackwardImpl(ffi::ThreadPool pool, F32 q, F32 k, F32 v, S32 q_len, S32 kv_len,
                         S32 d_lo, S32 d_hi, S32 q_seg, S32 kv_seg, ffi::Buffer<ffi::PRED> mask,
                         F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, S8 tiles, F32 d_out,
-                        F32 row_max, F32 log_sum, F32 delta, float scale, float soft_cap, float dropout_rate,
-                        int64_t block_q, int64_t block_k, int64_t flags, int64_t chunks,
+                        F32 row_max, F32 log_sum, F32 delta, float scale, float soft_cap,
+                        float dropout_rate, int64_t block_q, int64_t block_k, int64_t flags,
+                        int64_t chunks,
                         ffi::ResultBuffer<ffi::F32> dq_parts, ffi::ResultBuffer<ffi::F32> dk,
                         ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dbias) {
   auto qd = q.dimensions(), vd = v.dimensions();
