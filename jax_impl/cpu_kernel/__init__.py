@@ -2,11 +2,14 @@
 the default on a CPU.
 
 ``forward``/``backward`` keep the contract of ``implementations.py`` and take every call the
-library takes: any float dtype (computed in float32), causal or not, either alignment, local
-windows, sequence lengths, segment ids, GQA/MQA, a bias (with its gradient), a dense mask,
-the soft cap, dropout (the same hash as every implementation), sinks, any head_dim (padded
-with zeros to a multiple of 16 in the copies the kernels read), ring position offsets.
-``unsupported`` refuses only what the build or the tiles rule out.
+library takes but score_mod and mask_mod (Python functions): any float dtype (computed in
+float32), causal or not, either alignment, local windows, sequence lengths, segment ids, a
+block_mask, GQA/MQA, a bias (with its gradient), a dense mask, the soft cap, dropout (the same
+hash as every implementation), sinks, any head_dim (padded with zeros to a multiple of 16 in the
+copies the kernels read), ring position offsets. With segment ids or a block_mask each kernel is
+given the tile classes of its own grid (``block_mask.tile_classes``): it skips EMPTY tiles and
+masks no pair of a FULL one. ``unsupported`` refuses the mods and what the build or the tiles
+rule out.
 
 ``decode`` (forward only) serves few query rows against a long KV cache, dense or paged, read
 in place (``flash_cpu.h``, "Decode"); ``decode_unsupported`` says which calls it cannot take.
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl import masking, online_softmax, platform, vma
+from jax_impl import block_mask, masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.cpu_kernel.build import unavailable
 
@@ -34,7 +37,7 @@ BACKWARD_BLOCKS = (64, 128)
 PANEL = 64  # flash_cpu.h's PW: K^T is read in panels of 64 keys
 _UNBOUNDED = 1 << 30  # a band side with no bound (positions stay below 2**30)
 # Bits of the kernels' `flags` attribute (flash_cpu.cc).
-_SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS = 1, 2, 4, 8, 16
+_SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS, _TILES = 1, 2, 4, 8, 16, 32
 
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
@@ -46,8 +49,6 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     if cfg is not None and cfg.has_mods:
         return ("score_mod and mask_mod are Python functions, which the C++ kernel cannot run "
                 "(xla runs them tile by tile)")
-    if cfg is not None and cfg.mask.has_block_mask:
-        return "a block_mask: the C++ kernel does not read one yet (xla does)"
     if cfg is not None and cfg.block_sizes is not None and cfg.block_sizes.block_k % PANEL:
         return (f"block_sizes.block_k={cfg.block_sizes.block_k} is not a multiple of {PANEL} "
                 "(the kernel reads keys in panels of 64)")
@@ -66,21 +67,50 @@ def _band(cfg: AttentionConfig, masks: masking.MaskInputs):
     return bound(d_lo, -_UNBOUNDED), bound(d_hi, _UNBOUNDED)
 
 
-def _operands(cfg: AttentionConfig, masks: masking.MaskInputs, bias, extras):
-    """The operands after q, k, v (mask rules, dense mask, bias, sinks, dropout seeds; a dummy
-    where absent) and the ``flags`` attribute that says which are present."""
+def _operands(cfg: AttentionConfig, masks: masking.MaskInputs, bias, extras, shape, blocks):
+    """The operands after q, k, v (mask rules, dense mask, bias, sinks, dropout seeds, the tile
+    classes of the grid ``blocks`` for ``shape`` = (Lq, Lk); a dummy where absent) and the
+    ``flags`` attribute that says which are present."""
     segments = masks.q_segment_ids is not None
     dummy = lambda dtype: jnp.zeros((1, 1), dtype)
     sinks = None if extras is None else extras.sinks
     seeds = None if extras is None or not cfg.dropout_rate else extras.dropout_seeds
+    tiles = _tile_classes(cfg, masks, *shape, *blocks)
     flags = (_SEGMENTS * segments | _MASK * (masks.mask is not None) | _BIAS * (bias is not None)
-             | _SINKS * (sinks is not None))
+             | _SINKS * (sinks is not None) | _TILES * (tiles is not None))
     present = lambda x, dtype: dummy(dtype) if x is None else x.astype(dtype)
     return ((masks.q_len, masks.kv_len, *_band(cfg, masks),
              masks.q_segment_ids if segments else dummy(jnp.int32),
              masks.kv_segment_ids if segments else dummy(jnp.int32),
              present(masks.mask, jnp.bool_),
-             present(bias, jnp.float32), present(sinks, jnp.float32), present(seeds, jnp.uint32)), flags)
+             present(bias, jnp.float32), present(sinks, jnp.float32), present(seeds, jnp.uint32),
+             present(tiles, jnp.int8)), flags)
+
+
+def _tile_classes(cfg: AttentionConfig, masks: masking.MaskInputs, q_len: int, kv_len: int,
+                  block_q: int, block_k: int):
+    """int8 ``[Bc, Hc, nq, nk]`` tile classes of the grid (block_q, block_k), or None when only
+    the band is known (the kernels' spans skip what lies outside it)."""
+    return block_mask.tile_classes(cfg.mask, masks, q_len, kv_len, block_q, block_k)
+
+
+def _nests(blocks, tiles: block_mask.BlockMask) -> bool:
+    """Whether every kernel tile of ``blocks`` lies inside one tile of the block_mask."""
+    return tiles.block_q % blocks[0] == 0 and tiles.block_kv % blocks[1] == 0
+
+
+def _with_block_mask_pairs(masks: masking.MaskInputs, blocks, q_len: int, kv_len: int):
+    """``masks``, where a block_mask's tiles do not nest the kernel's ``blocks``, with the
+    block_mask's EMPTY pairs excluded by the dense mask too (a kernel tile over tiles of several
+    classes is PARTIAL: masked per pair, and the pairs must say it). A block_mask's PARTIAL tile
+    (the API takes one only with a mask_mod, which runs on xla) leaves its pairs to the rules."""
+    tiles = masks.block_mask
+    if tiles is None or _nests(blocks, tiles):
+        return masks
+    visited = block_mask.dense_classes(tiles) != block_mask.EMPTY  # [B|1, H|1, nq, nk]
+    pairs = jnp.repeat(jnp.repeat(visited, tiles.block_q, axis=2)[:, :, :q_len],
+                       tiles.block_kv, axis=3)[..., :kv_len]
+    return masks._replace(mask=pairs if masks.mask is None else masks.mask & pairs)
 
 
 def _attributes(cfg: AttentionConfig, block_sizes, flags: int) -> dict:
@@ -96,10 +126,18 @@ def _registered():
         raise RuntimeError(f"the CPU kernel cannot run: {reason}")
 
 
-def _blocks(cfg: AttentionConfig, default):
+def _blocks(cfg: AttentionConfig, default, masks: masking.MaskInputs):
+    """The kernel's tiles: cfg.block_sizes, else ``default``, with a block_mask shrunk to the
+    largest that nest in its tiles where they can (block_k a multiple of 64), so that its
+    classes carry over exactly (else ``_with_block_mask_pairs``)."""
     if cfg.block_sizes is not None:
         return cfg.block_sizes.block_q, cfg.block_sizes.block_k
-    return default
+    tiles = masks.block_mask
+    if tiles is None:
+        return default
+    block_q = max(x for x in range(1, default[0] + 1) if tiles.block_q % x == 0)
+    block_k = [x for x in range(PANEL, default[1] + 1, PANEL) if tiles.block_kv % x == 0]
+    return block_q, max(block_k, default=default[1])
 
 
 def forward_blocks(cfg: AttentionConfig) -> tuple[int, int]:
@@ -140,14 +178,16 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     _registered()
     b, lq, hq, d = q.shape
     dp = _padded_head_dim(d)
-    operands, flags = _operands(cfg, masks, bias, extras)
+    blocks = _blocks(cfg, FORWARD_BLOCKS, masks)
+    masks = _with_block_mask_pairs(masks, blocks, lq, k.shape[1])
+    operands, flags = _operands(cfg, masks, bias, extras, (lq, k.shape[1]), blocks)
     stats = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
     q32, k32, v32 = (_pad_features(x, dp) for x in (q, k, v))
     out, row_max, log_sum = _varying_like_operands(jax.ffi.ffi_call(
         "jax_flash_attention_cpu_forward",
         (jax.ShapeDtypeStruct((b, lq, hq, dp), jnp.float32), stats, stats), vmap_method="sequential",
     )(q32, _key_panels(k32), _head_major(v32), *operands,
-      **_attributes(cfg, _blocks(cfg, FORWARD_BLOCKS), flags)), q, k, v, bias, masks, extras)
+      **_attributes(cfg, blocks, flags)), q, k, v, bias, masks, extras)
     return out[..., :d].astype(q.dtype), online_softmax.RowStats(row_max, log_sum)
 
 
@@ -161,9 +201,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     b, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     dp = _padded_head_dim(d)
-    operands, flags = _operands(cfg, masks, bias, extras)
+    block_q, block_k = _blocks(cfg, BACKWARD_BLOCKS, masks)
+    masks = _with_block_mask_pairs(masks, (block_q, block_k), lq, lk)
+    operands, flags = _operands(cfg, masks, bias, extras, (lq, lk), (block_q, block_k))
     with_dbias = bias is not None and cfg.bias_gradient
-    block_q, block_k = _blocks(cfg, BACKWARD_BLOCKS)
     chunks = max(1, min(-(-platform.host_threads() // (b * hkv)), -(-lk // block_k)))
     kv_shape = jax.ShapeDtypeStruct((b, hkv, lk, dp), jnp.float32)
     dbias_shape = (b, hq, lq, lk) if with_dbias else (1, 1, 1, 1)

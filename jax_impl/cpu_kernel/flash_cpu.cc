@@ -11,6 +11,7 @@ namespace {
 
 using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
+using S8 = ffi::Buffer<ffi::S8>;
 
 // The mask and feature operands both calls take after q, k, v. An absent feature is a dummy
 // buffer with its flag off.
@@ -19,6 +20,7 @@ struct Features {
   ffi::Buffer<ffi::PRED> mask;
   F32 bias, sinks;
   ffi::Buffer<ffi::U32> seeds;
+  S8 tiles;
 };
 
 template <typename T, ffi::DataType dtype>
@@ -48,26 +50,38 @@ flash_cpu::Problem MakeProblem(int64_t B, int64_t Lq, int64_t Lk, int64_t Hq, in
   return P;
 }
 
-ffi::Error Check(const flash_cpu::Problem& P, int64_t bq, int64_t bk) {
+// Checks the tiles and, when flags & 32, takes the tile classes [Bc, Hc, nq, nk] of the grid
+// (block_q, block_k), Bc in {1, B}, Hc in {1, Hq}.
+ffi::Error Check(flash_cpu::Problem& P, int64_t bq, int64_t bk, S8& tiles, int64_t flags) {
   if (P.D % flash_cpu::W != 0)
     return ffi::Error::InvalidArgument("head_dim must be a multiple of the SIMD width");
   if (bq < 1 || bk < flash_cpu::PW || bk % flash_cpu::PW != 0)
     return ffi::Error::InvalidArgument("block_q must be >= 1 and block_k a multiple of 64");
+  if (!(flags & 32)) return ffi::Error::Success();
+  auto d = tiles.dimensions();
+  const int64_t nq = (P.Lq + bq - 1) / bq, nk = (P.Lk + bk - 1) / bk;
+  if (d.size() != 4 || (d[0] != 1 && d[0] != P.B) || (d[1] != 1 && d[1] != P.Hq) || d[2] != nq ||
+      d[3] != nk)
+    return ffi::Error::InvalidArgument(
+        "tile classes must be int8 [1 or B, 1 or Hq, ceil(Lq / block_q), ceil(Lk / block_k)]");
+  P.tiles = flash_cpu::PerHead<int8_t>(tiles.typed_data(), d[0], d[1], nq * nk);
+  P.tile_cols = nk;
   return ffi::Error::Success();
 }
 
-// q [B, Lq, Hq, D], kt [B, Hkv, Lk_pad / 64, D, 64], v [B, Hkv, Lk, D].
+// q [B, Lq, Hq, D], kt [B, Hkv, Lk_pad / 64, D, 64], v [B, Hkv, Lk, D]; tile classes of the
+// forward's grid.
 ffi::Error ForwardImpl(ffi::ThreadPool pool, F32 q, F32 kt, F32 v, S32 q_len, S32 kv_len,
                        S32 d_lo, S32 d_hi, S32 q_seg, S32 kv_seg, ffi::Buffer<ffi::PRED> mask,
-                       F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, float scale,
+                       F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, S8 tiles, float scale,
                        float soft_cap, float dropout_rate, int64_t block_q, int64_t block_k,
                        int64_t flags, ffi::ResultBuffer<ffi::F32> out,
                        ffi::ResultBuffer<ffi::F32> row_max, ffi::ResultBuffer<ffi::F32> log_sum) {
   auto qd = q.dimensions(), vd = v.dimensions(), ktd = kt.dimensions();
-  Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds};
+  Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds, tiles};
   auto P = MakeProblem(qd[0], qd[1], vd[2], qd[2], vd[1], qd[3], f, scale, soft_cap,
                        dropout_rate, flags);
-  if (ffi::Error e = Check(P, block_q, block_k); e.failure()) return e;
+  if (ffi::Error e = Check(P, block_q, block_k, tiles, flags); e.failure()) return e;
   flash_cpu::Forward(P, q.typed_data(), kt.typed_data(), v.typed_data(), ktd[2] * flash_cpu::PW,
                      out->typed_data(), row_max->typed_data(), log_sum->typed_data(), block_q,
                      block_k, pool);
@@ -75,19 +89,20 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, F32 q, F32 kt, F32 v, S32 q_len, S3
 }
 
 // Every array head-major: q, d_out [B, Hq, Lq, D], k, v [B, Hkv, Lk, D]; stats [B, Hq, Lq];
-// dbias [B, Hq, Lq, Lk] when flags & 16 (else a dummy).
+// dbias [B, Hq, Lq, Lk] when flags & 16 (else a dummy); tile classes of the backward's grid.
 ffi::Error BackwardImpl(ffi::ThreadPool pool, F32 q, F32 k, F32 v, S32 q_len, S32 kv_len,
                         S32 d_lo, S32 d_hi, S32 q_seg, S32 kv_seg, ffi::Buffer<ffi::PRED> mask,
-                        F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, F32 d_out, F32 row_max,
-                        F32 log_sum, F32 delta, float scale, float soft_cap, float dropout_rate,
-                        int64_t block_q, int64_t block_k, int64_t flags, int64_t chunks,
+                        F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, S8 tiles, F32 d_out,
+                        F32 row_max, F32 log_sum, F32 delta, float scale, float soft_cap,
+                        float dropout_rate, int64_t block_q, int64_t block_k, int64_t flags,
+                        int64_t chunks,
                         ffi::ResultBuffer<ffi::F32> dq_parts, ffi::ResultBuffer<ffi::F32> dk,
                         ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dbias) {
   auto qd = q.dimensions(), vd = v.dimensions();
-  Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds};
+  Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds, tiles};
   auto P = MakeProblem(qd[0], qd[2], vd[2], qd[1], vd[1], qd[3], f, scale, soft_cap,
                        dropout_rate, flags);
-  if (ffi::Error e = Check(P, block_q, block_k); e.failure()) return e;
+  if (ffi::Error e = Check(P, block_q, block_k, tiles, flags); e.failure()) return e;
   const bool with_dbias = flags & 16;
   for (auto* x : {&dq_parts, &dk, &dv, &dbias})  // keys no query sees; pairs never visited
     if (x != &dbias || with_dbias)
@@ -155,16 +170,18 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, F32 q, ffi::AnyBuffer k, ffi::AnyBuf
 }
 
 // What both handlers take first: XLA's thread pool, q, k (the forward's K^T panels), v, the
-// mask operands q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, and bias, sinks, seeds.
+// mask operands q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, and bias, sinks, seeds, and
+// the tile classes of the call's grid.
 auto BindAttention() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<F32>().Arg<F32>().Arg<F32>()
       .Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>()
-      .Arg<ffi::Buffer<ffi::PRED>>().Arg<F32>().Arg<F32>().Arg<ffi::Buffer<ffi::U32>>();
+      .Arg<ffi::Buffer<ffi::PRED>>().Arg<F32>().Arg<F32>().Arg<ffi::Buffer<ffi::U32>>().Arg<S8>();
 }
 
 }  // namespace
 
-// flags: 1 segment ids, 2 mask, 4 bias, 8 sinks (16: dbias wanted, backward only).
+// flags: 1 segment ids, 2 mask, 4 bias, 8 sinks, 32 tile classes (16: dbias wanted, backward
+// only).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashForwardCpu, ForwardImpl,
                               BindAttention()
                                   .Attr<float>("scale")

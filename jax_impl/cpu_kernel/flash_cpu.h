@@ -18,7 +18,9 @@
 // j < kv_len[b], segment ids, the dense mask; and an additive -inf bias excludes a pair as the
 // rules do. The non-finite rule (online_softmax.py): a pair whose query row or key row (k or v)
 // holds a NaN or inf gets a NaN logit, computed with those entries as 0, so it reaches only the
-// rows that may attend it; excluded pairs contribute exactly 0 to every gradient.
+// rows that may attend it; excluded pairs contribute exactly 0 to every gradient. Tile classes
+// (Problem::tiles, when given) skip the tiles with no allowed pair and the per-pair mask on
+// those whose pairs rules 1-4 all allow.
 #pragma once
 
 #include <algorithm>
@@ -234,6 +236,10 @@ struct PerHead {
   explicit operator bool() const { return data != nullptr; }
 };
 
+// Tile classes (block_mask.py's EMPTY, PARTIAL, FULL): whether a tile of the call's grid holds
+// no allowed pair (skipped), some (masked per pair), or only allowed pairs by rules 1-4.
+enum TileClass : int8_t { kEmpty = 0, kPartial = 1, kFull = 2 };
+
 // Keys [lo, hi) (or query rows, for the backward) that a tile's rows (keys) may pair with.
 struct Span {
   int64_t lo, hi;
@@ -248,6 +254,10 @@ struct Problem {
   PerHead<float> bias;      // [Bb, Hb, Lq, Lk]
   PerHead<float> sinks;     // [Bs, Hs]
   PerHead<uint32_t> seeds;  // [Bs, Hs] (dropout)
+  // [Bc, Hc, nq, nk] TileClass per (query tile, key tile) of this call's grid, Bc in {1, B},
+  // Hc in {1, Hq}; absent: every tile the band reaches is visited (kPartial).
+  PerHead<int8_t> tiles;
+  int64_t tile_cols = 0;  // nk
   float scale = 1.0f;
   float soft_cap = 0.0f;      // 0: none
   float dropout_rate = 0.0f;  // 0: none
@@ -285,6 +295,16 @@ struct Problem {
   bool whole(int64_t b, int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
     return q_seg == nullptr && !mask && i1 <= qlen(b) && j1 <= kvlen(b) &&
            j0 - (i1 - 1) >= d_lo[b] && (j1 - 1) - i0 <= d_hi[b];
+  }
+  // The class of query tile qi x key tile kj for query head h of batch row b.
+  TileClass Class(int64_t b, int64_t h, int64_t qi, int64_t kj) const {
+    return tiles ? static_cast<TileClass>(tiles.at(b, h)[qi * tile_cols + kj]) : kPartial;
+  }
+  // Whether rows [i0, i1) x keys [j0, j1) of class `cls` need no per-pair mask (the non-finite
+  // rule aside): all pairs allowed by the band and lengths (`whole`), or a full tile without a
+  // dense mask (rules 1-4 hold on it).
+  bool unmasked(int64_t b, int64_t i0, int64_t i1, int64_t j0, int64_t j1, TileClass cls) const {
+    return (cls == kFull && !mask) || whole(b, i0, i1, j0, j1);
   }
   // How the forward and decode hold a tile's logits: without a bias unscaled (q.k, or the soft
   // cap's tanh), S = t * unit; with one, as S itself (unit 1). The row max is subtracted in
@@ -438,6 +458,17 @@ inline void MaskRow(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j
   const int32_t q_seg = P.q_seg == nullptr ? 0 : P.q_seg[b * P.Lq + i];
   const bool* mask = P.mask ? P.mask.at(b, h) + i * P.Lk + j0 : nullptr;
   if (kv_seg == nullptr && mask == nullptr && !poison.any()) return;
+  if (mask == nullptr && !poison.any()) {  // segment ids alone (packed documents): SIMD compares
+    int64_t c = lo;
+    for (; c + W <= hi; c += W) {
+      vi ids;
+      std::memcpy(&ids, kv_seg + c, sizeof ids);
+      store(row + c, select(ids != q_seg, splat(NEG_INF), load(row + c)));
+    }
+    for (; c < hi; ++c)
+      if (kv_seg[c] != q_seg) row[c] = NEG_INF;
+    return;
+  }
   for (int64_t c = lo; c < hi; ++c) {
     if ((kv_seg != nullptr && kv_seg[c] != q_seg) || (mask != nullptr && !mask[c])) row[c] = NEG_INF;
     else if (q_bad || (poison.k && poison.k[c]) || (poison.v && poison.v[c])) row[c] = NAN;
@@ -514,6 +545,7 @@ inline void GradientRow(int64_t n, int64_t nw, float* t, float* dp, const float*
 struct TileScratch {
   std::vector<float> q, k, v, kt, vt, t, dp, capped, acc;  // q, k, v: finite copies
   std::vector<uint8_t> q_bad, k_bad, v_bad;
+  std::vector<int64_t> chunk_tiles;  // the backward's key tiles of its item (ChunkTiles)
 };
 
 // A row's end, in the forward and decode: `parts` partial results (part(p) -> Partial: the
@@ -582,6 +614,8 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
     const uint8_t* q_bad = BadRowFlags(qa_raw, q_stride, m, D, s.q_bad.data());
     Span keys = P.KeySpan(b, i0, i1, bk);
     for (int64_t j0 = keys.lo; j0 < keys.hi; j0 += bk) {
+      const TileClass cls = P.Class(b, h, tile, j0 / bk);
+      if (cls == kEmpty) continue;
       int64_t j1 = std::min(keys.hi, j0 + bk), n = j1 - j0, nw = round_up(n, W);
       FLASH_CPU_CHECK(j0 % PW == 0 && j1 <= P.Lk);
       const float* k_panels = kth + (j0 / PW) * D * PW;
@@ -595,7 +629,7 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       }
       poison.v = BadRowFlags(v_rows, D, n, D, s.v_bad.data());
       poison.q = q_bad;
-      const bool masked = poison.any() || !P.whole(b, i0, i1, j0, j1);
+      const bool masked = poison.any() || !P.unmasked(b, i0, i1, j0, j1, cls);
       const float* qa = qa_raw;
       int64_t qa_r = q_stride;
       if (poison.any()) {
@@ -637,6 +671,31 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
   ParallelFor(pool, P.B * P.Hq * q_tiles, run);
 }
 
+// The key tiles of chunk `chunk` of `chunks` for batch row b, kv head hk, ascending, into
+// `tiles`: every chunks-th tile (the band's work spreads evenly so), or, with tile classes,
+// each tile in turn to the chunk with the least work so far (its non-empty query tiles over
+// the kv head's query heads; ties to the lower chunk): packed documents leave most tiles
+// empty, and every chunks-th tile of each document would not be an even share.
+inline void ChunkTiles(const Problem& P, int64_t b, int64_t hk, int64_t chunk, int64_t chunks,
+                       int64_t bq, int64_t bk, std::vector<int64_t>& tiles) {
+  const int64_t k_tiles = (P.Lk + bk - 1) / bk;
+  tiles.clear();
+  if (!P.tiles || chunks == 1) {
+    for (int64_t tile = chunk; tile < k_tiles; tile += chunks) tiles.push_back(tile);
+    return;
+  }
+  std::vector<int64_t> load(chunks, 0);
+  for (int64_t tile = 0; tile < k_tiles; ++tile) {
+    const Span rows = P.QuerySpan(b, tile * bk, std::min(P.Lk, (tile + 1) * bk), bq);
+    int64_t work = 0;
+    for (int64_t h = hk * P.groups(); h < (hk + 1) * P.groups(); ++h)
+      for (int64_t i0 = rows.lo; i0 < rows.hi; i0 += bq) work += P.Class(b, h, i0 / bq, tile) != kEmpty;
+    const int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
+    load[least] += work;
+    if (least == chunk) tiles.push_back(tile);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward (FlashAttention-2's Algorithm 2): one item per (b, kv head, key chunk), every array
 // head-major ([B, H, L, D]). A key tile's dK, dV stay in the scratch while the query tiles of
@@ -648,7 +707,7 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
               const float* row_max, const float* log_sum, const float* delta, float* dq_parts,
               float* dk, float* dv, float* dbias, int64_t bq, int64_t bk, int64_t chunks,
               Pool& pool) {
-  const int64_t D = P.D, G = P.groups(), k_tiles = (P.Lk + bk - 1) / bk, ldt = round_up(bk, PW);
+  const int64_t D = P.D, G = P.groups(), ldt = round_up(bk, PW);
   const bool cap = P.soft_cap > 0.0f;
   const float kept = P.kept_scale();
   const uint32_t threshold = P.keep_threshold();
@@ -662,7 +721,8 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
     if (cap) s.capped.resize(bq * ldt);
     s.q.resize(bq * D); s.k.resize(bk * D); s.acc.resize(2 * bk * D);
     s.q_bad.resize(bq); s.k_bad.resize(bk); s.v_bad.resize(bk);
-    for (int64_t tile = chunk; tile < k_tiles; tile += chunks) {
+    ChunkTiles(P, b, hk, chunk, chunks, bq, bk, s.chunk_tiles);
+    for (const int64_t tile : s.chunk_tiles) {
       int64_t j0 = tile * bk, j1 = std::min(P.Lk, j0 + bk), n = j1 - j0, nw = round_up(n, W);
       float* dk_acc = s.acc.data();           // [n, D]
       float* dv_acc = s.acc.data() + bk * D;  // [n, D]
@@ -681,12 +741,14 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
         float* dqh = dq_parts + chunk * dq_size + row0 * D;
         const uint32_t seed = P.dropout_rate > 0.0f ? *P.seeds.at(b, h) : 0;
         for (int64_t i0 = rows.lo; i0 < rows.hi; i0 += bq) {
+          const TileClass cls = P.Class(b, h, i0 / bq, tile);
+          if (cls == kEmpty) continue;
           int64_t i1 = std::min(rows.hi, i0 + bq), m = i1 - i0;
           FLASH_CPU_CHECK(i1 <= P.Lq);
           Poison poison = key_poison;
           poison.q = BadRowFlags(qh + i0 * D, D, m, D, s.q_bad.data());
           const bool clean = poison.any();
-          const bool masked = clean || !P.whole(b, i0, i1, j0, j1);
+          const bool masked = clean || !P.unmasked(b, i0, i1, j0, j1, cls);
           if (packed != static_cast<int>(clean)) {  // K^T, V^T panels of the key tile
             PackPanels(k_rows, n, D, s.kt.data(), clean);
             PackPanels(v_rows, n, D, s.vt.data(), clean);

@@ -284,6 +284,39 @@ def config_blocks(d: Draw, c: int) -> Config:
                   poison_excluded=0.3)
 
 
+def config_packed_tiles(d: Draw, c: int) -> Config:
+    """Packed documents (data_packed_tiles) at small explicit tiles: the kernels' tile
+    classes hold many EMPTY, FULL and PARTIAL tiles, with causal, lengths, GQA, sinks, dropout."""
+    dims = _dims(d, lengths=(300, 449, 513, 700), head_dims=(16, 16, 32))
+    dims["lk"] = dims["lq"] if d.chance(0.7) else dims["lk"]  # self-attention mostly
+    dropout = (d.pick([0.1, 0.3]), d.chance(0.5)) if d.chance(0.4) else None
+    return Config(**_cap(d, dims), causal=("top_left", "bottom_right", None, "top_left")[c % 4],
+                  window=_window(d) if d.chance(0.15) else None, segments=True,
+                  lengths=d.pick(["none", "concrete", "traced"]),
+                  block_sizes=d.pick([(16, 64), (32, 64), (16, 128), (64, 128)]),
+                  sinks=d.chance(0.4), dropout=dropout, poison_excluded=0.3, poison_allowed=0.2)
+
+
+def data_packed_tiles(d: Draw, call: Call) -> None:
+    """Segment ids as packed documents: 2-12 per row, ascending, the same cuts on both sides
+    where Lq = Lk, a padding id past the last document sometimes."""
+    c = call.config
+    n = int(d.rng.integers(2, 13))
+    def cuts(length):
+        starts = np.sort(d.rng.choice(np.arange(1, length), n - 1, replace=False))
+        return np.searchsorted(starts, np.arange(length), side="right")
+
+    q_seg, kv_seg = [], []
+    for _ in range(c.b):
+        q_ids = cuts(c.lq)
+        kv_ids = q_ids if c.lq == c.lk else cuts(c.lk)
+        if d.chance(0.3):  # padding: an id no query holds
+            kv_ids = np.where(np.arange(c.lk) >= c.lk - int(d.rng.integers(1, 60)), 99, kv_ids)
+        q_seg.append(q_ids)
+        kv_seg.append(kv_ids)
+    call.q_seg, call.kv_seg = (np.stack(x).astype(np.int32) for x in (q_seg, kv_seg))
+
+
 # FEATURE families: calls the kernel does not take yet (FEATURE_FAMILIES).
 
 def _feature_base(d: Draw, **dims_kw) -> dict:
@@ -436,6 +469,9 @@ FAMILIES = {
                               "attention's band shift), backend called directly"),
     "blocks": Family(config_blocks, 56, "explicit BlockSizes(block_q 16..128, block_k 64/128) "
                      "with every mask"),
+    "packed_tiles": Family(config_packed_tiles, 36, "packed documents (segment ids) at small "
+                           "tiles: the tile classes' EMPTY / FULL / PARTIAL tiles, with causal, "
+                           "lengths, GQA, sinks, dropout", per_config=3, data=data_packed_tiles),
     "regressions": Family(config_regressions, 2, "the first crashes reported: L=512 bottom_right "
                           "causal with kv length 100 (use-after-free); 4096 queries of length 10, "
                           "window (5, 5) (SIGSEGV)", per_config=1, data=data_regressions,
@@ -500,7 +536,12 @@ def _segment_ids(d: Draw, b: int, lq: int, lk: int):
 
 
 def draw_call(family: str, seed: int, index: int) -> Call:
-    config = draw_config(family, seed, index // FAMILIES[family].per_config)
+    return make_call(family, draw_config(family, seed, index // FAMILIES[family].per_config),
+                     seed, index)
+
+
+def make_call(family: str, config: Config, seed: int, index: int) -> Call:
+    """The data of call ``index`` of ``family`` (its data hook applied) for ``config``."""
     c = config
     d = Draw(seed, family_id(family), 2, index)
     dt = NP_DTYPES[c.dtype]
@@ -560,6 +601,22 @@ def allowed_pattern(call: Call) -> np.ndarray:
     ok = allowed_pairs(c.lq, c.lk, q_len, kv_len, c.causal, c.window, call.offset, call.q_seg,
                        call.kv_seg, call.mask)
     return np.ascontiguousarray(np.broadcast_to(ok, (c.b, c.hq, c.lq, c.lk)))
+
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # jax_impl.block_mask's tile classes, restated: the tests' own
+
+
+def tile_classes_of(allowed: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+    """``[..., nq, nk]`` int8 tile classes of an allowed pattern ``[..., Lq, Lk]``, from the
+    pairs (numpy, sharing no code with jax_impl). Pairs past Lq or Lk count as excluded (a
+    ragged tile is never FULL)."""
+    *lead, lq, lk = allowed.shape
+    nq, nk = -(-lq // block_q), -(-lk // block_k)
+    padded = np.zeros((*lead, nq * block_q, nk * block_k), bool)
+    padded[..., :lq, :lk] = allowed
+    tiles = padded.reshape(*lead, nq, block_q, nk, block_k)
+    return np.where(tiles.all((-3, -1)), FULL,
+                    np.where(tiles.any((-3, -1)), PARTIAL, EMPTY)).astype(np.int8)
 
 
 def _poison(d: Draw, call: Call) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import cpu_fuzz
 import jax
 from conformance import tolerance
 from conformance.cases import allowed_pairs
@@ -79,6 +80,7 @@ def _draw(seed: int) -> dict:
              dropout=pick(0.0, 0.0, 0.3), sinks=bool(rng.random() < 0.3),
              nonfinite=bool(rng.random() < 0.3), block_q=int(pick(16, 64, 96)),
              block_k=int(pick(64, 128)), threads=int(pick(1, 3)))
+    c["tiles"] = bool(rng.random() < (0.8 if c["segments"] else 0.3))  # tile classes given
     return c
 
 
@@ -141,6 +143,11 @@ def _case(c: dict):
     # The oracle's pattern from the rules (not from the band handed to the kernel).
     allowed = allowed_pairs(lq, lk, q_len, kv_len, c["causal"], c["window"], offset, q_seg, kv_seg, mask)
     oracle["mask"] = np.broadcast_to(allowed, (b, allowed.shape[1], lq, lk)).copy()
+    if c["tiles"]:  # the exact classes of the pattern, on the grid both passes run on
+        tiles = cpu_fuzz.tile_classes_of(oracle["mask"], c["block_q"], c["block_k"])
+        arrays["tiles"] = tiles
+        params.update(tiles_b=b, tiles_h=tiles.shape[1])
+        params["flags"] |= 32
     return (q, k, v, ct), arrays, params, oracle
 
 
@@ -170,7 +177,8 @@ def _kernel(binary, directory: Path, c: dict, tensors, arrays, params):
     (directory / "params.txt").write_text("".join(f"{n} {float(x)!r}\n" for n, x in params.items()))
     for name, x in arrays.items():
         _write(directory, name, x, np.bool_ if name == "mask" else np.uint32 if name == "seeds"
-               else np.float32 if name in ("bias", "sinks") else np.int32)
+               else np.float32 if name in ("bias", "sinks") else np.int8 if name == "tiles"
+               else np.int32)
     for name, x in (("q", qp), ("kt", kt), ("v", heads(vp))):
         _write(directory, name, x, np.float32)
     result, report = _run(binary, "run", str(directory))

@@ -119,7 +119,7 @@ def _report_excerpt(stderr: str, lines: int = 10, width: int = 240) -> str:
 # time (measured per family on the 2-core machine), so that pytest's two workers share them.
 GROUPS = {
     "lengths": ("shapes", "lengths", "traced_lengths", "regressions", "decode", "huge_logits"),
-    "bands": ("windows", "segments", "position_offset", "blocks", "decode_paged"),
+    "bands": ("windows", "segments", "position_offset", "blocks", "packed_tiles", "decode_paged"),
     "values_and_features": ("nonfinite", "bias", "mask", "soft_cap", "dropout", "sinks",
                             "head_dim"),
 }

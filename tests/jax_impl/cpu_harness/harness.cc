@@ -6,7 +6,8 @@
 //   harness run DIR    DIR/params.txt ("name value" lines) and DIR/<array>.bin (raw, in the
 //                      kernel's layouts); writes DIR/out.bin, row_max.bin, log_sum.bin, then
 //                      reads DIR/delta.bin if present and writes dq_parts.bin, dk.bin, dv.bin
-//                      (and dbias.bin)
+//                      (and dbias.bin); with flags & 32 it reads DIR/tiles.bin, the tile
+//                      classes of the grid (block_q, block_k) both passes run on
 //   harness decode DIR   the decode kernel: DIR/params.txt, q.bin [B, Lq, Hq, Dp] float32,
 //                      k.bin and v.bin the cache exactly (float32 or bfloat16 bits: cache_type
 //                      0 or 1; dense [B, Lk, Hkv, Dk] or pages [num_pages, page_size, Hkv, Dk]
@@ -115,6 +116,13 @@ int Run(const std::string& dir) {
   if (flags & 8) {
     sinks = Read<float>(dir, "sinks", param("sinks_b") * param("sinks_h"));
     P.sinks = {sinks.get(), param("sinks_b"), param("sinks_h"), 1};
+  }
+  std::unique_ptr<int8_t[]> tiles;
+  if (flags & 32) {  // tile classes [tiles_b, tiles_h, nq, nk] of the grid (block_q, block_k)
+    const int64_t nk = (Lk + bk - 1) / bk, cells = ((Lq + bq - 1) / bq) * nk;
+    tiles = Read<int8_t>(dir, "tiles", param("tiles_b") * param("tiles_h") * cells);
+    P.tiles = {tiles.get(), param("tiles_b"), param("tiles_h"), cells};
+    P.tile_cols = nk;
   }
   P.scale = static_cast<float>(param.real("scale"));
   P.soft_cap = static_cast<float>(param.real("soft_cap"));
