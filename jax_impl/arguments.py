@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import cp_cost, cudnn, dropout_sinks, implementations, masking, platform
+from jax_impl import block_mask as block_mask_lib
+from jax_impl import cp_cost, cudnn, dropout_sinks, implementations, masking, mods, platform
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.mosaic_gpu.config import Config as MosaicConfig
 
@@ -70,7 +71,8 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
              dropout_rng=None,
              dropout_rate=0.0, broadcast_dropout=True, deterministic=None, dtype=None,
              module=None, force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
-             attn_weights_value_einsum=None, page_table=None) -> Call:
+             attn_weights_value_einsum=None, page_table=None, score_mod=None, mask_mod=None,
+             mod_aux=(), block_mask=None) -> Call:
     """flash_attention's arguments checked (each error names its argument and the rule) and
     brought to canonical shapes. The defaults are flash_attention's (a test keeps them equal)."""
     for name, flag in (("is_causal", is_causal), ("return_residual", return_residual),
@@ -107,7 +109,8 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     if page_table is not None:
         page_table, lk = _page_table(page_table, key, batch_shape)
         _refuse_with_pages(bias=bias, mask=mask, q_segment_ids=q_segment_ids,
-                           dropout=dropout_rate and not deterministic)
+                           dropout=dropout_rate and not deterministic,
+                           mods=score_mod is not None or mask_mod is not None or block_mask is not None)
     elif key.shape[:-3] != batch_shape:
         raise ValueError(f"query and key must share batch dims; got {query.shape=} {key.shape=}")
     if head_dim != key_head_dim:
@@ -126,13 +129,16 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     spec = masking.MaskSpec(is_causal=bool(is_causal), bottom_right=causal_alignment == "bottom_right",
                             window_left=window_left, window_right=window_right,
                             has_q_lengths=query_seq_lengths is not None,
-                            has_kv_lengths=key_value_seq_lengths is not None)
+                            has_kv_lengths=key_value_seq_lengths is not None,
+                            has_block_mask=block_mask is not None)
+    mod_aux = _mods(score_mod, mask_mod, mod_aux, block_mask, batch=b, heads=hq, q_len=lq, kv_len=lk)
     masks = masking.MaskInputs(
         q_len=lengths("query_seq_lengths", query_seq_lengths, batch_shape, lq),
         kv_len=lengths("key_value_seq_lengths", key_value_seq_lengths, batch_shape, lk),
         q_segment_ids=_segment_ids("q_segment_ids", q_segment_ids, batch_shape, lq),
         kv_segment_ids=_segment_ids("kv_segment_ids", kv_segment_ids, batch_shape, lk),
         mask=pairwise("mask", mask, full_shape, is_mask=True),
+        block_mask=block_mask,
     )
     bias = pairwise("bias", bias, full_shape, is_mask=False)
 
@@ -170,18 +176,23 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
                              f"{deterministic=} (dropout is active)")
         words = dropout_sinks.key_words(dropout_rng, "dropout_rng")
         seeds = dropout_sinks.head_seeds(words, b, hq, bool(broadcast_dropout))
-    extras = dropout_sinks.SinksAndDropout(sinks=_sinks(attention_sinks, batch_shape, hq), dropout_seeds=seeds)
+    extras = dropout_sinks.SinksAndDropout(sinks=_sinks(attention_sinks, batch_shape, hq),
+                                           dropout_seeds=seeds, mod_aux=mod_aux)
     cfg = AttentionConfig(scale=float(scale), mask=spec,
                           logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                           block_sizes=block_sizes, interpret=bool(interpret),
                           precision=_precision(precision, query.dtype), dropout_rate=rate,
-                          context_parallel_strategy=context_parallel_strategy)
+                          context_parallel_strategy=context_parallel_strategy,
+                          score_mod=score_mod, mask_mod=mask_mod)
     if implementation in ("cpu", "mosaic_gpu"):  # the platform is judged where the call is lowered
         reason = implementations.unsupported(
             implementation, head_dim=head_dim, platform="cpu" if implementation == "cpu" else "cuda",
             interpret=bool(interpret), features=features(cfg, bias, masks, extras, query.dtype))
         if reason:
             raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    if implementation == cudnn.NAME and (cfg.has_mods or block_mask is not None):
+        raise ValueError(f"implementation={cudnn.NAME!r} cannot run this call: jax.nn's cuDNN "
+                         "kernel takes no score_mod, mask_mod or block_mask")
     if implementation == cudnn.NAME:
         reason = cudnn.unsupported(
             dtype=query.dtype, batch_dims=len(batch_shape), lq=lq, lk=lk, is_causal=spec.is_causal,
@@ -205,6 +216,31 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
                     page_table)
     return Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape,
                  extras)
+
+
+def _mods(score_mod, mask_mod, mod_aux, block_mask, *, batch, heads, q_len, kv_len) -> tuple:
+    """Checks score_mod, mask_mod and block_mask (errors name them); -> mod_aux as a tuple of
+    arrays. The mods' indices are flat: b over the flattened batch dims, h the query head."""
+    if not isinstance(mod_aux, (tuple, list)):
+        raise TypeError(f"mod_aux must be a tuple of the arrays score_mod and mask_mod read; got "
+                        f"{type(mod_aux).__name__}")
+    mod_aux = tuple(jnp.asarray(x) for x in mod_aux)
+    if mod_aux and score_mod is None and mask_mod is None:
+        raise ValueError("mod_aux was given without score_mod or mask_mod: nothing reads it")
+    mods.check(score_mod, mask_mod, mod_aux, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
+    if block_mask is None:
+        return mod_aux
+    block_mask_lib.check_block_mask(block_mask, batch=batch, heads=heads, q_len=q_len,
+                                    kv_len=kv_len)
+    if mask_mod is None:
+        partial = concrete(block_mask.kv_num_blocks)
+        if partial is None or partial.any():
+            raise ValueError(
+                "block_mask has partial tiles (or is traced, so it may) but no mask_mod was "
+                "given: the pairs of a partial tile are decided by mask_mod; pass the mask_mod "
+                "the block_mask was made from (create_block_mask), or a concrete block_mask "
+                "whose tiles are all empty or full")
+    return mod_aux
 
 
 def _page_table(page_table, pages, batch_shape):
@@ -243,10 +279,11 @@ def page_ids(page_table, num_pages: int) -> jax.Array:
     return jnp.asarray(values, jnp.int32)
 
 
-def _refuse_with_pages(*, bias, mask, q_segment_ids, dropout):
+def _refuse_with_pages(*, bias, mask, q_segment_ids, dropout, mods):
     for given, name in ((bias is not None, "bias"), (mask is not None, "mask"),
                         (q_segment_ids is not None, "q_segment_ids/kv_segment_ids"),
-                        (bool(dropout), "dropout_rate > 0")):
+                        (bool(dropout), "dropout_rate > 0"),
+                        (mods, "score_mod/mask_mod/block_mask")):
         if given:
             raise ValueError(f"{name} cannot be used with page_table: a paged KV cache runs on "
                              "the decode path, which takes lengths, causal, windows, soft cap and "

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import arguments, masking
+from jax_impl import arguments, masking, mods
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # Pairs in one mask_mod evaluation (a slab of query tiles x key tiles x batch x heads): bounds
@@ -80,8 +80,8 @@ class BlockMask:
     def from_tile_classes(cls, classes, q_len: int, kv_len: int, block_q: int, block_kv: int):
         """The BlockMask of ``classes [B, H, nq, nk]`` (``EMPTY``/``PARTIAL``/``FULL`` per tile)."""
         transposed = jnp.swapaxes(classes, -1, -2)
-        return cls(*_index_lists(classes == PARTIAL), *_index_lists(classes == FULL),
-                   *_index_lists(transposed == PARTIAL), *_index_lists(transposed == FULL),
+        return cls(*index_lists(classes == PARTIAL), *index_lists(classes == FULL),
+                   *index_lists(transposed == PARTIAL), *index_lists(transposed == FULL),
                    q_len, kv_len, block_q, block_kv)
 
     @property
@@ -115,7 +115,7 @@ def _marked(counts, indices):
 
 
 @jax.jit
-def _index_lists(selected):
+def index_lists(selected):
     """``selected [..., n]`` bool -> (counts ``[...]``, indices ``[..., n]``) int32: the selected
     positions ascending, then the last of them repeated (0 when none) as padding."""
     n = selected.shape[-1]
@@ -209,8 +209,10 @@ def _evaluated_tile_classes(mask_mod, batch, heads, lq, lk, block_q, block_kv, m
     b = jnp.arange(batch, dtype=jnp.int32).reshape(-1, 1, 1, 1)
     h = jnp.arange(heads, dtype=jnp.int32).reshape(1, -1, 1, 1)
     slab = (batch, heads, rows_per_chunk, cols_per_chunk)
-    _check_mask_mod(mask_mod, (b, h, jnp.zeros((1, 1, rows_per_chunk, 1), jnp.int32),
-                               jnp.zeros((1, 1, 1, cols_per_chunk), jnp.int32)), mod_aux, slab)
+    mods.check_function("mask_mod", "(b, h, q_idx, kv_idx, *mod_aux) -> bool", mask_mod,
+                        (b, h, jnp.zeros((1, 1, rows_per_chunk, 1), jnp.int32),
+                         jnp.zeros((1, 1, 1, cols_per_chunk), jnp.int32)), mod_aux, slab,
+                        lambda dtype: dtype == jnp.bool_, "a bool array (True = may attend)")
 
     def classify(chunk):
         q_chunk, kv_chunk = chunk // kv_chunks, chunk % kv_chunks
@@ -229,29 +231,6 @@ def _evaluated_tile_classes(mask_mod, batch, heads, lq, lk, block_q, block_kv, m
     classes = classes.transpose(2, 3, 0, 4, 1, 5).reshape(
         batch, heads, q_chunks * q_tiles, kv_chunks * kv_tiles)
     return classes[:, :, :nq, :nk]
-
-
-def _check_mask_mod(mask_mod, indices, mod_aux, shape):
-    """Trace mask_mod once on its own: refuse a closed-over tracer, a result that is not bool or
-    does not broadcast to ``shape``."""
-    hint = "pass the arrays mask_mod reads through mod_aux (mask_mod(b, h, q_idx, kv_idx, *mod_aux))"
-    try:
-        jaxpr, out = jax.make_jaxpr(mask_mod, return_shape=True)(*indices, *mod_aux)
-    except jax.errors.UnexpectedTracerError as e:
-        raise ValueError(f"mask_mod uses a traced array from a finished trace: {hint}") from e
-    if any(isinstance(const, jax.core.Tracer) for const in jaxpr.consts):
-        raise ValueError(f"mask_mod closes over a traced array (a value of an enclosing jit, "
-                         f"grad or vmap): {hint}")
-    if not isinstance(out, jax.ShapeDtypeStruct) or out.dtype != jnp.bool_:
-        got = out.dtype if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
-        raise TypeError(f"mask_mod must return one bool array (True = may attend); got {got}")
-    try:
-        fits = jnp.broadcast_shapes(out.shape, shape) == shape
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"mask_mod returned shape {out.shape}, which does not broadcast to the "
-                         f"index shape [B, H, Q, K]={shape}")
 
 
 def block_mask_from_bounds(spec: masking.MaskSpec, q_len: int, kv_len: int, *,
@@ -279,13 +258,26 @@ def block_mask_from_bounds(spec: masking.MaskSpec, q_len: int, kv_len: int, *,
         ("q_lengths", q_lengths), ("kv_lengths", kv_lengths), ("position_offset", position_offset),
         ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)) if x is not None}
     batch = _common_batch(per_row, {"q_segment_ids": q_len, "kv_segment_ids": kv_len})
-    spec = masking.with_padding(spec, queries_padded=q_lengths is not None or q_len % block_q != 0,
-                                keys_padded=kv_lengths is not None or kv_len % block_kv != 0)
-    nq, nk = _cdiv(q_len, block_q), _cdiv(kv_len, block_kv)
     # flash_attention's rule for lengths: concrete ones outside [0, L] refused, traced clamped.
-    q_lens = arguments.lengths("q_lengths", q_lengths, (batch,), q_len)[:, None]
-    kv_lens = arguments.lengths("kv_lengths", kv_lengths, (batch,), kv_len)[:, None]
-    offset = None if position_offset is None else jnp.asarray(position_offset, jnp.int32)[:, None]
+    q_lens = arguments.lengths("q_lengths", q_lengths, (batch,), q_len)
+    kv_lens = arguments.lengths("kv_lengths", kv_lengths, (batch,), kv_len)
+    offset = None if position_offset is None else jnp.asarray(position_offset, jnp.int32)
+    classes = _bounds_classes(spec, q_len, kv_len, block_q, block_kv, q_lens, kv_lens, offset,
+                              q_segment_ids, kv_segment_ids)
+    return BlockMask.from_tile_classes(jnp.broadcast_to(classes, (batch, *classes.shape[1:])),
+                                       q_len, kv_len, block_q, block_kv)
+
+
+def _bounds_classes(spec: masking.MaskSpec, q_len: int, kv_len: int, block_q: int, block_kv: int,
+                    q_lens, kv_lens, offset, q_segment_ids, kv_segment_ids):
+    """``[B|1, 1, nq, nk]`` int8 tile classes of the band, the lengths (``[B]``, traced ok) and
+    the segment ids, from per-tile bounds (``block_mask_from_bounds`` says how)."""
+    spec = masking.with_padding(spec, queries_padded=q_lens is not None or q_len % block_q != 0,
+                                keys_padded=kv_lens is not None or kv_len % block_kv != 0)
+    nq, nk = _cdiv(q_len, block_q), _cdiv(kv_len, block_kv)
+    column = lambda x, full: jnp.asarray(full if x is None else x, jnp.int32).reshape(-1, 1)
+    q_lens, kv_lens = column(q_lens, q_len), column(kv_lens, kv_len)
+    offset = None if offset is None else column(offset, 0)
     q_tiles, kv_tiles = jnp.arange(nq, dtype=jnp.int32), jnp.arange(nk, dtype=jnp.int32)
     # Both projections of the band: kv_block_split's key-tile range per query tile and
     # q_block_split's query-tile range per key tile. Each alone keeps one tile past a window
@@ -307,8 +299,74 @@ def block_mask_from_bounds(spec: masking.MaskSpec, q_len: int, kv_len: int, *,
         disjoint = (q_max < kv_min) | (kv_max < q_min)
         # The tile class of two rules together: empty if either is, full only if both are.
         classes = jnp.minimum(classes, jnp.where(one_id, FULL, jnp.where(disjoint, EMPTY, PARTIAL)))
-    classes = jnp.broadcast_to(classes, (batch, nq, nk)).astype(jnp.int8)[:, None]
-    return BlockMask.from_tile_classes(classes, q_len, kv_len, block_q, block_kv)
+    return classes.astype(jnp.int8)[:, None]
+
+
+def tile_classes(spec: masking.MaskSpec, masks: masking.MaskInputs, q_len: int, kv_len: int,
+                 block_q: int, block_kv: int, *, mask_mod: bool = False):
+    """The class of every tile of an implementation's grid, ``[B|1, H|1, nq, nk]`` int8, or None
+    when the call has neither segment ids nor a block_mask (the band alone: the
+    implementations' own band loops skip its tiles).
+
+    Combines the band and lengths of ``spec`` and ``masks`` (``masks.q_len`` etc., ring position
+    offsets included), the segment ids and ``masks.block_mask`` regridded to these tiles
+    (``regrid``). ``mask_mod``: whether the call has one; without a block_mask no tile is then
+    FULL (mask_mod is evaluated on every visited tile). FULL: every pair passes rules 1-4 and
+    the block_mask's full tiles; a dense mask and the non-finite rule still apply there.
+    """
+    if masks.q_segment_ids is None and masks.block_mask is None:
+        return None
+    spec = dataclasses.replace(spec, has_q_lengths=True, has_kv_lengths=True)
+    classes = _bounds_classes(spec, q_len, kv_len, block_q, block_kv, masks.q_len, masks.kv_len,
+                              masks.position_offset, masks.q_segment_ids, masks.kv_segment_ids)
+    if masks.block_mask is not None:
+        classes = jnp.minimum(classes, regrid(masks.block_mask, block_q, block_kv))
+    elif mask_mod:
+        classes = jnp.minimum(classes, jnp.int8(PARTIAL))
+    return classes
+
+
+def dense_classes(block_mask: BlockMask):
+    """``[B, H, nq, nk]`` int8 tile classes of ``block_mask``, scattered from its query-tile
+    lists in ``O(B * H * nq * nk)``."""
+    nq, nk = block_mask.num_tiles
+
+    def scatter(counts, indices, value):
+        valid = jnp.arange(nk) < counts[..., None]
+        onto = jnp.where(valid, indices, nk)  # past the end: dropped
+        rows = jnp.zeros(counts.shape + (nk + 1,), jnp.int8)
+        rows = jnp.put_along_axis(rows, onto, jnp.int8(value), axis=-1, inplace=False)
+        return rows[..., :nk]
+
+    return jnp.maximum(scatter(block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL),
+                       scatter(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL))
+
+
+def regrid(block_mask: BlockMask, block_q: int, block_kv: int):
+    """``block_mask``'s classes on tiles of ``(block_q, block_kv)``, ``[B, H, nq, nk]`` int8: a
+    tile is EMPTY where every block_mask tile it overlaps is, FULL where every one is, else
+    PARTIAL. Exact when the tiles nest; conservative (more PARTIAL) otherwise."""
+    classes = dense_classes(block_mask)
+    if (block_mask.block_q, block_mask.block_kv) == (block_q, block_kv):
+        return classes
+    low, high = classes, classes
+    for axis, length, mine, theirs in ((2, block_mask.q_len, block_mask.block_q, block_q),
+                                       (3, block_mask.kv_len, block_mask.block_kv, block_kv)):
+        covered = _covered_tiles(length, mine, theirs)  # [n, K] numpy
+        take = lambda x: jnp.take(x, covered.reshape(-1), axis=axis).reshape(
+            x.shape[:axis] + covered.shape + x.shape[axis + 1:])
+        low, high = take(low).min(axis + 1), take(high).max(axis + 1)
+    return jnp.where(low == FULL, FULL, jnp.where(high == EMPTY, EMPTY, PARTIAL)).astype(jnp.int8)
+
+
+def _covered_tiles(length: int, block: int, new_block: int) -> np.ndarray:
+    """``[n_new, K]``: for each tile of ``new_block`` over ``length``, the indices of the
+    ``block`` tiles it overlaps, the last repeated to a common width K."""
+    starts = np.arange(_cdiv(length, new_block)) * new_block
+    first = starts // block
+    last = (np.minimum(starts + new_block, length) - 1) // block
+    width = int((last - first).max()) + 1
+    return np.minimum(first[:, None] + np.arange(width), last[:, None])
 
 
 def _tile_id_range(ids, lengths, block: int):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from jax import lax
 
@@ -66,3 +67,11 @@ class AttentionConfig:
     decode: bool = False
     # A sequence-sharded call's collective (cp_cost.STRATEGIES), None: the cost model picks.
     context_parallel_strategy: str | None = None
+    # FlexAttention's score and mask functions (mods.py); hashed by identity, like jit's
+    # static arguments: pass the same function object to reuse a compilation.
+    score_mod: Callable | None = None
+    mask_mod: Callable | None = None
+
+    @property
+    def has_mods(self) -> bool:
+        return self.score_mod is not None or self.mask_mod is not None

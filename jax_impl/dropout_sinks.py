@@ -43,6 +43,8 @@ class SinksAndDropout(NamedTuple):
     # a ring step's slice draws the one-device pattern. Only implementations with
     # ``takes_dropout_offset`` read it; the ring (ring.py) alone sets it.
     dropout_offset: jax.Array | None = None
+    # The arrays score_mod and mask_mod read (mods.py); the floating ones are differentiable.
+    mod_aux: tuple = ()
 
 
 def _u32(x):

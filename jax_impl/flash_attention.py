@@ -53,6 +53,10 @@ def flash_attention(
     qk_attn_weights_einsum=None,
     attn_weights_value_einsum=None,
     page_table=None,
+    score_mod=None,
+    mask_mod=None,
+    mod_aux=(),
+    block_mask=None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Exact softmax attention, computed tile by tile (FlashAttention), forward and backward.
 
@@ -108,6 +112,27 @@ def flash_attention(
         the key and (batch, head, query, key) indices, shared across batch and heads when
         ``broadcast_dropout``, and kept values are scaled by ``1 / (1 - dropout_rate)``.
         ``jax_impl.dropout_mask`` materialises the pattern.
+
+    Programmable attention (PyTorch FlexAttention's model; ``jax_impl.mods``):
+      score_mod: ``score_mod(score, b, h, q_idx, kv_idx, *mod_aux) -> score``, applied to the
+        logits after the scale, the soft cap and the bias. Written elementwise: ``score`` is
+        float32 and the int32 indices (flat batch row b, query head h, query and key position)
+        are arrays that broadcast against it (a tile's, or the whole ``[B, Hq, Lq, Lk]``), so
+        plain ``jnp`` indexing of ``mod_aux`` works (``score - slopes[h] * abs(q_idx - kv_idx)``);
+        index with them, never reshape them.
+      mask_mod: ``mask_mod(b, h, q_idx, kv_idx, *mod_aux) -> bool``, True = may attend, ANDed
+        with every other mask argument.
+      mod_aux: a tuple of the arrays the mods read; floating ones are differentiable (their
+        gradient is summed tile by tile in a fixed order: repeatable bit for bit).
+      block_mask: a ``BlockMask`` (``create_block_mask``), ``[B|1, Hq|1]`` tiles of the call's
+        (Lq, Lk): its empty tiles are skipped, its full ones attend without evaluating
+        mask_mod, its partial ones evaluate mask_mod. It must keep that promise about the
+        mask_mod (create_block_mask does); any block size works (implementations read it on
+        their own tiles). Without a block_mask mask_mod is evaluated on every tile the other
+        rules leave. Segment ids, causal, windows and lengths need none: their empty tiles are
+        skipped from per-tile bounds. A block_mask with partial tiles needs its mask_mod.
+      On a CPU such calls run on xla (the C++ kernel cannot run Python functions) unless only
+      a block_mask without partial tiles is given.
 
     Paged KV cache (inference, forward only):
       page_table: int ``[..., pages_per_sequence]``; key and value are then pages

@@ -6,9 +6,12 @@ a call.
 
 A blocked implementation provides
   ``forward(cfg, q, k, v, bias, masks) -> (out, RowStats)`` and
-  ``backward(cfg, q, k, v, bias, masks, stats, d_out, delta) -> (dq, dk, dv, dbias | None)``
+  ``backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras) -> (dq, dk, dv, dbias | None,
+  d_mod_aux)``
 with q ``[B, Lq, Hq, D]``, k/v ``[B, Lk, Hkv, D]``, bias ``[Bb, Hb, Lq, Lk]`` or None and
-``delta = rowsum(dO * O) - d(lse)`` ``[B, Hq, Lq]`` float32; ``recompute_vjp`` wires them into
+``delta = rowsum(dO * O) - d(lse)`` ``[B, Hq, Lq]`` float32; ``d_mod_aux`` the cotangents of
+``extras.mod_aux`` (a tuple aligned with it, None where not floating; ``()`` when it takes no
+score_mod); ``recompute_vjp`` wires them into
 one custom VJP. The dense reference has neither: plain autodiff differentiates it.
 An implementation may also provide a decode path, forward only, for a few query rows against a
 long (dense or paged) KV cache:
@@ -182,7 +185,9 @@ def decode_path(implementation: Implementation, *, lq: int, lk: int, features: C
         return f"{lk} keys (the decode path starts at {DECODE_MIN_KEYS})"
     for present, what in ((features.has_bias, "a bias"), (features.has_mask, "a dense mask"),
                           (features.has_segment_ids, "segment ids"),
-                          (features.cfg.dropout_rate > 0, "dropout")):
+                          (features.cfg.dropout_rate > 0, "dropout"),
+                          (features.cfg.has_mods or features.cfg.mask.has_block_mask,
+                           "score_mod, mask_mod or block_mask")):
         if present:
             return f"the decode path takes no {what}"
     return None

@@ -41,6 +41,7 @@ class MaskSpec:
     window_right: int | None = None  # None: unbounded to the right
     has_q_lengths: bool = False   # query_seq_lengths given (else every query is valid)
     has_kv_lengths: bool = False  # key_value_seq_lengths given
+    has_block_mask: bool = False  # MaskInputs.block_mask given (block_mask.tile_classes reads it)
 
     @property
     def has_band(self) -> bool:
@@ -309,3 +310,5 @@ class MaskInputs(NamedTuple):
     mask: jax.Array | None            # [Bm, Hm, Lq, Lk] bool, Bm in {1, B}, Hm in {1, Hq}
     # [B] int32 added to the band's offset (diagonal_band); None: 0. Set by ring attention.
     position_offset: jax.Array | None = None
+    # block_mask.BlockMask (FlexAttention's tiles: empty skipped, full unmasked), or None.
+    block_mask: object | None = None

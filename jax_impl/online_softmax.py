@@ -182,7 +182,7 @@ def recomputed_probs(s, stats: RowStats, attended, *, base2: bool = False,
 
 
 def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool = True,
-                    transposed: bool = False, exclusions: bool = False):
+                    transposed: bool = False, exclusions: bool = False, score_vjp=None):
     """Algorithm 2, line 11: dS = P * (dP - delta), delta = rowsum(dO * O) - d(lse).
 
     Returns (dS: the gradient of the bias, d(q.k): the gradient of the raw product, with the
@@ -194,8 +194,13 @@ def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool 
     P is exactly 0. Both gradients are then exactly 0 wherever P is 0, as the gradient of the
     mask's select is, even in a NaN row (whose delta is NaN: 0 * NaN) and where a poisoned row
     makes the soft cap's factor NaN. (Where P underflows to 0 at an attended pair, dS is 0 too.)
+
+    ``score_vjp``: with a score_mod, the map from dS of its output to dS of its input (the
+    logits; ``mods.score_gradient``); dS is then the input's.
     """
-    ds = p * (dp - per_row(delta, transposed))
+    ds = softmax_gradient(p, dp, delta, transposed=transposed)
+    if score_vjp is not None:
+        ds = score_vjp(jnp.where(p == 0, 0.0, ds) if exclusions else ds)
     dqk = ds
     if capped is not None:
         dqk = dqk * (1.0 - capped * capped)
@@ -204,6 +209,11 @@ def logits_gradient(p, dp, delta, capped, cfg: AttentionConfig, *, scaled: bool 
         ds = jnp.where(excluded, 0.0, ds)
         dqk = ds if capped is None else jnp.where(excluded, 0.0, dqk)
     return ds, dqk * cfg.scale if scaled else dqk
+
+
+def softmax_gradient(p, dp, delta, *, transposed: bool = False):
+    """dS = P * (dP - delta) of the logits the softmax read (``logits_gradient``)."""
+    return p * (dp - per_row(delta, transposed))
 
 
 # --- Exact merge of partial results (ring steps; key splits) ------------------------------

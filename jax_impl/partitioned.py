@@ -233,7 +233,7 @@ def _backward_body(implementation, cfg, names, *arrays):
     named = dict(zip(names, arrays))
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
     *inputs, extras = _unpack(named)
-    dq, dk, dv, dbias = implementation.backward(
+    dq, dk, dv, dbias, _ = implementation.backward(
         cfg, *inputs, stats, named["d_out"], named["delta"], extras)
     return (dq, dk, dv) + ((dbias,) if dbias is not None else ())
 
@@ -503,7 +503,7 @@ def forward(implementation, cfg, q, k, v, bias, masks, extras=None):
     """Like ``Implementation.forward``, partitioned under jit."""
     if cfg.decode and not implementation.decode:
         raise ValueError(f"cfg.decode=True but {implementation.name} has no decode path")
-    if cfg.interpret and implementation.interpreter_has_effects:
+    if _unpartitioned(implementation, cfg, masks, extras):
         if cfg.decode:  # its decode path, interpreted, runs unpartitioned too
             return implementation.decode(cfg, q, k, v, masks, extras, None)
         return implementation.forward(cfg, q, k, v, bias, masks, extras)
@@ -517,13 +517,21 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
     """Like ``Implementation.backward``, partitioned under jit (the sinks are not needed: P
     comes from the row statistics, which include them)."""
     extras = None if extras is None else extras._replace(sinks=None)
-    if cfg.interpret and implementation.interpreter_has_effects:
+    if _unpartitioned(implementation, cfg, masks, extras):
         return implementation.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
     named = _named(q, k, v, bias, masks, extras, max=stats.max, log_sum=stats.log_sum, d_out=d_out,
                    delta=delta)
     names = tuple(named)
     grads = _folded(_backward_op, implementation, cfg, names)(*named.values())
-    return tuple(grads) + ((None,) if bias is None or not cfg.bias_gradient else ())
+    return tuple(grads) + ((None,) if bias is None or not cfg.bias_gradient else ()) + ((),)
+
+
+def _unpartitioned(implementation, cfg, masks, extras) -> bool:
+    """Calls the custom partitioning does not take: an interpreter with effects, and calls
+    with score_mod, mask_mod or a block_mask (their indices are global: XLA partitions the
+    implementation's program as a whole, or gathers its operands)."""
+    return ((cfg.interpret and implementation.interpreter_has_effects) or cfg.has_mods
+            or masks.block_mask is not None)
 
 
 def explain(implementation, q, q_shape, k_shape, pairwise: dict, cfg=None,

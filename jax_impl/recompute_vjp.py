@@ -16,7 +16,7 @@ import jax
 import jax.extend
 from jax.interpreters import ad, batching, mlir
 
-from jax_impl import dropout_sinks, masking, online_softmax, partitioned
+from jax_impl import dropout_sinks, masking, mods, online_softmax, partitioned
 from jax_impl.config import AttentionConfig
 from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
 
@@ -77,7 +77,10 @@ def attention(implementation, cfg: AttentionConfig, q, k, v, bias, masks: maskin
     guarded: the guard's identity would add a [B, Hq, Lq, Lk] value to every jaxpr, where the
     tests look for score-sized arrays (a tangent of the bias alone gets JAX's own message)."""
     q, k, v, sinks = _refusing_forward_mode(FORWARD_MODE_ERROR, q, k, v, extras.sinks)
-    return _attention(implementation, cfg, q, k, v, bias, masks, extras._replace(sinks=sinks))
+    mod_aux = tuple(refuse_forward_mode(x, FORWARD_MODE_ERROR) if mods.differentiable(x) else x
+                    for x in extras.mod_aux)
+    return _attention(implementation, cfg, q, k, v, bias, masks,
+                      extras._replace(sinks=sinks, mod_aux=mod_aux))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -102,8 +105,8 @@ def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
 def _attention_bwd(implementation, cfg, residuals: Residuals, cotangents):
     q, k, v, bias, masks, extras, out, stats = residuals.arrays
     d_out, delta = delta_of(out, cotangents)
-    dq, dk, dv, dbias = _first_order(implementation, residuals.cfg, q, k, v, bias, masks, stats,
-                                     d_out, delta, extras)
+    dq, dk, dv, dbias, d_mod_aux = _first_order(implementation, residuals.cfg, q, k, v, bias,
+                                                masks, stats, d_out, delta, extras)
     if dbias is not None:  # None: a constant bias, whose cotangent is a symbolic zero
         dbias = reduce_to(dbias, bias.shape).astype(bias.dtype)
     mask_cotangents = jax.tree.map(lambda _: None, masks)
@@ -111,7 +114,9 @@ def _attention_bwd(implementation, cfg, residuals: Residuals, cotangents):
     d_sinks = None if extras.sinks is None else reduce_to(
         dropout_sinks.sink_gradient(extras.sinks, online_softmax.logsumexp(stats), delta),
         extras.sinks.shape).astype(extras.sinks.dtype)
-    d_extras = jax.tree.map(lambda _: None, extras)._replace(sinks=d_sinks)
+    d_mod_aux = tuple(None if d is None else d.astype(x.dtype)
+                      for x, d in zip(extras.mod_aux, d_mod_aux or (None,) * len(extras.mod_aux)))
+    d_extras = jax.tree.map(lambda _: None, extras)._replace(sinks=d_sinks, mod_aux=d_mod_aux)
     return dq, dk, dv, dbias, mask_cotangents, d_extras
 
 

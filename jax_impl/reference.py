@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_impl import dropout_sinks, masking, online_softmax
+from jax_impl import block_mask as block_mask_lib
+from jax_impl import dropout_sinks, masking, mods, online_softmax
 from jax_impl.config import AttentionConfig
 
 
@@ -49,11 +50,18 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     if bias is not None:
         logits = logits + bias.astype(logits_dtype)
     logits = logits + (q_poison[..., :, None] + kv_poison[..., None, :]).astype(logits_dtype)
+    extras = extras or dropout_sinks.SinksAndDropout()
+    indices = (jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
+               jnp.arange(hq, dtype=jnp.int32)[None, :, None, None],
+               jnp.arange(lq, dtype=jnp.int32)[None, None, :, None],
+               jnp.arange(lk, dtype=jnp.int32)[None, None, None, :])
+    logits = mods.score(cfg, logits, *indices, extras.mod_aux)
     allowed = masking.dense_allowed(cfg.mask, lq, lk, masks.q_len, masks.kv_len,
                                     masks.q_segment_ids, masks.kv_segment_ids, masks.mask)
+    allowed = masking.all_of([allowed, mods.allowed(cfg, *indices, extras.mod_aux),
+                              None if masks.block_mask is None else _outside_empty_tiles(masks.block_mask)])
     allowed = allowed & (logits != -jnp.inf)  # an additive -inf bias excludes its pair
     row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True)
-    extras = extras or dropout_sinks.SinksAndDropout()
     sink = None if extras.sinks is None else extras.sinks.astype(logits_dtype)[:, :, None, None]
     if sink is not None:  # one more logit in every row's denominator, with no value
         row_max = jnp.maximum(row_max, sink)
@@ -77,3 +85,10 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
                      precision=cfg.precision, preferred_element_type=logits_dtype)
     lse = jnp.where(nonempty, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]
     return out.reshape(b, lq, hq, v.shape[-1]).astype(q.dtype), lse.astype(jnp.promote_types(logits_dtype, jnp.float32))
+
+
+def _outside_empty_tiles(block_mask):
+    """``[B|1, H|1, Lq, Lk]`` True where a pair's tile of ``block_mask`` is not empty."""
+    classes = block_mask_lib.dense_classes(block_mask) != block_mask_lib.EMPTY
+    classes = jnp.repeat(jnp.repeat(classes, block_mask.block_q, 2), block_mask.block_kv, 3)
+    return classes[:, :, :block_mask.q_len, :block_mask.kv_len]

@@ -239,7 +239,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
                 bp = pair_columns(bias, a, kv_ids[c], cq, ck)
 
                 def compute(qa, kc, vc, bp, pm, st, do, dl, ex):
-                    dq, dk, dv, db = impl.backward(ring.cfg, qa, kc, vc, bp, pm, st, do, dl, ex)
+                    dq, dk, dv, db, _ = impl.backward(ring.cfg, qa, kc, vc, bp, pm, st, do, dl, ex)
                     db = reduce_to(db, bp.shape).astype(jnp.float32) if with_dbias else None
                     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), db
 

@@ -111,7 +111,7 @@ def backward(u: Ulysses, q, k, v, masks, stats, d_out, delta, extras=None, bias=
     heads = lambda x, s=1, h=2: to_heads(x, u.axis_name, s, h)
     stats = online_softmax.RowStats(heads(stats.max, 2, 1), heads(stats.log_sum, 2, 1))
     bias_heads = _pairwise_heads(bias, u.axis_name)
-    dq, dk, dv, dbias = u.implementation.backward(u.cfg, heads(q), heads(k), heads(v), bias_heads,
+    dq, dk, dv, dbias, _ = u.implementation.backward(u.cfg, heads(q), heads(k), heads(v), bias_heads,
                                                   masks, stats, heads(d_out), heads(delta, 2, 1),
                                                   extras)
     grads = tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))

@@ -7,6 +7,12 @@ independent chain of blocks per host thread (``_over_head_blocks``). Loops are
 ``fori_loop``s with bounds from ``masking.kv_block_range``/``q_block_range``, so tiles the
 causal/window/length structure rules out are skipped. The forward saves only (out, row
 statistics); the backward recomputes P tile by tile.
+
+With segment ids or a block_mask the loops instead walk lists of the key (query) tiles that
+``block_mask.tile_classes`` says are not empty, one list per step (the union over the step's
+batch rows and heads): the partial tiles masked, the full ones not. score_mod and mask_mod
+(``mods``) are evaluated on each tile with its global indices; the backward sums the
+cotangents of the floating ``mod_aux`` over the tiles in loop order.
 """
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_impl import dropout_sinks, masking, online_softmax, platform, vma
+from jax_impl import block_mask as block_mask_lib
+from jax_impl import dropout_sinks, masking, mods, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 
 # Chunk sizes (block_q, block_k) of the XLA path, from measurements on the 2-core CPU against
@@ -97,11 +104,16 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def chunk_sizes(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
+def chunk_sizes(cfg: AttentionConfig, lq: int, lk: int, masks: masking.MaskInputs | None = None
+                ) -> tuple[int, int]:
+    """(block_q, block_k); calls whose tiles can be skipped (a band, segment ids, a
+    block_mask) take the banded blocks."""
     if cfg.block_sizes:
         block_q, block_k = cfg.block_sizes.block_q, cfg.block_sizes.block_k
     else:
-        block_q, block_k = BANDED_BLOCKS if cfg.mask.has_band else DENSE_BLOCKS
+        sparse = (cfg.mask.has_band or cfg.mask.has_block_mask
+                  or (masks is not None and masks.q_segment_ids is not None))
+        block_q, block_k = BANDED_BLOCKS if sparse else DENSE_BLOCKS
     return min(block_q, lq), min(block_k, lk)
 
 
@@ -116,9 +128,15 @@ def _pad_axis(x, axis: int, size: int):
 class _Tiles:
     """Padded operands and per-tile accessors shared by the forward and backward loops."""
 
-    def __init__(self, cfg, q, k, v, bias, masks, block_q, block_k, extras=None):
+    def __init__(self, cfg, q, k, v, bias, masks, block_q, block_k, extras=None, classes=None,
+                 heads=None):
         self.cfg, self.block_q, self.block_k = cfg, block_q, block_k
         b, lq, hq, d = q.shape
+        self.lq, self.lk = lq, k.shape[1]
+        # block_mask.tile_classes of these tiles ([Bc, Hc, nq, nk]) or None (the band loops);
+        # the step's global query heads [Hq] (mods' h).
+        self.classes = classes
+        self.heads = jnp.arange(hq, dtype=jnp.int32) if heads is None else heads
         lk, hkv = k.shape[1], k.shape[2]
         self.b, self.hq, self.hkv, self.groups = b, hq, hkv, hq // hkv
         self.lq_pad, self.lk_pad = _round_up(lq, block_q), _round_up(lk, block_k)
@@ -154,6 +172,7 @@ class _Tiles:
         self.sinks, self.seeds = (None if x is None else self.per_head(x)
                                   for x in (extras.sinks, extras.dropout_seeds))
         self.dropout_offset = extras.dropout_offset  # a ring step: global index of local 0
+        self.mod_aux = extras.mod_aux
 
     def per_head(self, x):  # [Bs, Hq|1] -> [Bs, Hkv|1, G|1]
         return x.reshape(x.shape[0], self.hkv, self.groups) if x.shape[1] > 1 else x[:, :, None]
@@ -195,23 +214,41 @@ class _Tiles:
         heads = (self.hkv, self.groups) if x.shape[1] > 1 else (1, 1)
         return tile.reshape(x.shape[0], *heads, self.block_q, self.block_k)
 
+    def mod_indices(self, i, j):
+        """The mods' (b, h, q_idx, kv_idx) of tile (i, j), broadcasting to ``[B, Hkv, G, bq,
+        bk]``; positions past Lq or Lk (padding, masked) read as the last valid one."""
+        rows = jnp.minimum(i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32), self.lq - 1)
+        cols = jnp.minimum(j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32), self.lk - 1)
+        return (jnp.arange(self.b, dtype=jnp.int32).reshape(-1, 1, 1, 1, 1),
+                self.heads.reshape(1, self.hkv, self.groups, 1, 1),
+                rows.reshape(1, 1, 1, -1, 1), cols.reshape(1, 1, 1, 1, -1))
+
+    def scored(self, s, i, j):
+        """The logits S of tile (i, j) after the score_mod (S itself without one)."""
+        return mods.score(self.cfg, s, *self.mod_indices(i, j), self.mod_aux)
+
     def logits(self, q_tile, i, j, masked: bool):
-        """(S, soft-cap term, allowed or None) ``[B, Hkv, G, bq, bk]`` for query tile i
-        (``q_tile``) and key tile j.
+        """(S before any score_mod, soft-cap term, allowed or None) ``[B, Hkv, G, bq, bk]`` for
+        query tile i (``q_tile``) and key tile j.
 
         ``masked=False``: the tile lies inside the band for every batch row (kv_range/q_range),
-        so the structural rules are not evaluated. Every tile, masked or not, adds the poison of
-        the non-finite rule (the operands are finite already: ``__init__``).
+        so the structural rules are not evaluated; on the tile lists (``classes``) it is a full
+        tile, where segment ids and mask_mod are not evaluated either. Every tile, masked or
+        not, adds the poison of the non-finite rule (the operands are finite already:
+        ``__init__``), and a dense mask applies.
         """
         rows = (i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32))[:, None]
         cols = (j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32))[None, :]
         segments = (None, None)
-        if self.q_seg is not None:  # [B, 1, 1, bq], [B, 1, 1, bk]
+        if self.q_seg is not None and masked:  # [B, 1, 1, bq], [B, 1, 1, bk]
             segments = (lax.dynamic_slice_in_dim(self.q_seg, i * self.block_q, self.block_q, 1)[:, None, None],
                         lax.dynamic_slice_in_dim(self.kv_seg, j * self.block_k, self.block_k, 1)[:, None, None])
         allowed = masking.allowed(self.spec, rows, cols, self.q_len, self.kv_len, *segments,
                                   None if self.mask is None else self._pair_tile(self.mask, i, j),
                                   structural=masked, position_offset=self.offset)
+        if masked or self.classes is None:  # without a block_mask every tile evaluates it
+            allowed = masking.all_of([allowed, mods.allowed(self.cfg, *self.mod_indices(i, j),
+                                                            self.mod_aux)])
         qk = jnp.einsum("bhgqd,bhdk->bhgqk", q_tile, self.kv_tile_t(self.k_t, j),
                         precision=self.cfg.precision, preferred_element_type=jnp.float32)
         bias = None if self.bias is None else self._pair_tile(self.bias, i, j)
@@ -220,6 +257,19 @@ class _Tiles:
         s, capped = online_softmax.logits(qk, self.cfg, bias,
                                           q_poison[..., :, None] + kv_poison[:, :, None, None, :])
         return s, capped, allowed
+
+    def key_tile_loop(self, i, body, carry):
+        """``body(j, carry, masked)`` over query tile i's key tiles: the band's (``kv_range``),
+        or the lists of ``classes``."""
+        if self.classes is None:
+            return masking.split_fori_loop(self.kv_range(i), body, carry)
+        return _list_loop(self.classes[:, :, i, :], body, carry)
+
+    def query_tile_loop(self, j, body, carry):
+        """``body(i, carry, masked)`` over key tile j's query tiles (``key_tile_loop``'s mirror)."""
+        if self.classes is None:
+            return masking.split_fori_loop(self.q_range(j), body, carry)
+        return _list_loop(self.classes[:, :, :, j], body, carry)
 
     def kv_range(self, i):
         """Key tiles for query tile i, (lo, full_lo, full_hi, hi): the union over the batch of
@@ -234,6 +284,19 @@ class _Tiles:
             self.masks.kv_len, self.masks.position_offset))
 
 
+def _list_loop(classes, body, carry):
+    """``body(t, carry, masked)`` over the tiles of one row of tile classes ``[Bc, Hc, n]``
+    that any batch row or head of the step visits: the partial ones masked, then the ones full
+    for every batch row and head unmasked."""
+    visited = (classes != block_mask_lib.EMPTY).any((0, 1))
+    full = (classes == block_mask_lib.FULL).all((0, 1))
+    for selected, masked in ((visited & ~full, True), (full, False)):
+        count, tiles = block_mask_lib.index_lists(selected)
+        carry = lax.fori_loop(0, count, lambda n, c, tiles=tiles, masked=masked:
+                              body(tiles[n], c, masked), carry)
+    return carry
+
+
 def _across_batch(bounds):
     lo, full_lo, full_hi, hi = bounds  # each [B]
     lo, hi = jnp.min(lo), jnp.max(hi)
@@ -244,24 +307,39 @@ def _across_batch(bounds):
 # Head axes of the per-head inputs besides q, k, v (_over_head_blocks): the dense mask
 # [Bm, Hm, Lq, Lk]; sinks and dropout seeds [Bs, Hs].
 _MASK_HEAD_AXES = masking.MaskInputs(None, None, None, None, 1, None)
-_EXTRAS_HEAD_AXES = dropout_sinks.SinksAndDropout(sinks=1, dropout_seeds=1)
+
+
+def _extras_head_axes(extras: dropout_sinks.SinksAndDropout):  # mod_aux: shared by every block
+    return dropout_sinks.SinksAndDropout(sinks=1, dropout_seeds=1,
+                                         mod_aux=tuple(None for _ in extras.mod_aux))
+
+
+def _tile_plan(cfg: AttentionConfig, q, k, masks: masking.MaskInputs):
+    """(masks without the block_mask, the tile classes of the call's tiles or None, global
+    query heads ``[Hq]``): what the head blocks take (classes and heads split with them)."""
+    lq, lk = q.shape[1], k.shape[1]
+    classes = block_mask_lib.tile_classes(cfg.mask, masks, lq, lk, *chunk_sizes(cfg, lq, lk, masks),
+                                          mask_mod=cfg.mask_mod is not None)
+    return masks._replace(block_mask=None), classes, jnp.arange(q.shape[2], dtype=jnp.int32)
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """-> (out ``[B, Lq, Hq, D]`` in q's dtype, RowStats of ``[B, Hq, Lq]`` float32)."""
     extras = extras or dropout_sinks.SinksAndDropout()
-    stacked = _over_head_blocks(functools.partial(_forward, cfg), q, k, (q, k, v, bias, masks, extras),
-                                (2, 2, 2, 1, _MASK_HEAD_AXES, _EXTRAS_HEAD_AXES))
+    masks, classes, heads = _tile_plan(cfg, q, k, masks)
+    stacked = _over_head_blocks(functools.partial(_forward, cfg), q, k,
+                                (q, k, v, bias, masks, extras, classes, heads),
+                                (2, 2, 2, 1, _MASK_HEAD_AXES, _extras_head_axes(extras), 1, 0))
     if stacked is None:
-        return _forward(cfg, q, k, v, bias, masks, extras)
+        return _forward(cfg, q, k, v, bias, masks, extras, classes, heads)
     out, stats = stacked
     return _merge_heads(out, 2), online_softmax.RowStats(*(_merge_heads(x, 1) for x in stats))
 
 
-def _forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras):
+def _forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras, classes, heads):
     b, lq, hq, d = q.shape
-    block_q, block_k = chunk_sizes(cfg, lq, k.shape[1])
-    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k, extras)
+    block_q, block_k = chunk_sizes(cfg, lq, k.shape[1], masks)
+    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k, extras, classes, heads)
     stats_shape = (b, t.hkv, t.groups, block_q)
     axes = vma.axes_of(q, k, v, bias, masks)  # inside shard_map, loop carries vary like these
 
@@ -272,6 +350,7 @@ def _forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, ext
         def key_tile(j, carry, masked):
             acc, row_max, row_sum = carry
             s, _, allowed = t.logits(q_tile, i, j, masked)
+            s = t.scored(s, i, j)
             rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
             v_tile = t.kv_tile(t.v, j)
             p_drop = dropout_sinks.apply_dropout(p, t.keep(i, j), cfg.dropout_rate)  # the sum keeps p
@@ -282,7 +361,7 @@ def _forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, ext
         sink = None if t.sinks is None else t.sinks[..., None]
         init = vma.like((jnp.zeros(stats_shape + (d,), jnp.float32),
                          *dropout_sinks.initial_stats(sink, stats_shape)), axes)
-        acc, row_max, row_sum = masking.split_fori_loop(t.kv_range(i), key_tile, init)
+        acc, row_max, row_sum = t.key_tile_loop(i, key_tile, init)
         o_tile, stats_tile = online_softmax.finalize(acc, row_max, row_sum)
         out = lax.dynamic_update_slice_in_dim(out, o_tile.astype(q.dtype), i * block_q, axis=3)
         stats = [lax.dynamic_update_slice_in_dim(x, x_tile.reshape(b, hq, block_q), i * block_q, axis=2)
@@ -296,26 +375,32 @@ def _forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, ext
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
              extras=None):
-    """-> (dq, dk, dv, dbias ``[B, Hq, Lq, Lk]`` float32 | None), one block of heads at a time."""
+    """-> (dq, dk, dv, dbias ``[B, Hq, Lq, Lk]`` float32 | None, d_mod_aux), one block of
+    heads at a time; the blocks' d_mod_aux summed in block order."""
     extras = extras or dropout_sinks.SinksAndDropout()
+    masks, classes, heads = _tile_plan(cfg, q, k, masks)
     stacked = _over_head_blocks(
-        functools.partial(_backward, cfg), q, k, (q, k, v, bias, masks, stats, d_out, delta, extras),
-        (2, 2, 2, 1, _MASK_HEAD_AXES, online_softmax.RowStats(1, 1), 2, 1, _EXTRAS_HEAD_AXES))
+        functools.partial(_backward, cfg), q, k,
+        (q, k, v, bias, masks, stats, d_out, delta, extras, classes, heads),
+        (2, 2, 2, 1, _MASK_HEAD_AXES, online_softmax.RowStats(1, 1), 2, 1,
+         _extras_head_axes(extras), 1, 0))
     if stacked is None:
-        return _backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
-    dq, dk, dv, dbias = stacked
+        return _backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras, classes, heads)
+    dq, dk, dv, dbias, d_mod_aux = stacked
     return (*(_merge_heads(x, 2) for x in (dq, dk, dv)),
-            None if dbias is None else _merge_heads(dbias, 1))
+            None if dbias is None else _merge_heads(dbias, 1),
+            tuple(None if x is None else jnp.sum(x, axis=0) for x in d_mod_aux))
 
 
 def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
-              extras):
+              extras, classes, heads):
     """Algorithm 2 of FlashAttention-2: outer loop over key tiles (dK, dV in registers),
-    inner loop over query tiles, dQ accumulated in place. -> (dq, dk, dv, dbias | None)."""
+    inner loop over query tiles, dQ accumulated in place. -> (dq, dk, dv, dbias | None,
+    d_mod_aux)."""
     b, lq, hq, d = q.shape
     lk = k.shape[1]
-    block_q, block_k = chunk_sizes(cfg, lq, lk)
-    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k, extras)
+    block_q, block_k = chunk_sizes(cfg, lq, lk, masks)
+    t = _Tiles(cfg, q, k, v, bias, masks, block_q, block_k, extras, classes, heads)
     grouped = lambda x: _pad_axis(x, -1, t.lq_pad).reshape(b, t.hkv, t.groups, t.lq_pad)
     delta, row_max, log_sum = grouped(delta), grouped(stats.max), grouped(stats.log_sum)
     d_out = t.to_heads(_pad_axis(d_out, 1, t.lq_pad))
@@ -327,14 +412,16 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
     axes = vma.axes_of(q, k, v, bias, masks, stats, d_out, delta)  # as in forward
 
     def key_tile(j, grads):
-        dq, dk, dv, dbias = grads
+        dq, dk, dv, dbias, d_mod_aux = grads
         k_tile, v_t = t.kv_tile(t.k, j), t.kv_tile_t(t.v_t, j)
 
         def query_tile(i, carry, masked):
-            dq, dk_acc, dv_acc, dbias = carry
+            dq, dk_acc, dv_acc, dbias, d_mod_aux = carry
             do_tile = t.q_tile(d_out, i)
-            s, capped, allowed = t.logits(t.q_tile(t.q, i), i, j, masked)
-            attended = online_softmax.attended(s, allowed, bias is not None)
+            unmodded, capped, allowed = t.logits(t.q_tile(t.q, i), i, j, masked)
+            s = t.scored(unmodded, i, j)
+            # A score_mod may give -inf, which excludes its pair as a -inf bias does.
+            attended = online_softmax.attended(s, allowed, bias is not None or cfg.score_mod is not None)
             p = online_softmax.recomputed_probs(s, online_softmax.RowStats(
                 stats_tile(row_max, i), stats_tile(log_sum, i)), attended)
             dp = jnp.einsum("bhgqd,bhdk->bhgqk", do_tile, v_t, precision=cfg.precision,
@@ -342,8 +429,15 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
             keep = t.keep(i, j)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
-            ds, dqk = online_softmax.logits_gradient(p, drop(dp), stats_tile(delta, i), capped, cfg,
-                                                     exclusions=attended is not None)
+            score_gradient = lambda ds: mods.score_gradient(cfg, unmodded, *t.mod_indices(i, j),
+                                                            t.mod_aux, ds)
+            ds, dqk = online_softmax.logits_gradient(
+                p, drop(dp), stats_tile(delta, i), capped, cfg, exclusions=attended is not None,
+                score_vjp=None if cfg.score_mod is None else lambda ds: score_gradient(ds)[0])
+            if any(x is not None for x in d_mod_aux):  # XLA shares the mod's work with dS's
+                d_post = online_softmax.softmax_gradient(p, drop(dp), stats_tile(delta, i))
+                d_post = d_post if attended is None else jnp.where(p == 0, 0.0, d_post)
+                d_mod_aux = mods.add_cotangents(d_mod_aux, score_gradient(d_post)[1])
             dv_acc += jnp.einsum("bhgdq,bhgqk->bhdk", q_tile_t(d_out_t, i), drop(p).astype(v.dtype),
                                  precision=cfg.precision, preferred_element_type=jnp.float32)
             dk_acc += jnp.einsum("bhgdq,bhgqk->bhdk", q_tile_t(q_t, i), dqk.astype(q.dtype),
@@ -354,26 +448,28 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
             if dbias is not None:
                 ds = ds.reshape(b, hq, block_q, block_k)
                 dbias = lax.dynamic_update_slice(dbias, ds, (0, 0, i * block_q, j * block_k))
-            return dq, dk_acc, dv_acc, dbias
+            return dq, dk_acc, dv_acc, dbias, d_mod_aux
 
         zeros = vma.like(jnp.zeros((b, t.hkv, d, block_k), jnp.float32), axes)  # dK^T, dV^T tiles
-        dq, dk_tile, dv_tile, dbias = masking.split_fori_loop(t.q_range(j), query_tile,
-                                                              (dq, zeros, zeros, dbias))
+        dq, dk_tile, dv_tile, dbias, d_mod_aux = t.query_tile_loop(
+            j, query_tile, (dq, zeros, zeros, dbias, d_mod_aux))
         dk = lax.dynamic_update_slice_in_dim(dk, dk_tile.astype(k.dtype), j * block_k, axis=3)
         dv = lax.dynamic_update_slice_in_dim(dv, dv_tile.astype(v.dtype), j * block_k, axis=3)
-        return dq, dk, dv, dbias
+        return dq, dk, dv, dbias, d_mod_aux
 
     grads = vma.like((jnp.zeros(t.q.shape, jnp.float32), jnp.zeros(t.k_t.shape, k.dtype),
                       jnp.zeros(t.v_t.shape, v.dtype),
                       None if bias is None or not cfg.bias_gradient
-                      else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32)),
+                      else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32),
+                      mods.zero_cotangents(extras.mod_aux) if cfg.score_mod is not None
+                      else tuple(None for _ in extras.mod_aux)),
                      axes)
-    dq, dk, dv, dbias = lax.fori_loop(0, t.lk_pad // block_k, key_tile, grads)
+    dq, dk, dv, dbias, d_mod_aux = lax.fori_loop(0, t.lk_pad // block_k, key_tile, grads)
     dq = t.from_heads(dq)[:, :lq].astype(q.dtype)
     if dbias is not None:
         dbias = dbias[:, :, :lq, :lk]
     dk, dv = (jnp.moveaxis(x, 3, 1)[:, :lk] for x in (dk, dv))  # [B, Hkv, D, Lk_pad] -> [B, Lk, Hkv, D]
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, d_mod_aux
 
 
 # --- Decode: a few query rows against a long, possibly paged, KV cache ----------------------

@@ -43,6 +43,11 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     """Why the CPU kernel cannot run such a call (it then runs on the xla path), or None:
     only tiles it cannot take, or a kernel that cannot be built."""
     del head_dim, has_bias, has_mask, has_sinks, dtype, has_segment_ids  # all taken
+    if cfg is not None and cfg.has_mods:
+        return ("score_mod and mask_mod are Python functions, which the C++ kernel cannot run "
+                "(xla runs them tile by tile)")
+    if cfg is not None and cfg.mask.has_block_mask:
+        return "a block_mask: the C++ kernel does not read one yet (xla does)"
     if cfg is not None and cfg.block_sizes is not None and cfg.block_sizes.block_k % PANEL:
         return (f"block_sizes.block_k={cfg.block_sizes.block_k} is not a multiple of {PANEL} "
                 "(the kernel reads keys in panels of 64)")
@@ -168,7 +173,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
       q, k, v, bias, masks, extras, stats, d_out, delta)
     dq = jnp.swapaxes(jnp.sum(dq_parts, axis=0), 1, 2)[..., :d] * cfg.scale
     dk, dv = (jnp.swapaxes(x, 1, 2)[..., :d].astype(y.dtype) for x, y in ((dk, k), (dv, v)))
-    return dq.astype(q.dtype), dk, dv, dbias if with_dbias else None
+    return dq.astype(q.dtype), dk, dv, dbias if with_dbias else None, ()
 
 
 DECODE_CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

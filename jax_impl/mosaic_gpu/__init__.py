@@ -76,6 +76,9 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     del has_sinks  # taken, forward and backward; segment ids too
     if _UNAVAILABLE:
         return _UNAVAILABLE
+    if cfg is not None and (cfg.has_mods or cfg.mask.has_block_mask):
+        return ("score_mod, mask_mod and block_mask are not in the Mosaic GPU kernels yet "
+                "(pallas_triton runs them)")
     if head_dim not in HEAD_DIMS:
         return f"head_dim={head_dim} is not one of {HEAD_DIMS}"
     if dtype is not None and jnp.dtype(dtype) not in DTYPES:
@@ -244,4 +247,4 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
         masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
         masks.kv_segment_ids, seeds, dropout_offset, bias, masks.mask, num_sms=_num_sms(),
         interpret=interpret)
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, ()

@@ -247,7 +247,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     dbias = results[1] if write_dbias else None
     # The kernels differentiated the finite copies: the gradient of finite_or_zero is 0 at the
     # non-finite entries themselves, which no product read.
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, ()
 
 
 def _dq_kernel_no_dbias(*refs, **kwargs):

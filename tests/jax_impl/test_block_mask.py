@@ -251,8 +251,8 @@ def test_new_mask_values_reuse_one_compilation():
 
 
 @pytest.mark.parametrize("rule, error, words", [
-    (lambda b, h, q, kv: kv - q, TypeError, "mask_mod must return one bool array"),
-    (lambda b, h, q, kv: (kv <= q, q >= 0), TypeError, "mask_mod must return one bool array"),
+    (lambda b, h, q, kv: kv - q, TypeError, "mask_mod must return a bool array"),
+    (lambda b, h, q, kv: (kv <= q, q >= 0), TypeError, "mask_mod must return a bool array"),
     (lambda b, h, q, kv: jnp.ones((5, 1, 1, 1), bool), ValueError, "mask_mod returned shape"),
     (lambda b, h, q, kv: jnp.ones((1, 1, 1, 1, 1), bool), ValueError, "mask_mod returned shape"),
 ])
