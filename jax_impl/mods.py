@@ -101,6 +101,9 @@ def check_function(name, signature, fn, indices, mod_aux, shape, dtype_ok, wante
         jaxpr, out = jax.make_jaxpr(fn, return_shape=True)(*indices, *mod_aux)
     except jax.errors.UnexpectedTracerError as e:
         raise ValueError(f"{name} uses a traced array from a finished trace: {_HINT}") from e
+    except TypeError as e:  # most often: it does not take every mod_aux entry
+        raise TypeError(f"{name} failed when called as {name}{signature.split(' ->')[0]} with "
+                        f"{len(mod_aux)} mod_aux arrays (every mod receives all of them): {e}") from e
     if any(isinstance(const, jax.core.Tracer) for const in jaxpr.consts):
         raise ValueError(f"{name} closes over a traced array (a value of an enclosing jit, grad "
                          f"or vmap): {_HINT}")

@@ -1,0 +1,232 @@
+"""score_mod, mask_mod, mod_aux and block_mask (FlexAttention's model) through flash_attention:
+judged against a float64 numpy oracle written here (dense, sharing no code with the library)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_impl import BlockSizes, create_block_mask, flash_attention
+from jax_impl.block_mask import BlockMask, FULL, EMPTY
+
+B, L, H, D = 2, 96, 4, 16
+SMALL_TILES = BlockSizes(block_q=32, block_k=16)  # many tiles: empty, partial and full ones
+
+
+def _oracle(q, k, v, d_out, logits_of, allowed):
+    """Dense float64 attention and its gradients by hand. ``logits_of(s)`` maps the scaled
+    logits [B, H, Lq, Lk]; ``allowed`` [B, H, Lq, Lk] bool. -> out, dq, dk, dv, d_logits."""
+    q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
+    s = logits_of(np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]))
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    p = np.where(total > 0, e / np.where(total > 0, total, 1), 0)
+    out = np.einsum("bhqk,bkhd->bqhd", p, v)
+    dp = np.einsum("bqhd,bkhd->bhqk", d_out, v)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    scale = 1 / np.sqrt(q.shape[-1])
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dv = np.einsum("bhqk,bqhd->bkhd", p, d_out)
+    return out, dq, dk, dv, ds
+
+
+def _inputs(seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return [jax.random.normal(x, (B, L, H, D), jnp.float32) for x in keys]
+
+
+def _documents(seed=0):
+    """[B, L] ascending document ids, different cuts per row."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.integers(0, 4, (B, L)), axis=1).astype(np.int32)
+
+
+POSITIONS = np.arange(L)
+DISTANCE = np.abs(POSITIONS[:, None] - POSITIONS[None, :])  # [Lq, Lk]
+
+
+def _alibi(score, b, h, q_idx, kv_idx, slopes):
+    return score - slopes[h] * jnp.abs(q_idx - kv_idx)
+
+
+def _bucket(relative):  # T5-like: the sign and a coarse log of the distance, 8 buckets
+    return jnp.where(relative > 0, 4, 0) + jnp.minimum(jnp.abs(relative) // 8, 3)
+
+
+def _bucket_np(relative):
+    return np.where(relative > 0, 4, 0) + np.minimum(np.abs(relative) // 8, 3)
+
+
+def _t5(score, b, h, q_idx, kv_idx, table):
+    return score + table[_bucket(kv_idx - q_idx), h]
+
+
+def _documents_causal(b, h, q_idx, kv_idx, doc):
+    return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference"])
+def test_alibi_and_t5_score_mods_and_their_tables_gradients_match_the_oracle(implementation):
+    q, k, v, d_out = _inputs()
+    slopes = jax.random.uniform(jax.random.key(5), (H,), minval=0.05, maxval=0.5)
+    table = jax.random.normal(jax.random.key(6), (8, H))
+    blocks = SMALL_TILES if implementation == "xla" else None
+    rel = POSITIONS[None, :] - POSITIONS[:, None]  # kv - q
+    cases = [
+        (_alibi, slopes, lambda s, x: s - np.asarray(x, np.float64)[None, :, None, None] * DISTANCE,
+         lambda ds, x: -(ds * DISTANCE).sum((0, 2, 3))),
+        (_t5, table, lambda s, x: s + np.moveaxis(np.asarray(x, np.float64)[_bucket_np(rel)], -1, 0)[None],
+         lambda ds, x: np.stack([np.bincount(_bucket_np(rel).ravel(), ds.sum(0)[h].ravel(), 8)
+                                 for h in range(H)], -1)),
+    ]
+    for mod, aux, logits_of, aux_gradient in cases:
+        f = lambda q, k, v, aux: flash_attention(q, k, v, score_mod=mod, mod_aux=(aux,),
+                                                 implementation=implementation, block_sizes=blocks)
+        out, vjp = jax.vjp(f, q, k, v, aux)
+        grads = vjp(d_out)
+        want = _oracle(q, k, v, d_out, lambda s: logits_of(s, aux), np.ones((B, H, L, L), bool))
+        for got, expected in zip((out, *grads), (*want[:4], aux_gradient(want[4], aux))):
+            np.testing.assert_allclose(got, expected, atol=2e-5 * max(1, np.abs(expected).max()),
+                                       rtol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["block_mask", "mask_mod", "segment_ids"])
+def test_packed_documents_every_way_match_the_oracle(how):
+    q, k, v, d_out = _inputs(1)
+    doc = _documents(1)
+    if how == "segment_ids":
+        kwargs = dict(is_causal=True, q_segment_ids=doc, kv_segment_ids=doc)
+    else:
+        kwargs = dict(mask_mod=_documents_causal, mod_aux=(jnp.asarray(doc),))
+        if how == "block_mask":
+            kwargs["block_mask"] = create_block_mask(_documents_causal, B, None, L, L,
+                                                     block_size=16, mod_aux=(jnp.asarray(doc),))
+    f = lambda q, k, v: flash_attention(q, k, v, implementation="xla", block_sizes=SMALL_TILES,
+                                        **kwargs)
+    out, vjp = jax.vjp(f, q, k, v)
+    allowed = (doc[:, None, :, None] == doc[:, None, None, :]) & (POSITIONS[None, :] <= POSITIONS[:, None])
+    want = _oracle(q, k, v, d_out, lambda s: s, np.broadcast_to(allowed, (B, H, L, L)))
+    for got, expected in zip((out, *vjp(d_out)), want[:4]):
+        np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_a_full_tile_attends_without_mask_mod_and_an_empty_one_is_skipped():
+    """FlexAttention's meaning of a BlockMask: a hand-made one (from_tile_classes) whose empty
+    and full tiles disagree with the mask_mod decides those tiles."""
+    q, k, v, d_out = _inputs(2)
+    nq = nk = L // 16
+    rng = np.random.default_rng(2)
+    classes = rng.choice([EMPTY, 1, FULL], (1, 1, nq, nk)).astype(np.int8)
+    classes[..., np.arange(nq), np.arange(nk)] = 1  # every row keeps a partial tile
+    bm = BlockMask.from_tile_classes(jnp.asarray(classes), L, L, 16, 16)
+    mask_mod = lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0
+    out = flash_attention(q, k, v, mask_mod=mask_mod, block_mask=bm, implementation="xla",
+                          block_sizes=BlockSizes(block_q=16, block_k=16))
+    per_pair = np.repeat(np.repeat(classes[0, 0], 16, 0), 16, 1)
+    allowed = np.where(per_pair == FULL, True,
+                       (per_pair == 1) & ((POSITIONS[:, None] + POSITIONS[None, :]) % 3 != 0))
+    want = _oracle(q, k, v, d_out, lambda s: s, np.broadcast_to(allowed, (B, H, L, L)))
+    np.testing.assert_allclose(out, want[0], atol=2e-5, rtol=1e-4)
+
+
+def test_soft_cap_as_a_score_mod_equals_the_built_in_soft_cap():
+    q, k, v, d_out = (4 * x for x in _inputs(3))
+    cap = 2.0
+    mod = lambda s, b, h, q_idx, kv_idx: cap * jnp.tanh(s / cap)
+    f = lambda q, k, v, **kw: flash_attention(q, k, v, implementation="xla", is_causal=True, **kw)
+    got = jax.vjp(lambda *x: f(*x, score_mod=mod), q, k, v)
+    want = jax.vjp(lambda *x: f(*x, logits_soft_cap=cap), q, k, v)
+    for a, b in zip((got[0], *got[1](d_out)), (want[0], *want[1](d_out))):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_rows_with_no_allowed_key_give_zero_output_and_gradients():
+    q, k, v, d_out = _inputs(4)
+    slopes = jnp.linspace(0.1, 0.4, H)
+    blocked = lambda b, h, q_idx, kv_idx, slopes: (q_idx % 5 != 0) & (kv_idx < q_idx + 7)
+    f = lambda q, k, v, s: flash_attention(q, k, v, mask_mod=blocked, score_mod=_alibi,
+                                           mod_aux=(s,), implementation="xla",
+                                           block_sizes=SMALL_TILES)
+    out, vjp = jax.vjp(f, q, k, v, slopes)
+    dq, dk, dv, d_slopes = vjp(d_out)
+    for x in (out, dq, dk, dv, d_slopes):
+        assert np.isfinite(np.asarray(x)).all()
+    np.testing.assert_array_equal(np.asarray(out)[:, ::5], 0)
+    np.testing.assert_array_equal(np.asarray(dq)[:, ::5], 0)
+
+
+def test_mod_aux_gradient_is_bitwise_repeatable_under_jit_and_vmap():
+    q, k, v, d_out = _inputs(5)
+    table = jax.random.normal(jax.random.key(7), (8, H))
+    loss = lambda q, table: (flash_attention(q, k, v, score_mod=_t5, mod_aux=(table,),
+                                             implementation="xla", block_sizes=SMALL_TILES)
+                             * d_out).sum()
+    grad = jax.jit(jax.grad(loss, argnums=1))
+    first, second = grad(q, table), grad(q, table)
+    np.testing.assert_array_equal(first, second)
+    batched = jax.vmap(grad, in_axes=(None, 0))(q, jnp.stack([table, table]))
+    np.testing.assert_array_equal(batched[0], batched[1])
+    np.testing.assert_allclose(batched[0], first, rtol=1e-5, atol=1e-5)
+
+
+def test_three_block_masks_of_one_shape_compile_once():
+    q, k, v, _ = _inputs(6)
+    f = jax.jit(lambda q, k, v, doc, bm: flash_attention(
+        q, k, v, mask_mod=_documents_causal, mod_aux=(doc,), block_mask=bm, implementation="xla"))
+    outs = []
+    for seed in range(3):
+        doc = jnp.asarray(_documents(10 + seed))
+        bm = create_block_mask(_documents_causal, B, None, L, L, block_size=32, mod_aux=(doc,))
+        outs.append(f(q, k, v, doc, bm))
+    assert f._cache_size() == 1
+    assert not np.allclose(outs[0], outs[1])
+
+
+def _call(**kwargs):
+    q, k, v, _ = _inputs(7)
+    return flash_attention(q, k, v, implementation="xla", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(score_mod=lambda s, b, h, q, kv: s > 0), TypeError, "score_mod must return a float array"),
+    (dict(score_mod=lambda s, b, h, q, kv: jnp.zeros((3, 5))), ValueError, "score_mod returned shape"),
+    (dict(mask_mod=lambda b, h, q, kv: q - kv), TypeError, "mask_mod must return a bool array"),
+    (dict(score_mod=3), TypeError, "score_mod must be a function"),
+    (dict(mod_aux=jnp.ones(3), score_mod=lambda s, b, h, q, kv, x: s), TypeError, "mod_aux must be a tuple"),
+    (dict(mod_aux=(jnp.ones(3),)), ValueError, "mod_aux was given without score_mod or mask_mod"),
+    (dict(mod_aux=(jnp.ones(3),), score_mod=lambda s, b, h, q, kv: s), TypeError,
+     "every mod receives all of them"),
+    (dict(mask_mod=lambda b, h, q, kv: kv <= q,
+          block_mask=create_block_mask(lambda b, h, q, kv: kv <= q, 1, 1, L, 2 * L)),
+     ValueError, "block_mask was built for"),
+    (dict(block_mask=create_block_mask(lambda b, h, q, kv: kv <= q, 1, 1, L, L, block_size=32)),
+     ValueError, "block_mask has partial tiles"),
+    (dict(mask_mod=lambda b, h, q, kv: kv <= q,
+          block_mask=create_block_mask(lambda b, h, q, kv: kv <= q, 3, 1, L, L)),
+     ValueError, "block_mask has \\(B, H\\)=\\(3, 1\\)"),
+])
+def test_bad_mods_are_refused_by_name(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _call(**kwargs)
+
+
+def test_a_mod_closing_over_a_traced_array_is_refused():
+    slopes = jnp.linspace(0.1, 0.4, H)
+
+    @jax.jit
+    def f(slopes):
+        return _call(score_mod=lambda s, b, h, q, kv: s - slopes[h] * jnp.abs(q - kv))
+
+    with pytest.raises(ValueError, match="score_mod closes over a traced array"):
+        f(slopes)
+
+
+def test_mods_with_a_paged_cache_are_refused():
+    q = jnp.ones((1, 1, 2, 16))
+    pages = jnp.ones((4, 16, 2, 16))
+    with pytest.raises(ValueError, match="score_mod/mask_mod/block_mask cannot be used with page_table"):
+        flash_attention(q, pages, pages, page_table=jnp.zeros((1, 2), jnp.int32),
+                        score_mod=lambda s, b, h, qi, ki: s)
