@@ -110,7 +110,7 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         page_table, lk = _page_table(page_table, key, batch_shape)
         _refuse_with_pages(bias=bias, mask=mask, q_segment_ids=q_segment_ids,
                            dropout=dropout_rate and not deterministic,
-                           mods=score_mod is not None or mask_mod is not None or block_mask is not None)
+                           block_mask=block_mask is not None)
     elif key.shape[:-3] != batch_shape:
         raise ValueError(f"query and key must share batch dims; got {query.shape=} {key.shape=}")
     if head_dim != key_head_dim:
@@ -279,15 +279,14 @@ def page_ids(page_table, num_pages: int) -> jax.Array:
     return jnp.asarray(values, jnp.int32)
 
 
-def _refuse_with_pages(*, bias, mask, q_segment_ids, dropout, mods):
+def _refuse_with_pages(*, bias, mask, q_segment_ids, dropout, block_mask):
     for given, name in ((bias is not None, "bias"), (mask is not None, "mask"),
                         (q_segment_ids is not None, "q_segment_ids/kv_segment_ids"),
-                        (bool(dropout), "dropout_rate > 0"),
-                        (mods, "score_mod/mask_mod/block_mask")):
+                        (bool(dropout), "dropout_rate > 0"), (block_mask, "block_mask")):
         if given:
             raise ValueError(f"{name} cannot be used with page_table: a paged KV cache runs on "
-                             "the decode path, which takes lengths, causal, windows, soft cap and "
-                             "sinks only")
+                             "the decode path, which takes lengths, causal, windows, soft cap, "
+                             "sinks and (on xla) score_mod and mask_mod only")
 
 
 def _validate_flax_keywords(dropout_rate, deterministic, module, qk_einsum, value_einsum, mask):

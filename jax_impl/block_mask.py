@@ -198,6 +198,22 @@ def _create(mask_mod, batch, heads, lq, lk, block_q, block_kv, mod_aux):
         lq, lk, block_q, block_kv)
 
 
+def of_mask_mod(mask_mod, batch: int, heads: int, lq: int, lk: int, mod_aux,
+                block_size: int = 128) -> BlockMask:
+    """The BlockMask that ``flash_attention`` builds for a call with a ``mask_mod`` and no
+    ``block_mask`` (so that its empty tiles are skipped): ``create_block_mask``'s evaluation,
+    over B and H only where ``mask_mod`` reads ``b`` and ``h`` (else one row or head stands
+    for all: a mask that ignores the head costs 1/H of the pairs)."""
+    index = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    jaxpr = jax.make_jaxpr(mask_mod)(index(batch, 1, 1, 1), index(1, heads, 1, 1),
+                                     index(1, 1, 1, 1), index(1, 1, 1, 1),
+                                     *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in mod_aux)).jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    reads_b, reads_h = (id(jaxpr.invars[i]) in used for i in (0, 1))
+    return _create(mask_mod, batch if reads_b else 1, heads if reads_h else 1, lq, lk,
+                   block_size, block_size, tuple(mod_aux))
+
+
 def _evaluated_tile_classes(mask_mod, batch, heads, lq, lk, block_q, block_kv, mod_aux):
     """``[B, H, nq, nk]`` tile classes, mask_mod evaluated one slab of tiles at a time."""
     nq, nk = _cdiv(lq, block_q), _cdiv(lk, block_kv)
@@ -303,7 +319,7 @@ def _bounds_classes(spec: masking.MaskSpec, q_len: int, kv_len: int, block_q: in
 
 
 def tile_classes(spec: masking.MaskSpec, masks: masking.MaskInputs, q_len: int, kv_len: int,
-                 block_q: int, block_kv: int, *, mask_mod: bool = False):
+                 block_q: int, block_kv: int, *, mask_mod: bool = False, band_only: bool = False):
     """The class of every tile of an implementation's grid, ``[B|1, H|1, nq, nk]`` int8, or None
     when the call has neither segment ids nor a block_mask (the band alone: the
     implementations' own band loops skip its tiles).
@@ -313,8 +329,9 @@ def tile_classes(spec: masking.MaskSpec, masks: masking.MaskInputs, q_len: int, 
     (``regrid``). ``mask_mod``: whether the call has one; without a block_mask no tile is then
     FULL (mask_mod is evaluated on every visited tile). FULL: every pair passes rules 1-4 and
     the block_mask's full tiles; a dense mask and the non-finite rule still apply there.
+    ``band_only``: the classes also where they come from the band alone (instead of None).
     """
-    if masks.q_segment_ids is None and masks.block_mask is None:
+    if masks.q_segment_ids is None and masks.block_mask is None and not band_only:
         return None
     spec = dataclasses.replace(spec, has_q_lengths=True, has_kv_lengths=True)
     classes = _bounds_classes(spec, q_len, kv_len, block_q, block_kv, masks.q_len, masks.kv_len,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jax_impl import arguments, cudnn, implementations, partitioned, recompute_vjp, reference
+from jax_impl import arguments, block_mask, cudnn, implementations, partitioned, recompute_vjp, reference
 from jax_impl.config import BlockSizes
 from jax_impl.implementations import IMPLEMENTATIONS
 
@@ -218,8 +218,23 @@ def _strategy(query, call, chosen: str) -> str | None:
         cfg=call.cfg, extras=call.extras)
 
 
+def with_evaluated_block_mask(implementation: str, cfg, q, k, masks, extras):
+    """(cfg, masks) of a call with a mask_mod and no block_mask on a blocked path: with the
+    BlockMask of the mask_mod evaluated chunk-wise (``block_mask.of_mask_mod``), so that its
+    empty tiles are skipped. Other calls unchanged."""
+    if (cfg.mask_mod is None or masks.block_mask is not None or cfg.decode
+            or implementation == "reference"):
+        return cfg, masks
+    built = block_mask.of_mask_mod(cfg.mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                                   extras.mod_aux)
+    return (dataclasses.replace(cfg, mask=dataclasses.replace(cfg.mask, has_block_mask=True)),
+            masks._replace(block_mask=built))
+
+
 def _run(implementation, cfg, q, k, v, bias, masks, extras, page_table):
     q = arguments.gpu_only_precision_guard(implementation, cfg, q)
+    if page_table is None:
+        cfg, masks = with_evaluated_block_mask(implementation, cfg, q, k, masks, extras)
     if page_table is not None:
         return recompute_vjp.paged_attention(implementations.get(implementation), cfg, q, k, v,
                                              masks, extras, page_table)
@@ -240,6 +255,8 @@ class ImplementationChoice(NamedTuple):
     # or paged cache: split over the keys) or "regular"; and why.
     path: str = "regular"
     path_reason: str = ""
+    # The tiles its regular forward computes (implementations.tiles_visited), "" where unknown.
+    tiles: str = ""
 
 
 def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -267,7 +284,11 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                    implementations.decode_path(impl, lq=call.q.shape[1], lk=lk, features=features,
                                                paged=paged))
         if why_not is not None:
-            return ImplementationChoice(chosen, reasons, _strategy(query, call, chosen), "regular", why_not)
+            cfg, masks = with_evaluated_block_mask(chosen, call.cfg, call.q, call.k, call.masks,
+                                                   call.extras)
+            return ImplementationChoice(chosen, reasons, _strategy(query, call, chosen), "regular",
+                                        why_not, implementations.tiles_visited(
+                                            impl, cfg, call.q.shape, call.k.shape, masks))
         why = ("a paged KV cache runs on the decode path" if paged else
                f"{call.q.shape[1]} query rows against {lk} keys, no bias, mask, segment ids or dropout")
         if impl.decode_note:

@@ -28,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple
 
+import jax
+import numpy as np
 from jax import lax
 
-from jax_impl import cpu_kernel, mosaic_gpu, pallas_triton, xla
+from jax_impl import block_mask, cpu_kernel, mosaic_gpu, pallas_triton, xla
 from jax_impl.platform import CUDA_PLATFORMS
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
@@ -71,12 +73,16 @@ class Implementation:
     # `forward`, paged calls cannot run here.
     decode: Callable | None = None
     decode_takes_pages: bool = True   # False: its decode reads dense caches only
+    decode_takes_mods: bool = False   # its decode evaluates score_mod and mask_mod
     # Why its decode cannot take a call (q_len=, dtype=, has_bias= ...), or None: takes it.
     decode_unsupported: Callable[..., str | None] | None = None
     # Why its decode cannot read pages of this shape (page_size=, head_dim=), or None: takes them.
     pages_unsupported: Callable[..., str | None] | None = None
     # Whose kernel its decode path is and why, where not its own (explain_implementation says it).
     decode_note: str = ""
+    # (block_q, block_k) of its forward for (cfg, q_shape, k_shape, masks): tiles_visited reads
+    # its tile classes there. None: not reported.
+    forward_tiles: Callable | None = None
 
     def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False,
                     features: CallFeatures | None = None) -> str | None:
@@ -147,11 +153,13 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "cpu": Implementation(
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
         decode=cpu_kernel.decode, decode_unsupported=cpu_kernel.decode_unsupported,
-        call_unsupported=cpu_kernel.unsupported, takes_position_offset=True),
+        call_unsupported=cpu_kernel.unsupported, takes_position_offset=True,
+        forward_tiles=lambda cfg, q_shape, k_shape, masks: cpu_kernel.forward_blocks(cfg)),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
         xla.forward, xla.backward, takes_position_offset=True, takes_dropout_offset=True,
-        decode=xla.decode),
+        decode=xla.decode, decode_takes_mods=True,
+        forward_tiles=lambda cfg, q_shape, k_shape, masks: xla.chunk_sizes(cfg, q_shape[1], k_shape[1], masks)),
     "reference": Implementation(
         "reference", "dense attention (materialises [Lq, Lk]); the oracle of the tests",
         automatic=False),
@@ -172,6 +180,8 @@ def decode_path(implementation: Implementation, *, lq: int, lk: int, features: C
         return None
     if implementation.decode is None:
         return f"{implementation.name} has no decode path"
+    if features.cfg.has_mods and not implementation.decode_takes_mods:
+        return f"{implementation.name}'s decode path takes no score_mod or mask_mod"
     if implementation.decode_unsupported is not None:
         why = implementation.decode_unsupported(
             q_len=lq, dtype=features.dtype, has_bias=features.has_bias,
@@ -186,11 +196,30 @@ def decode_path(implementation: Implementation, *, lq: int, lk: int, features: C
     for present, what in ((features.has_bias, "a bias"), (features.has_mask, "a dense mask"),
                           (features.has_segment_ids, "segment ids"),
                           (features.cfg.dropout_rate > 0, "dropout"),
-                          (features.cfg.has_mods or features.cfg.mask.has_block_mask,
-                           "score_mod, mask_mod or block_mask")):
+                          (features.cfg.mask.has_block_mask, "block_mask")):
         if present:
             return f"the decode path takes no {what}"
     return None
+
+
+def tiles_visited(implementation: Implementation, cfg: AttentionConfig, q_shape, k_shape,
+                  masks) -> str:
+    """How many tiles the implementation's forward computes, partial and full, summed over the
+    batch rows and heads (``block_mask.tile_classes`` on its tiles), or "" where its tiles are
+    not known or the mask inputs are traced."""
+    if implementation.forward_tiles is None:
+        return ""
+    lq, lk = q_shape[1], k_shape[1]
+    block_q, block_k = implementation.forward_tiles(cfg, q_shape, k_shape, masks)
+    classes = block_mask.tile_classes(cfg.mask, masks, lq, lk, block_q, block_k,
+                                      mask_mod=cfg.mask_mod is not None, band_only=True)
+    try:
+        classes = np.broadcast_to(np.asarray(classes), (q_shape[0], q_shape[2]) + classes.shape[2:])
+    except jax.errors.ConcretizationTypeError:
+        return ""
+    partial, full = ((classes == c).sum() for c in (block_mask.PARTIAL, block_mask.FULL))
+    return (f"{partial + full:,} of {classes.size:,} tiles of {block_q}x{block_k} "
+            f"({partial:,} partial, {full:,} full; batch rows x heads x query tiles x key tiles)")
 
 
 def paged_unsupported(implementation: Implementation, *, lq: int | None = None, dtype=None,

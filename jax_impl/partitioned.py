@@ -491,7 +491,7 @@ def paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras, page_
     """``implementation.decode`` on a paged cache, partitioned under jit: batch and heads local
     (the page table, lengths and sinks follow q's batch), the page pool whole on every device
     but its kv heads (``_pool_spec``)."""
-    if cfg.interpret and implementation.interpreter_has_effects:
+    if _unpartitioned(implementation, cfg, masks, extras):
         return implementation.decode(cfg, q, k_pages, v_pages, masks, extras, page_table)
     named = _named(q, k_pages, v_pages, None, masks, extras, table=page_table)
     names = tuple(named)
@@ -526,6 +526,12 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
     return tuple(grads) + ((None,) if bias is None or not cfg.bias_gradient else ()) + ((),)
 
 
+UNPARTITIONED_MODS = (
+    "calls with score_mod, mask_mod or a block_mask run as one program over the global indices, "
+    "which XLA partitions as a whole (xla) or whose operands it gathers (a kernel); no ring or "
+    "all-to-all takes them yet (docs/limitations.md)")
+
+
 def _unpartitioned(implementation, cfg, masks, extras) -> bool:
     """Calls the custom partitioning does not take: an interpreter with effects, and calls
     with score_mod, mask_mod or a block_mask (their indices are global: XLA partitions the
@@ -540,6 +546,14 @@ def explain(implementation, q, q_shape, k_shape, pairwise: dict, cfg=None,
     it carries no multi-device NamedSharding. ``pairwise``: {"bias"|"mask": ``[Bx, Hx, Lq,
     Lk]``} of the call. A sequence-sharded call names cp_cost's choice with its estimated bytes
     per device."""
+    if cfg is not None and (cfg.has_mods or cfg.mask.has_block_mask):
+        if cfg.context_parallel_strategy not in (None, "all_gather"):
+            raise ValueError(
+                f"context_parallel_strategy={cfg.context_parallel_strategy!r} cannot run a call "
+                f"with score_mod, mask_mod or block_mask: {UNPARTITIONED_MODS}")
+        sharding = getattr(q, "sharding", None)
+        multi = isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
+        return f"one program: {UNPARTITIONED_MODS}" if multi else None
     has_bias_or_mask = bool(pairwise)
     # Under jit the aval's, known on a mesh with explicit axes (on an automatic one the
     # partitioner decides later); else the array's.

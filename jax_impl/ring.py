@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import dropout_sinks, masking, online_softmax, vma
+from jax_impl import block_mask, dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
 
@@ -116,10 +116,11 @@ def pair_columns(x, a: int, kv_chunk, cq: int, ck: int):
 
 
 def pair_active(ring: Ring, pm: masking.MaskInputs, cq: int, ck: int):
-    """False when the band and lengths exclude every (query, key) pair of the chunk pair."""
-    lo, hi = masking.kv_block_range(ring.cfg.mask, 0, cq, ck, pm.q_len, pm.kv_len,
-                                    pm.position_offset)
-    return jnp.any(hi > lo)
+    """False when the band, lengths and segment ids exclude every (query, key) pair of the
+    chunk pair (its class as one tile, ``block_mask.tile_classes``): packed documents over a
+    long context skip most steps."""
+    classes = block_mask.tile_classes(ring.cfg.mask, pm, cq, ck, cq, ck, band_only=True)
+    return jnp.any(classes != block_mask.EMPTY)
 
 
 def _split(x, parts: int, axis: int):

@@ -520,8 +520,9 @@ def _decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=Non
 
     ``page_table`` None: k, v ``[B, Lk, Hkv, D]``; else int32 ``[B, P]`` (ids in range) with
     k, v pages ``[num_pages, page_size, Hkv, D]`` read in place: each step gathers one tile of
-    whole pages per split, never a ``[B, Lk, Hkv, D]`` copy. No bias, dense mask, segment ids
-    or dropout on this path (the dispatcher sends those calls to ``forward``).
+    whole pages per split, never a ``[B, Lk, Hkv, D]`` copy. No bias, dense mask, segment ids,
+    block_mask or dropout on this path (the dispatcher sends those calls to ``forward``);
+    score_mod and mask_mod see query r's index in q and the logical key position.
     """
     extras = extras or dropout_sinks.SinksAndDropout()
     b, lq, hq, d = q.shape
@@ -535,6 +536,7 @@ def _decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=Non
         page_table = (jnp.arange(b, dtype=jnp.int32)[:, None] * per_row
                       + jnp.arange(per_row, dtype=jnp.int32)[None, :])
     page_size, pages = k.shape[1], page_table.shape[1]
+    logical_len = pages * page_size
     rows = lq * groups
     pages_per_tile, chains, splits = decode_plan(rows, page_size, pages, cpu=cpu)
     tile_keys = pages_per_tile * page_size
@@ -572,6 +574,14 @@ def _decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=Non
                         preferred_element_type=jnp.float32)
         s, _ = online_softmax.logits(qk, cfg, poison=q_poison + kv_poison)
         allowed = masking.structural_allowed(spec, query_index, cols, q_len, kv_len, offset)
+        if cfg.has_mods:  # [B, Hkv, S, R, T]: row r is query r // G of head kv_head * G + r % G
+            indices = (jnp.arange(b, dtype=jnp.int32).reshape(-1, 1, 1, 1, 1),
+                       (jnp.arange(hkv, dtype=jnp.int32)[:, None] * groups
+                        + jnp.arange(rows, dtype=jnp.int32) % groups).reshape(1, hkv, 1, rows, 1),
+                       query_index.reshape(1, 1, 1, rows, 1),
+                       jnp.minimum(cols, logical_len - 1).reshape(1, 1, splits, 1, tile_keys))
+            s = mods.score(cfg, s, *indices, extras.mod_aux)
+            allowed = masking.all_of([allowed, mods.allowed(cfg, *indices, extras.mod_aux)])
         rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, s, allowed)
         pv = jnp.einsum("bhsrt,bsthd->bhsrd", p.astype(v.dtype), v_tile, precision=cfg.precision,
                         preferred_element_type=jnp.float32)

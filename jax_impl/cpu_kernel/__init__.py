@@ -102,6 +102,11 @@ def _blocks(cfg: AttentionConfig, default):
     return default
 
 
+def forward_blocks(cfg: AttentionConfig) -> tuple[int, int]:
+    """(block_q, block_k) of the forward kernel."""
+    return _blocks(cfg, FORWARD_BLOCKS)
+
+
 def _padded_head_dim(d: int) -> int:
     return -(-d // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
 

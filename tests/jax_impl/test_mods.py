@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_impl import BlockSizes, create_block_mask, flash_attention
+from jax_impl import BlockSizes, create_block_mask, explain_implementation, flash_attention
 from jax_impl.block_mask import BlockMask, FULL, EMPTY
 
 B, L, H, D = 2, 96, 4, 16
@@ -224,9 +224,62 @@ def test_a_mod_closing_over_a_traced_array_is_refused():
         f(slopes)
 
 
-def test_mods_with_a_paged_cache_are_refused():
+def test_a_block_mask_with_a_paged_cache_is_refused():
     q = jnp.ones((1, 1, 2, 16))
     pages = jnp.ones((4, 16, 2, 16))
-    with pytest.raises(ValueError, match="score_mod/mask_mod/block_mask cannot be used with page_table"):
-        flash_attention(q, pages, pages, page_table=jnp.zeros((1, 2), jnp.int32),
-                        score_mod=lambda s, b, h, qi, ki: s)
+    full = BlockMask.from_tile_classes(jnp.full((1, 1, 1, 1), FULL, jnp.int8), 1, 32, 16, 32)
+    with pytest.raises(ValueError, match="block_mask cannot be used with page_table"):
+        flash_attention(q, pages, pages, page_table=jnp.zeros((1, 2), jnp.int32), block_mask=full)
+
+
+def test_explain_counts_the_tiles_a_block_mask_leaves():
+    q, k, v, _ = _inputs(8)
+    doc = _documents(8)
+    bm = create_block_mask(_documents_causal, B, None, L, L, block_size=16, mod_aux=(jnp.asarray(doc),))
+    choice = explain_implementation(q, k, v, mask_mod=_documents_causal, mod_aux=(jnp.asarray(doc),),
+                                    block_mask=bm, implementation="xla",
+                                    block_sizes=BlockSizes(block_q=16, block_k=16))
+    allowed = (doc[:, :, None] == doc[:, None, :]) & (POSITIONS[None, :] <= POSITIONS[:, None])
+    tiles = allowed.reshape(B, L // 16, 16, L // 16, 16)
+    full, visited = tiles.all((2, 4)).sum() * H, tiles.any((2, 4)).sum() * H
+    assert choice.tiles.startswith(f"{visited:,} of {B * H * (L // 16) ** 2:,} tiles of 16x16 "
+                                   f"({visited - full:,} partial, {full:,} full")
+
+
+def test_decode_and_a_paged_cache_take_the_mods():
+    """Few query rows against a long cache (GQA: the decode path packs each kv head's query
+    heads as rows, and the mods must still see each query head)."""
+    b, lq, hq, hkv, pages, page = 2, 3, 4, 2, 6, 128
+    lk = pages * page
+    keys = jax.random.split(jax.random.key(9), 4)
+    q, d_out = (jax.random.normal(x, (b, lq, hq, D)) for x in keys[:2])
+    k, v = (jax.random.normal(x, (b, lk, hkv, D)) for x in keys[2:])
+    slopes = jnp.asarray([0.01, 0.02, 0.05, 0.1])
+    score_mod = lambda s, b, h, q_idx, kv_idx, slopes: s - slopes[h] * jnp.abs(q_idx + lk - lq - kv_idx)
+    mask_mod = lambda b, h, q_idx, kv_idx, slopes: (kv_idx % 7 != b) & (kv_idx % 5 != h)
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod, mod_aux=(slopes,))
+    rows, cols = np.arange(lq)[:, None] + lk - lq, np.arange(lk)[None, :]
+    heads = np.arange(hq)[:, None, None]
+    allowed = (cols % 7 != np.arange(b)[:, None, None, None]) & (cols % 5 != heads)
+    want = _oracle(q, np.repeat(k, 2, 2), np.repeat(v, 2, 2), d_out,
+                   lambda s: s - np.asarray(slopes, np.float64)[:, None, None] * np.abs(rows - cols),
+                   np.broadcast_to(allowed, (b, hq, lq, lk)))[0]
+    assert explain_implementation(q, k, v, **kw).path == "decode"
+    np.testing.assert_allclose(flash_attention(q, k, v, **kw), want, atol=2e-5, rtol=1e-4)
+    table = jnp.asarray(np.random.default_rng(9).permutation(b * pages).reshape(b, pages), jnp.int32)
+    pool_k, pool_v = (jnp.zeros((b * pages, page, hkv, D)).at[table.reshape(-1)].set(
+        x.reshape(b * pages, page, hkv, D)) for x in (k, v))
+    np.testing.assert_allclose(flash_attention(q, pool_k, pool_v, page_table=table, **kw), want,
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_a_mask_mod_without_a_block_mask_still_skips_its_empty_tiles():
+    """flash_attention evaluates the mask_mod chunk-wise into a BlockMask of its own."""
+    length = 512
+    q = jax.random.normal(jax.random.key(10), (B, length, H, D))
+    doc = jnp.asarray(np.repeat(np.arange(4), 128)[None].repeat(B, 0), jnp.int32)
+    tiles = BlockSizes(block_q=128, block_k=128)
+    choice = explain_implementation(q, q, q, mask_mod=_documents_causal, mod_aux=(doc,),
+                                    implementation="xla", block_sizes=tiles)
+    assert choice.tiles.startswith(f"{4 * B * H:,} of {16 * B * H:,} tiles of 128x128 "
+                                   f"({4 * B * H:,} partial, 0 full")

@@ -53,3 +53,31 @@ def test_dsinks_are_summed_once_with_and_without_check_vma():
     shard_map tracks varying axes, by shard_map's own transpose when check_vma=False."""
     errors = run_script("ring_features.py", "sinks_without_vma")
     assert len(errors) == 6 and max(errors.values()) < TOL, errors  # ring, ulysses, hybrid
+
+
+def test_a_ring_step_whose_chunks_share_no_document_is_skipped():
+    """ring.pair_active: packed documents whose chunks share no id attend nothing (skipped);
+    one shared id or a band-only call keeps the step."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_impl import implementations, masking, ring
+    from jax_impl.config import AttentionConfig
+
+    cq = ck = 32
+    rng = np.random.default_rng()
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(is_causal=True))
+    r = ring.Ring("seq", 4, "contiguous", implementations.get("xla"), cfg, False)
+    ids = np.sort(rng.integers(0, 3, (2, 4 * cq)), axis=1).astype(np.int32)
+    masks = masking.MaskInputs(q_len=jnp.full((2,), 4 * cq), kv_len=jnp.full((2,), 4 * ck),
+                               q_segment_ids=None, kv_segment_ids=None, mask=None)
+
+    def active(a, c, q_ids, kv_ids):
+        pm = ring.pair_masks(r, masks, a, c, cq, ck, q_ids, kv_ids)
+        return bool(ring.pair_active(r, pm, cq, ck))
+
+    shift = 10 * np.arange(2)[:, None]  # rows never share an id with the other row: per row
+    chunk = lambda x, n: jnp.asarray(x[:, n * cq:(n + 1) * cq])
+    later = ids + 100  # key chunks of documents that no query chunk holds
+    assert not active(3, 1, chunk(ids + shift, 3), chunk(later + shift, 1))
+    assert active(3, 1, chunk(ids, 3), jnp.asarray(np.where(np.arange(ck) == 5, ids[:, 3 * cq:3 * cq + 1], 77)))
+    assert active(3, 1, None, None) and not active(1, 3, None, None)  # causal band alone
