@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import measure as measure_mod
+from jax_impl import create_block_mask
 from jax_impl.flash_attention import flash_attention
 
 NAME = "bench_masks"
@@ -125,8 +126,14 @@ class Workload:
     aux: tuple = ()             # numpy arrays, the mods' mod_aux
 
 
-FWD_TARGET = lambda fwd, both=None: {"fwd": fwd, **({"fwd+bwd": both} if both else {})}
-PLAIN_VS_TORCH = (OURS_PLAIN, SDPA_PLAIN, FWD_TARGET(1.15, 1.0))
+def targets(fwd: float, fwd_bwd: float | None = None) -> dict:
+    """The issue's bound on a ratio, per mode."""
+    return {"fwd": fwd, **({"fwd+bwd": fwd_bwd} if fwd_bwd else {})}
+
+
+PLAIN_VS_TORCH = (OURS_PLAIN, SDPA_PLAIN, targets(1.15, 1.0))
+SCORE_MOD_RATIOS = ((OURS_SCORE_MOD, OURS_PLAIN, targets(1.5)), (OURS_SCORE_MOD, FLEX, {}),
+                    (OURS_SCORE_MOD, SDPA_DENSE, {}), PLAIN_VS_TORCH)
 
 
 def workloads(mask_length: int, bias_length: int) -> list[Workload]:
@@ -134,11 +141,12 @@ def workloads(mask_length: int, bias_length: int) -> list[Workload]:
     document = np.repeat(np.arange(DOCUMENTS, dtype=np.int32), -(-mask_length // DOCUMENTS))[:mask_length]
     table = rng.standard_normal((T5_BUCKETS, HEADS)).astype(np.float32)
     ours_vs_flex = ((OURS_MASK_MOD, FLEX, {}),)
+    score_mod_rows = (OURS_SCORE_MOD, FLEX, SDPA_DENSE, OURS_PLAIN, SDPA_PLAIN)
     return [
         Workload("packed documents", mask_length, True,
                  (OURS_SEGMENTS, OURS_MASK_MOD, FLEX, SDPA_DENSE, OURS_PLAIN, SDPA_PLAIN),
                  tuple((ours, other, target) for ours in (OURS_SEGMENTS, OURS_MASK_MOD)
-                       for other, target in ((FLEX, FWD_TARGET(1.0)), (OURS_PLAIN, FWD_TARGET(0.25, 0.3)),
+                       for other, target in ((FLEX, targets(1.0)), (OURS_PLAIN, targets(0.25, 0.3)),
                                              (SDPA_DENSE, {})))
                  + (PLAIN_VS_TORCH,),
                  mask_mod=same_document_causal, aux=(document,)),
@@ -146,14 +154,9 @@ def workloads(mask_length: int, bias_length: int) -> list[Workload]:
                  mask_mod=prefix_lm(mask_length // 4)),
         Workload("sliding window + global tokens", mask_length, True, (OURS_MASK_MOD, FLEX), ours_vs_flex,
                  mask_mod=sliding_window_with_globals(max(1, mask_length // 8), max(1, mask_length // 64))),
-        Workload("ALiBi", bias_length, True, (OURS_SCORE_MOD, FLEX, SDPA_DENSE, OURS_PLAIN, SDPA_PLAIN),
-                 ((OURS_SCORE_MOD, OURS_PLAIN, FWD_TARGET(1.5)), (OURS_SCORE_MOD, FLEX, {}),
-                  (OURS_SCORE_MOD, SDPA_DENSE, {}), PLAIN_VS_TORCH),
+        Workload("ALiBi", bias_length, True, score_mod_rows, SCORE_MOD_RATIOS,
                  score_mod=alibi, aux=(alibi_slopes(HEADS),)),
-        Workload("T5 relative bias", bias_length, False,
-                 (OURS_SCORE_MOD, FLEX, SDPA_DENSE, OURS_PLAIN, SDPA_PLAIN),
-                 ((OURS_SCORE_MOD, OURS_PLAIN, FWD_TARGET(1.5)), (OURS_SCORE_MOD, FLEX, {}),
-                  (OURS_SCORE_MOD, SDPA_DENSE, {}), PLAIN_VS_TORCH),
+        Workload("T5 relative bias", bias_length, False, score_mod_rows, SCORE_MOD_RATIOS,
                  score_mod=t5_relative_bias, aux=(t5_buckets(bias_length), table)),
     ]
 
@@ -166,7 +169,6 @@ class NotSupported(Exception):
 
 def _our_arguments(w: Workload, row: str) -> tuple[dict, dict]:
     """(static keywords, array arguments) of flash_attention for one of our rows."""
-    import jax_impl
     aux = tuple(jnp.asarray(a) for a in w.aux)
     if row == OURS_PLAIN:
         return dict(is_causal=w.causal), {}
@@ -176,7 +178,7 @@ def _our_arguments(w: Workload, row: str) -> tuple[dict, dict]:
     if row == OURS_SCORE_MOD:
         return dict(is_causal=w.causal, score_mod=w.score_mod), dict(mod_aux=aux)
     if row == OURS_MASK_MOD:
-        block_mask = jax_impl.create_block_mask(w.mask_mod, 1, 1, w.length, w.length, block_size=BLOCK_SIZE,
+        block_mask = create_block_mask(w.mask_mod, 1, 1, w.length, w.length, block_size=BLOCK_SIZE,
                                                 mod_aux=aux)
         return dict(mask_mod=w.mask_mod), dict(mod_aux=aux, block_mask=block_mask)
     raise ValueError(row)
@@ -215,7 +217,7 @@ def dense_mask_or_bias(w: Workload, torch_aux: tuple, device: str, dtype):
 
 def _torch_calls(w: Workload, row: str, tensors, torch_aux, device: str, flex) -> dict:
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if row == SDPA_PLAIN:
         attend = lambda q, k, v: sdpa(q, k, v, is_causal=w.causal)
@@ -224,7 +226,7 @@ def _torch_calls(w: Workload, row: str, tensors, torch_aux, device: str, flex) -
         attend = lambda q, k, v: sdpa(q, k, v, attn_mask=attn_mask)
     elif row == FLEX:
         mask_mod = w.mask_mod or (causal if w.causal else None)
-        block_mask = None if mask_mod is None else create_block_mask(
+        block_mask = None if mask_mod is None else torch_block_mask(
             lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx, *(torch_aux if w.mask_mod else ())),
             None, None, w.length, w.length, device=device, BLOCK_SIZE=BLOCK_SIZE)
         score_mod = None if w.score_mod is None else (
