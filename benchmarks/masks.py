@@ -61,9 +61,9 @@ SDPA_DENSE = "torch SDPA: dense mask/bias"
 SDPA_PLAIN = "torch SDPA: plain"
 
 
-def repeats_for(length: int) -> int:
-    """Fewer repeats at the long length, where one forward+backward repeat takes seconds."""
-    return 5 if length > BIAS_LENGTH else 7
+def repeats_for(length: int, device: str) -> int:
+    """On a CPU fewer repeats at the long length, where one forward+backward repeat takes seconds."""
+    return 15 if device == "cuda" else 5 if length > BIAS_LENGTH else 7
 
 
 # --- the mods: one definition for jax arrays and torch tensors -----------------------------------
@@ -368,14 +368,15 @@ def run_suite(out_dir, device: str, length: int | None = None, repeats: int | No
                   torch_version=torch.__version__, torch_threads=torch.get_num_threads(),
                   load_average_start=os.getloadavg(), time_budget_s=time_budget, flex_compiled=compile_flex,
                   repeats_note=(f"{repeats} each" if repeats else
-                                f"{repeats_for(MASK_LENGTH)} at L > {BIAS_LENGTH}, else {repeats_for(BIAS_LENGTH)}"),
+                                f"{repeats_for(MASK_LENGTH, kind)} at L > {BIAS_LENGTH}, else "
+                                f"{repeats_for(BIAS_LENGTH, kind)}"),
                   rows=[], ratios=[], skipped=[])
     for workload in workloads(length or MASK_LENGTH, length or BIAS_LENGTH):
         for mode in MODES:
             if time_budget is not None and time.perf_counter() - started > time_budget:
                 result["skipped"].append(dict(workload=workload.name, mode=mode))
                 continue
-            measured = measure(workload, mode, repeats or repeats_for(workload.length), kind, DTYPES[kind])
+            measured = measure(workload, mode, repeats or repeats_for(workload.length, kind), kind, DTYPES[kind])
             result["rows"] += measured["rows"]
             result["ratios"] += measured["ratios"]
             print(f"{workload.name} L={workload.length} {mode}: " + ", ".join(
