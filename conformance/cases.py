@@ -28,6 +28,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from conformance import mods as mods_mod
+
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 MASKS = ("none", "bool", "bool_heads", "key_padding")
 CAUSAL = (None, "top_left", "bottom_right")
@@ -62,6 +64,12 @@ class Case:
     # > 0: jax_impl reads K/V from a paged cache of this page size (the same keys, pages in a
     # shuffled order; forward only, judged on the output); other frameworks do not take it.
     page_size: int = 0
+    # FlexAttention-style mods (a name in conformance/mods.py's MODS): a score_mod and/or
+    # mask_mod with their mod_aux arrays, the same definition run by every framework.
+    mods: str | None = None
+    # > 0: jax_impl also gets create_block_mask(mask_mod, block_size=...), PyTorch's
+    # create_block_mask this BLOCK_SIZE (default: its 128).
+    block_size: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -76,6 +84,16 @@ class Case:
             raise ValueError("empty_rows needs mask='bool' or 'bool_heads'")
         if min(self.batch, self.q_heads, self.kv_heads, self.q_len, self.kv_len, self.head_dim) < 1:
             raise ValueError(f"every size must be >= 1: {self}")
+        if self.mods is not None:
+            m = mods_mod.get(self.mods)
+            if m.same_lengths and self.q_len != self.kv_len:
+                raise ValueError(f"mods={self.mods!r} indexes one [B, L] array with q_idx and kv_idx: "
+                                 f"needs q_len == kv_len, got {self.q_len}, {self.kv_len}")
+            if m.oracle_soft_cap is not None and (self.soft_cap is not None or self.bias):
+                raise ValueError(f"mods={self.mods!r} is the oracle's built-in soft cap: it takes "
+                                 "no soft_cap or bias of the case (they come before it)")
+        if self.block_size and (self.mods is None or mods_mod.get(self.mods).mask_mod is None):
+            raise ValueError(f"block_size={self.block_size} needs mods with a mask_mod")
 
     @property
     def np_dtype(self):
@@ -113,6 +131,8 @@ class Case:
             parts.append("sinks")
         if self.page_size:
             parts.append(f"paged={self.page_size}")
+        if self.mods:
+            parts.append(f"mods={self.mods}" + (f" block_mask={self.block_size}" if self.block_size else ""))
         return ", ".join(parts)
 
 
@@ -132,6 +152,11 @@ class Inputs:
     q_segment_ids: np.ndarray | None = None   # [B, Lq] int32
     kv_segment_ids: np.ndarray | None = None  # [B, Lk] int32
     sinks: np.ndarray | None = None           # [Hq] float32
+    mod_aux: dict = dataclasses.field(default_factory=dict)  # name -> the mods' aux array, in order
+
+    @property
+    def mods(self) -> mods_mod.Mods | None:
+        return mods_mod.get(self.case.mods) if self.case.mods else None
 
     def attention_kwargs(self) -> dict[str, Any]:
         """Keyword arguments in ``flash_attention``'s (and torch_ref's) names; only those in use."""
@@ -173,9 +198,16 @@ class Inputs:
         return np.asarray(dropout_mask(self.dropout_key(), (c.batch, c.q_heads, c.q_len, c.kv_len),
                                        c.dropout, broadcast_dropout=False))
 
-    def allowed(self) -> np.ndarray:
-        """Bool ``[B, 1|Hq, Lq, Lk]``: which pairs may interact (masking.py's rules, in numpy)."""
-        return allowed_pattern(self)
+    def allowed(self, with_mods: bool = True) -> np.ndarray:
+        """Bool ``[B, 1|Hq, Lq, Lk]``: which pairs may interact (masking.py's rules, in numpy),
+        the mask_mod's pairs among them unless ``with_mods`` is False."""
+        return allowed_pattern(self, with_mods)
+
+    def mod_mask(self) -> np.ndarray | None:
+        """Bool ``[B, Hq, Lq, Lk]``: the case's mask_mod, evaluated densely; None without one."""
+        c = self.case
+        shape = (c.batch, c.q_heads, c.q_len, c.kv_len)
+        return None if self.mods is None else mods_mod.dense_mask(self.mods, shape, tuple(self.mod_aux.values()))
 
     def empty_row_count(self) -> int:
         """Query rows (over batch and heads) with no allowed key."""
@@ -184,13 +216,16 @@ class Inputs:
         return int((~a.any(-1)).sum())
 
 
-def allowed_pattern(inputs: Inputs) -> np.ndarray:
+def allowed_pattern(inputs: Inputs, with_mods: bool = True) -> np.ndarray:
     c = inputs.case
     b, lq, lk = c.batch, c.q_len, c.kv_len
+    mask, mod_mask = inputs.mask, inputs.mod_mask() if with_mods else None
+    if mod_mask is not None:
+        mask = mod_mask if mask is None else mask & mod_mask
     return allowed_pairs(lq, lk, inputs.q_lengths if inputs.q_lengths is not None else np.full(b, lq),
                          inputs.kv_lengths if inputs.kv_lengths is not None else np.full(b, lk),
                          c.causal, c.window, q_segment_ids=inputs.q_segment_ids,
-                         kv_segment_ids=inputs.kv_segment_ids, mask=inputs.mask)
+                         kv_segment_ids=inputs.kv_segment_ids, mask=mask)
 
 
 def allowed_pairs(lq: int, lk: int, q_lengths, kv_lengths, causal: str | None, window,
@@ -272,7 +307,8 @@ def make_inputs(case: Case) -> Inputs:
         count = int(rng.integers(2, 5))
         q_seg, kv_seg = _segments(rng, b, lq, lk, count)
     sinks = rng.standard_normal(hq).astype(np.float32) if case.sinks else None
-    return Inputs(case, q, k, v, cotangent, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks)
+    mod_aux = mods_mod.get(case.mods).aux(rng, case) if case.mods else {}
+    return Inputs(case, q, k, v, cotangent, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, mod_aux)
 
 
 # --- Named shapes (the benchmarks reuse them) ----------------------------------------------
@@ -395,6 +431,30 @@ def _decode() -> list[Case]:
     ]
 
 
+def _mods() -> list[Case]:
+    """FlexAttention-style score_mod / mask_mod (conformance/mods.py), judged against the oracle's
+    dense mask and bias; PyTorch's flex_attention runs the same definitions."""
+    C = Case
+    return [
+        C("fp32_mods_documents", 2, 2, 2, 48, 48, 32, "float32", mods="documents", seed=1001),
+        C("fp32_mods_documents_block16", 2, 2, 2, 48, 48, 32, "float32", mods="documents",
+          block_size=16, seed=1002),
+        C("fp32_mods_prefix_lm_block16", 2, 2, 2, 40, 40, 32, "float32", mods="prefix_lm",
+          block_size=16, seed=1003),
+        C("bf16_mods_sliding_global_block16", 1, 2, 2, 64, 64, 32, "bfloat16", mods="sliding_global",
+          block_size=16, seed=1004),
+        C("fp32_mods_alibi_gqa_causal_br_bias", 2, 4, 2, 40, 48, 32, "float32", mods="alibi",
+          causal="bottom_right", bias=True, seed=1005),
+        C("fp32_mods_t5", 1, 4, 4, 48, 40, 32, "float32", mods="t5", seed=1006),
+        C("fp16_mods_t5_lengths", 2, 2, 2, 32, 32, 32, "float16", mods="t5", lengths=True, seed=1007),
+        C("fp32_mods_soft_cap", 1, 2, 2, 48, 48, 32, "float32", mods="soft_cap", logit_scale=2.0, seed=1008),
+        C("fp32_mods_empty_rows_block16", 1, 2, 2, 32, 32, 32, "float32", mods="empty_rows",
+          block_size=16, seed=1009),
+        C("fp32_mods_alibi_documents_window", 2, 4, 4, 48, 48, 32, "float32", mods="alibi_documents",
+          window=(16, 0), seed=1010),
+    ]
+
+
 def _course() -> list[Case]:
     return [shape.case(name, seed=i) for i, (name, shape) in enumerate(COURSE_SHAPES.items())] + \
         [shape.case(name + "_causal", causal="top_left", seed=10 + i)
@@ -429,8 +489,8 @@ def _training() -> list[Case]:
     ]
 
 
-SUITES = {"quick": _quick(), "full": _full() + _training() + _decode(), "course": _course(),
-          "probes": _probes(), "training": _training(), "decode": _decode()}
+SUITES = {"quick": _quick(), "full": _full() + _training() + _decode() + _mods(), "course": _course(),
+          "probes": _probes(), "training": _training(), "decode": _decode(), "mods": _mods()}
 
 
 def get_suite(name: str) -> list[Case]:

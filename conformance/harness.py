@@ -26,6 +26,7 @@ class Result:
     verdicts: list = dataclasses.field(default_factory=list)  # tolerance.Verdict per output
     info: dict = dataclasses.field(default_factory=dict)
     note: str | None = None           # e.g. "wrong only in rows with no allowed key"
+    unjudged: str | None = None       # gradients the implementation refused, and why
     seconds: float = 0.0              # prepare + first run (compile included)
 
     @property
@@ -58,13 +59,17 @@ def claims_failure(result: Result) -> bool:
     return result.status in (FAIL, ERROR)
 
 
-def judge_results(values: dict, refs: References, dtype: str, *, forward_only: bool = False) -> list[tolerance.Verdict]:
+def judge_results(values: dict, refs: References, dtype: str, *, forward_only: bool = False,
+                  not_differentiated: str | None = None) -> list[tolerance.Verdict]:
+    """A verdict for out and every gradient the oracle has (dq, dk, dv, dbias, d<mod_aux>); a
+    gradient the implementation refused (``not_differentiated`` says why) is left out."""
     verdicts = []
-    for name in ("out",) if forward_only else ("out", "dq", "dk", "dv", "dbias"):
-        if name in refs.oracle:
-            if name not in values:
-                raise ValueError(f"the implementation returned no {name!r}")
-            verdicts.append(tolerance.judge(name, values[name], refs.oracle[name], refs.baseline[name], dtype))
+    for name in ("out",) if forward_only else tuple(refs.oracle):
+        if name not in values:
+            if not_differentiated and name != "out":
+                continue
+            raise ValueError(f"the implementation returned no {name!r}")
+        verdicts.append(tolerance.judge(name, values[name], refs.oracle[name], refs.baseline[name], dtype))
     return verdicts
 
 
@@ -105,12 +110,17 @@ def run_one(adapter: Adapter, inputs: Inputs, refs: References) -> Result:
         tb = traceback.format_exc(limit=3)
         return Result(case.name, adapter.name, ERROR, f"{type(e).__name__}: {e}"[:600] + "\n" + tb[-800:])
     seconds = time.perf_counter() - start
-    verdicts = judge_results(values, refs, case.dtype, forward_only=bool(case.page_size))
+    refused = prepared.info.get("not_differentiated")
+    verdicts = judge_results(values, refs, case.dtype, forward_only=bool(case.page_size),
+                             not_differentiated=refused)
     passed = all(v.passed for v in verdicts)
     result = Result(case.name, adapter.name, PASS if passed else FAIL, verdicts=verdicts,
                     info=dict(prepared.info), seconds=seconds)
     if not passed:
         result.note = _empty_rows_note(values, refs, inputs)
+    unjudged = [n for n in refs.oracle if n not in values]
+    if refused and unjudged and not case.page_size:
+        result.unjudged = f"{', '.join(unjudged)} not judged: {refused}"
     return result
 
 

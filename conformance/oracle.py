@@ -30,14 +30,71 @@ ORACLE_PYTHON = "ORACLE_PYTHON"  # the environment variable
 
 
 def _run_manual(inputs: Inputs, dtype, **overrides) -> dict[str, np.ndarray]:
-    cast = (lambda x: None if x is None else np.asarray(x).astype(dtype)) if dtype is not None else (lambda x: x)
+    """``dtype`` None: the case dtype (the baseline)."""
+    cast = lambda x: None if x is None else np.asarray(x).astype(dtype or inputs.case.np_dtype)
     kw = dict(inputs.attention_kwargs(), mask=inputs.mask)
     if inputs.case.dropout:
         kw["dropout_mask"] = inputs.dropout_keep()
+    bias, mod_bias = inputs.bias, None
+    if inputs.mods is not None:
+        kw, bias, mod_bias = _with_mods(inputs, kw)
     kw.update(overrides)  # an override of None removes the keyword (e.g. scale=None: the default)
     kw = {n: v for n, v in kw.items() if v is not None}
-    return manual_with_grads(cast(inputs.q), cast(inputs.k), cast(inputs.v),
-                             cast(inputs.cotangent), bias=cast(inputs.bias), **kw)
+    res = manual_with_grads(cast(inputs.q), cast(inputs.k), cast(inputs.v),
+                            cast(inputs.cotangent), bias=cast(bias), **kw)
+    if mod_bias is not None and "dbias" in res:  # the total bias's gradient: the case's and the aux's
+        d_total = res.pop("dbias")
+        if inputs.bias is not None:
+            res["dbias"] = _summed_to(d_total, inputs.bias.shape)
+        res.update(_mod_aux_gradients(inputs, d_total))
+    return res
+
+
+def _with_mods(inputs: Inputs, kw: dict):
+    """The case's mods in the oracle's terms: the mask_mod ANDed into the mask, an additive
+    score_mod added to the bias (float64, [B, Hq, Lq, Lk]), a soft cap as the built-in one.
+    -> (keywords, bias, the mods' bias or None)."""
+    from conformance import mods as mods_mod
+    c, m = inputs.case, inputs.mods
+    shape = (c.batch, c.q_heads, c.q_len, c.kv_len)
+    aux = tuple(np.asarray(x, np.float64) if np.issubdtype(x.dtype, np.floating) else x
+                for x in inputs.mod_aux.values())
+    kw = dict(kw)
+    mod_mask = inputs.mod_mask()
+    if mod_mask is not None:
+        kw["mask"] = mod_mask if inputs.mask is None else inputs.mask & mod_mask
+    if m.oracle_soft_cap is not None:
+        kw["logits_soft_cap"] = m.oracle_soft_cap
+    mods_mod.check_additive(m, shape, aux, np.random.default_rng(c.seed))
+    mod_bias = mods_mod.dense_bias(m, shape, aux)
+    if mod_bias is None:
+        return kw, inputs.bias, None
+    bias = mod_bias if inputs.bias is None else mod_bias + inputs.bias.astype(np.float64)
+    return kw, bias, mod_bias
+
+
+def _summed_to(x: np.ndarray, shape) -> np.ndarray:
+    """``x`` summed over the axes that ``shape`` broadcasts (size 1 there)."""
+    axes = tuple(i for i, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
+    return x.sum(axis=axes, keepdims=True)
+
+
+def _mod_aux_gradients(inputs: Inputs, d_bias: np.ndarray) -> dict[str, np.ndarray]:
+    """``{"d<name>": ...}`` for every floating mod_aux entry: the vjp (float64, torch autograd)
+    of the dense bias the score_mod makes from it, at the bias's cotangent ``d_bias``."""
+    import torch
+    from conformance import mods as mods_mod
+    c = inputs.case
+    aux = {n: torch.from_numpy(np.asarray(x, np.float64)).requires_grad_() if np.issubdtype(x.dtype, np.floating)
+           else torch.from_numpy(np.asarray(x)) for n, x in inputs.mod_aux.items()}
+    floats = {n: t for n, t in aux.items() if t.requires_grad}
+    if not floats:
+        return {}
+    bias = mods_mod.dense_bias(inputs.mods, (c.batch, c.q_heads, c.q_len, c.kv_len), tuple(aux.values()),
+                               xp=torch)
+    grads = torch.autograd.grad(bias, tuple(floats.values()),
+                                grad_outputs=torch.from_numpy(np.asarray(d_bias, np.float64)))
+    return {f"d{n}": g.numpy() for n, g in zip(floats, grads)}
 
 
 def manual_with_grads(q, k, v, cotangent, **kwargs) -> dict[str, np.ndarray]:
@@ -112,7 +169,8 @@ def _serve() -> None:
 
 
 def oracle(inputs: Inputs, **overrides) -> dict[str, np.ndarray]:
-    """float64 manual attention: out, dq, dk, dv (and dbias). ``overrides`` replace keyword
+    """float64 manual attention: out, dq, dk, dv (and dbias, and d<name> per floating mod_aux
+    entry). ``overrides`` replace keyword
     arguments (e.g. ``causal_alignment="bottom_right"``, ``scale=1.0``, ``mask=~mask``)."""
     return _run_manual(inputs, np.float64, **overrides)
 

@@ -17,7 +17,7 @@ from conformance.adapters.base import Adapter, JaxFunctionAdapter
 from conformance.devices import default_device
 from conformance.adapters.jax_side import (JaxDenseAdapter, JaxImplAdapter, JaxNNAdapter, MosaicMhaAdapter, PallasMhaAdapter,
                                            jax_nn_attention, jax_nn_reason, tokamax_attention, tokamax_reason)
-from conformance.adapters.torch_side import FlashAttnAdapter, TorchManualAdapter, TorchSdpaAdapter
+from conformance.adapters.torch_side import FlashAttnAdapter, TorchFlexAdapter, TorchManualAdapter, TorchSdpaAdapter
 from conformance.plugins import PluginError, load_plugin
 from conformance.runs import NotSupported, Prepared
 
@@ -62,6 +62,11 @@ def adapters(device: str = "cpu") -> dict[str, Adapter]:
         TorchManualAdapter("torch.manual", "torch", device, ("torch",),
                            description="torch_ref.manual_attention in the case dtype"),
         *sdpa,
+        TorchFlexAdapter("torch.flex.eager", "torch", device, ("torch",),
+                         description="torch.nn.attention.flex_attention, eager (unfused)"),
+        TorchFlexAdapter("torch.flex.compiled", "torch", device, ("torch",), compiled=True,
+                         description="torch.compile(flex_attention)", on_request_only=("cpu",),
+                         on_request_why="Inductor compiles each case for ~20 s on a CPU"),
         FlashAttnAdapter("flash_attn", "torch", device, ("flash_attn", "torch"), devices=("cuda",),
                          description="flash_attn.flash_attn_func (FlashAttention-2)"),
     ]
@@ -69,13 +74,19 @@ def adapters(device: str = "cpu") -> dict[str, Adapter]:
 
 
 def available_adapters(device: str | None = None) -> list[Adapter]:
-    """Adapters installed and able to run on ``device`` (default: this machine's)."""
-    return [a for a in adapters(device or default_device()).values() if a.available() is None]
+    """Adapters installed and able to run on ``device`` (default: this machine's), those that
+    run there only on request left out."""
+    device = device or default_device()
+    return [a for a in adapters(device).values() if a.available() is None and device not in a.on_request_only]
 
 
 def unavailable_adapters(device: str | None = None) -> dict[str, str]:
-    """name -> why it cannot run on ``device`` at all (not installed, wrong device)."""
-    found = ((a.name, a.available()) for a in adapters(device or default_device()).values())
+    """name -> why it is not in a default run on ``device`` (not installed, wrong device, only
+    on request)."""
+    device = device or default_device()
+    found = ((a.name, a.available() or (f"only on request (--impl {a.name}): {a.on_request_why}"
+                                        if device in a.on_request_only else None))
+             for a in adapters(device).values())
     return {name: why for name, why in found if why is not None}
 
 

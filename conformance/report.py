@@ -49,15 +49,18 @@ def environment(device: str, command: str = "python -m conformance") -> dict:
     return env
 
 
-RATIO_LEGEND = ("pass/FAIL x = the worst error / tolerance over out, dq, dk, dv (and dbias): below 1 passes; "
-                "* = wrong only in query rows with no allowed key; n.s. = not supported")
+RATIO_LEGEND = ("pass/FAIL x = the worst error / tolerance over out, dq, dk, dv (and dbias, and the mods' "
+                "aux gradients): below 1 passes; * = wrong only in query rows with no allowed key; "
+                "° = some gradients not judged (the implementation refuses them; the report says which); "
+                "n.s. = not supported")
 
 
 def cell(r: Result, footnote: int | None = None) -> str:
+    mark = "°" if r.unjudged else ""
     if r.status == PASS:
-        return f"pass {r.worst_ratio:.2f}"
+        return f"pass {r.worst_ratio:.2f}" + mark
     if r.status == FAIL:
-        return f"FAIL {r.worst_ratio:.3g}" + ("*" if r.note else "")
+        return f"FAIL {r.worst_ratio:.3g}" + ("*" if r.note else "") + mark
     return r.status + (f" [{footnote}]" if footnote else "")
 
 
@@ -192,6 +195,14 @@ def markdown(results, probes: list[ProbeRow], cases, impls, env: dict, suite: st
                 lines.append(f"- `{r.impl}` on `{r.case}`: {parts}" + (f". {r.note}" if r.note else ""))
             else:
                 lines.append(f"- `{r.impl}` on `{r.case}`: {short_reason(r)}")
+    partial = [r for r in results if r.unjudged]
+    if partial:
+        lines += ["", "## Gradients not judged (°)", ""]
+        reasons = {}
+        for r in partial:
+            reasons.setdefault((r.impl, r.unjudged), []).append(r.case)
+        for (impl, why), which in reasons.items():
+            lines.append(f"- `{impl}`: {why} ({len(which)} cases)")
     ns = [r for r in results if r.status == NOT_SUPPORTED]
     if ns:
         lines += ["", "## Not supported (reasons)", ""]

@@ -2,8 +2,10 @@
 
 ``Prepared.run()`` performs one forward (and with ``backward=True`` one vjp with the case's
 random cotangent, never ``.sum()``) and blocks until the device is done; ``results()`` returns
-``{"out", "dq", "dk", "dv"[, "dbias"]}`` as float64 numpy in the JAX layout ``[B, L, H, D]``
-(dbias in the bias's shape). ``info`` holds facts about the call (e.g. "sdpa_backend").
+``{"out", "dq", "dk", "dv"[, "dbias"][, "d<name>" per floating mod_aux entry]}`` as float64
+numpy in the JAX layout ``[B, L, H, D]`` (dbias and the aux's in their own shapes). ``info``
+holds facts about the call (e.g. "sdpa_backend"; "not_differentiated": why some gradients are
+missing, when the implementation refuses them).
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def _f64(x) -> np.ndarray:
 
 
 class JaxPrepared(Prepared):
-    """``attn(q, k, v, bias, mask, **keywords)`` jitted (with its vjp when ``backward``)."""
+    """``attn(q, k, v, bias, mask, **keywords)`` jitted (with its vjp when ``backward``); a case
+    with mods passes ``mod_aux=(...)`` too, differentiated in its floating entries."""
 
     def __init__(self, attn: Callable, inputs: Inputs, *, backward: bool, device: str, info=None):
         import jax
@@ -77,14 +80,20 @@ class JaxPrepared(Prepared):
         kw = inputs.attention_kwargs()
         dynamic = {n: put(v) for n, v in kw.items() if isinstance(v, np.ndarray)}
         static = {n: v for n, v in kw.items() if not isinstance(v, np.ndarray)}
-        call = lambda q, k, v, bias, mask, dyn: attn(q, k, v, bias, mask, **dyn, **static)
+        self._floats = [n for n, x in inputs.mod_aux.items() if np.issubdtype(x.dtype, np.floating)]
+
+        def call(q, k, v, bias, mask, dyn, aux):
+            mods = {"mod_aux": tuple(aux.values())} if aux else {}
+            return attn(q, k, v, bias, mask, **dyn, **static, **mods)
         self._has_bias = inputs.bias is not None
         self._backward = backward
         args = tuple(put(x) for x in (inputs.q, inputs.k, inputs.v, inputs.bias, inputs.mask)) + (dynamic,)
+        args += ({n: put(x) for n, x in inputs.mod_aux.items()},)
 
         if backward:
-            def fn(q, k, v, bias, mask, dyn, ct):
-                out, vjp = jax.vjp(lambda q, k, v, bias: call(q, k, v, bias, mask, dyn), q, k, v, bias)
+            def fn(q, k, v, bias, mask, dyn, aux, ct):
+                differentiated = lambda q, k, v, bias, floats: call(q, k, v, bias, mask, dyn, {**aux, **floats})
+                out, vjp = jax.vjp(differentiated, q, k, v, bias, {n: aux[n] for n in self._floats})
                 return out, vjp(ct)
             args += (put(inputs.cotangent),)
         else:
@@ -121,18 +130,21 @@ class JaxPrepared(Prepared):
             raise RuntimeError("call run() before results()")
         if not self._backward:
             return {"out": _f64(self._result)}
-        out, (dq, dk, dv, dbias) = self._result
+        out, (dq, dk, dv, dbias, d_aux) = self._result
         res = {"out": _f64(out), "dq": _f64(dq), "dk": _f64(dk), "dv": _f64(dv)}
         if self._has_bias:
             res["dbias"] = _f64(dbias)
+        res.update({f"d{n}": _f64(d_aux[n]) for n in self._floats})
         return res
 
 
 class TorchPrepared(Prepared):
-    """``attn(Q, K, V, **keywords)`` in torch_ref's layout ``[B, H, L, D]``."""
+    """``attn(Q, K, V, **keywords)`` in torch_ref's layout ``[B, H, L, D]``; a case with mods
+    passes ``mod_aux=(...)`` (tensors) too. ``grad_qkv=False``: the backward differentiates only
+    the bias and the floating mod_aux entries (tensors a score_mod captures), not Q, K, V."""
 
     def __init__(self, attn: Callable, inputs: Inputs, *, backward: bool, device: str,
-                 kwargs: dict | None = None, info=None):
+                 kwargs: dict | None = None, info=None, grad_qkv: bool = True):
         import torch
         from torch_ref import to_torch
 
@@ -142,6 +154,8 @@ class TorchPrepared(Prepared):
         bhld = lambda x: to_torch(x, device).transpose(1, 2).contiguous()  # [B,L,H,D] -> [B,H,L,D]
         self._q, self._k, self._v = (bhld(x) for x in (inputs.q, inputs.k, inputs.v))
         self._bias = None if inputs.bias is None else to_torch(inputs.bias, device)
+        self._aux = {n: to_torch(x, device) for n, x in inputs.mod_aux.items()}
+        self._grad_qkv = grad_qkv
         self._ct = bhld(inputs.cotangent)
         kw = kwargs if kwargs is not None else inputs.attention_kwargs()
         self._kw = {n: to_torch(v, device) if isinstance(v, np.ndarray) else v for n, v in kw.items()}
@@ -150,18 +164,25 @@ class TorchPrepared(Prepared):
         self._attn = attn
         self._backward = backward
         if backward:
-            for t in self._differentiable():
+            for t in self._differentiable().values():
                 t.requires_grad_(True)
         self._result = None
 
-    def _differentiable(self) -> tuple:
-        return (self._q, self._k, self._v) + ((self._bias,) if self._bias is not None else ())
+    def _differentiable(self) -> dict:
+        """The name of each gradient the backward computes -> the tensor it is of."""
+        named = {"dq": self._q, "dk": self._k, "dv": self._v} if self._grad_qkv else {}
+        if self._bias is not None:
+            named["dbias"] = self._bias
+        named.update({f"d{n}": t for n, t in self._aux.items() if t.is_floating_point()})
+        return named
 
     def call_keywords(self) -> dict:
-        """The keywords ``attn`` receives (the bias among them when there is one)."""
+        """The keywords ``attn`` receives (the bias and the mod_aux among them when there are)."""
         kw = dict(self._kw)
         if self._bias is not None:
             kw["bias"] = self._bias
+        if self._aux:
+            kw["mod_aux"] = tuple(self._aux.values())
         return kw
 
     def _call(self):
@@ -178,12 +199,12 @@ class TorchPrepared(Prepared):
         if not self._backward:
             with torch.no_grad():
                 out = self._call()
-            grads = ()
+            grads = {}
         else:
             out = self._call()
             inputs = self._differentiable()
-            grads = torch.autograd.grad(out, inputs, grad_outputs=self._ct, allow_unused=True)
-            grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+            grads = torch.autograd.grad(out, tuple(inputs.values()), grad_outputs=self._ct, allow_unused=True)
+            grads = {n: torch.zeros_like(x) if g is None else g for g, (n, x) in zip(grads, inputs.items())}
         if self._device == "cuda":
             torch.cuda.synchronize()
         self._result = (out, grads)
@@ -196,7 +217,6 @@ class TorchPrepared(Prepared):
         blhd = lambda t: _f64(to_numpy(t.detach().transpose(1, 2)))
         res = {"out": blhd(out)}
         if self._backward:
-            res.update(dq=blhd(grads[0]), dk=blhd(grads[1]), dv=blhd(grads[2]))
-            if self._bias is not None:
-                res["dbias"] = _f64(to_numpy(grads[3].detach()))
+            for name, g in grads.items():
+                res[name] = blhd(g) if name in ("dq", "dk", "dv") else _f64(to_numpy(g.detach()))
         return res

@@ -133,8 +133,8 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
                             has_block_mask=block_mask is not None)
     mod_aux = _mods(score_mod, mask_mod, mod_aux, block_mask, batch=b, heads=hq, q_len=lq, kv_len=lk)
     masks = masking.MaskInputs(
-        q_len=lengths("query_seq_lengths", query_seq_lengths, batch_shape, lq),
-        kv_len=lengths("key_value_seq_lengths", key_value_seq_lengths, batch_shape, lk),
+        q_len=masking.lengths("query_seq_lengths", query_seq_lengths, batch_shape, lq),
+        kv_len=masking.lengths("key_value_seq_lengths", key_value_seq_lengths, batch_shape, lk),
         q_segment_ids=_segment_ids("q_segment_ids", q_segment_ids, batch_shape, lq),
         kv_segment_ids=_segment_ids("kv_segment_ids", kv_segment_ids, batch_shape, lk),
         mask=pairwise("mask", mask, full_shape, is_mask=True),
@@ -233,7 +233,7 @@ def _mods(score_mod, mask_mod, mod_aux, block_mask, *, batch, heads, q_len, kv_l
     block_mask_lib.check_block_mask(block_mask, batch=batch, heads=heads, q_len=q_len,
                                     kv_len=kv_len)
     if mask_mod is None:
-        partial = concrete(block_mask.kv_num_blocks)
+        partial = masking.concrete(block_mask.kv_num_blocks)
         if partial is None or partial.any():
             raise ValueError(
                 "block_mask has partial tiles (or is traced, so it may) but no mask_mod was "
@@ -267,7 +267,7 @@ def page_ids(page_table, num_pages: int) -> jax.Array:
     be checked and are clamped into ``[0, num_pages - 1]`` by all of them alike, so a gather
     then a dense call reads what the paged call reads, and an append writes where both read
     (a clamped id names a valid but wrong page: check tables before ``jit``)."""
-    values = concrete(page_table)  # before any cast: int64 ids must not wrap
+    values = masking.concrete(page_table)  # before any cast: int64 ids must not wrap
     table = jnp.asarray(page_table) if values is None else values
     if not np.issubdtype(table.dtype, np.integer):
         raise TypeError(f"page_table must be integers (int32 page ids); got {table.dtype}")
@@ -356,35 +356,6 @@ def _window(local_window_size):
         raise ValueError(f"{local_window_size=} must be an int >= 0 or a pair (left, right) of "
                          "ints >= 0 or None (it is static)")
     return tuple(None if s is None else int(s) for s in sides)
-
-
-def lengths(name, lengths, batch_shape, seq_len):
-    """[B] int32 lengths, clamped to [0, seq_len]: concrete values outside are refused; traced
-    ones (under jit) cannot be checked, and past the sequence they mean the whole sequence."""
-    b = math.prod(batch_shape)
-    if lengths is None:
-        return jnp.full((b,), seq_len, jnp.int32)
-    values = concrete(lengths)  # before any cast: int64 values must not wrap
-    lengths = jnp.asarray(lengths) if values is None else values
-    if not np.issubdtype(lengths.dtype, np.integer):
-        raise TypeError(f"{name} must be integers; got {lengths.dtype}")
-    if lengths.shape != batch_shape:
-        raise ValueError(f"{name}.shape={lengths.shape} must equal the batch shape {batch_shape}")
-    if values is not None:
-        if values.size and (values.min() < 0 or values.max() > seq_len):
-            raise ValueError(f"{name} must lie in [0, {seq_len}]; got values in "
-                             f"[{values.min()}, {values.max()}]")
-        return jnp.asarray(values.reshape(b), jnp.int32)
-    # Clamped before the int32 cast, which could wrap a traced int64 length.
-    return jnp.clip(lengths, 0, seq_len).reshape(b).astype(jnp.int32)
-
-
-def concrete(x):
-    """x as numpy when its values are known at trace time, else None (traced under jit)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
 
 
 def _segment_ids(name, ids, batch_shape, seq_len):

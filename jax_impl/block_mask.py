@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import arguments, masking, mods
+from jax_impl import masking, mods
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # Pairs in one mask_mod evaluation (a slab of query tiles x key tiles x batch x heads): bounds
@@ -275,8 +275,8 @@ def block_mask_from_bounds(spec: masking.MaskSpec, q_len: int, kv_len: int, *,
         ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)) if x is not None}
     batch = _common_batch(per_row, {"q_segment_ids": q_len, "kv_segment_ids": kv_len})
     # flash_attention's rule for lengths: concrete ones outside [0, L] refused, traced clamped.
-    q_lens = arguments.lengths("q_lengths", q_lengths, (batch,), q_len)
-    kv_lens = arguments.lengths("kv_lengths", kv_lengths, (batch,), kv_len)
+    q_lens = masking.lengths("q_lengths", q_lengths, (batch,), q_len)
+    kv_lens = masking.lengths("kv_lengths", kv_lengths, (batch,), kv_len)
     offset = None if position_offset is None else jnp.asarray(position_offset, jnp.int32)
     classes = _bounds_classes(spec, q_len, kv_len, block_q, block_kv, q_lens, kv_lens, offset,
                               q_segment_ids, kv_segment_ids)

@@ -13,7 +13,7 @@ import dataclasses
 
 from jax import lax
 
-from jax_impl import arguments, implementations, ring, ulysses, vma
+from jax_impl import arguments, implementations, masking, ring, ulysses, vma
 
 
 def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
@@ -161,10 +161,10 @@ def _global_masks(call, query_seq_lengths, key_value_seq_lengths, global_lq: int
 
 
 def _global_lengths(name, lengths, batch_shape, global_len: int):
-    """arguments.lengths against the GLOBAL length: concrete values outside [0, global_len] are
+    """masking.lengths against the GLOBAL length: concrete values outside [0, global_len] are
     refused, traced ones clamped."""
     try:
-        return arguments.lengths(name, lengths, batch_shape, global_len)
+        return masking.lengths(name, lengths, batch_shape, global_len)
     except ValueError as err:
         raise ValueError(f"{err} (in ring_attention lengths are global, the same on every device "
                          f"of the ring: at most the global sequence length {global_len})") from None

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl import arguments
+from jax_impl import arguments, masking
 
 
 def make_page_table(batch: int, pages_per_sequence: int, *, num_pages: int | None = None,
@@ -68,7 +68,7 @@ def append(k_pages, v_pages, page_table, lengths, new_keys, new_values):
                          f"{new_keys.shape} and {new_values.shape}")
     n = new_keys.shape[1]
     capacity = pages_per_sequence * page_size
-    known = arguments.concrete(lengths)
+    known = masking.concrete(lengths)
     lengths = jnp.asarray(lengths) if known is None else known
     # dtype and shape are known at trace time: a traced float or misshapen length is refused too.
     if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):

@@ -22,10 +22,12 @@ in XLA, and broadcast: a kernel passes scalars for one batch row, XLA passes ``[
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
@@ -312,3 +314,32 @@ class MaskInputs(NamedTuple):
     position_offset: jax.Array | None = None
     # block_mask.BlockMask (FlexAttention's tiles: empty skipped, full unmasked), or None.
     block_mask: object | None = None
+
+
+def lengths(name, lengths, batch_shape, seq_len):
+    """[B] int32 lengths, clamped to [0, seq_len]: concrete values outside are refused; traced
+    ones (under jit) cannot be checked, and past the sequence they mean the whole sequence."""
+    b = math.prod(batch_shape)
+    if lengths is None:
+        return jnp.full((b,), seq_len, jnp.int32)
+    values = concrete(lengths)  # before any cast: int64 values must not wrap
+    lengths = jnp.asarray(lengths) if values is None else values
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise TypeError(f"{name} must be integers; got {lengths.dtype}")
+    if lengths.shape != batch_shape:
+        raise ValueError(f"{name}.shape={lengths.shape} must equal the batch shape {batch_shape}")
+    if values is not None:
+        if values.size and (values.min() < 0 or values.max() > seq_len):
+            raise ValueError(f"{name} must lie in [0, {seq_len}]; got values in "
+                             f"[{values.min()}, {values.max()}]")
+        return jnp.asarray(values.reshape(b), jnp.int32)
+    # Clamped before the int32 cast, which could wrap a traced int64 length.
+    return jnp.clip(lengths, 0, seq_len).reshape(b).astype(jnp.int32)
+
+
+def concrete(x):
+    """x as numpy when its values are known at trace time, else None (traced under jit)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None

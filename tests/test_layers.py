@@ -2,7 +2,8 @@
 higher one, no backend importing another backend, and a bounded import chain.
 
 jax_impl, bottom to top (docs/design.md, "Layers"):
-  core          the mask rule, the per-tile math, config, dropout and sinks, platform facts
+  core          the mask rule, the per-tile math, config, dropout and sinks, platform facts,
+                score and mask functions, block masks
   backends      xla, cpu_kernel, pallas_triton, mosaic_gpu, reference, cudnn: each imports the core only
   table         implementations: which backend can run a call
   distribution  the custom VJP, partitioning under jit, the ring: handed the chosen
@@ -24,12 +25,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 JAX_IMPL_LAYERS = {
-    "core": ["masking", "config", "online_softmax", "dropout_sinks", "vma", "platform", "symbolic_zeros"],
+    "core": ["masking", "config", "online_softmax", "dropout_sinks", "vma", "platform", "symbolic_zeros",
+             "mods", "block_mask"],
     "backends": ["xla", "cpu_kernel", "pallas_triton", "mosaic_gpu", "reference", "cudnn"],
     "table": ["implementations"],
     "distribution": ["ring", "ulysses", "cp_cost", "partitioned", "recompute_vjp"],
     "arguments": ["arguments"],
-    "api": ["flash_attention", "context_parallel", "kv_cache", "block_mask"],
+    "api": ["flash_attention", "context_parallel", "kv_cache"],
     "face": [""],  # jax_impl/__init__.py
 }
 BACKENDS = JAX_IMPL_LAYERS["backends"]
@@ -37,7 +39,7 @@ BACKENDS = JAX_IMPL_LAYERS["backends"]
 # implementation it runs.
 JAX_IMPL_SKIPS = {"distribution": "table"}
 CONFORMANCE_LAYERS = {
-    "inputs": ["cases", "tolerance", "outputs", "devices"],
+    "inputs": ["cases", "mods", "tolerance", "outputs", "devices"],
     "runs": ["runs", "oracle"],
     "adapters": ["adapters"],
     "harness": ["harness", "plugins"],

@@ -34,9 +34,13 @@ class Adapter:
     requires: tuple = ()         # importable modules it needs
     devices: tuple = ("cpu", "cuda")  # where it can run at all
     description: str = ""
+    # Where it runs only when named (--impl), and why: not in a default run there.
+    on_request_only: tuple = ()
+    on_request_why: str = ""
     explicit_scale = None  # str when the adapter itself supplies the scale (no default to probe)
     extras_ok = False  # takes attention sinks and jax_impl's hashed dropout pattern
     paged_ok = False   # takes a paged KV cache (Case.page_size)
+    mods_ok = False    # takes score_mod / mask_mod / mod_aux (Case.mods) and a block mask
 
     def on(self, device: str) -> "Adapter":
         return dataclasses.replace(self, device=device)
@@ -56,6 +60,8 @@ class Adapter:
             return "no attention sinks / no dropout with a given pattern"
         if case.page_size and not self.paged_ok:
             return "no paged KV cache"
+        if case.mods and not self.mods_ok:
+            return "no score_mod / mask_mod"
         return self.available() or self._reason(case)
 
     def prepare(self, inputs: Inputs, *, backward: bool) -> Prepared:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from conformance import mods as mods_mod
 from conformance.adapters.base import Adapter, JaxFunctionAdapter
 from conformance.cases import Case
 from conformance.runs import JaxPrepared, NotSupported
@@ -16,8 +17,10 @@ def _jax_impl_unsupported(implementation: str, case: Case, device: str) -> str |
     from jax_impl.config import AttentionConfig
     from jax_impl.implementations import CallFeatures, unsupported
     from jax_impl.masking import MaskSpec
-    cfg = AttentionConfig(scale=1.0, mask=MaskSpec(), logits_soft_cap=case.soft_cap,
-                          dropout_rate=case.dropout)
+    score_mod, mask_mod = jax_mods(mods_mod.get(case.mods)) if case.mods else (None, None)
+    cfg = AttentionConfig(scale=1.0, mask=MaskSpec(has_block_mask=bool(case.block_size)),
+                          logits_soft_cap=case.soft_cap, dropout_rate=case.dropout,
+                          score_mod=score_mod, mask_mod=mask_mod)
     features = CallFeatures(cfg, has_bias=case.bias, has_mask=case.mask != "none",
                             has_sinks=case.sinks, dtype=case.dtype, has_segment_ids=case.segments)
     return unsupported(implementation, head_dim=case.head_dim, platform=device,
@@ -43,6 +46,7 @@ class JaxImplAdapter(Adapter):
     implementation: str = "xla"
     extras_ok = True  # takes attention sinks and hashed dropout (Inputs.dropout_key)
     paged_ok = True
+    mods_ok = True
 
     @property
     def interpret(self) -> bool:
@@ -73,9 +77,30 @@ class JaxImplAdapter(Adapter):
         def attn(q, k, v, bias, mask, **kw):
             if inputs.case.page_size:
                 k, v, kw = _paged(inputs.case, k, v, kw)
+            if inputs.mods is not None:
+                kw = _with_mods(inputs, kw)
             return flash_attention(q, k, v, bias, mask, **extra, **kw)
         return JaxPrepared(attn, inputs, backward=backward, device=self.device,
                            info={"interpret": self.interpret})
+
+
+def jax_mods(mods):
+    """The case's (score_mod, mask_mod) with ``jax.numpy`` as their namespace (None where absent)."""
+    import jax.numpy as jnp
+    return tuple(None if fn is None else mods_mod.bound(fn, jnp) for fn in (mods.score_mod, mods.mask_mod))
+
+
+def _with_mods(inputs, kw):
+    """flash_attention's keywords with the case's mods (``kw`` holds ``mod_aux``), and with
+    ``Case.block_size`` the block mask ``create_block_mask`` makes of the mask_mod."""
+    import jax_impl
+    c = inputs.case
+    score_mod, mask_mod = jax_mods(inputs.mods)
+    kw = dict(kw, score_mod=score_mod, mask_mod=mask_mod)
+    if c.block_size:
+        kw["block_mask"] = jax_impl.create_block_mask(mask_mod, c.batch, c.q_heads, c.q_len, c.kv_len,
+                                                      block_size=c.block_size, mod_aux=kw.get("mod_aux", ()))
+    return kw
 
 
 def _paged(case: Case, k, v, kw):

@@ -1,4 +1,5 @@
-"""PyTorch implementations: torch_ref's manual attention, SDPA (automatic and each backend), flash_attn."""
+"""PyTorch implementations: torch_ref's manual attention, SDPA (automatic and each backend),
+FlexAttention (eager and compiled), flash_attn."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,3 +95,120 @@ class FlashAttnAdapter(Adapter):
         except RuntimeError as e:
             raise NotSupported(f"flash_attn: {str(e)[:300]}") from e
         return prepared
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchFlexAdapter(Adapter):
+    """PyTorch's ``torch.nn.attention.flex_attention``, eager (its unfused implementation, which
+    materialises the scores) or ``torch.compile``d (its generated kernel). The case's mods run as
+    FlexAttention's own (the definitions of conformance/mods.py with ``torch``, mod_aux captured);
+    the case's other mask rules (causal, window, lengths, segments, bool mask) as a mask_mod that
+    reads their dense pattern, its soft cap and bias in the score_mod before the case's.
+
+    Where PyTorch refuses the q, k, v backward (on CPU: "FlexAttention does not support backward
+    on CPU"), the gradients of the captured tensors (bias, float mod_aux) are still judged, as
+    far as it computes them; ``info["not_differentiated"]`` says what is left out and why."""
+
+    compiled: bool = False
+    mods_ok = True
+
+    def _reason(self, case):
+        if case.native_causal:
+            return "FlexAttention has no causal flag of its own (a mask_mod says which diagonal)"
+        return None
+
+    def _prepare(self, inputs, *, backward):
+        attn = _flex(inputs, self.device, self.compiled)
+
+        def prepared(**how):
+            p = TorchPrepared(attn, inputs, device=self.device, kwargs={}, **how)
+            p.trial()
+            return p
+        try:
+            return _or_not_supported(self.name, lambda: prepared(backward=backward))
+        except NotImplementedError as e:  # PyTorch refuses the q, k, v backward here
+            if not backward:
+                raise
+            refused = f"{self.name}: {e}"
+        captured = inputs.bias is not None or any(x.dtype.kind == "f" for x in inputs.mod_aux.values())
+        if captured:
+            try:
+                p = prepared(backward=True, grad_qkv=False)
+                p.info["not_differentiated"] = refused
+                return p
+            except RuntimeError as e:  # its refusal of them (compiled on CPU: an Inductor error)
+                refused += f"; the captured tensors' gradients: {type(e).__name__}: {_first_line(e)}"
+        p = _or_not_supported(self.name, lambda: prepared(backward=False))
+        p.info["not_differentiated"] = refused
+        return p
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
+def _or_not_supported(name: str, prepare):
+    """``prepare()``; torch.compile's refusal (a dynamo or Inductor error) becomes NotSupported,
+    except a NotImplementedError that flex_attention raised while dynamo traced it (e.g. no
+    backward on CPU), which stays one, as the eager call raises it."""
+    import torch._dynamo.exc
+    try:
+        return prepare()
+    except torch._dynamo.exc.TorchDynamoException as e:
+        if isinstance(e.__cause__, torch._dynamo.exc.ObservedNotImplementedError):
+            raise NotImplementedError(str(e.__cause__)) from e
+        raise NotSupported(f"{name}: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _flex(inputs, device: str, compiled: bool):
+    """``attn(Q, K, V, bias=None, mod_aux=(), **_)`` calling flex_attention for the case."""
+    import warnings
+
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from conformance.mods import bound
+    from torch_ref import to_torch
+
+    c, mods = inputs.case, inputs.mods
+    full = (c.batch, c.q_heads, c.q_len, c.kv_len)
+    rest = inputs.allowed(with_mods=False)  # [B, 1|Hq, Lq, Lk]: every rule but the mask_mod
+    rest = None if rest.all() else to_torch(rest, device).expand(full)
+    case_score = bound(mods.score_mod, torch) if mods and mods.score_mod else None
+    case_mask = bound(mods.mask_mod, torch) if mods and mods.mask_mod else None
+    cap = c.soft_cap
+    if compiled:  # a fresh compilation per case: past dynamo's recompile limit it would run eager
+        torch._dynamo.reset()
+        run = torch.compile(flex_attention, fullgraph=True)
+    else:
+        run = flex_attention
+
+    def attn(Q, K, V, bias=None, mod_aux=(), **_):
+        bias_full = None if bias is None else bias.expand(full)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            if cap is not None:
+                score = cap * torch.tanh(score / cap)
+            if bias_full is not None:
+                score = score + bias_full[b, h, q_idx, kv_idx]
+            if case_score is not None:
+                score = case_score(score, b, h, q_idx, kv_idx, *mod_aux)
+            return score
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            if rest is None:
+                return case_mask(b, h, q_idx, kv_idx, *mod_aux)
+            if case_mask is None:
+                return rest[b, h, q_idx, kv_idx]
+            return rest[b, h, q_idx, kv_idx] & case_mask(b, h, q_idx, kv_idx, *mod_aux)
+
+        block_mask = None
+        if rest is not None or case_mask is not None:
+            block_mask = create_block_mask(mask_mod, c.batch, c.q_heads, c.q_len, c.kv_len, device=device,
+                                           BLOCK_SIZE=c.block_size or 128)
+        scored = cap is not None or bias is not None or case_score is not None
+        with warnings.catch_warnings():  # eager on purpose: not its "use torch.compile" advice
+            warnings.simplefilter("ignore", UserWarning)
+            return run(Q, K, V, score_mod=score_mod if scored else None, block_mask=block_mask,
+                       scale=c.scale, enable_gqa=c.q_heads != c.kv_heads)
+    return attn

@@ -5,7 +5,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_impl import masking, online_softmax, platform, vma
+from jax_impl import masking, mods, online_softmax, platform, vma, xla
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.pallas_triton import common
@@ -16,17 +16,18 @@ from jax_impl.pallas_triton.forward import forward_call
 from jax_impl.pallas_triton.layout import Layout
 
 
-def _kernel_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInputs):
+def _kernel_operands(cfg, layout: Layout, q, k, v, bias, masks: masking.MaskInputs, mod_aux=()):
     """The config whose mask excludes the positions that the last tiles reach past (layout.py),
     the dense mask as int8, and (inside shard_map) every operand made to vary over the same
     manual axes (vma.out_struct)."""
-    q, k, v, bias, masks = vma.like((q, k, v, bias, masks), vma.axes_of(q, k, v, bias, masks))
+    q, k, v, bias, masks, mod_aux = vma.like((q, k, v, bias, masks, mod_aux),
+                                             vma.axes_of(q, k, v, bias, masks, mod_aux))
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=layout.lq_tiled != layout.lq, keys_padded=layout.lk_tiled != layout.lk))
     if not cfg.interpret:
         q = platform.requires_cuda(q, common.PLATFORM_ERROR)
     mask = None if masks.mask is None else masks.mask.astype(jnp.int8)
-    return cfg, q, k, v, masks._replace(mask=None), mask, bias
+    return cfg, q, k, v, masks._replace(mask=None), mask, bias, mod_aux
 
 
 def _dropout_offset(extras: SinksAndDropout, q):
@@ -40,21 +41,36 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
                            cfg.mask.is_causal)
-    cfg, q, k, v, masks, mask, bias = _kernel_operands(cfg, layout, q, k, v, bias, masks)
     extras = extras or SinksAndDropout()
+    cfg, q, k, v, masks, mask, bias, mod_aux = _kernel_operands(cfg, layout, q, k, v, bias, masks,
+                                                                extras.mod_aux)
     out, row_max, log_sum = forward_call(cfg, layout, q, k, v, masks, mask, bias, extras.sinks,
-                                         extras.dropout_seeds, _dropout_offset(extras, q))
+                                         extras.dropout_seeds, _dropout_offset(extras, q), mod_aux)
     return out, online_softmax.RowStats(row_max, log_sum)
 
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, extras=None):
-    """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] f32 or None)."""
+    """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] f32 or None, d_mod_aux): ``d_mod_aux`` aligned
+    with ``extras.mod_aux``, None where an entry gets no gradient (``_mod_aux_gradient``)."""
+    extras = extras or SinksAndDropout()
+    d_mod_aux = _mod_aux_gradient(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
                            cfg.mask.is_causal)
-    cfg, q, k, v, masks, mask, bias = _kernel_operands(cfg, layout, q, k, v, bias, masks)
+    cfg, q, k, v, masks, mask, bias, mod_aux = _kernel_operands(cfg, layout, q, k, v, bias, masks,
+                                                                extras.mod_aux)
     axes = vma.axes_of(q, d_out, stats, delta)
-    q, k, v, masks, mask, bias, d_out, stats, delta = vma.like(
-        (q, k, v, masks, mask, bias, d_out, stats, delta), axes)
-    extras = extras or SinksAndDropout()
-    return backward_call(cfg, layout, q, k, v, d_out, stats, delta, masks, mask, bias,
-                         extras.dropout_seeds, _dropout_offset(extras, q))
+    q, k, v, masks, mask, bias, d_out, stats, delta, mod_aux = vma.like(
+        (q, k, v, masks, mask, bias, d_out, stats, delta, mod_aux), axes)
+    dq, dk, dv, dbias = backward_call(cfg, layout, q, k, v, d_out, stats, delta, masks, mask, bias,
+                                      extras.dropout_seeds, _dropout_offset(extras, q), mod_aux)
+    return dq, dk, dv, dbias, d_mod_aux
+
+
+def _mod_aux_gradient(cfg, q, k, v, bias, masks, stats, d_out, delta, extras):
+    """The gradient of the floating mod_aux entries that score_mod reads, from the xla path:
+    summing it in the kernels would need atomics or a buffer per program. None entries where
+    there is none; ``()`` without mod_aux."""
+    aux = extras.mod_aux
+    if cfg.score_mod is None or not any(map(mods.differentiable, aux)):
+        return tuple(None for _ in aux)
+    return xla.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)[4]

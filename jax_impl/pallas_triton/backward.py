@@ -2,8 +2,9 @@
 
 * dK/dV: one program per (key tile, batch, kv head). It keeps K_j, V_j and the dK_j, dV_j
   accumulators in registers and walks every query tile that can see key tile j
-  (masking.q_block_range), for each of the G query heads that share this kv head (GQA:
-  the group's contributions are summed here, K/V are never repeated). Where the two
+  (masking.q_block_range, or the tile lists: common.visit_tiles), for each of the G query
+  heads that share this kv head (GQA: the group's contributions are summed here, K/V are
+  never repeated). Where the two
   accumulators would not fit the registers it is two kernels, dV then dK (split_dkdv).
 * dQ: one program per (query tile, batch, q head); walks the key tiles like the forward.
   Both read Q, K and V with their non-finite entries as 0 and the NaN poison of each query
@@ -38,9 +39,9 @@ from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                  offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dropout_offset_ref,
-                 query_poison_ref, key_poison_ref, *out_refs,
+                 query_poison_ref, key_poison_ref, lists_refs, aux_refs, *out_refs,
                  cfg: AttentionConfig, layout: Layout, groups: int, order: common.TileOrder,
-                 outputs: tuple[str, ...]):
+                 outputs: tuple[str, ...], aux_types: tuple):
     """Works on the transposed tiles S^T = K Q^T ``[bk, bq]``, so that dV += P^T dO and
     dK += dS^T Q are plain dots: no transpose of the computed P or dS.
 
@@ -60,7 +61,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
     k = k + online_softmax.per_row(load(key_poison_ref, key_ok)).astype(k.dtype)
     cols = key_positions[:, None]                                     # keys: [bk, 1]
     kv_seg = None if kv_seg_ref is None else load(kv_seg_ref, key_ok)
-    bounds = masking.q_block_split(cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
+    band = None if lists_refs is not None else masking.q_block_split(
+        cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
+    mods = common.TileMods.create(cfg, b, kv_head * groups, aux_refs, aux_types, gradient=True)
     # The head of a mask/bias tile (its head axis may be broadcast; an array index, not a Python
     # int, which the interpreter's masked load cannot take).
     per_head = lambda ref, g: jnp.int32(0) if ref.shape[0] == 1 else g
@@ -69,28 +72,36 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
         ref.at[per_head(ref, g), queries, :], query_ok, key_ok).T
 
     def query_head(g, carry):
-        seed = common.per_head(seeds_ref, b, kv_head * groups + g)
+        head = kv_head * groups + g
+        seed = common.per_head(seeds_ref, b, head)
+        head_mods = None if mods is None else mods.at_head(head)
 
-        def query_tile(i, acc, masked):
+        def query_tile(i, acc, rules):
             queries = pl.ds(i * block_q, block_q)
             query_positions = i * block_q + jnp.arange(block_q, dtype=jnp.int32)  # [bq]
-            # An interior tile (masked=False) lies below q_len <= Lq: no load of it needs a mask.
-            query_ok = within(query_positions, layout.lq) if masked else None
+            # An interior tile (not structural) lies below q_len <= Lq: no load of it needs a mask.
+            query_ok = within(query_positions, layout.lq) if rules.structural else None
             q, do = (load(ref.at[queries, g, :], query_ok, feature_ok) for ref in (q_ref, do_ref))
             rows = query_positions[None, :]                           # queries: [1, bq]
             per_query = lambda ref: load(ref.at[g, queries], query_ok)  # [bq]
             # Segment equality is symmetric: (kv ids, q ids) gives the [bk, bq] orientation.
+            segments = rules.segments and q_seg_ref is not None
             allowed = masking.allowed(
-                cfg.mask, rows, cols, q_len, kv_len, kv_seg,
-                None if q_seg_ref is None else load(q_seg_ref.at[queries], query_ok),
-                pair_tile(mask_ref, g, queries, query_ok), structural=masked,
+                cfg.mask, rows, cols, q_len, kv_len, kv_seg if segments else None,
+                load(q_seg_ref.at[queries], query_ok) if segments else None,
+                pair_tile(mask_ref, g, queries, query_ok), structural=rules.structural,
                 position_offset=offset)
+            if head_mods is not None and rules.mask_mod:
+                allowed = masking.all_of([allowed, head_mods.allowed(rows, cols)])
             qk = common.dot(k, q, cfg.precision, trans_b=True)         # S^T: [bk, bq]
             # The query rows' poison on every tile: q must stay finite for dK += dS^T Q.
             s, capped = online_softmax.logits(
                 qk, cfg, pair_tile(bias_ref, g, queries, query_ok),
                 online_softmax.per_row(per_query(query_poison_ref), transposed=True))
-            attended = online_softmax.attended(s, allowed, bias_ref is not None)
+            slope = None
+            if head_mods is not None:
+                s, slope = head_mods.score(s, rows, cols)
+            attended = online_softmax.attended(s, allowed, bias_ref is not None or slope is not None)
             stats = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref))
             p = online_softmax.recomputed_probs(s, stats, attended, base2=True,
                                                transposed=True)  # P^T
@@ -101,16 +112,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
             acc = dict(acc)
             if "dk" in acc:  # dP before the dV dot: the order that compiles without spills (fp32)
                 dp = common.dot(v, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
-                _, dqk = online_softmax.logits_gradient(p, drop(dp), per_query(delta_ref), capped,
-                                                        cfg, scaled=False, transposed=True,
-                                                        exclusions=attended is not None)
+                _, dqk = common.logits_gradient(p, drop(dp), per_query(delta_ref), capped, cfg,
+                                                slope, transposed=True,
+                                                exclusions=attended is not None)
             if "dv" in acc:
                 acc["dv"] += common.dot(drop(p).astype(do.dtype), do, cfg.precision)
             if "dk" in acc:
                 acc["dk"] += common.dot(dqk.astype(q.dtype), q, cfg.precision)
             return acc
 
-        return masking.split_fori_loop(bounds, query_tile, carry)
+        return common.visit_tiles(lists_refs, band, b, head, j, query_tile, carry)
 
     acc = lax.fori_loop(0, groups, query_head, {name: jnp.zeros(k.shape, jnp.float32) for name in outputs})
     scale = {"dk": cfg.scale, "dv": 1.0}  # dk's scale once, here
@@ -120,8 +131,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
                offset_ref, q_seg_ref, kv_seg_ref, mask_ref, bias_ref, seeds_ref, dropout_offset_ref,
-               query_poison_ref, key_poison_ref, dq_ref, dbias_ref, *,
-               cfg: AttentionConfig, layout: Layout, order: common.TileOrder):
+               query_poison_ref, key_poison_ref, lists_refs, aux_refs, dq_ref, dbias_ref, *,
+               cfg: AttentionConfig, layout: Layout, order: common.TileOrder,
+               aux_types: tuple):
     block_q, block_k = layout.blocks.block_q_dq, layout.blocks.block_k_dq
     i, b, h = order.tile(pl.program_id(0)), pl.program_id(1), pl.program_id(2)
     seed = common.per_head(seeds_ref, b, h)
@@ -136,28 +148,32 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
                                     None if q_seg_ref is None else per_query(q_seg_ref), q_len,
                                     kv_len, offset, per_query(query_poison_ref))
     refs = (k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref, key_poison_ref)
+    mods = common.TileMods.create(cfg, b, h, aux_refs, aux_types, gradient=True)
 
-    def key_tile(j, dq, masked):
-        tile = common.key_tile_logits(cfg, layout, query, refs, j, block_k, masked, finite_kv=True)
-        attended = online_softmax.attended(tile.s, tile.allowed, bias_ref is not None)
+    def key_tile(j, dq, rules):
+        tile = common.key_tile_logits(cfg, layout, query, refs, j, block_k, rules, finite_kv=True,
+                                      mods=mods)
+        attended = online_softmax.attended(tile.s, tile.allowed,
+                                           bias_ref is not None or tile.slope is not None)
         p = online_softmax.recomputed_probs(tile.s, stats, attended, base2=True)
         dp = common.dot(do, tile.v, cfg.precision, trans_b=True)
         # dP reaches P through the same keep mask.
         keep = common.dropout_keep(cfg, seed, query.rows, tile.cols, dropout_offset_ref)
-        ds, dqk = online_softmax.logits_gradient(p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate),
-                                                 delta, tile.capped, cfg, scaled=False,
-                                                 exclusions=attended is not None)
+        ds, dqk = common.logits_gradient(p, dropout_sinks.apply_dropout(dp, keep, cfg.dropout_rate),
+                                         delta, tile.capped, cfg, tile.slope,
+                                         exclusions=attended is not None)
         if dbias_ref is not None:
             store(dbias_ref.at[:, pl.ds(j * block_k, block_k)], ds, query_ok, tile.ok)
         return dq + common.dot(dqk.astype(tile.k.dtype), tile.k, cfg.precision)
 
-    bounds = masking.kv_block_split(cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
-    dq = masking.split_fori_loop(bounds, key_tile, jnp.zeros(q.shape, jnp.float32))
+    band = None if lists_refs is not None else masking.kv_block_split(
+        cfg.mask, i * block_q, block_q, block_k, q_len, kv_len, offset)
+    dq = common.visit_tiles(lists_refs, band, b, h, i, key_tile, jnp.zeros(q.shape, jnp.float32))
     store(dq_ref, (dq * cfg.scale).astype(dq_ref.dtype), query_ok, feature_ok)  # the scale once
 
 
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
-                  masks: masking.MaskInputs, mask, bias, seeds=None, dropout_offset=None):
+                  masks: masking.MaskInputs, mask, bias, seeds=None, dropout_offset=None, mod_aux=()):
     """Operands as the forward's -> (dq, dk, dv, dbias [B, Hq, Lq, Lk], or None without a bias or
     with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py)."""
     batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
@@ -174,6 +190,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     inputs = (*finite, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len,
               masks.position_offset, masks.q_segment_ids, masks.kv_segment_ids, mask, bias, seeds,
               dropout_offset, query_poison, key_poison)
+    aux = tuple(map(common.mod_aux_operand, mod_aux))
+    aux_types = common.mod_aux_types(mod_aux)
 
     # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
@@ -184,12 +202,13 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     q_group = pl.BlockSpec((None, lq_tiled, groups, d_tile), lambda j, b, h: (b, 0, h, 0))
     stats_group = pl.BlockSpec((None, groups, lq_tiled), lambda j, b, h: (b, h, 0))
     order = common.TileOrder(tiles(layout.lk, bk), masking.later_key_tiles_heavier(cfg.mask))
+    lists = common.tile_lists(cfg, masks, layout.lq, layout.lk, bq, bk, transposed=True)
     grads = {}
     split = heuristics.split_dkdv(layout.d_tile, blocks)
     for outputs in (("dv",), ("dk",)) if split else (("dk", "dv"),):
         grads.update(zip(outputs, pl.pallas_call(
             functools.partial(_dkdv_kernel, cfg=cfg, layout=layout, groups=groups, order=order,
-                              outputs=outputs),
+                              outputs=outputs, aux_types=aux_types),
             grid=(order.num_tiles, batch, hkv),
             in_specs=list(map(order.spec, [
                 q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
@@ -197,13 +216,14 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
                 None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
                 pair(mask), pair(bias), common.per_head_spec(seeds),
                 common.dropout_offset_spec(dropout_offset), stats_group,
-                pl.BlockSpec((None, None, bk), lambda j, b, h: (b, h, j))])),  # key poison
+                pl.BlockSpec((None, None, bk), lambda j, b, h: (b, h, j)),  # key poison
+                common.tile_lists_spec(lists), common.mod_aux_specs(aux)])),
             out_specs=[order.spec(kv_tile)] * len(outputs),
             out_shape=[vma.out_struct(k.shape, {"dk": k, "dv": v}[name].dtype, q) for name in outputs],
             interpret=cfg.interpret, debug=cfg.debug,
             name="flash_attention_backward_" + "".join(outputs),
             compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
-        )(*inputs)))
+        )(*inputs, lists, aux)))
     dk, dv = grads["dk"], grads["dv"]
 
     # dQ (and dbias): grid (query tile, batch, q head).
@@ -211,6 +231,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     pair = lambda x: None if x is None else pl.BlockSpec(
         (None, None, bq, lk_tiled),
         lambda i, b, h: (common.broadcast_index(x, 0, b), common.broadcast_index(x, 1, h), i, 0))
+    lists = common.tile_lists(cfg, masks, layout.lq, layout.lk, bq, bk)
+    inputs = (*inputs, lists, aux)
     q_tile = pl.BlockSpec((None, bq, None, d_tile), lambda i, b, h: (b, i, h, 0))
     kv_all = pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
@@ -220,7 +242,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
         pair(mask), pair(bias), common.per_head_spec(seeds),
         common.dropout_offset_spec(dropout_offset), stats_tile,
-        pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0))]  # key poison
+        pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0)),  # key poison
+        common.tile_lists_spec(lists), common.mod_aux_specs(aux)]
     out_specs = [q_tile]
     out_shape = [vma.out_struct(q.shape, q.dtype, q)]
     write_dbias = bias is not None and cfg.bias_gradient
@@ -236,7 +259,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     order = common.TileOrder(tiles(layout.lq, bq), masking.later_query_tiles_heavier(cfg.mask))
     results = pl.pallas_call(
         functools.partial(_dq_kernel_with_dbias if write_dbias else _dq_kernel_no_dbias, cfg=cfg,
-                          layout=layout, order=order),
+                          layout=layout, order=order, aux_types=aux_types),
         grid=(order.num_tiles, batch, hq), in_specs=list(map(order.spec, in_specs)),
         out_specs=list(map(order.spec, out_specs)), out_shape=out_shape,
         input_output_aliases=aliases,
@@ -247,7 +270,7 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     dbias = results[1] if write_dbias else None
     # The kernels differentiated the finite copies: the gradient of finite_or_zero is 0 at the
     # non-finite entries themselves, which no product read.
-    return dq, dk, dv, dbias, ()
+    return dq, dk, dv, dbias
 
 
 def _dq_kernel_no_dbias(*refs, **kwargs):

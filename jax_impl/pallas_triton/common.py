@@ -1,4 +1,5 @@
-"""Pieces every kernel uses: the dot, the key tile's logits, block indices of broadcast operands."""
+"""Pieces every kernel uses: the dot, the key tile's logits, block indices of broadcast operands,
+the tile lists of a block-sparse call and the user's score_mod / mask_mod on a tile."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_impl import dropout_sinks, masking, online_softmax
+from jax_impl import block_mask, dropout_sinks, masking, mods, online_softmax
 from jax_impl.pallas_triton.layout import load, within
 
 
@@ -53,17 +54,18 @@ class KeyTile(NamedTuple):
     cols: jax.Array                 # [1, bk] key positions
     ok: jax.Array | None            # [bk] inside Lk, None: all are (or an interior tile)
     allowed: jax.Array | None       # [bq, bk] the mask rule, None: every pair
-    s: jax.Array                    # [bq, bk] logits S (online_softmax.logits)
+    s: jax.Array                    # [bq, bk] logits S (online_softmax.logits, then score_mod)
     capped: jax.Array | None        # what softmax.logits returns for the soft cap's gradient
     k: jax.Array                    # [bk, Dp]
     v: jax.Array                    # [bk, Dp], non-finite entries as 0 where a pair may be excluded
+    slope: jax.Array | None = None  # [bq, bk] d score_mod / dS (TileMods.score), or None
 
 
 def key_tile_logits(cfg, layout, query: QueryTile, refs, j, block_k: int,
-                    masked: bool, *, finite_kv: bool, page_slot=None) -> KeyTile:
+                    masked, *, finite_kv: bool, page_slot=None, mods=None) -> KeyTile:
     """Key tile ``j`` of the forward and dQ kernels: its loads (masked at the edges), the mask
     rule and the logits. ``refs``: (k, v, kv segment ids, mask, bias, key poison); segment ids,
-    mask and bias may be None.
+    mask and bias may be None. ``masked``: the tile's ``TileRules``, or a bool (``TileRules.band``).
 
     The non-finite rule: every tile adds the per-key poison ``[Lk]`` (NaN where the key's row
     of K or V holds a non-finite value, taken once per call in XLA) to its logits, and the query
@@ -73,28 +75,36 @@ def key_tile_logits(cfg, layout, query: QueryTile, refs, j, block_k: int,
     loaded (S's excluded entries are replaced).
     ``page_slot``: (page id, first slot) of the page that holds this whole tile (paged decode:
     k, v ``[num_pages, page_size, Dp]``, key poison ``[num_pages, page_size]``); the mask still
-    sees logical key positions."""
+    sees logical key positions. ``mods``: the call's ``TileMods`` (score_mod, mask_mod), or None."""
+    rules = masked if isinstance(masked, TileRules) else TileRules.band(masked)
     k_ref, v_ref, kv_seg_ref, mask_ref, bias_ref, key_poison_ref = refs
     keys = pl.ds(j * block_k, block_k)
     # Where the tile's K, V and key poison rows lie: logical keys, or slots of one page.
     cache_rows = (keys,) if page_slot is None else (page_slot[0], pl.ds(page_slot[1], block_k))
     key_positions = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-    # An interior tile (masked=False) lies below kv_len <= Lk: no load of it needs a mask.
-    key_ok = within(key_positions, layout.lk) if masked else None
+    # An interior tile (structural=False) lies below kv_len <= Lk: no load of it needs a mask.
+    key_ok = within(key_positions, layout.lk) if rules.structural else None
     cols = key_positions[None, :]
     pair_tile = lambda ref: None if ref is None else load(ref.at[:, keys], query.ok, key_ok)
+    segments = rules.segments and kv_seg_ref is not None
     allowed = masking.allowed(
-        cfg.mask, query.rows, cols, query.q_len, query.kv_len, query.segment_ids,
-        None if kv_seg_ref is None else load(kv_seg_ref.at[keys], key_ok),
-        pair_tile(mask_ref), structural=masked, position_offset=query.offset)
+        cfg.mask, query.rows, cols, query.q_len, query.kv_len,
+        query.segment_ids if segments else None,
+        load(kv_seg_ref.at[keys], key_ok) if segments else None,
+        pair_tile(mask_ref), structural=rules.structural, position_offset=query.offset)
+    if mods is not None and rules.mask_mod:
+        allowed = masking.all_of([allowed, mods.allowed(query.rows, cols)])
     feature_ok = layout.features_within()
     k, v = (load(ref.at[(*cache_rows, slice(None))], key_ok, feature_ok) for ref in (k_ref, v_ref))  # [bk, Dp]
-    if allowed is not None and not finite_kv:
-        v = online_softmax.finite_or_zero(v)
+    if (allowed is not None or mods is not None) and not finite_kv:
+        v = online_softmax.finite_or_zero(v)  # a score_mod may exclude pairs too (-inf)
     qk = dot(query.q, k, cfg.precision, trans_b=True)                # [bq, bk]
     key_poison = online_softmax.per_row(load(key_poison_ref.at[cache_rows], key_ok), transposed=True)
     s, capped = online_softmax.logits(qk, cfg, pair_tile(bias_ref), key_poison)
-    return KeyTile(cols, key_ok, allowed, s, capped, k, v)
+    slope = None
+    if mods is not None:
+        s, slope = mods.score(s, query.rows, cols)
+    return KeyTile(cols, key_ok, allowed, s, capped, k, v, slope)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +124,8 @@ class TileOrder:
         """A BlockSpec of the grid (tile, ...) as one of the grid (program, ...); None stays None."""
         if spec is None:
             return None
+        if isinstance(spec, tuple):  # the specs of a tuple operand (tile lists, mod_aux)
+            return tuple(map(self.spec, spec))
         return pl.BlockSpec(spec.block_shape, lambda p, *rest: spec.index_map(self.tile(p), *rest))
 
 
@@ -166,6 +178,205 @@ def dropout_keep(cfg, seed, rows, cols, offset_ref=None):
     if offset_ref is not None:
         rows, cols = rows + offset_ref[0], cols + offset_ref[1]
     return dropout_sinks.keep(seed, rows, cols, cfg.dropout_rate)
+
+
+# --- Block-sparse tiles (block_mask.py) -----------------------------------------------------
+# With segment ids or a block_mask, block_mask.tile_classes says per tile of a kernel's grid
+# whether it is empty (skipped), partial (every mask rule evaluated) or full (none: rules 1-4
+# hold for every pair and the tile lies inside Lq and Lk). The wrapper turns the classes into
+# FlexAttention's index lists; a program reads its row of them (int32 refs in global memory,
+# [Bc, Hc, ...] with Bc, Hc broadcast) and loops over the partial tiles, then the full ones.
+# Without them (None) the kernels walk the band (masking.kv_block_split) as before.
+
+
+class TileRules(NamedTuple):
+    """Which rules a visited tile evaluates per pair (static)."""
+    structural: bool  # rules 1-3 (band and lengths) and the loads' edge masks
+    segments: bool    # rule 4
+    mask_mod: bool    # cfg.mask_mod
+
+    @classmethod
+    def band(cls, masked: bool) -> "TileRules":
+        """A tile of the band walk: structural at its edges, segment ids and mask_mod everywhere."""
+        return cls(masked, True, True)
+
+
+PARTIAL_TILE = TileRules(True, True, True)
+# A full tile: tile_classes said FULL only where no rule can refuse a pair (with a mask_mod, only
+# where a block_mask's full tiles promise it holds).
+FULL_TILE = TileRules(False, False, False)
+
+
+def tile_lists(cfg, masks: masking.MaskInputs, lq: int, lk: int, block_rows: int,
+               block_cols: int, *, transposed: bool = False):
+    """The (partial counts, partial indices, full counts, full indices) int32 lists of a grid of
+    ``block_rows`` queries x ``block_cols`` keys, per query tile, or with ``transposed`` per key
+    tile (the dK/dV kernel); None when the call has neither segment ids nor a block_mask."""
+    classes = block_mask.tile_classes(cfg.mask, masks, lq, lk, block_rows, block_cols,
+                                      mask_mod=cfg.mask_mod is not None)
+    if classes is None:
+        return None
+    lists = block_mask.BlockMask.from_tile_classes(classes, lq, lk, block_rows, block_cols)
+    if transposed:
+        return (lists.q_num_blocks, lists.q_indices, lists.full_q_num_blocks, lists.full_q_indices)
+    return (lists.kv_num_blocks, lists.kv_indices, lists.full_kv_num_blocks, lists.full_kv_indices)
+
+
+def tile_lists_spec(lists):
+    """BlockSpecs of ``tile_lists`` (whole arrays: a program reads a few scalars), or None."""
+    return None if lists is None else tuple(
+        pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n) for x in lists)
+
+
+def visit_tiles(lists_refs, band, b, h, tile, body, carry):
+    """Run ``body(index, carry, rules)`` over the tiles program ``(tile, b, h)`` visits: from the
+    tile lists when there are any (``rules``: PARTIAL_TILE, then FULL_TILE), else over the
+    band (``(lo, full_lo, full_hi, hi)``, computed by the kernel only when ``lists_refs`` is None:
+    masking.split_fori_loop)."""
+    if lists_refs is None:
+        return masking.split_fori_loop(band, lambda i, c, masked: body(i, c, TileRules.band(masked)),
+                                       carry)
+    counts, indices, full_counts, full_indices = lists_refs
+    for count_ref, index_ref, rules in ((counts, indices, PARTIAL_TILE),
+                                        (full_counts, full_indices, FULL_TILE)):
+        row = (broadcast_index(count_ref, 0, b), broadcast_index(count_ref, 1, h), tile)
+        carry = lax.fori_loop(0, count_ref[row], lambda t, c, index_ref=index_ref, row=row,
+                              rules=rules: body(index_ref[(*row, t)], c, rules), carry)
+    return carry
+
+
+# --- score_mod and mask_mod (mods.py) ---------------------------------------------------------
+# The mods are traced into the kernels on each tile, with the tile's b, h (the global query
+# head), q_idx and kv_idx (int32, [bq, 1] and [1, bk], or transposed in dK/dV) and its final
+# logits. The mod_aux arrays arrive as whole refs; the mods read them through ModAux, whose
+# indexing is a gather load.
+
+def mod_aux_operand(x):
+    """A mod_aux array as a kernel operand: bool as int8 (Triton loads no i1), 0-d as [1]."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.int8)
+    return x.reshape(1) if x.ndim == 0 else x
+
+
+def mod_aux_specs(aux):
+    """BlockSpecs of the mod_aux operands: whole arrays (the mods gather from them)."""
+    return tuple(pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n) for x in aux)
+
+
+_MOD_AUX_RULE = ("in the pallas_triton kernels a mod_aux array is read by indexing every axis "
+                 "with an int or an int32 index array (slopes[h], table[bucket, h], doc[b, q_idx]); "
+                 "{what} is not supported there (implementation='xla' takes any jnp code)")
+
+
+class ModAux:
+    """A mod_aux array inside a kernel: ``aux[i, j]`` with ints or int32 arrays that broadcast
+    is one gather load (indices as jnp takes them: negative ones count from the end, the rest
+    clamped into the array, so no load leaves it). Nothing else: a use as a whole array raises."""
+
+    def __init__(self, ref, dtype, position: int):
+        self._ref, self.dtype, self._position = ref, jnp.dtype(dtype), position
+        self.shape, self.ndim = tuple(ref.shape), ref.ndim
+
+    def _refuse(self, what):
+        return TypeError(f"mod_aux[{self._position}] (shape {self.shape}): "
+                         + _MOD_AUX_RULE.format(what=what))
+
+    def __getitem__(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        if len(key) != self.ndim:
+            raise self._refuse(f"indexing {len(key)} of its {self.ndim} axes")
+        indices = []
+        for axis, index in enumerate(key):
+            if isinstance(index, bool) or not (isinstance(index, int) or (
+                    hasattr(index, "dtype") and jnp.issubdtype(index.dtype, jnp.integer))):
+                raise self._refuse(f"the index {index!r} on axis {axis}")
+            index = jnp.asarray(index, jnp.int32)
+            size = self.shape[axis]
+            indices.append(jnp.clip(jnp.where(index < 0, index + size, index), 0, size - 1))
+        shape = jnp.broadcast_shapes(*(i.shape for i in indices))
+        value = self._ref[tuple(jnp.broadcast_to(i, shape) for i in indices)]
+        return value != 0 if self.dtype == jnp.bool_ else value
+
+    def __jax_array__(self):
+        raise self._refuse("using the array as a whole")
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise self._refuse(f"the attribute {name!r}")
+
+    def _as_whole(self, *_):
+        raise self._refuse("using the array as a whole (arithmetic, comparison, conversion)")
+
+    __hash__ = object.__hash__
+    for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
+                  "or", "xor", "lshift", "rshift"):
+        locals()[f"__{_name}__"] = locals()[f"__r{_name}__"] = _as_whole
+    for _name in ("eq", "ne", "lt", "le", "gt", "ge", "neg", "pos", "abs", "invert", "iter",
+                  "len", "bool", "int", "float", "index", "array"):
+        locals()[f"__{_name}__"] = _as_whole
+    del _name
+
+
+def kernel_mod_aux(aux_refs, dtypes):
+    """The mods' view of the mod_aux refs: ModAux, or the value itself for a 0-d entry (read
+    once, usable as a scalar in any expression)."""
+    def view(position, ref, dtype, shape):
+        if shape:
+            return ModAux(ref, dtype, position)
+        return ref[0] != 0 if dtype == jnp.bool_ else ref[0]
+    return tuple(view(i, ref, *types) for i, (ref, types) in enumerate(zip(aux_refs, dtypes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TileMods:
+    """The call's score_mod and mask_mod on one program's tiles (batch row ``b``, global query
+    head ``h``). ``gradient``: ``score`` also gives d score_mod / dS (the backward kernels)."""
+
+    cfg: object
+    b: jax.Array
+    h: jax.Array
+    aux: tuple
+    gradient: bool = False
+
+    @classmethod
+    def create(cls, cfg, b, h, aux_refs, aux_types, gradient=False) -> "TileMods | None":
+        if not cfg.has_mods:
+            return None
+        return cls(cfg, jnp.asarray(b, jnp.int32), jnp.asarray(h, jnp.int32),
+                   kernel_mod_aux(aux_refs, aux_types), gradient)
+
+    def at_head(self, h) -> "TileMods":
+        return dataclasses.replace(self, h=jnp.asarray(h, jnp.int32))
+
+    def allowed(self, rows, cols):
+        return mods.allowed(self.cfg, self.b, self.h, rows, cols, self.aux)
+
+    def score(self, s, rows, cols):
+        """(score_mod(s), its elementwise derivative or None) for a tile of final logits s."""
+        if self.cfg.score_mod is None:
+            return s, None
+        apply = lambda s: mods.score(self.cfg, s, self.b, self.h, rows, cols, self.aux)
+        if not self.gradient:
+            return apply(s), None
+        return jax.jvp(apply, (s,), (jnp.ones_like(s),))
+
+
+def mod_aux_types(aux):
+    """Static (dtype, shape) of each mod_aux entry, for kernel_mod_aux."""
+    return tuple((jnp.dtype(jnp.result_type(x)), tuple(jnp.shape(x))) for x in aux)
+
+
+def logits_gradient(p, dp, delta, capped, cfg, slope, *, transposed: bool = False,
+                    exclusions: bool = False):
+    """online_softmax.logits_gradient, unscaled, through score_mod: ``slope`` its elementwise
+    derivative (TileMods.score), or None without one. Where P = 0 the slope may be NaN (a
+    poisoned logit): the exclusions' select makes dS 0 there."""
+    return online_softmax.logits_gradient(
+        p, dp, delta, capped, cfg, scaled=False, transposed=transposed,
+        exclusions=exclusions or slope is not None,
+        score_vjp=None if slope is None else (lambda ds: ds * slope))
 
 
 def compiler_params(num_warps: int, num_stages: int):

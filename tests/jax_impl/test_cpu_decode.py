@@ -19,7 +19,7 @@ import torch
 
 from conformance import tolerance
 from conformance.cases import allowed_pairs
-from jax_impl import arguments, cpu_kernel
+from jax_impl import arguments, cpu_kernel, masking
 from torch_ref import manual_attention
 
 pytestmark = pytest.mark.skipif(cpu_kernel.unavailable() is not None,
@@ -227,7 +227,7 @@ def test_traced_lengths_and_page_ids_are_clamped_and_never_read_out_of_bounds():
 
     @jax.jit
     def attend(kv_len, table):  # traced lengths clamped as flash_attention clamps them
-        kv_len = arguments.lengths("key_value_seq_lengths", kv_len, (b,), table.shape[1] * page)
+        kv_len = masking.lengths("key_value_seq_lengths", kv_len, (b,), table.shape[1] * page)
         return cpu_kernel.decode(call.cfg, jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp),
                                  call.masks._replace(kv_len=kv_len), call.extras, table)[0]
 
