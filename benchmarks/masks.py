@@ -9,12 +9,12 @@ per workload, all computing the same attention except the plain rows:
   prefix-LM (the first L/4 keys seen by every query, causal after them) and a causal sliding
     window of L/8 keys with the first L/64 keys global (L=8192): ours through ``mask_mod`` +
     ``create_block_mask`` beside flex compiled;
-  ALiBi (causal) and T5's bucketed relative bias (not causal) at L=4096: ours through
-    ``score_mod`` (the slopes, or the bucket and bias tables, as ``mod_aux``), flex compiled with
-    the same ``score_mod``, torch SDPA with the dense float bias, and the plain calls.
-The mods below are written once, with operators and indexing only, and run unchanged on jax
-arrays (ours), on torch tensors (flex) and on whole index grids (the dense mask or bias SDPA
-gets). Block masks are built once per group, outside the timing (both frameworks' usage: one
+  ALiBi (causal) and T5's relative bias (a table over distances clipped to +-8; not causal) at
+    L=4096: ours through ``score_mod`` (the slopes, or the table, as ``mod_aux``), flex compiled
+    with the same ``score_mod``, torch SDPA with the dense float bias, and the plain calls.
+The mods are conformance.mods' (the conformance cases'), written once with operators and
+indexing only: they run unchanged on jax arrays (ours), on torch tensors (flex) and on whole
+index grids (the dense mask or bias SDPA gets). Block masks are built once per group, outside the timing (both frameworks' usage: one
 mask serves every layer). A group's calls run interleaved in a fresh random order each repeat
 (``measure.interleaved_ratios``); each ratio is the median of per-repeat ratios of two calls,
 with quartiles. Every output (forward: out; forward+backward: dq, dk, dv) is compared with
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import measure as measure_mod
+from conformance.mods import T5_MAX_DISTANCE, alibi, bound, documents, prefix_lm, t5
 from jax_impl import create_block_mask
 from jax_impl.flash_attention import flash_attention
 
@@ -43,7 +44,6 @@ BATCH, HEADS, HEAD_DIM = 1, 8, 64
 MASK_LENGTH, BIAS_LENGTH = 8192, 4096
 DOCUMENTS = 8
 BLOCK_SIZE = 128  # both frameworks' block masks (FlexAttention's default)
-T5_BUCKETS, T5_MAX_DISTANCE = 32, 128
 MODES = ("fwd", "fwd+bwd")
 DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 # Options of ``python -m benchmarks`` this runner takes besides --out, --device and --seq-lens.
@@ -66,52 +66,21 @@ def repeats_for(length: int, device: str) -> int:
     return 15 if device == "cuda" else 5 if length > BIAS_LENGTH else 7
 
 
-# --- the mods: one definition for jax arrays and torch tensors -----------------------------------
-
-def same_document_causal(b, h, q_idx, kv_idx, document):
-    return (document[q_idx] == document[kv_idx]) & (kv_idx <= q_idx)
-
-
-def prefix_lm(prefix: int):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) | (kv_idx < prefix)
-    return mask_mod
-
+# --- the mods: conformance.mods' (written once, array namespace first), and one of their own -----
 
 def sliding_window_with_globals(window: int, global_tokens: int):
-    def mask_mod(b, h, q_idx, kv_idx):
+    """Causal, the last ``window`` keys, and the first ``global_tokens`` keys seen by every query."""
+    def mask_mod(xp, b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & ((q_idx - kv_idx < window) | (kv_idx < global_tokens))
     return mask_mod
 
 
-def causal(b, h, q_idx, kv_idx):
+def causal(xp, b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
-
-
-def alibi(score, b, h, q_idx, kv_idx, slopes):
-    return score + slopes[h] * (kv_idx - q_idx)
-
-
-def t5_relative_bias(score, b, h, q_idx, kv_idx, buckets, table):
-    # buckets[j]: the bucket of the distance kv - q = j - (L - 1)
-    return score + table[buckets[kv_idx - q_idx + buckets.shape[0] // 2], h]
 
 
 def alibi_slopes(heads: int) -> np.ndarray:
     return 2.0 ** (-8.0 * np.arange(1, heads + 1, dtype=np.float32) / heads)
-
-
-def t5_buckets(length: int, num_buckets: int = T5_BUCKETS, max_distance: int = T5_MAX_DISTANCE) -> np.ndarray:
-    """T5's bidirectional relative-position buckets of the distances kv - q from -(L-1) to L-1:
-    half the buckets per direction, exact below a quarter of them, logarithmic up to max_distance."""
-    distance = np.arange(-(length - 1), length)
-    half = num_buckets // 2
-    exact = half // 2
-    magnitude = np.abs(distance)
-    logarithmic = exact + (np.log(np.maximum(magnitude, 1) / exact) / np.log(max_distance / exact)
-                           * (half - exact)).astype(np.int64)
-    bucket = np.where(magnitude < exact, magnitude, np.minimum(logarithmic, half - 1))
-    return (bucket + np.where(distance > 0, half, 0)).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +93,7 @@ class Workload:
     mask_mod: object = None
     score_mod: object = None
     aux: tuple = ()             # numpy arrays, the mods' mod_aux
+    # mask_mod, score_mod: conformance.mods' form, the array namespace first (``bound`` drops it)
 
 
 def targets(fwd: float, fwd_bwd: float | None = None) -> dict:
@@ -138,8 +108,8 @@ SCORE_MOD_RATIOS = ((OURS_SCORE_MOD, OURS_PLAIN, targets(1.5)), (OURS_SCORE_MOD,
 
 def workloads(mask_length: int, bias_length: int) -> list[Workload]:
     rng = np.random.default_rng(7)
-    document = np.repeat(np.arange(DOCUMENTS, dtype=np.int32), -(-mask_length // DOCUMENTS))[:mask_length]
-    table = rng.standard_normal((T5_BUCKETS, HEADS)).astype(np.float32)
+    document = np.repeat(np.arange(DOCUMENTS, dtype=np.int32), -(-mask_length // DOCUMENTS))[None, :mask_length]
+    table = rng.standard_normal((2 * T5_MAX_DISTANCE + 1, HEADS)).astype(np.float32)
     ours_vs_flex = ((OURS_MASK_MOD, FLEX, {}),)
     score_mod_rows = (OURS_SCORE_MOD, FLEX, SDPA_DENSE, OURS_PLAIN, SDPA_PLAIN)
     return [
@@ -149,15 +119,15 @@ def workloads(mask_length: int, bias_length: int) -> list[Workload]:
                        for other, target in ((FLEX, targets(1.0)), (OURS_PLAIN, targets(0.25, 0.3)),
                                              (SDPA_DENSE, {})))
                  + (PLAIN_VS_TORCH,),
-                 mask_mod=same_document_causal, aux=(document,)),
+                 mask_mod=documents, aux=(document,)),
         Workload("prefix-LM", mask_length, True, (OURS_MASK_MOD, FLEX), ours_vs_flex,
-                 mask_mod=prefix_lm(mask_length // 4)),
+                 mask_mod=prefix_lm, aux=(np.array([mask_length // 4], np.int32),)),
         Workload("sliding window + global tokens", mask_length, True, (OURS_MASK_MOD, FLEX), ours_vs_flex,
                  mask_mod=sliding_window_with_globals(max(1, mask_length // 8), max(1, mask_length // 64))),
         Workload("ALiBi", bias_length, True, score_mod_rows, SCORE_MOD_RATIOS,
                  score_mod=alibi, aux=(alibi_slopes(HEADS),)),
         Workload("T5 relative bias", bias_length, False, score_mod_rows, SCORE_MOD_RATIOS,
-                 score_mod=t5_relative_bias, aux=(t5_buckets(bias_length), table)),
+                 score_mod=t5, aux=(table,)),
     ]
 
 
@@ -172,15 +142,14 @@ def _our_arguments(w: Workload, row: str) -> tuple[dict, dict]:
     aux = tuple(jnp.asarray(a) for a in w.aux)
     if row == OURS_PLAIN:
         return dict(is_causal=w.causal), {}
-    if row == OURS_SEGMENTS:
-        segments = aux[0][None]
-        return dict(is_causal=True), dict(q_segment_ids=segments, kv_segment_ids=segments)
+    if row == OURS_SEGMENTS:  # the documents' ids, [1, L]
+        return dict(is_causal=True), dict(q_segment_ids=aux[0], kv_segment_ids=aux[0])
     if row == OURS_SCORE_MOD:
-        return dict(is_causal=w.causal, score_mod=w.score_mod), dict(mod_aux=aux)
+        return dict(is_causal=w.causal, score_mod=bound(w.score_mod, jnp)), dict(mod_aux=aux)
     if row == OURS_MASK_MOD:
-        block_mask = create_block_mask(w.mask_mod, 1, 1, w.length, w.length, block_size=BLOCK_SIZE,
-                                                mod_aux=aux)
-        return dict(mask_mod=w.mask_mod), dict(mod_aux=aux, block_mask=block_mask)
+        mask_mod = bound(w.mask_mod, jnp)
+        block_mask = create_block_mask(mask_mod, 1, 1, w.length, w.length, block_size=BLOCK_SIZE, mod_aux=aux)
+        return dict(mask_mod=mask_mod), dict(mod_aux=aux, block_mask=block_mask)
     raise ValueError(row)
 
 
@@ -206,12 +175,12 @@ def dense_mask_or_bias(w: Workload, torch_aux: tuple, device: str, dtype):
     index = torch.arange(w.length, device=device)
     q_idx, kv_idx = index[:, None], index[None, :]
     if w.score_mod is None:
-        return w.mask_mod(0, 0, q_idx, kv_idx, *torch_aux)
+        return w.mask_mod(torch, 0, 0, q_idx, kv_idx, *torch_aux)
     heads = torch.arange(HEADS, device=device)[:, None, None]
-    bias = w.score_mod(torch.zeros((), device=device), 0, heads, q_idx, kv_idx, *torch_aux)
+    bias = w.score_mod(torch, torch.zeros((), device=device), 0, heads, q_idx, kv_idx, *torch_aux)
     bias = bias.expand(HEADS, w.length, w.length)[None]
     if w.causal:
-        bias = bias.masked_fill(~causal(0, 0, q_idx, kv_idx), float("-inf"))
+        bias = bias.masked_fill(~causal(torch, 0, 0, q_idx, kv_idx), float("-inf"))
     return bias.to(dtype).contiguous()
 
 
@@ -227,10 +196,10 @@ def _torch_calls(w: Workload, row: str, tensors, torch_aux, device: str, flex) -
     elif row == FLEX:
         mask_mod = w.mask_mod or (causal if w.causal else None)
         block_mask = None if mask_mod is None else torch_block_mask(
-            lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx, *(torch_aux if w.mask_mod else ())),
+            lambda b, h, q_idx, kv_idx: mask_mod(torch, b, h, q_idx, kv_idx, *(torch_aux if w.mask_mod else ())),
             None, None, w.length, w.length, device=device, BLOCK_SIZE=BLOCK_SIZE)
         score_mod = None if w.score_mod is None else (
-            lambda score, b, h, q_idx, kv_idx: w.score_mod(score, b, h, q_idx, kv_idx, *torch_aux))
+            lambda score, b, h, q_idx, kv_idx: w.score_mod(torch, score, b, h, q_idx, kv_idx, *torch_aux))
         attend = lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
     else:
         raise ValueError(row)

@@ -15,22 +15,12 @@ import torch
 
 from benchmarks import masks
 from benchmarks.__main__ import main
+from conformance.mods import bound
 
 
 def _dense(workload):
     aux = tuple(torch.from_numpy(a) for a in workload.aux)
     return masks.dense_mask_or_bias(workload, aux, "cpu", torch.float32).numpy()
-
-
-def _t5_bucket(distance: int) -> int:
-    """T5's relative_position_bucket (bidirectional, 32 buckets, max distance 128) of kv - q."""
-    half = 16
-    bucket = half if distance > 0 else 0
-    distance = abs(distance)
-    if distance < half // 2:
-        return bucket + distance
-    large = half // 2 + int(math.log(distance / (half // 2)) / math.log(128 / (half // 2)) * (half - half // 2))
-    return bucket + min(large, half - 1)
 
 
 def test_dense_masks_and_biases_are_the_workloads():
@@ -49,11 +39,10 @@ def test_dense_masks_and_biases_are_the_workloads():
     alibi = np.where(j <= i, slopes[:, None, None] * (j - i), -np.inf)[None]
     np.testing.assert_allclose(_dense(by_name["ALiBi"]), alibi, rtol=1e-6)
     t5 = by_name["T5 relative bias"]
-    table = t5.aux[1]
-    bias = np.array([[[table[_t5_bucket(c - r), h] for c in range(length)] for r in range(length)] for h in range(8)])
+    table = t5.aux[0]  # rows for the distances kv - q = -8..8, clipped
+    bias = np.array([[[table[min(max(c - r, -8), 8) + 8, h] for c in range(length)] for r in range(length)]
+                     for h in range(8)])
     np.testing.assert_array_equal(_dense(t5), bias[None])
-    # the logarithmic buckets too: distances up to 299 (the table's last bucket from 128 on)
-    np.testing.assert_array_equal(masks.t5_buckets(300), [_t5_bucket(d) for d in range(-299, 300)])
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -114,14 +103,14 @@ def _buffer_elements(hlo: str) -> list[int]:
             for dims in re.findall(r"\b(?:f|bf|s|u|pred)\d*\[([\d,]*)\]", hlo)]
 
 
-def _largest_buffer_and_temp_bytes(workload, backward: bool, **options) -> tuple[int, int]:
+def _largest_buffer_and_temp_bytes(workload, backward: bool, mods: bool = True, **options) -> tuple[int, int]:
     from jax_impl.flash_attention import flash_attention
     shape = jax.ShapeDtypeStruct((masks.BATCH, LENGTH, masks.HEADS, masks.HEAD_DIM), jnp.float32)
     aux = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in workload.aux)
 
     def attend(q, k, v, aux):
-        mods = dict(score_mod=workload.score_mod, mod_aux=aux) if options.pop("mods", True) else {}
-        return flash_attention(q, k, v, is_causal=workload.causal, **mods, **options)
+        score_mod = dict(score_mod=bound(workload.score_mod, jnp), mod_aux=aux) if mods else {}
+        return flash_attention(q, k, v, is_causal=workload.causal, **score_mod, **options)
 
     fn = (jax.grad(lambda q, k, v, aux: jnp.sum(attend(q, k, v, aux) * q), argnums=(0, 1, 2)) if backward
           else attend)
