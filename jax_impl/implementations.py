@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from jax_impl import block_mask, cpu_kernel, mosaic_gpu, pallas_triton, xla
+from jax_impl import block_mask, cpu_kernel, mods, mosaic_gpu, pallas_triton, xla
 from jax_impl.platform import CUDA_PLATFORMS
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
@@ -115,6 +115,18 @@ def _mosaic_gpu_backward(cfg: AttentionConfig, q, k, v, bias, masks, *args, **kw
     return pallas_triton.backward(cfg, q, k, v, bias, masks, *args, **kwargs)
 
 
+def _pallas_triton_backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta,
+                            extras=None):
+    """pallas_triton's backward, with the gradient of the floating mod_aux that a score_mod
+    reads taken from the xla backward (the kernels return none: summing it there would need
+    atomics or a buffer per program)."""
+    dq, dk, dv, dbias, d_mod_aux = pallas_triton.backward(cfg, q, k, v, bias, masks, stats, d_out,
+                                                          delta, extras)
+    if cfg.score_mod is not None and any(map(mods.differentiable, extras.mod_aux)):
+        d_mod_aux = xla.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)[4]
+    return dq, dk, dv, dbias, d_mod_aux
+
+
 def _mosaic_gpu_decode(cfg: AttentionConfig, *args, **kwargs):
     """mosaic_gpu's decode path: pallas_triton's split-K kernel, with its own tiles (a
     mosaic_gpu.Config in cfg.block_sizes sets the training kernels' tiles, not these)."""
@@ -132,7 +144,7 @@ MOSAIC_GPU_DECODE_NOTE = (
 IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
-        pallas_triton.forward, pallas_triton.backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
+        pallas_triton.forward, _pallas_triton_backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
         takes_position_offset=True, takes_dropout_offset=True, decode=pallas_triton.decode,
         decode_unsupported=pallas_triton.decode_unsupported,
         pages_unsupported=pallas_triton.pages_unsupported),

@@ -5,7 +5,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_impl import masking, mods, online_softmax, platform, vma, xla
+from jax_impl import masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.pallas_triton import common
@@ -50,10 +50,11 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
 
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, extras=None):
-    """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] f32 or None, d_mod_aux): ``d_mod_aux`` aligned
-    with ``extras.mod_aux``, None where an entry gets no gradient (``_mod_aux_gradient``)."""
+    """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] f32 or None, d_mod_aux): ``d_mod_aux`` all None
+    (aligned with ``extras.mod_aux``): summing it in the kernels would need atomics or a buffer
+    per program (``implementations`` takes it from the xla backward)."""
     extras = extras or SinksAndDropout()
-    d_mod_aux = _mod_aux_gradient(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
+    d_mod_aux = tuple(None for _ in extras.mod_aux)
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
                            cfg.mask.is_causal)
     cfg, q, k, v, masks, mask, bias, mod_aux = _kernel_operands(cfg, layout, q, k, v, bias, masks,
@@ -65,12 +66,3 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, ex
                                       extras.dropout_seeds, _dropout_offset(extras, q), mod_aux)
     return dq, dk, dv, dbias, d_mod_aux
 
-
-def _mod_aux_gradient(cfg, q, k, v, bias, masks, stats, d_out, delta, extras):
-    """The gradient of the floating mod_aux entries that score_mod reads, from the xla path:
-    summing it in the kernels would need atomics or a buffer per program. None entries where
-    there is none; ``()`` without mod_aux."""
-    aux = extras.mod_aux
-    if cfg.score_mod is None or not any(map(mods.differentiable, aux)):
-        return tuple(None for _ in aux)
-    return xla.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)[4]

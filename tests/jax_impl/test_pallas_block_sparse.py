@@ -14,7 +14,7 @@ import pytest
 
 from _flash_helpers import torch_arrays
 from jax_impl import block_mask as block_mask_lib
-from jax_impl import masking, pallas_triton
+from jax_impl import implementations, masking, pallas_triton
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.flash_attention import flash_attention
@@ -55,8 +55,8 @@ def _pallas(q, k, v, cotangent, *, is_causal=False, segment_ids=None, block_mask
     masks = masking.MaskInputs(lengths, lengths, seg, seg, None, block_mask=block_mask)
     out, stats = pallas_triton.forward(cfg, q, k, v, None, masks, extras)
     delta = jnp.einsum("bqhd,bqhd->bhq", cotangent, out)
-    dq, dk, dv, dbias, d_mod_aux = pallas_triton.backward(cfg, q, k, v, None, masks, stats,
-                                                          cotangent, delta, extras)
+    dq, dk, dv, dbias, d_mod_aux = implementations.get("pallas_triton").backward(
+        cfg, q, k, v, None, masks, stats, cotangent, delta, extras)
     assert dbias is None
     grads = {"out": out, "dq": dq, "dk": dk, "dv": dv}
     return {name: np.asarray(x, np.float64) for name, x in grads.items()}, d_mod_aux
