@@ -1,4 +1,4 @@
-"""python -m benchmarks [--suite quick|course|sweep|gpu|gpu_large|mosaic_tiles|mosaic_dq|mosaic_pack|sharded|dropout|cpu|decode]
+"""python -m benchmarks [--suite quick|course|sweep|gpu|gpu_large|mosaic_tiles|mosaic_dq|mosaic_pack|sharded|dropout|cpu|decode|masks]
 [--impl NAME|module:function ...]
 [--out DIR | --update-reference] [--device cpu|cuda]
 
@@ -7,7 +7,7 @@ configurations, after checking each result against the float64 oracle; writes a 
 table, CSV, JSON, Markdown and PNG plots to --out (default
 ./flash_attention_results/benchmarks/<device>/, the device being "cpu" or the GPU's name
 slugified, e.g. nvidia-h200). Exit code 2 for a bad command line, before any work starts.
-A suite with a runner (``--suite sharded``, ``--suite dropout``, ``--suite cpu``) measures on its own: its runner
+A suite with a runner (``--suite sharded``, ``--suite dropout``, ``--suite cpu``, ``--suite masks``) measures on its own: its runner
 writes its own files to the same folder.
 """
 from __future__ import annotations
@@ -216,15 +216,18 @@ def output_dir(args, device: str) -> Path:
 def run_runner(suite, args, device: str) -> int:
     """A suite whose runner module replaces the timing run (no implementations, no oracle)."""
     import importlib
-    if args.impl or args.heads or args.repeats or args.time_budget is not None:
+    runner = importlib.import_module(suite.runner)
+    takes = getattr(runner, "CLI_OPTIONS", ())  # e.g. ("repeats", "time_budget"): passed on as keywords
+    given = {option: getattr(args, option) for option in ("impl", "heads", "repeats", "time_budget")
+             if getattr(args, option) is not None}
+    if set(given) - set(takes):
         raise UsageError(f"--suite {suite.name} has its own runner: it takes only "
-                         "--out, --update-reference, --device, one --seq-lens value "
-                         "and (sharded) --devices")
+                         "--out, --update-reference, --device, one --seq-lens value, "
+                         "(sharded) --devices and (masks) --repeats, --time-budget")
     lengths = args.seq_lens or ()
     if len(lengths) > 1:
         raise UsageError(f"--suite {suite.name} takes one --seq-lens value (the fixed L); got {lengths}")
-    runner = importlib.import_module(suite.runner)
-    extra = {}
+    extra = dict(given)
     if args.devices is not None:
         if not hasattr(runner, "check_devices"):
             raise UsageError(f"--devices is taken only by --suite sharded, not --suite {suite.name}")

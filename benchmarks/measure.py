@@ -396,12 +396,16 @@ def interleaved_ratios(calls: dict, baseline: str, repeats: int, shuffle_seed: i
             start = time.perf_counter()
             calls[name]()
             seconds[name].append(time.perf_counter() - start)
-    base = np.asarray(seconds[baseline])
     summary = {}
     for name, times in seconds.items():
-        ratios = np.asarray(times) / base
-        summary[name] = dict(median_ms=1e3 * float(np.median(times)), ratio_median=float(np.median(ratios)),
-                             ratio_q1=float(np.percentile(ratios, 25)),
-                             ratio_q3=float(np.percentile(ratios, 75)),
+        summary[name] = dict(median_ms=1e3 * float(np.median(times)), **ratio_quartiles(times, seconds[baseline]),
                              times_ms=[round(1e3 * t, 3) for t in times])
     return summary
+
+
+def ratio_quartiles(times, baseline_times) -> dict:
+    """The per-repeat ratios times[i] / baseline_times[i] of two interleaved calls ->
+    {ratio_median, ratio_q1, ratio_q3}."""
+    ratios = np.asarray(times, float) / np.asarray(baseline_times, float)
+    return dict(ratio_median=float(np.median(ratios)), ratio_q1=float(np.percentile(ratios, 25)),
+                ratio_q3=float(np.percentile(ratios, 75)))

@@ -18,6 +18,14 @@
 #      (default 75; 0 skips it), taken out of step 3's budget; its tables are
 #      $OUT/bench_gpu_large.md and $OUT/bench_gpu_large.json (each has a table of every
 #      implementation's time over torch cuDNN's, as step 3's has),
+#   3e. (run right after 3a) programmable block-sparse attention (python -m benchmarks --suite
+#      masks: packed documents through segment ids and through mask_mod + block_mask beside torch's
+#      FlexAttention compiled and SDPA with the dense mask, prefix-LM, sliding window + global
+#      tokens, ALiBi and T5 bias through score_mod; bf16, L=8192/4096, fwd and fwd+bwd, the packed
+#      documents first), MASKS_BUDGET s (default 45; 0 skips it), taken out of step 3's budget and
+#      keeping step 5's share; no new workload starts after it, so one running (flex compiles
+#      for tens of seconds) may overrun it by the step's 60 s of slack; its table is
+#      $OUT/bench_masks.md (3b-3d get what is left after it),
 #   3b. the Mosaic GPU forward's tile candidates (python -m benchmarks --suite mosaic_tiles:
 #      benchmarks/mosaic_tiles.py, each beside the default tiles and torch's cuDNN, L=8192
 #      forward), TILES_BUDGET s (default 45; 0 skips it), taken out of step 3's budget; its
@@ -50,16 +58,16 @@
 # CONF_TIMEOUT (120), SKIP_CONFORMANCE (0), PYTHON (python3), GPU_TESTS_TIMEOUT (60; 0 skips the
 # gpu lane), SKIP_TUNING (1), TUNE_TIMEOUT (110), TUNE_ARGS (extra arguments of
 # benchmarks.tune_blocks), PEER_BUDGET (0 s for step 4: skipped), TILES_BUDGET (45), DQ_BUDGET (20),
-# PACK_BUDGET (20), DECODE_BUDGET (60), LARGE_BUDGET (75), TOTAL_BUDGET (420 s for steps 1-3d and
-# 5: the benchmark's --time-budget is what is left after steps 1-2 and the 3a-3d and 5 shares,
+# PACK_BUDGET (20), MASKS_BUDGET (45), DECODE_BUDGET (60), LARGE_BUDGET (75), TOTAL_BUDGET (420 s for
+# steps 1-3e and 5: the benchmark's --time-budget is what is left after steps 1-2 and the 3a-3e and 5 shares,
 # at least 90),
 # DEADLINE (465 s: a step that starts late gets the time left before it, less its start-up and
 # report and the shares of the steps it must leave time for, and is skipped when under 20 s
 # (decode: 40) is left; no step's timeout runs past DEADLINE + 15 s; each step's tables are
 # copied to $OUT as it ends). Typically (conformance about 80 s, the gpu lane its 60, step 3
-# about 105, 3a about 100) the tile candidates (3b) get what step 5's share leaves, about 35 s,
-# and the script ends in about 7.8 minutes; 3c and 3d then find under 20 s left and are skipped
-# unless the earlier steps end sooner (TILES_BUDGET=0 gives them 3b's time); a slow run ends by
+# about 105, 3a about 100) the masks step (3e) gets what step 5's share leaves, about 35-45 s,
+# and the script ends in about 7.8 minutes; 3b, 3c and 3d then find under 20 s left and are
+# skipped unless the earlier steps end sooner (MASKS_BUDGET=0 gives them 3e's time); a slow run ends by
 # DEADLINE + 15 s + packing: the device tool's 8 minutes, with the machine's start-up on top.
 # The larger shape (3a) cost 45 s of the earlier defaults: the gpu lane 90 -> 60 s, the tile
 # candidates 75 -> 45 s, step 3's floor 120 -> 90 s. In return a configuration's inputs are now
@@ -165,8 +173,8 @@ if [ "${SKIP_TUNING:-1}" != "1" ]; then
 fi
 
 start=$SECONDS
-# steps 3a's, 3b's, 3c's, 3d's and 5's shares come out of step 3's
-budget=$(( ${TOTAL_BUDGET:-420} - SECONDS - ${DECODE_BUDGET:-60} - ${TILES_BUDGET:-45} - ${LARGE_BUDGET:-75} - ${DQ_BUDGET:-20} - ${PACK_BUDGET:-20} ))
+# steps 3a's, 3b's, 3c's, 3d's, 3e's and 5's shares come out of step 3's
+budget=$(( ${TOTAL_BUDGET:-420} - SECONDS - ${DECODE_BUDGET:-60} - ${TILES_BUDGET:-45} - ${LARGE_BUDGET:-75} - ${DQ_BUDGET:-20} - ${PACK_BUDGET:-20} - ${MASKS_BUDGET:-45} ))
 [ "$budget" -lt 90 ] && budget=90
 budget=$(fit "$budget" 20)
 [ "$budget" -lt 20 ] && budget=20  # step 3 always runs: the script's exit code is its
@@ -186,6 +194,13 @@ large_budget=$(fit "${LARGE_BUDGET:-75}" 25)
 if [ "$SUITE" = "gpu" ] && [ "$large_budget" -gt 0 ]; then
   timed_suite gpu_large "$large_budget" 50 "larger shape (B=4, H=16, L=8192)"
   large_rc=$suite_rc
+fi
+
+masks_rc=skipped
+masks_budget=$(fit "${MASKS_BUDGET:-45}" $(( 20 + ${DECODE_BUDGET:-60} )))  # step 5's share kept
+if [ "$SUITE" = "gpu" ] && [ "$masks_budget" -gt 0 ]; then
+  timed_suite masks "$masks_budget" 60 "block-sparse masks and score mods"
+  masks_rc=$suite_rc
 fi
 
 tiles_rc=skipped
@@ -234,7 +249,7 @@ if [ "$decode_budget" -ge 40 ]; then  # 30 s of it start the process and write t
   [ -f "$WORK/benchmarks_decode/bench_decode.md" ] && cp "$WORK/benchmarks_decode/bench_decode.md" "$OUT/bench_decode.md"
 fi
 
-echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc tiles=$tiles_rc dq=$dq_rc pack=$pack_rc large=$large_rc mgpu=$peer_rc decode=$decode_rc" > "$WORK/exit_codes.txt"
+echo "conformance=$conf_rc gpu_tests=$tests_rc tuning=$tune_rc benchmarks=$bench_rc tiles=$tiles_rc dq=$dq_rc pack=$pack_rc large=$large_rc masks=$masks_rc mgpu=$peer_rc decode=$decode_rc" > "$WORK/exit_codes.txt"
 log "$(cat "$WORK/exit_codes.txt") after $SECONDS s"
 cp "$LOG" "$WORK/run_gpu.log"
 tar -czf "$OUT/gpu_results.tar.gz" -C "$WORK" .

@@ -230,9 +230,20 @@ def _decode() -> Suite:
         (), runner="benchmarks.decode")
 
 
+def _masks() -> Suite:
+    return Suite(
+        "masks",
+        "programmable block-sparse attention (mask_mod + block_mask, score_mod, segment ids) beside "
+        "torch's FlexAttention compiled, torch SDPA with the dense mask or bias and the plain "
+        "calls: packed documents, prefix-LM, sliding window + global tokens at L=8192, ALiBi and "
+        "T5 relative bias at L=4096, B=1 H=8 D=64, forward and forward+backward: median of "
+        "interleaved per-repeat ratios with quartiles",
+        (), runner="benchmarks.masks")
+
+
 SUITES = {s.name: s for s in (_quick(), _course(), _sweep(), _gpu(), _gpu_large(), _mosaic_tiles(), _mosaic_dq(),
                               _mosaic_pack(), _sharded(),
-                              _dropout(), _cpu(), _decode())}
+                              _dropout(), _cpu(), _decode(), _masks())}
 
 
 def get_suite(name: str) -> Suite:
