@@ -388,15 +388,16 @@ def _covered_tiles(length: int, block: int, new_block: int) -> np.ndarray:
 
 def _tile_id_range(ids, lengths, block: int):
     """Per tile ``[B, n]`` the min and max id over the positions below the row's length
-    (a tile with none: min > max, disjoint from every range)."""
-    batch, seq_len = ids.shape
+    (a tile with none: min > max, disjoint from every range). Segment reductions, not a padded
+    copy: the lowered program holds no pad of the caller's ids."""
+    seq_len = ids.shape[1]
     n = _cdiv(seq_len, block)
-    valid = jnp.arange(n * block) < lengths
-    ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, n * block - seq_len)))
+    valid = jnp.arange(seq_len) < lengths
     info = jnp.iinfo(jnp.int32)
-    lowest = jnp.where(valid, ids, info.max).reshape(batch, n, block).min(-1)
-    highest = jnp.where(valid, ids, info.min).reshape(batch, n, block).max(-1)
-    return lowest, highest
+    tile = jnp.arange(seq_len) // block
+    reduce = lambda op, fill: op(jnp.where(valid, ids.astype(jnp.int32), fill).T, tile,
+                                 num_segments=n, indices_are_sorted=True).T
+    return reduce(jax.ops.segment_min, info.max), reduce(jax.ops.segment_max, info.min)
 
 
 def _common_batch(per_row: dict, seq_lens: dict) -> int:
