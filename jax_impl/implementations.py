@@ -166,7 +166,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
         decode=cpu_kernel.decode, decode_unsupported=cpu_kernel.decode_unsupported,
         call_unsupported=cpu_kernel.unsupported, takes_position_offset=True,
-        forward_tiles=lambda cfg, q_shape, k_shape, masks: cpu_kernel.forward_blocks(cfg)),
+        forward_tiles=lambda cfg, q_shape, k_shape, masks: cpu_kernel.forward_blocks(cfg, masks)),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
         xla.forward, xla.backward, takes_position_offset=True, takes_dropout_offset=True,

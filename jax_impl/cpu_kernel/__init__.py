@@ -140,9 +140,9 @@ def _blocks(cfg: AttentionConfig, default, masks: masking.MaskInputs):
     return block_q, max(block_k, default=default[1])
 
 
-def forward_blocks(cfg: AttentionConfig) -> tuple[int, int]:
-    """(block_q, block_k) of the forward kernel."""
-    return _blocks(cfg, FORWARD_BLOCKS)
+def forward_blocks(cfg: AttentionConfig, masks: masking.MaskInputs) -> tuple[int, int]:
+    """(block_q, block_k) of the forward kernel for a call with these mask inputs."""
+    return _blocks(cfg, FORWARD_BLOCKS, masks)
 
 
 def _padded_head_dim(d: int) -> int:
