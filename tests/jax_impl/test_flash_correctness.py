@@ -112,7 +112,7 @@ def test_pallas_backward_with_a_constant_bias_writes_no_dbias(bias_gradient):
         delta = jnp.sum(out * ct, axis=-1).transpose(0, 2, 1)          # [B, Hq, Lq]
         return pallas_triton.backward(cfg, q, k, v, bias, masks, stats, ct, delta)
 
-    dq, dk, dv, dbias = backward(q, k, v, bias, ct)
+    dq, dk, dv, dbias, _ = backward(q, k, v, bias, ct)
     reference = torch_arrays(q, k, v, ct, bias=bias, is_causal=True)
     plain = torch_arrays(q, k, v, ct, dtype=np.float32, bias=bias, is_causal=True)
     results = {"dq": dq, "dk": dk, "dv": dv}

@@ -303,7 +303,7 @@ def test_pallas_triton_hashes_dropout_at_the_ring_offset():
     qj, kj, vj, ctj = map(jnp.asarray, (q, k, v, ct))
     out, stats = pallas_triton.forward(call.cfg, qj, kj, vj, None, call.masks, extras)
     delta = jnp.einsum("bqhd,bqhd->bhq", ctj, out)
-    dq, dk, dv, _ = pallas_triton.backward(call.cfg, qj, kj, vj, None, call.masks, stats, ctj,
+    dq, dk, dv, _, _ = pallas_triton.backward(call.cfg, qj, kj, vj, None, call.masks, stats, ctj,
                                            delta, extras)
     results = {name: np.asarray(x, np.float64) for name, x in
                dict(out=out, dq=dq, dk=dk, dv=dv).items()}
