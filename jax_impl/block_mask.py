@@ -359,6 +359,14 @@ def dense_classes(block_mask: BlockMask):
                        scatter(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL))
 
 
+def pairs_outside_empty_tiles(block_mask: BlockMask):
+    """``[B|1, H|1, Lq, Lk]`` bool: True where a pair's tile of ``block_mask`` is not empty.
+    Dense: for the reference, and for a kernel whose tiles do not nest in the block_mask's."""
+    visited = dense_classes(block_mask) != EMPTY
+    visited = jnp.repeat(jnp.repeat(visited, block_mask.block_q, 2), block_mask.block_kv, 3)
+    return visited[:, :, :block_mask.q_len, :block_mask.kv_len]
+
+
 def regrid(block_mask: BlockMask, block_q: int, block_kv: int):
     """``block_mask``'s classes on tiles of ``(block_q, block_kv)``, ``[B, H, nq, nk]`` int8: a
     tile is EMPTY where every block_mask tile it overlaps is, FULL where every one is, else

@@ -59,7 +59,8 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
     allowed = masking.dense_allowed(cfg.mask, lq, lk, masks.q_len, masks.kv_len,
                                     masks.q_segment_ids, masks.kv_segment_ids, masks.mask)
     allowed = masking.all_of([allowed, mods.allowed(cfg, *indices, extras.mod_aux),
-                              None if masks.block_mask is None else _outside_empty_tiles(masks.block_mask)])
+                              None if masks.block_mask is None
+                              else block_mask_lib.pairs_outside_empty_tiles(masks.block_mask)])
     allowed = allowed & (logits != -jnp.inf)  # an additive -inf bias excludes its pair
     row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True)
     sink = None if extras.sinks is None else extras.sinks.astype(logits_dtype)[:, :, None, None]
@@ -85,10 +86,3 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
                      precision=cfg.precision, preferred_element_type=logits_dtype)
     lse = jnp.where(nonempty, jnp.log(safe_sum) + row_max, -jnp.inf)[..., 0]
     return out.reshape(b, lq, hq, v.shape[-1]).astype(q.dtype), lse.astype(jnp.promote_types(logits_dtype, jnp.float32))
-
-
-def _outside_empty_tiles(block_mask):
-    """``[B|1, H|1, Lq, Lk]`` True where a pair's tile of ``block_mask`` is not empty."""
-    classes = block_mask_lib.dense_classes(block_mask) != block_mask_lib.EMPTY
-    classes = jnp.repeat(jnp.repeat(classes, block_mask.block_q, 2), block_mask.block_kv, 3)
-    return classes[:, :, :block_mask.q_len, :block_mask.kv_len]

@@ -99,7 +99,7 @@ def _nests(blocks, tiles: block_mask.BlockMask) -> bool:
     return tiles.block_q % blocks[0] == 0 and tiles.block_kv % blocks[1] == 0
 
 
-def _with_block_mask_pairs(masks: masking.MaskInputs, blocks, q_len: int, kv_len: int):
+def _with_block_mask_pairs(masks: masking.MaskInputs, blocks):
     """``masks``, where a block_mask's tiles do not nest the kernel's ``blocks``, with the
     block_mask's EMPTY pairs excluded by the dense mask too (a kernel tile over tiles of several
     classes is PARTIAL: masked per pair, and the pairs must say it). A block_mask's PARTIAL tile
@@ -107,9 +107,7 @@ def _with_block_mask_pairs(masks: masking.MaskInputs, blocks, q_len: int, kv_len
     tiles = masks.block_mask
     if tiles is None or _nests(blocks, tiles):
         return masks
-    visited = block_mask.dense_classes(tiles) != block_mask.EMPTY  # [B|1, H|1, nq, nk]
-    pairs = jnp.repeat(jnp.repeat(visited, tiles.block_q, axis=2)[:, :, :q_len],
-                       tiles.block_kv, axis=3)[..., :kv_len]
+    pairs = block_mask.pairs_outside_empty_tiles(tiles)
     return masks._replace(mask=pairs if masks.mask is None else masks.mask & pairs)
 
 
@@ -179,7 +177,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     b, lq, hq, d = q.shape
     dp = _padded_head_dim(d)
     blocks = _blocks(cfg, FORWARD_BLOCKS, masks)
-    masks = _with_block_mask_pairs(masks, blocks, lq, k.shape[1])
+    masks = _with_block_mask_pairs(masks, blocks)
     operands, flags = _operands(cfg, masks, bias, extras, (lq, k.shape[1]), blocks)
     stats = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
     q32, k32, v32 = (_pad_features(x, dp) for x in (q, k, v))
@@ -202,7 +200,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     lk, hkv = k.shape[1], k.shape[2]
     dp = _padded_head_dim(d)
     block_q, block_k = _blocks(cfg, BACKWARD_BLOCKS, masks)
-    masks = _with_block_mask_pairs(masks, (block_q, block_k), lq, lk)
+    masks = _with_block_mask_pairs(masks, (block_q, block_k))
     operands, flags = _operands(cfg, masks, bias, extras, (lq, lk), (block_q, block_k))
     with_dbias = bias is not None and cfg.bias_gradient
     chunks = max(1, min(-(-platform.host_threads() // (b * hkv)), -(-lk // block_k)))
