@@ -228,8 +228,16 @@ def _mods(score_mod, mask_mod, mod_aux, block_mask, *, batch, heads, q_len, kv_l
     if mod_aux and score_mod is None and mask_mod is None:
         raise ValueError("mod_aux was given without score_mod or mask_mod: nothing reads it")
     mods.check(score_mod, mask_mod, mod_aux, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
+    checked_block_mask(block_mask, mask_mod, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
+    return mod_aux
+
+
+def checked_block_mask(block_mask, mask_mod, *, batch: int, heads: int, q_len: int, kv_len: int):
+    """``block_mask`` (or None) checked against the call's flat batch, query heads and the
+    sequence lengths its tiles span (the global ones in a sharded strategy); a block_mask with
+    partial tiles needs its mask_mod."""
     if block_mask is None:
-        return mod_aux
+        return None
     block_mask_lib.check_block_mask(block_mask, batch=batch, heads=heads, q_len=q_len,
                                     kv_len=kv_len)
     if mask_mod is None:
@@ -240,7 +248,7 @@ def _mods(score_mod, mask_mod, mod_aux, block_mask, *, batch, heads, q_len, kv_l
                 "given: the pairs of a partial tile are decided by mask_mod; pass the mask_mod "
                 "the block_mask was made from (create_block_mask), or a concrete block_mask "
                 "whose tiles are all empty or full")
-    return mod_aux
+    return block_mask
 
 
 def _page_table(page_table, pages, batch_shape):

@@ -24,7 +24,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
                    implementation: str | None = "xla", block_sizes=None, precision=None,
                    interpret: bool = False, layout: str = "zigzag",
                    attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
-                   broadcast_dropout: bool = True, return_residual: bool = False):
+                   broadcast_dropout: bool = True, return_residual: bool = False,
+                   score_mod=None, mask_mod=None, mod_aux=(), block_mask=None):
     """Exact attention over a sequence sharded along mesh axis ``axis_name`` (call inside
     ``jax.shard_map``). Forward and backward are rings of ``lax.ppermute`` steps.
 
@@ -50,6 +51,12 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
       global (query, key) positions, so the pattern is the one-device call's, bit for bit
       (the batch index hashed is this device's: shard the batch outside and it is local).
       Needs an implementation that hashes at an offset (``"xla"``).
+    score_mod, mask_mod, mod_aux, block_mask: as ``flash_attention``'s, on GLOBAL query and key
+      indices (``b`` is this device's flat batch row). ``mod_aux`` holds the same arrays on
+      every device; the gradient of a replicated one is the sum over the ring. ``block_mask``
+      spans the global ``(Lq, Lk)`` and its tiles must divide the ring's chunks: each step cuts
+      its chunk pair's tiles, and a pair whose tiles are all empty is skipped. A mask_mod
+      without a block_mask is evaluated on every tile the band keeps (no step skipped for it).
     Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
     """
     num_devices = _axis_size("axis_name", axis_name, "ring_attention")
@@ -64,7 +71,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
         implementation=implementation, block_sizes=block_sizes, precision=precision,
         interpret=interpret, attention_sinks=attention_sinks, dropout_rng=dropout_rng,
-        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout)
+        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout, score_mod=score_mod,
+        mask_mod=mask_mod, mod_aux=mod_aux)
     if call.cfg.interpret and vma.axes_of(call.q, call.k, call.v):
         raise ValueError("implementation='pallas_triton' with interpret=True inside jax.shard_map "
                          "needs check_vma=False on the shard_map (the Pallas interpreter mixes "
@@ -76,7 +84,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
             raise ValueError(f"{name}'s local sequence length {length} must be even for "
                              "layout='zigzag' (two chunks per device)")
     spec, masks = _global_masks(call, query_seq_lengths, key_value_seq_lengths,
-                                num_devices * lq, num_devices * lk)
+                                num_devices * lq, num_devices * lk, block_mask,
+                                (lq // chunks, lk // chunks))
     spec = dataclasses.replace(spec, bottom_right=False)  # the ring passes the alignment itself
     bias, mask = (_rows_local(name, x, call.batch_shape + (call.q.shape[2], lq, num_devices * lk))
                   for name, x in (("bias", bias), ("mask", mask)))
@@ -149,14 +158,24 @@ def _axis_size(name, axis, function) -> int:
                          "inside jax.shard_map over a mesh with that axis") from err
 
 
-def _global_masks(call, query_seq_lengths, key_value_seq_lengths, global_lq: int, global_lk: int):
-    """(mask spec, mask inputs) with the lengths judged against the GLOBAL sequence lengths."""
+def _global_masks(call, query_seq_lengths, key_value_seq_lengths, global_lq: int, global_lk: int,
+                  block_mask=None, ring_chunks: tuple[int, int] | None = None):
+    """(mask spec, mask inputs) with the lengths and the block_mask judged against the GLOBAL
+    sequence lengths; a ring's ``(query, key) chunk sizes``, which the block_mask's tiles must
+    divide (each step cuts its chunk pair's tiles)."""
+    block_mask = arguments.checked_block_mask(
+        block_mask, call.cfg.mask_mod, batch=call.q.shape[0], heads=call.q.shape[2],
+        q_len=global_lq, kv_len=global_lk)
+    if ring_chunks is not None and (why := ring.block_mask_unfit(block_mask, *ring_chunks)):
+        raise ValueError(f"block_mask: {why}")
     spec = dataclasses.replace(call.cfg.mask, has_q_lengths=query_seq_lengths is not None,
-                               has_kv_lengths=key_value_seq_lengths is not None)
+                               has_kv_lengths=key_value_seq_lengths is not None,
+                               has_block_mask=block_mask is not None)
     masks = call.masks._replace(
         q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape, global_lq),
         kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape,
-                               global_lk))
+                               global_lk),
+        block_mask=block_mask)
     return spec, masks
 
 
@@ -177,7 +196,8 @@ def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
                       q_segment_ids=None, kv_segment_ids=None, logits_soft_cap: float | None = None,
                       implementation: str | None = "xla", block_sizes=None, precision=None,
                       attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
-                      broadcast_dropout: bool = True, return_residual: bool = False):
+                      broadcast_dropout: bool = True, return_residual: bool = False,
+                      score_mod=None, mask_mod=None, mod_aux=(), block_mask=None):
     """Exact attention over a sequence sharded along ``axis_name`` (call inside
     ``jax.shard_map``) by all-to-all (DeepSpeed-Ulysses, ``ulysses.py``): each device gets the
     whole sequence for ``1/N`` of the heads, runs ``implementation`` there, and the output goes
@@ -190,6 +210,8 @@ def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
     query head (one shared by every head is refused: ``ring_attention`` takes it); resharded by
     head with q, k, v, dbias back in the same layout.
     Dropout and sinks hash and apply by global head index: the pattern is the one-device call's.
+    score_mod, mask_mod, mod_aux, block_mask: as ``ring_attention``'s (global head and sequence
+    indices; a per-head block_mask is cut to the device's heads).
     Returns ``[..., Lq_loc, Hq, D]`` (and with return_residual the logsumexp ``[..., Lq_loc, Hq]``).
     """
     num_devices = _axis_size("axis_name", axis_name, "ulysses_attention")
@@ -202,7 +224,8 @@ def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
         implementation=implementation, block_sizes=block_sizes, precision=precision,
         attention_sinks=attention_sinks, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-        broadcast_dropout=broadcast_dropout)
+        broadcast_dropout=broadcast_dropout, score_mod=score_mod, mask_mod=mask_mod,
+        mod_aux=mod_aux)
     lq, lk = call.q.shape[1], call.k.shape[1]
     bias, mask = (_rows_local(name, x, call.batch_shape + (call.q.shape[2], lq, num_devices * lk),
                               "ulysses_attention") for name, x in (("bias", bias), ("mask", mask)))
@@ -211,7 +234,7 @@ def ulysses_attention(query, key, value, bias=None, mask=None, *, axis_name,
     if reason:
         raise ValueError(f"ulysses_attention over {axis_name!r}: {reason}; use ring_attention")
     spec, masks = _global_masks(call, query_seq_lengths, key_value_seq_lengths,
-                                num_devices * lq, num_devices * lk)
+                                num_devices * lq, num_devices * lk, block_mask)
     masks = masks._replace(mask=mask)
 
     def run(name):
@@ -233,7 +256,8 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
                      kv_segment_ids=None, logits_soft_cap: float | None = None,
                      implementation: str | None = "xla", block_sizes=None, precision=None,
                      attention_sinks=None, dropout_rng=None, dropout_rate: float = 0.0,
-                     broadcast_dropout: bool = True, return_residual: bool = False):
+                     broadcast_dropout: bool = True, return_residual: bool = False,
+                     score_mod=None, mask_mod=None, mod_aux=(), block_mask=None):
     """Exact attention over a sequence sharded over two mesh axes (call inside
     ``jax.shard_map`` with the sequence spec ``P(..., (ring_axis, all_to_all_axis))``): the
     hybrid ("USP") that plain jit runs for such a sequence. Device (o, i) holds block
@@ -248,7 +272,9 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
     ``all_to_all_axis`` (kv heads travel with their query groups, as in ``ulysses_attention``);
     the global sequence must divide into ``2 * |ring_axis|`` chunks (the zigzag ring);
     ``implementation`` is one of ``implementations.ring_capable()``, and ``"xla"`` with dropout.
-    No bias or dense mask (use ``ring_attention`` over one axis). Returns ``[..., Lq_loc, Hq, D]``
+    No bias or dense mask (use ``ring_attention`` over one axis). score_mod, mask_mod, mod_aux,
+    block_mask: as ``ring_attention``'s (the block_mask's tiles divide the ring's chunks of
+    ``L / (2 |ring_axis|)``). Returns ``[..., Lq_loc, Hq, D]``
     (and with return_residual the logsumexp ``[..., Lq_loc, Hq]``).
     """
     if all_to_all_axis == ring_axis:
@@ -265,7 +291,8 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
         kv_segment_ids=kv_segment_ids, logits_soft_cap=logits_soft_cap,
         implementation=implementation, block_sizes=block_sizes, precision=precision,
         attention_sinks=attention_sinks, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-        broadcast_dropout=broadcast_dropout)
+        broadcast_dropout=broadcast_dropout, score_mod=score_mod, mask_mod=mask_mod,
+        mod_aux=mod_aux)
     reason = ulysses.unavailable(inner, call.q.shape[2], call.k.shape[2], False)
     if reason:
         raise ValueError(f"hybrid_attention's all-to-all over {all_to_all_axis!r}: {reason}; "
@@ -275,7 +302,8 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
         if length % (2 * outer):
             raise ValueError(f"{name}'s global sequence length {length} must divide into "
                              f"2 * {outer} chunks (the zigzag ring over {ring_axis!r})")
-    spec, masks = _global_masks(call, query_seq_lengths, key_value_seq_lengths, lq, lk)
+    spec, masks = _global_masks(call, query_seq_lengths, key_value_seq_lengths, lq, lk,
+                                block_mask, (lq // (2 * outer), lk // (2 * outer)))
     cfg = dataclasses.replace(call.cfg, mask=spec)
 
     def run(name):

@@ -13,12 +13,46 @@ a fixed order (no atomics).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
 from jax_impl.config import AttentionConfig
 
 _HINT = "pass the arrays it reads through mod_aux (they arrive after the indices)"
+
+
+@dataclasses.dataclass(frozen=True)
+class _AtOffset:
+    """A mod called with a shard's local indices: adds the shard's global (b, h, q, kv) start,
+    which arrives as the first mod_aux entry (int32 ``[4]``, traced: one program serves every
+    shard and ring step). Hashable by the mod it wraps, so a static config stays cacheable."""
+
+    mod: Callable
+    takes_score: bool
+
+    def __call__(self, *args):
+        lead = args[:1] if self.takes_score else ()
+        b, h, q_idx, kv_idx, start, *mod_aux = args[len(lead):]
+        return self.mod(*lead, b + start[0], h + start[1], q_idx + start[2], kv_idx + start[3],
+                        *mod_aux)
+
+
+def at_offset(cfg: AttentionConfig) -> AttentionConfig:
+    """``cfg`` whose mods take one more leading mod_aux entry, ``offset_aux``'s, and see global
+    indices (a ring step's chunk pair, an all-to-all device's block of heads)."""
+    if not cfg.has_mods:
+        return cfg
+    wrap = lambda mod, takes_score: None if mod is None else _AtOffset(mod, takes_score)
+    return dataclasses.replace(cfg, score_mod=wrap(cfg.score_mod, True),
+                               mask_mod=wrap(cfg.mask_mod, False))
+
+
+def offset_aux(mod_aux: tuple, *, b=0, h=0, q=0, kv=0) -> tuple:
+    """``mod_aux`` for ``at_offset``'s mods: the global start of the local indices first."""
+    return (jnp.stack([jnp.asarray(x, jnp.int32) for x in (b, h, q, kv)]),) + tuple(mod_aux)
 
 
 def differentiable(x) -> bool:

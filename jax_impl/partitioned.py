@@ -289,8 +289,10 @@ def _a2a_backward_body(axis, n, implementation, cfg, names, *arrays):
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
     if bias is not None:  # the op's dbias is [B, Hq, Lq, Lk], as the ring's
         bias = jnp.broadcast_to(bias, q.shape[:1] + bias.shape[1:])
-    return ulysses.backward(ulysses.Ulysses(axis, n, implementation, cfg), q, k, v, masks, stats,
-                            named["d_out"], named["delta"], extras, bias)
+    dq, dk, dv, dbias, _ = ulysses.backward(ulysses.Ulysses(axis, n, implementation, cfg), q, k,
+                                            v, masks, stats, named["d_out"], named["delta"],
+                                            extras, bias)
+    return (dq, dk, dv) + (() if dbias is None else (dbias,))
 
 
 def _ring_forward_body(axis, n, implementation, cfg, names, *arrays):
@@ -306,7 +308,7 @@ def _ring_backward_body(axis, n, implementation, cfg, names, *arrays):
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
     if bias is not None:  # the op's dbias is [B, Hq, Lq, Lk] (recompute_vjp reduces it, across
         bias = jnp.broadcast_to(bias, q.shape[:1] + q.shape[2:3] + bias.shape[2:])  # devices too)
-    *grads, dbias = ring.contiguous_backward(
+    *grads, dbias, _ = ring.contiguous_backward(
         ring.zigzag_ring(cfg, axis, n, implementation), q, k, v, masks, stats,
         named["d_out"], named["delta"], bias, extras)
     return tuple(grads) + (() if dbias is None else (dbias,))
@@ -338,7 +340,7 @@ def _hybrid_backward_body(axes, sizes, implementation, cfg, names, *arrays):
     q, k, v, _, masks, extras = _unpack(named)
     stats = online_softmax.RowStats(named["max"], named["log_sum"])
     return ulysses.hybrid_backward(*_hybrid(axes, sizes, implementation, cfg), q, k, v, masks,
-                                   stats, named["d_out"], named["delta"], extras)
+                                   stats, named["d_out"], named["delta"], extras)[:3]
 
 
 def _make_op(body, ring_body, a2a_body, hybrid_body, results_of):
@@ -528,8 +530,9 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
 
 UNPARTITIONED_MODS = (
     "calls with score_mod, mask_mod or a block_mask run as one program over the global indices, "
-    "which XLA partitions as a whole (xla) or whose operands it gathers (a kernel); no ring or "
-    "all-to-all takes them yet (docs/limitations.md)")
+    "which XLA partitions as a whole (xla) or whose operands it gathers (a kernel); under plain "
+    "jit no ring or all-to-all takes them (inside jax.shard_map ring_attention, "
+    "ulysses_attention and hybrid_attention do)")
 
 
 def _unpartitioned(implementation, cfg, masks, extras) -> bool:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl import block_mask, dropout_sinks, masking, online_softmax, vma
+from jax_impl import block_mask, dropout_sinks, masking, mods, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
 
@@ -93,17 +93,39 @@ def from_zigzag(x, num_devices: int, axis: int):
 # --- One (query chunk, key chunk) pair -------------------------------------------------------
 
 def pair_masks(ring: Ring, masks: masking.MaskInputs, q_chunk, kv_chunk, cq: int, ck: int,
-               q_seg, kv_seg) -> masking.MaskInputs:
+               q_seg, kv_seg, tiles=None) -> masking.MaskInputs:
     """Local mask inputs for query chunk ``q_chunk`` (size cq) against key chunk ``kv_chunk``.
 
-    ``masks`` carries the GLOBAL lengths ``[B]``."""
+    ``masks`` carries the GLOBAL lengths ``[B]`` and block_mask; ``tiles``: that block_mask's
+    ``block_mask.dense_classes``, from which the pair's BlockMask is cut."""
     q_start, kv_start = q_chunk * cq, kv_chunk * ck
     base = masks.kv_len - masks.q_len if ring.bottom_right else jnp.zeros_like(masks.q_len)
     return masking.MaskInputs(
         q_len=jnp.clip(masks.q_len - q_start, 0, cq).astype(jnp.int32),
         kv_len=jnp.clip(masks.kv_len - kv_start, 0, ck).astype(jnp.int32),
         q_segment_ids=q_seg, kv_segment_ids=kv_seg, mask=None,
-        position_offset=(base + q_start - kv_start).astype(jnp.int32))
+        position_offset=(base + q_start - kv_start).astype(jnp.int32),
+        block_mask=pair_block_mask(masks.block_mask, tiles, q_chunk, kv_chunk, cq, ck))
+
+
+def pair_block_mask(global_mask, tiles, q_chunk, kv_chunk, cq: int, ck: int):
+    """The chunk pair's BlockMask, cut from the global one's tile classes ``tiles`` (its tiles
+    divide the chunks: ``block_mask_unfit`` says when they do not). None stays None."""
+    if global_mask is None:
+        return None
+    bq, bk = global_mask.block_q, global_mask.block_kv
+    rows = lax.dynamic_slice_in_dim(tiles, q_chunk * (cq // bq), cq // bq, axis=2)
+    pair = lax.dynamic_slice_in_dim(rows, kv_chunk * (ck // bk), ck // bk, axis=3)
+    return block_mask.BlockMask.from_tile_classes(pair, cq, ck, bq, bk)
+
+
+def block_mask_unfit(global_mask, cq: int, ck: int) -> str | None:
+    """Why a global block_mask cannot be cut into chunk pairs of (cq, ck), or None."""
+    if global_mask is None or (cq % global_mask.block_q == 0 and ck % global_mask.block_kv == 0):
+        return None
+    return (f"block_mask's tiles of {global_mask.block_q}x{global_mask.block_kv} do not divide "
+            f"the ring's chunks of {cq} queries and {ck} keys (make it with a block_size that "
+            "divides them)")
 
 
 def pair_columns(x, a: int, kv_chunk, cq: int, ck: int):
@@ -135,12 +157,17 @@ def _rotate(tree, ring: Ring):
 
 def pair_extras(ring: Ring, extras, q_chunk, kv_chunk, cq: int, ck: int):
     """The local step's SinksAndDropout: the dropout seeds with the pair's global (query, key)
-    start, so each step hashes global positions (the one-device pattern, bit for bit); no
-    sinks (they join each row once, after the merge: ``with_sinks``). None without dropout."""
-    if extras is None or extras.dropout_seeds is None or not ring.cfg.dropout_rate:
+    start, so each step hashes global positions (the one-device pattern, bit for bit), and the
+    mods' mod_aux led by that start (``mods.offset_aux``: they see global indices); no sinks
+    (they join each row once, after the merge: ``with_sinks``). None with neither."""
+    hashes = extras is not None and extras.dropout_seeds is not None and ring.cfg.dropout_rate
+    if not (hashes or ring.cfg.has_mods):
         return None
     start = jnp.stack([q_chunk * cq, kv_chunk * ck]).astype(jnp.int32)
-    return dropout_sinks.SinksAndDropout(dropout_seeds=extras.dropout_seeds, dropout_offset=start)
+    return dropout_sinks.SinksAndDropout(
+        dropout_seeds=extras.dropout_seeds if hashes else None,
+        dropout_offset=start if hashes else None,
+        mod_aux=mods.offset_aux(extras.mod_aux, q=start[0], kv=start[1]) if ring.cfg.has_mods else ())
 
 
 def with_sinks(out, stats: online_softmax.RowStats, sinks):
@@ -168,6 +195,7 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None, extr
     q_ids = chunk_ids(ring.layout, ring.num_devices, me)
     qs, q_segs = _split(q, ring.chunks, 1), _split(masks.q_segment_ids, ring.chunks, 1)
     axes = vma.axes_of(q, k, v, masks, bias, extras, me)  # fresh buffers vary like the operands
+    cfg, tiles = mods.at_offset(ring.cfg), _global_tiles(masks)
 
     def step(s, carry):
         kv, outs, stats = carry
@@ -178,11 +206,12 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None, extr
         outs, stats = list(outs), list(stats)
         for a in range(ring.chunks):
             for c in range(ring.chunks):
-                pm = pair_masks(ring, masks, q_ids[a], kv_ids[c], cq, ck, q_segs[a], kv_segs[c])
+                pm = pair_masks(ring, masks, q_ids[a], kv_ids[c], cq, ck, q_segs[a], kv_segs[c],
+                                tiles)
                 pm = pm._replace(mask=pair_columns(masks.mask, a, kv_ids[c], cq, ck))
                 o, st = lax.cond(
                     pair_active(ring, pm, cq, ck),
-                    lambda qa, kc, vc, bp, pm, ex: impl.forward(ring.cfg, qa, kc, vc, bp, pm, ex),
+                    lambda qa, kc, vc, bp, pm, ex: impl.forward(cfg, qa, kc, vc, bp, pm, ex),
                     lambda qa, kc, vc, bp, pm, ex: vma.like(
                         (jnp.zeros(qa.shape, qa.dtype), online_softmax.empty_stats((b, hq, cq))), axes),
                     qs[a], ks[c], vs[c], pair_columns(bias, a, kv_ids[c], cq, ck), pm,
@@ -201,7 +230,7 @@ def ring_forward(ring: Ring, q, k, v, masks: masking.MaskInputs, bias=None, extr
 
 
 def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, extras=None):
-    """-> (dq, dk, dv, dbias or None) of the local blocks; dK/dV accumulators travel with K and
+    """-> (dq, dk, dv, dbias or None, d_mod_aux) of the local blocks; dK/dV accumulators travel with K and
     V, one step behind: at step s a device sends the accumulator of the block it visited at
     step s-1 together with its K/V block, before the step's compute, and adds its own share to
     the accumulator it receives after it (the visiting block's: the previous device visited it
@@ -210,7 +239,8 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
     (sending dK/dV after the compute made the combined send wait for it). dbias (float32,
     ``bias``'s shape: rows local, every key column) stays home, and is None when
     ``ring.cfg.bias_gradient`` is False (a constant bias). The sinks need nothing here:
-    the global statistics include them (dsinks: ``dropout_sinks.sink_gradient``)."""
+    the global statistics include them (dsinks: ``dropout_sinks.sink_gradient``). d_mod_aux:
+    this device's share of the mod_aux cotangents, summed over the steps in order."""
     impl = ring.implementation
     lq = q.shape[1]
     cq, ck = lq // ring.chunks, k.shape[1] // ring.chunks
@@ -224,9 +254,13 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
                  for m, l in zip(split_rows(stats.max), split_rows(stats.log_sum))]
     axes = vma.axes_of(q, k, v, masks, bias, stats, d_out, delta, extras, me)
     with_dbias = bias is not None and ring.cfg.bias_gradient
+    cfg, tiles = mods.at_offset(ring.cfg), _global_tiles(masks)
+    mod_aux = () if extras is None else extras.mod_aux
+    if mod_aux:  # varying, so the kernels' cotangents stay this device's share (summed once: _ring_bwd)
+        extras = extras._replace(mod_aux=vma.like(mod_aux, axes))
 
     def step(s, carry):
-        kv, dkv_sent, dqs, dbias = carry
+        kv, dkv_sent, dqs, dbias, d_mod_aux = carry
         incoming, dkv = _rotate((kv, dkv_sent), ring)  # both before the compute (docstring)
         k_blk, v_blk, kv_seg = kv
         kv_ids = chunk_ids(ring.layout, ring.num_devices, (me - s) % ring.num_devices)
@@ -235,21 +269,25 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
         dqs = list(dqs)
         for a in range(ring.chunks):
             for c in range(ring.chunks):
-                pm = pair_masks(ring, masks, q_ids[a], kv_ids[c], cq, ck, q_segs[a], kv_segs[c])
+                pm = pair_masks(ring, masks, q_ids[a], kv_ids[c], cq, ck, q_segs[a], kv_segs[c],
+                                tiles)
                 pm = pm._replace(mask=pair_columns(masks.mask, a, kv_ids[c], cq, ck))
                 bp = pair_columns(bias, a, kv_ids[c], cq, ck)
 
                 def compute(qa, kc, vc, bp, pm, st, do, dl, ex):
-                    dq, dk, dv, db, _ = impl.backward(ring.cfg, qa, kc, vc, bp, pm, st, do, dl, ex)
+                    dq, dk, dv, db, d_aux = impl.backward(cfg, qa, kc, vc, bp, pm, st, do, dl, ex)
                     db = reduce_to(db, bp.shape).astype(jnp.float32) if with_dbias else None
-                    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), db
+                    d_aux = float_cotangents(d_aux[1:] if cfg.has_mods else (), mod_aux)
+                    return (dq.astype(jnp.float32), dk.astype(jnp.float32),
+                            dv.astype(jnp.float32), db, d_aux)
 
                 def skip(qa, kc, vc, bp, *_):
                     return vma.like((jnp.zeros(qa.shape, jnp.float32), jnp.zeros(kc.shape, jnp.float32),
                                      jnp.zeros(vc.shape, jnp.float32),
-                                     jnp.zeros(bp.shape, jnp.float32) if with_dbias else None), axes)
+                                     jnp.zeros(bp.shape, jnp.float32) if with_dbias else None,
+                                     mods.zero_cotangents(mod_aux)), axes)
 
-                dq, dk, dv, db = lax.cond(pair_active(ring, pm, cq, ck), compute, skip, qs[a], ks[c],
+                dq, dk, dv, db, d_aux = lax.cond(pair_active(ring, pm, cq, ck), compute, skip, qs[a], ks[c],
                                           vs[c], bp, pm, row_stats[a], dos[a], deltas[a],
                                           pair_extras(ring, extras, q_ids[a], kv_ids[c], cq, ck))
                 if dbias is not None:  # each (row chunk, key chunk) is visited exactly once
@@ -257,7 +295,9 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
                 dqs[a] = dqs[a] + dq
                 dks[c] = dks[c] + dk
                 dvs[c] = dvs[c] + dv
-        return incoming, (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)), tuple(dqs), dbias
+                d_mod_aux = mods.add_cotangents(d_mod_aux, d_aux)
+        return (incoming, (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)), tuple(dqs),
+                dbias, d_mod_aux)
 
     zeros = lambda x: vma.like(jnp.zeros(x.shape, jnp.float32), axes)
     dqs = tuple(zeros(x) for x in qs)
@@ -265,10 +305,24 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
     dbias = zeros(bias) if with_dbias else None
     # Step 0 sends zeros (no block visited yet); after the loop each device holds the complete
     # dK/dV of the block it visited last, block me+1's: one more send (in k's dtype) takes it home.
-    _, dkv, dqs, dbias = lax.fori_loop(0, ring.num_devices, step,
-                                       (kv, (zeros(k), zeros(v)), dqs, dbias))
+    _, dkv, dqs, dbias, d_mod_aux = lax.fori_loop(
+        0, ring.num_devices, step,
+        (kv, (zeros(k), zeros(v)), dqs, dbias, vma.like(mods.zero_cotangents(mod_aux), axes)))
     dk, dv = _rotate((dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)), ring)
-    return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk, dv, dbias
+    return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk, dv, dbias, d_mod_aux
+
+
+def _global_tiles(masks: masking.MaskInputs):
+    """The tile classes of the call's global block_mask (``pair_masks`` cuts each pair's), or None."""
+    return None if masks.block_mask is None else block_mask.dense_classes(masks.block_mask)
+
+
+def float_cotangents(d_aux: tuple, mod_aux: tuple) -> tuple:
+    """A local kernel's mod_aux cotangents as ``mods.zero_cotangents`` lays them out (float32; zeros
+    where the implementation gave None for a floating entry the mods did not differentiate)."""
+    return tuple(None if not mods.differentiable(x) else
+                 jnp.zeros(jnp.shape(x), jnp.float32) if d is None else d.astype(jnp.float32)
+                 for d, x in zip(d_aux, mod_aux)) if d_aux else mods.zero_cotangents(mod_aux)
 
 
 def _ring_fwd(ring, q, k, v, bias, masks, extras):
@@ -284,19 +338,27 @@ def _ring_bwd(ring, residuals: Residuals, cotangents):
     q, k, v, bias, masks, extras, out, stats = residuals.arrays
     d_out, delta = delta_of(out, cotangents)
     ring = dataclasses.replace(ring, cfg=residuals.cfg)
-    dq, dk, dv, dbias = ring_backward(ring, q, k, v, masks, stats, d_out, delta, bias,
-                                      extras._replace(sinks=None))
+    dq, dk, dv, dbias, d_mod_aux = ring_backward(ring, q, k, v, masks, stats, d_out, delta, bias,
+                                                 extras._replace(sinks=None))
     dbias = None if dbias is None else dbias.astype(bias.dtype)  # None: a constant bias
     d_extras = jax.tree.map(lambda _: None, extras)
     if extras.sinks is not None:  # this device's rows' share; an unvarying sink sums the ring's
         d_sinks = reduce_to(dropout_sinks.sink_gradient(
             extras.sinks, online_softmax.logsumexp(stats), delta), extras.sinks.shape)
-        # With varying axes tracked (check_vma), an unvarying sink takes the sum over the axis;
-        # untracked (check_vma=False), shard_map's transpose sums the devices' shares itself.
-        if ring.axis_name in vma.axes_of(q) and ring.axis_name not in vma.axes_of(extras.sinks):
-            d_sinks = lax.psum(d_sinks, ring.axis_name)
+        d_sinks = vma.shared_parameter_cotangent(d_sinks, extras.sinks, (ring.axis_name,), q)
         d_extras = d_extras._replace(sinks=d_sinks.astype(extras.sinks.dtype))
+    d_extras = d_extras._replace(mod_aux=mod_aux_cotangents(d_mod_aux, extras.mod_aux,
+                                                             (ring.axis_name,), q))
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, masks), d_extras
+
+
+def mod_aux_cotangents(d_mod_aux, mod_aux, axis_names: tuple, rows) -> tuple:
+    """A strategy's mod_aux cotangents from this device's share (float32, None where not
+    floating): summed over the axes as ``vma.shared_parameter_cotangent`` says, in each
+    entry's dtype."""
+    return tuple(None if d is None else
+                 vma.shared_parameter_cotangent(d, x, axis_names, rows).astype(x.dtype)
+                 for d, x in zip(d_mod_aux, mod_aux))
 
 
 def _ring_primal(ring, q, k, v, bias, masks, extras):
@@ -371,13 +433,13 @@ def contiguous_forward(description: Ring, q, k, v, masks, bias=None, extras=None
 
 def contiguous_backward(description: Ring, q, k, v, masks, stats, d_out, delta, bias=None,
                         extras=None):
-    """Local body of the partitioned backward: -> (dq, dk, dv, dbias | None) in contiguous
-    blocks; dbias float32 in the bias's (reduced) shape."""
+    """Local body of the partitioned backward: -> (dq, dk, dv, dbias | None, d_mod_aux) in
+    contiguous blocks; dbias float32 in the bias's (reduced) shape."""
     axis, n = description.axis_name, description.num_devices
     seq = lambda x, a=1: to_zigzag_local(x, axis, n, a)
     stats = online_softmax.RowStats(seq(stats.max, 2), seq(stats.log_sum, 2))
-    *grads, dbias = ring_backward(description, seq(q), seq(k), seq(v),
-                                       _local_masks(masks, axis, n), stats, seq(d_out),
-                                       seq(delta, 2), seq(bias, 2), extras)
+    *grads, dbias, d_mod_aux = ring_backward(description, seq(q), seq(k), seq(v),
+                                             _local_masks(masks, axis, n), stats, seq(d_out),
+                                             seq(delta, 2), seq(bias, 2), extras)
     grads = tuple(from_zigzag_local(g, axis, n, 1) for g in grads)
-    return grads + (None if dbias is None else from_zigzag_local(dbias, axis, n, 2),)
+    return grads + (None if dbias is None else from_zigzag_local(dbias, axis, n, 2), d_mod_aux)

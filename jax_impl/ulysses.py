@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_impl import dropout_sinks, masking, online_softmax, ring, vma
+from jax_impl import dropout_sinks, masking, mods, online_softmax, ring, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.symbolic_zeros import Residuals, delta_of, from_primals, reduce_to
 
@@ -82,43 +82,56 @@ def _pairwise_heads(x, axis_name):
     return None if x is None else to_heads(x, axis_name, seq_axis=2, head_axis=1)
 
 
-def _local_inputs(u: Ulysses, masks: masking.MaskInputs, extras):
+def _local_inputs(u: Ulysses, masks: masking.MaskInputs, extras, heads: int):
+    """This device's mask inputs and extras for its block of ``heads`` query heads: whole
+    segment ids, its heads of the per-head arrays, and the mods' mod_aux led by its first
+    head (``mods.offset_aux``: they see global head indices)."""
     ids = lambda x: _whole_ids(x, u.axis_name, u.num_devices)
+    block = lambda x: _head_block(x, u.axis_name, u.num_devices)
     masks = masks._replace(q_segment_ids=ids(masks.q_segment_ids),
                            kv_segment_ids=ids(masks.kv_segment_ids),
-                           mask=_pairwise_heads(masks.mask, u.axis_name))
+                           mask=_pairwise_heads(masks.mask, u.axis_name),
+                           block_mask=None if masks.block_mask is None else
+                           jax.tree.map(block, masks.block_mask))
     extras = extras or dropout_sinks.SinksAndDropout()
-    extras = extras._replace(sinks=_head_block(extras.sinks, u.axis_name, u.num_devices),
-                             dropout_seeds=_head_block(extras.dropout_seeds, u.axis_name, u.num_devices))
+    extras = extras._replace(sinks=block(extras.sinks), dropout_seeds=block(extras.dropout_seeds))
+    if u.cfg.has_mods:  # varying, so the kernels' cotangents stay this device's share (_bwd sums)
+        me = lax.axis_index(u.axis_name)
+        extras = extras._replace(mod_aux=mods.offset_aux(
+            vma.like(extras.mod_aux, vma.axes_of(me)), h=me * heads))
     return masks, extras
 
 
 def forward(u: Ulysses, q, k, v, masks, extras=None, bias=None):
     """Sequence blocks in, sequence blocks out: (out ``[B, L_loc, Hq, D]``, RowStats
     ``[B, Hq, L_loc]``)."""
-    masks, extras = _local_inputs(u, masks, extras)
+    masks, extras = _local_inputs(u, masks, extras, q.shape[2] // u.num_devices)
     heads = lambda x: to_heads(x, u.axis_name)
-    out, stats = u.implementation.forward(u.cfg, heads(q), heads(k), heads(v),
+    out, stats = u.implementation.forward(mods.at_offset(u.cfg), heads(q), heads(k), heads(v),
                                           _pairwise_heads(bias, u.axis_name), masks, extras)
     back = lambda x, s=1, h=2: to_sequence(x, u.axis_name, s, h)
     return back(out), online_softmax.RowStats(back(stats.max, 2, 1), back(stats.log_sum, 2, 1))
 
 
 def backward(u: Ulysses, q, k, v, masks, stats, d_out, delta, extras=None, bias=None):
-    """-> (dq, dk, dv) in sequence blocks, and dbias (``bias``'s shape, rows local) when a bias
-    is given and ``u.cfg.bias_gradient``. The sinks need nothing here (the statistics hold them)."""
-    masks, extras = _local_inputs(u, masks, extras)
+    """-> (dq, dk, dv) in sequence blocks; dbias (``bias``'s shape, rows local) when a bias is
+    given and ``u.cfg.bias_gradient``, else None; this device's share of the mod_aux
+    cotangents (``mods.zero_cotangents``' layout). The sinks need nothing here (the statistics
+    hold them)."""
+    user_aux = () if extras is None else extras.mod_aux
+    masks, extras = _local_inputs(u, masks, extras, q.shape[2] // u.num_devices)
     heads = lambda x, s=1, h=2: to_heads(x, u.axis_name, s, h)
     stats = online_softmax.RowStats(heads(stats.max, 2, 1), heads(stats.log_sum, 2, 1))
     bias_heads = _pairwise_heads(bias, u.axis_name)
-    dq, dk, dv, dbias, _ = u.implementation.backward(u.cfg, heads(q), heads(k), heads(v), bias_heads,
-                                                  masks, stats, heads(d_out), heads(delta, 2, 1),
-                                                  extras)
+    dq, dk, dv, dbias, d_aux = u.implementation.backward(
+        mods.at_offset(u.cfg), heads(q), heads(k), heads(v), bias_heads, masks, stats,
+        heads(d_out), heads(delta, 2, 1), extras)
     grads = tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))
+    d_aux = ring.float_cotangents(d_aux[1:] if u.cfg.has_mods else (), user_aux)
     if bias is None or not u.cfg.bias_gradient:
-        return grads
+        return grads + (None, d_aux)
     dbias = reduce_to(dbias, bias_heads.shape)
-    return grads + (to_sequence(dbias, u.axis_name, seq_axis=2, head_axis=1),)
+    return grads + (to_sequence(dbias, u.axis_name, seq_axis=2, head_axis=1), d_aux)
 
 
 # --- The explicit functions' custom VJP (context_parallel.ulysses_attention, hybrid_attention) --
@@ -147,11 +160,10 @@ def _forward_of(d, q, k, v, bias, masks, extras):
 
 
 def _backward_of(d, q, k, v, bias, masks, stats, d_out, delta, extras):
-    """-> (dq, dk, dv, dbias or None)."""
+    """-> (dq, dk, dv, dbias or None, d_mod_aux)."""
     if isinstance(d, Hybrid):
-        return (*hybrid_backward(d.all_to_all, d.ring, q, k, v, masks, stats, d_out, delta, extras), None)
-    grads = backward(d, q, k, v, masks, stats, d_out, delta, extras, bias)
-    return grads if len(grads) == 4 else (*grads, None)
+        return hybrid_backward(d.all_to_all, d.ring, q, k, v, masks, stats, d_out, delta, extras)
+    return backward(d, q, k, v, masks, stats, d_out, delta, extras, bias)
 
 
 def _fwd(u, q, k, v, bias, masks, extras):
@@ -167,20 +179,17 @@ def _bwd(u, residuals: Residuals, cotangents):
     d_out, delta = delta_of(out, cotangents)
     if isinstance(u, Ulysses):  # bias_gradient: whether the bias is differentiated
         u = dataclasses.replace(u, cfg=residuals.cfg)
-    dq, dk, dv, dbias = _backward_of(u, q, k, v, bias, masks, stats, d_out, delta,
-                                     extras._replace(sinks=None))
+    dq, dk, dv, dbias, d_mod_aux = _backward_of(u, q, k, v, bias, masks, stats, d_out, delta,
+                                                extras._replace(sinks=None))
     dbias = None if dbias is None else dbias.astype(bias.dtype)  # None: a constant bias
     d_extras = jax.tree.map(lambda _: None, extras)
     if extras.sinks is not None:  # this device's rows' share; an unvarying sink sums them
         d_sinks = reduce_to(dropout_sinks.sink_gradient(
             extras.sinks, online_softmax.logsumexp(stats), delta), extras.sinks.shape)
-        # With varying axes tracked (check_vma), an unvarying sink takes the sum over the axes;
-        # untracked (check_vma=False), shard_map's transpose sums the devices' shares itself.
-        summed = tuple(a for a in _axis_names(u)
-                       if a in vma.axes_of(q) and a not in vma.axes_of(extras.sinks))
-        if summed:
-            d_sinks = lax.psum(d_sinks, summed)
+        d_sinks = vma.shared_parameter_cotangent(d_sinks, extras.sinks, _axis_names(u), q)
         d_extras = d_extras._replace(sinks=d_sinks.astype(extras.sinks.dtype))
+    d_extras = d_extras._replace(mod_aux=ring.mod_aux_cotangents(d_mod_aux, extras.mod_aux,
+                                                                  _axis_names(u), q))
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, masks), d_extras
 
 
@@ -202,18 +211,28 @@ ulysses_vjp.defvjp(_fwd, _bwd, symbolic_zeros=True)
 # N_outer steps cross the slow ones.
 
 def hybrid_forward(u: Ulysses, ring_description, q, k, v, masks, extras=None):
-    masks, extras = _local_inputs(u, masks, extras)
+    masks, extras = _local_inputs(u, masks, extras, q.shape[2] // u.num_devices)
     heads = lambda x: to_heads(x, u.axis_name)
-    out, stats = ring.contiguous_forward(ring_description, heads(q), heads(k), heads(v), masks,
-                                         None, extras)
+    out, stats = ring.contiguous_forward(_after_all_to_all(u, ring_description), heads(q),
+                                         heads(k), heads(v), masks, None, extras)
     back = lambda x, s=1, h=2: to_sequence(x, u.axis_name, s, h)
     return back(out), online_softmax.RowStats(back(stats.max, 2, 1), back(stats.log_sum, 2, 1))
 
 
 def hybrid_backward(u: Ulysses, ring_description, q, k, v, masks, stats, d_out, delta, extras=None):
-    masks, extras = _local_inputs(u, masks, extras)
+    """-> (dq, dk, dv, None, d_mod_aux): no bias."""
+    user_aux = () if extras is None else extras.mod_aux
+    masks, extras = _local_inputs(u, masks, extras, q.shape[2] // u.num_devices)
     heads = lambda x, s=1, h=2: to_heads(x, u.axis_name, s, h)
     stats = online_softmax.RowStats(heads(stats.max, 2, 1), heads(stats.log_sum, 2, 1))
-    dq, dk, dv, _ = ring.contiguous_backward(ring_description, heads(q), heads(k), heads(v), masks,
-                                             stats, heads(d_out), heads(delta, 2, 1), None, extras)
-    return tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))
+    dq, dk, dv, _, d_aux = ring.contiguous_backward(
+        _after_all_to_all(u, ring_description), heads(q), heads(k), heads(v), masks, stats,
+        heads(d_out), heads(delta, 2, 1), None, extras)
+    d_aux = ring.float_cotangents(d_aux[1:] if u.cfg.has_mods else (), user_aux)
+    return tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv)) + (None, d_aux)
+
+
+def _after_all_to_all(u: Ulysses, ring_description):
+    """The hybrid's ring, whose mods take the all-to-all's head offset (``_local_inputs``)
+    before the ring's own."""
+    return dataclasses.replace(ring_description, cfg=mods.at_offset(ring_description.cfg))

@@ -46,3 +46,11 @@ def out_struct(shape, dtype, like):
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
     vma = getattr(aval, "vma", None)  # older JAX
     return jax.ShapeDtypeStruct(shape, dtype, **({} if vma is None else {"vma": vma}))
+
+
+def shared_parameter_cotangent(d, x, axis_names: tuple, rows):
+    """The cotangent of a parameter ``x`` (sinks, mod_aux) of which ``d`` is this device's
+    rows' share: summed over the ``axis_names`` along which ``rows`` varies and ``x`` does not.
+    Untracked (check_vma=False), shard_map's transpose sums the shares itself."""
+    summed = tuple(a for a in axis_names if a in axes_of(rows) and a not in axes_of(x))
+    return lax.psum(d, summed) if summed else d

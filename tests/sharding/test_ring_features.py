@@ -81,3 +81,34 @@ def test_a_ring_step_whose_chunks_share_no_document_is_skipped():
     assert not active(3, 1, chunk(ids + shift, 3), chunk(later + shift, 1))
     assert active(3, 1, chunk(ids, 3), jnp.asarray(np.where(np.arange(ck) == 5, ids[:, 3 * cq:3 * cq + 1], 77)))
     assert active(3, 1, None, None) and not active(1, 3, None, None)  # causal band alone
+
+
+def test_a_ring_step_whose_block_mask_tiles_are_all_empty_is_skipped():
+    """ring.pair_masks cuts each chunk pair's BlockMask from the global one (at global tile
+    positions), and pair_active skips the pair when all its tiles are empty: a random global
+    pattern, every pair of 4 chunks judged against the pattern's own tiles."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax_impl import block_mask, implementations, masking, ring
+    from jax_impl.config import AttentionConfig
+
+    chunk, tile, n = 32, 16, 4
+    rng = np.random.default_rng()
+    classes = rng.choice([block_mask.EMPTY, block_mask.PARTIAL, block_mask.FULL],
+                         (1, 1, n * chunk // tile, n * chunk // tile), p=[0.6, 0.2, 0.2])
+    classes[..., 2:4, 4:6] = block_mask.EMPTY  # chunk pair (1, 2): skipped
+    classes[..., 4, 2] = block_mask.FULL  # chunk pair (2, 1): kept
+    global_mask = block_mask.BlockMask.from_tile_classes(jnp.asarray(classes, jnp.int8),
+                                                         n * chunk, n * chunk, tile, tile)
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(has_block_mask=True))
+    r = ring.Ring("seq", n, "contiguous", implementations.get("xla"), cfg, False)
+    masks = masking.MaskInputs(q_len=jnp.full((1,), n * chunk), kv_len=jnp.full((1,), n * chunk),
+                               q_segment_ids=None, kv_segment_ids=None, mask=None,
+                               block_mask=global_mask)
+    tiles, per = block_mask.dense_classes(global_mask), chunk // tile
+    for a in range(n):
+        for c in range(n):
+            pm = ring.pair_masks(r, masks, a, c, chunk, chunk, None, None, tiles)
+            want = classes[..., a * per:(a + 1) * per, c * per:(c + 1) * per]
+            np.testing.assert_array_equal(np.asarray(block_mask.dense_classes(pm.block_mask)), want)
+            assert bool(ring.pair_active(r, pm, chunk, chunk)) == bool((want != 0).any())

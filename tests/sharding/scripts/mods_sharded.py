@@ -1,5 +1,7 @@
 """Calls with score_mod, mask_mod and a block_mask on inputs sharded over 8 devices (batch, or
-sequence): the one-device answer, what explain says, and a ring refused by name."""
+sequence): the one-device answer, what explain says, and a ring refused by name under plain
+jit; inside shard_map, ring_attention, ulysses_attention and hybrid_attention with the same
+mods give the one-device answer and the gradient of their mod_aux."""
 import json
 
 import jax
@@ -7,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_impl import create_block_mask, explain_implementation, flash_attention
+from jax_impl import (create_block_mask, explain_implementation, flash_attention, hybrid_attention,
+                      ring, ring_attention, ulysses_attention)
 
 B, L, H, D = 8, 128, 4, 16
 rng = np.random.default_rng()
@@ -40,4 +43,33 @@ try:
     report["ring"] = None
 except ValueError as e:
     report["ring"] = str(e)
+
+
+def compare(got, want):
+    return max(float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())
+               for a, b in zip(jax.tree.leaves(got), map(np.asarray, jax.tree.leaves(want))))
+
+
+# Inside shard_map: the strategies give the mods global indices (zigzag ring over 2 devices,
+# all-to-all over 4, the hybrid over 2 x 2); mod_aux is replicated, its gradient summed.
+mods = dict(score_mod=alibi, mask_mod=documents, block_mask=block_mask)
+seq, rep = P(None, "x"), P()
+strategies = {
+    "ring_attention": (Mesh(np.array(jax.devices()[:2]), ("x",)), seq, 2,
+                       lambda q, k, v, s: ring_attention(q, k, v, axis_name="x", mod_aux=(s, doc), **mods)),
+    "ulysses_attention": (Mesh(np.array(jax.devices()[:4]), ("x",)), seq, 0,
+                          lambda q, k, v, s: ulysses_attention(q, k, v, axis_name="x", mod_aux=(s, doc), **mods)),
+    "hybrid_attention": (Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("r", "a")), P(None, ("r", "a")), 0,
+                         lambda q, k, v, s: hybrid_attention(q, k, v, all_to_all_axis="a", ring_axis="r",
+                                                             mod_aux=(s, doc), **mods)),
+}
+for name, (submesh, spec, zigzag, local) in strategies.items():
+    sharded = jax.shard_map(local, mesh=submesh, in_specs=(spec,) * 3 + (rep,), out_specs=spec)
+    order = (lambda x: ring.to_zigzag(x, zigzag, 1)) if zigzag else (lambda x: x)
+    back = (lambda x: ring.from_zigzag(x, zigzag, 1)) if zigzag else (lambda x: x)
+    strategy_loss = lambda q, k, v, s: (sharded(q, k, v, s) ** 2).sum()
+    zq, zk, zv = map(order, (q, k, v))
+    out = back(jax.jit(sharded)(zq, zk, zv, slopes))
+    dq, ds = jax.jit(jax.grad(strategy_loss, argnums=(0, 3)))(zq, zk, zv, slopes)
+    report[name] = compare((out, (back(dq), ds)), want)
 print(json.dumps(report))
