@@ -3,6 +3,7 @@
     python3 -m pip install -e ".[docs]" && python3 -m sphinx -W --keep-going -b html docs docs/_build/html
 """
 import os
+import re
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -28,3 +29,24 @@ autodoc_typehints = "none"  # the docstrings say each argument's type and shape
 html_theme = "furo"
 html_title = "jax-flash-attention-ref"
 html_static_path: list[str] = []
+
+
+# A page links a file outside docs/ (a data file, a README beside the reports) by its plain
+# relative path, as GitHub reads it; Sphinx would take a ``.md`` target for a page of the site,
+# so such a link becomes a download of the file (MyST's ``path:`` form).
+_RELATIVE_MD_LINK = re.compile(r"\]\((?![a-z]+:)([^)#\s]+\.md)\)")
+
+
+def _outside_md_as_download(app, docname, source):
+    page_dir = os.path.dirname(os.path.join(app.srcdir, docname))
+
+    def link(match):
+        target = os.path.normpath(os.path.join(page_dir, match.group(1)))
+        inside = os.path.commonpath([target, str(app.srcdir)]) == str(app.srcdir)
+        return match.group(0) if inside else f"](path:{match.group(1)})"
+
+    source[0] = _RELATIVE_MD_LINK.sub(link, source[0])
+
+
+def setup(app):
+    app.connect("source-read", _outside_md_as_download)
