@@ -29,35 +29,38 @@ def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
     """Exact attention over a sequence sharded along mesh axis ``axis_name`` (call inside
     ``jax.shard_map``). Forward and backward are rings of ``lax.ppermute`` steps.
 
-    layout: "zigzag" (device r holds global chunks r and 2N-1-r of 2N: balanced causal work;
-      reorder global arrays with ``ring.to_zigzag`` before sharding) or "contiguous" (device r
-      holds chunk r of N).
-    implementation: the local kernel each ring step runs, one of ``implementations.ring_capable()``:
-      "xla", "pallas_triton" (a CUDA GPU, or anywhere with interpret=True; the Pallas
-      interpreter of jax 0.10 needs ``check_vma=False`` on the enclosing ``jax.shard_map``) or
-      "cpu" (the fused C++ kernel on a CPU); None: flash_attention's automatic choice among
-      these for the platform the call is lowered for.
-    bias, mask: broadcastable to ``[..., Hq, Lq_loc, Lk]`` where ``Lq_loc`` is this device's
-      query rows (in the order of its query block, i.e. the layout's) and ``Lk`` is the GLOBAL
-      key length, columns in global (natural) key order whatever the layout: shard them along
-      the query rows only. They stay on their device; each ring step slices the columns of the
-      visiting key chunk. The bias is differentiable; its gradient has the same layout.
-    query_seq_lengths, key_value_seq_lengths: global, ``[batch...]``; concrete values outside
-      [0, global length] are refused, traced ones clamped (as ``flash_attention``).
-    attention_sinks: as ``flash_attention`` (``[..., Hq]``, the same on every device): each
-      query row's denominator takes them once, after the ring's merge; their gradient is the
-      sum over the ring.
-    dropout_rng / dropout_rate / broadcast_dropout: as ``flash_attention``; every step hashes
-      global (query, key) positions, so the pattern is the one-device call's, bit for bit
-      (the batch index hashed is this device's: shard the batch outside and it is local).
-      Needs an implementation that hashes at an offset (``"xla"``).
-    score_mod, mask_mod, mod_aux, block_mask: as ``flash_attention``'s, on GLOBAL query and key
-      indices (``b`` is this device's flat batch row). ``mod_aux`` holds the same arrays on
-      every device; the gradient of a replicated one is the sum over the ring. ``block_mask``
-      spans the global ``(Lq, Lk)`` and its tiles must divide the ring's chunks: each step cuts
-      its chunk pair's tiles, and a pair whose tiles are all empty is skipped. A mask_mod
-      without a block_mask is evaluated on every tile the band keeps (no step skipped for it).
-    Returns ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
+    The arguments not listed here mean what they mean for ``flash_attention``, for the GLOBAL
+    sequence.
+
+    Args:
+      layout: "zigzag" (device r holds global chunks r and 2N-1-r of 2N: balanced causal work;
+        reorder global arrays with ``ring.to_zigzag`` before sharding) or "contiguous" (device r
+        holds chunk r of N).
+      implementation: the local kernel each ring step runs, one of ``implementations.ring_capable()``:
+        "xla", "pallas_triton" (a CUDA GPU, or anywhere with interpret=True; the Pallas
+        interpreter of jax 0.10 needs ``check_vma=False`` on the enclosing ``jax.shard_map``) or
+        "cpu" (the fused C++ kernel on a CPU); None: flash_attention's automatic choice among
+        these for the platform the call is lowered for.
+      bias: broadcastable to ``[..., Hq, Lq_loc, Lk]`` where ``Lq_loc`` is this device's
+        query rows (in the order of its query block, i.e. the layout's) and ``Lk`` is the GLOBAL
+        key length, columns in global (natural) key order whatever the layout: shard it along
+        the query rows only. It stays on its device; each ring step slices the columns of the
+        visiting key chunk. Differentiable; its gradient has the same layout.
+      mask: bool, in the bias's layout.
+      query_seq_lengths: global, ``[batch...]``; concrete values outside
+        [0, global length] are refused, traced ones clamped (as ``flash_attention``).
+      key_value_seq_lengths: global, likewise.
+      attention_sinks: as ``flash_attention`` (``[..., Hq]``, the same on every device): each
+        query row's denominator takes them once, after the ring's merge; their gradient is the
+        sum over the ring.
+      dropout_rate: as ``flash_attention`` (with ``dropout_rng`` and ``broadcast_dropout``);
+        every step hashes global (query, key) positions, so the pattern is the one-device
+        call's, bit for bit (the batch index hashed is this device's: shard the batch outside
+        and it is local). Needs an implementation that hashes at an offset, one of
+        ``implementations.ring_dropout_capable()`` (not "cpu").
+
+    Returns:
+      ``[..., Lq_loc, Hq, D]``, and with return_residual the logsumexp ``[..., Lq_loc, Hq]``.
     """
     num_devices = _axis_size("axis_name", axis_name, "ring_attention")
     if layout not in ring.LAYOUTS:
@@ -271,7 +274,8 @@ def hybrid_attention(query, key, value, *, all_to_all_axis, ring_axis,
     ``ring_attention``; lengths are global. Query and kv heads must divide the size of
     ``all_to_all_axis`` (kv heads travel with their query groups, as in ``ulysses_attention``);
     the global sequence must divide into ``2 * |ring_axis|`` chunks (the zigzag ring);
-    ``implementation`` is one of ``implementations.ring_capable()``, and ``"xla"`` with dropout.
+    ``implementation`` is one of ``implementations.ring_capable()`` (with dropout, of
+    ``implementations.ring_dropout_capable()``).
     No bias or dense mask (use ``ring_attention`` over one axis). score_mod, mask_mod, mod_aux,
     block_mask: as ``ring_attention``'s (the block_mask's tiles divide the ring's chunks of
     ``L / (2 |ring_axis|)``). Returns ``[..., Lq_loc, Hq, D]``

@@ -60,19 +60,24 @@ def flash_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Exact softmax attention, computed tile by tile (FlashAttention), forward and backward.
 
-    Shapes (``...`` = any number of batch dims, possibly none):
-      query ``[..., Lq, Hq, D]``, key and value ``[..., Lk, Hkv, D]`` with ``Hq % Hkv == 0``
-      (GQA/MQA: query head h reads kv head ``h // (Hq // Hkv)``); returns ``[..., Lq, Hq, D]``
-      in the input dtype, and with ``return_residual=True`` also the logsumexp ``[..., Lq, Hq]``
-      (float32, natural log, ``-inf`` for a row with no allowed key), as jax.nn does.
+    A superset of ``jax.nn.dot_product_attention``: the arguments it shares with jax.nn mean
+    the same, the others are additions. ``...`` below is any number of batch dims, possibly
+    none. Bad input raises an error that names the argument and the rule.
 
-    Arguments shared with ``jax.nn.dot_product_attention`` mean the same:
+    Args:
+      query: ``[..., Lq, Hq, D]``, float32, float16 or bfloat16 (float64 with
+        implementation="reference" only); accumulation is float32.
+      key: ``[..., Lk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA: query head h reads kv head
+        ``h // (Hq // Hkv)``; K and V are never repeated in memory). With ``page_table``: pages
+        ``[num_pages, page_size, Hkv, D]``.
+      value: the same shape as key.
       bias: float, broadcastable to ``[..., Hq, Lq, Lk]``, added to the logits; differentiable.
       mask: bool, broadcastable to ``[..., Hq, Lq, Lk]``; True = may attend.
       scale: multiplies q.k; default ``1/sqrt(D)``.
       is_causal: key j allowed for query i when ``j <= i`` (top-left, as jax.nn and torch SDPA).
-      query_seq_lengths / key_value_seq_lengths: int ``[...]``; queries/keys at or past the length
-        take no part (their output rows are 0).
+      query_seq_lengths: int ``[...]``; queries at or past the length take no part (their
+        output rows are 0). Concrete lengths outside ``[0, L]`` raise; traced ones are clamped.
+      key_value_seq_lengths: int ``[...]``; keys at or past the length take no part.
       local_window_size: ``w`` or ``(left, right)`` (None = unbounded side): key j allowed when
         ``i - left <= j <= i + right``, measured from the same diagonal as causal.
       implementation: "pallas_triton" (the GPU kernel), "mosaic_gpu" (FlashAttention-3's forward
@@ -83,12 +88,14 @@ def flash_attention(
         mask, lengths, window or additions; others are refused with the reason), or None:
         pallas_triton on a CUDA GPU and cpu on a CPU where eligible, xla elsewhere;
         ``explain_implementation`` says why.
+      return_residual: also return the logsumexp ``[..., Lq, Hq]`` (float32, natural log,
+        ``-inf`` for a row with no allowed key), as jax.nn does; differentiable.
 
     Additions:
       causal_alignment: "top_left" or "bottom_right" (the last valid query aligns with the last
         valid key, as FlashAttention-2 and KV-cache decoding; with lengths, per batch row).
-      q_segment_ids / kv_segment_ids: int ``[..., Lq]`` / ``[..., Lk]``; only equal ids attend
-        (packed sequences).
+      q_segment_ids: int ``[..., Lq]``; only equal ids attend (packed sequences).
+      kv_segment_ids: int ``[..., Lk]``, compared with ``q_segment_ids``.
       logits_soft_cap: c > 0: logits become ``c * tanh(logits / c)`` before the bias is added.
       block_sizes: tile sizes (``BlockSizes``; with implementation="mosaic_gpu" a
         ``jax_impl.mosaic_gpu.Config``); None: per-device heuristics.
@@ -103,19 +110,34 @@ def flash_attention(
         joins every row's softmax denominator and carries no value (gpt-oss); differentiable.
         It enters the logsumexp; a row with no allowed key gives output 0.
       context_parallel_strategy: for inputs whose sequence is sharded over a mesh axis, under
-        ``jit``: "ring", "all_to_all" (Ulysses: heads resharded) or "all_gather"; None lets the
-        cost model (``cp_cost.py``) pick by bytes moved per device. ``explain_implementation(...)
-        .strategy`` names the choice and its estimates; an unavailable choice is refused.
-      dropout_rate / dropout_rng / broadcast_dropout / deterministic: attention dropout as Flax
-        means it: active when ``dropout_rate > 0`` and not ``deterministic`` (None: as Flax's
-        ``dot_product_attention``, not deterministic); P is dropped with a pattern hashed from
-        the key and (batch, head, query, key) indices, shared across batch and heads when
-        ``broadcast_dropout``, and kept values are scaled by ``1 / (1 - dropout_rate)``.
-        ``jax_impl.dropout_mask`` materialises the pattern.
+        ``jit``: "ring", "all_to_all" (Ulysses: heads resharded), "hybrid" (a sequence over two
+        mesh axes) or "all_gather"; None lets the cost model (``cp_cost.py``) pick by bytes
+        moved per device. ``explain_implementation(...).strategy`` names the choice and its
+        estimates; an unavailable choice is refused.
 
-    Programmable attention (PyTorch FlexAttention's model; ``jax_impl.mods``):
+    Flax keywords:
+      dropout_rate: attention dropout as Flax means it: active when ``dropout_rate > 0`` and
+        not ``deterministic``; P is dropped with a pattern hashed from the key and (batch, head,
+        query, key) indices, the same in every implementation, and kept values are scaled by
+        ``1 / (1 - dropout_rate)``. ``jax_impl.dropout_mask`` materialises the pattern.
+      dropout_rng: the key of that hash; required when dropout is active.
+      broadcast_dropout: share one ``[Lq, Lk]`` pattern across batch and heads (Flax's default).
+      deterministic: True switches dropout off; None (a direct call): as Flax's
+        ``dot_product_attention``, not deterministic. When given (Flax's modules always give
+        it), a non-bool mask is read as Flax reads it (nonzero = may attend); a direct call
+        with a float mask is refused, so an additive mask is never misread.
+      dtype: cast query, key and value to this dtype first.
+      module: refused (NotImplementedError): the weights never exist, so they cannot be sown;
+        call the Flax module with ``sow_weights=False``.
+      force_fp32_for_softmax: accepted and always true here (the softmax is float32).
+      qk_attn_weights_einsum: refused (NotImplementedError): no custom einsum runs inside the
+        fused kernel.
+      attn_weights_value_einsum: refused likewise.
+
+    Programmable attention:
       score_mod: ``score_mod(score, b, h, q_idx, kv_idx, *mod_aux) -> score``, applied to the
-        logits after the scale, the soft cap and the bias. Written elementwise: ``score`` is
+        logits after the scale, the soft cap and the bias (PyTorch FlexAttention's model;
+        ``jax_impl.mods``). Written elementwise: ``score`` is
         float32 and the int32 indices (flat batch row b, query head h, query and key position)
         are arrays that broadcast against it (a tile's, or the whole ``[B, Hq, Lq, Lk]``), so
         plain ``jnp`` indexing of ``mod_aux`` works (``score - slopes[h] * abs(q_idx - kv_idx)``);
@@ -131,20 +153,24 @@ def flash_attention(
         their own tiles). Without a block_mask mask_mod is evaluated on every tile the other
         rules leave. Segment ids, causal, windows and lengths need none: their empty tiles are
         skipped from per-tile bounds. A block_mask with partial tiles needs its mask_mod.
-      On a CPU such calls run on xla (the C++ kernel cannot run Python functions) unless only
-      a block_mask without partial tiles is given.
+        On a CPU calls with mods run on xla (the C++ kernel cannot run Python functions)
+        unless only a block_mask without partial tiles is given.
 
-    Paged KV cache (inference, forward only):
-      page_table: int ``[..., pages_per_sequence]``; key and value are then pages
-        ``[num_pages, page_size, Hkv, D]`` shared by the batch: logical key j of a batch row is
-        slot ``j % page_size`` of page ``page_table[..., j // page_size]`` (logical
-        Lk = pages_per_sequence * page_size). key_value_seq_lengths (default: the whole table)
-        says how many keys each row holds. Ids follow ``arguments.page_ids``, as
+    Paged KV cache:
+      page_table: int ``[..., pages_per_sequence]`` (inference, forward only); key and value
+        are then pages ``[num_pages, page_size, Hkv, D]`` shared by the batch: logical key j of
+        a batch row is slot ``j % page_size`` of page ``page_table[..., j // page_size]``
+        (logical Lk = pages_per_sequence * page_size). key_value_seq_lengths (default: the whole
+        table) says how many keys each row holds. Ids follow ``arguments.page_ids``, as
         ``kv_cache.gather`` and ``append`` do: concrete ids outside [0, num_pages) raise;
         traced ones are clamped (never read out of bounds), so a gather then a dense call gives
         this call's answer. Runs on the decode path (xla, or an implementation with one); takes
         lengths, causal, windows, soft cap and sinks, not bias, mask, segment ids or dropout;
         not differentiable. ``jax_impl.kv_cache`` writes pages.
+
+    Returns:
+      The output ``[..., Lq, Hq, D]`` in the input dtype; with ``return_residual=True`` the
+      pair (output, logsumexp).
 
     Few query rows (<= 16) against a long cache (>= 512 keys) run on the implementation's
     decode path when it has one (split over the keys; ``explain_implementation(...).path``).
@@ -152,8 +178,6 @@ def flash_attention(
     A query row with no allowed key gives output 0, logsumexp -inf and zero gradients.
     Derivatives are reverse mode (a custom VJP); forward mode (``jax.jvp``, ``jax.jacfwd``)
     and higher orders run with implementation="reference" only, and elsewhere raise saying so.
-    Flax keywords (``dropout_*``, ``deterministic``, ``dtype``, ``module``, ...) are honoured or
-    refused with an error, so the function is usable as ``attention_fn`` directly.
     """
     call = arguments.validate(**locals())
     if call.implementation == cudnn.NAME:  # jax.nn's kernel, by name (cudnn.py)
@@ -247,6 +271,18 @@ def _run(implementation, cfg, q, k, v, bias, masks, extras, page_table):
 
 
 class ImplementationChoice(NamedTuple):
+    """What ``explain_implementation`` returns.
+
+    Attributes:
+      chosen: the implementation ``flash_attention`` runs for the call.
+      reasons: for every implementation, None if it could run the call, else why not.
+      strategy: how sharded inputs run (local, ring, all-to-all, hybrid, gathered) and why;
+        None for unsharded inputs.
+      path: "decode" (few query rows against a long or paged cache, split over the keys) or
+        "regular"; ``path_reason`` says why.
+      path_reason: why that path.
+      tiles: the tiles the regular forward computes (partial and full), "" where unknown.
+    """
     chosen: str
     reasons: dict  # implementation -> None if eligible, else why not
     # How sharded inputs run (partitioned.explain): local / ring / gathered; None unsharded.
@@ -267,7 +303,12 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     """Which implementation ``flash_attention`` would use for these arguments, and why not the others.
 
     ``platform`` defaults to ``jax.default_backend()``; pass "cuda" or "cpu" to ask about
-    another. Arguments are validated exactly as ``flash_attention`` validates them.
+    another. Arguments are validated exactly as ``flash_attention`` validates them; any
+    argument of ``flash_attention`` may be passed.
+
+    Returns:
+      An ``ImplementationChoice``: the implementation chosen, why each other one was not, and
+      for sharded inputs the collective strategy.
     """
     call = arguments.validate(query, key, value, bias, mask, implementation=implementation,
                               interpret=interpret, **kwargs)
