@@ -146,7 +146,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, _pallas_triton_backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
         takes_position_offset=True, takes_dropout_offset=True, decode=pallas_triton.decode,
-        decode_unsupported=pallas_triton.decode_unsupported,
+        decode_takes_mods=True, decode_unsupported=pallas_triton.decode_unsupported,
         pages_unsupported=pallas_triton.pages_unsupported),
     "mosaic_gpu": Implementation(
         "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "

@@ -67,9 +67,10 @@ def _paged_block_k(page_size: int, block_k: int) -> int:
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, key_poison_ref,
-                   table_ref, o_ref, max_ref, log_sum_ref, *, cfg: AttentionConfig, layout: Layout,
-                   lq: int, groups: int, runs: int, block_r: int, page_size: int | None):
-    run, b = pl.program_id(0), pl.program_id(1)
+                   table_ref, aux_refs, o_ref, max_ref, log_sum_ref, *, cfg: AttentionConfig,
+                   layout: Layout, lq: int, groups: int, runs: int, block_r: int,
+                   page_size: int | None, aux_types: tuple):
+    run, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_k = layout.blocks.block_k
     q_len, kv_len = q_len_ref[b], kv_len_ref[b]
     offset = common.position_offset(offset_ref, b)
@@ -78,6 +79,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, key_p
     q = load(q_ref, row_ok, feature_ok)                                   # [R, Dp]
     query = common.QueryTile.create(q, (packed // groups)[:, None], row_ok, None, q_len, kv_len, offset)
     refs = (k_ref, v_ref, None, None, None, key_poison_ref)
+    # Each packed row is its own query head: the mods see h per row.
+    mods = common.TileMods.create(cfg, b, (kv_head * groups + packed % groups)[:, None],
+                                  aux_refs, aux_types)
 
     def key_tile(j, carry):
         acc, row_max, row_sum = carry
@@ -87,7 +91,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, offset_ref, key_p
             page = jnp.clip(table_ref[first // page_size], 0, k_ref.shape[0] - 1)  # never out of bounds
             page_slot = (page, first % page_size)
         tile = common.key_tile_logits(cfg, layout, query, refs, j, block_k, True,
-                                      finite_kv=False, page_slot=page_slot)
+                                      finite_kv=False, page_slot=page_slot, mods=mods)
         rescale, p, row_max, row_sum = online_softmax.online_step(row_max, row_sum, tile.s, tile.allowed,
                                                                    base2=True)
         acc = rescale[:, None] * acc + common.dot(p.astype(tile.v.dtype), tile.v, cfg.precision)
@@ -110,7 +114,8 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
     """``Implementation.decode``: q [B, Lq, Hq, D] against a dense cache k/v [B, Lk, Hkv, D]
     (page_table None) or pages k/v [num_pages, page_size, Hkv, D] read in place through
     page_table [B, pages_per_sequence] int32 (page_size a multiple of 16: pages_unsupported)
-    -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq])."""
+    -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq]). score_mod and mask_mod are traced in, on
+    each packed row's query head and row index."""
     if masks.mask is not None or masks.q_segment_ids is not None or cfg.dropout_rate:
         raise ValueError("pallas_triton.decode takes no dense mask, segment ids or dropout")
     extras = extras or SinksAndDropout()
@@ -136,7 +141,8 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
     runs = decode_runs(b, hkv, tiles(lk, block_k))
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=False, keys_padded=layout.lk_tiled != lk))
-    q, k, v, masks = vma.like((q, k, v, masks), vma.axes_of(q, k, v, masks))
+    aux = tuple(map(common.mod_aux_operand, extras.mod_aux))
+    q, k, v, masks, aux = vma.like((q, k, v, masks, aux), vma.axes_of(q, k, v, masks, aux))
     if not cfg.interpret:
         q = platform.requires_cuda(q, common.PLATFORM_ERROR)
     # Packed rows, the query side of the non-finite rule applied (as the forward's q).
@@ -164,6 +170,7 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
         common.per_row_spec(masks.position_offset, b),
         poison_spec,
         table_spec,
+        common.mod_aux_specs(aux),
     ]
     stats_spec = pl.BlockSpec((None, None, None, block_r), lambda r, i, h: (r, i, h, 0))
     out_specs = [pl.BlockSpec((None, None, None, block_r, d_tile), lambda r, i, h: (r, i, h, 0, 0)),
@@ -172,12 +179,13 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
                  vma.out_struct((runs, b, hkv, block_r), jnp.float32, q),
                  vma.out_struct((runs, b, hkv, block_r), jnp.float32, q)]
     kernel = functools.partial(_decode_kernel, cfg=cfg, layout=layout, lq=lq, groups=groups,
-                               runs=runs, block_r=block_r, page_size=page_size)
+                               runs=runs, block_r=block_r, page_size=page_size,
+                               aux_types=common.mod_aux_types(extras.mod_aux))
     out, row_max, log_sum = pl.pallas_call(
         kernel, grid=(runs, b, hkv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_decode",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
-    )(q_rows, k, v, masks.q_len, masks.kv_len, masks.position_offset, key_poison, page_table)
+    )(q_rows, k, v, masks.q_len, masks.kv_len, masks.position_offset, key_poison, page_table, aux)
     out = out[..., :rows, :d].reshape(runs, b * hkv, rows, 1, d)
     stats = online_softmax.RowStats(*(x[..., :rows].reshape(runs, b * hkv, 1, rows) for x in (row_max, log_sum)))
     out, stats = online_softmax.merge_runs(out, stats)

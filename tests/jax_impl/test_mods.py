@@ -246,9 +246,11 @@ def test_explain_counts_the_tiles_a_block_mask_leaves():
                                    f"({visited - full:,} partial, {full:,} full")
 
 
-def test_decode_and_a_paged_cache_take_the_mods():
+@pytest.mark.parametrize("implementation", [None, "pallas_triton"])
+def test_decode_and_a_paged_cache_take_the_mods(implementation):
     """Few query rows against a long cache (GQA: the decode path packs each kv head's query
-    heads as rows, and the mods must still see each query head)."""
+    heads as rows, and the mods must still see each query head): xla's decode path (chosen on
+    the CPU) and the Pallas Triton decode kernel in the interpreter."""
     b, lq, hq, hkv, pages, page = 2, 3, 4, 2, 6, 128
     lk = pages * page
     keys = jax.random.split(jax.random.key(9), 4)
@@ -257,7 +259,8 @@ def test_decode_and_a_paged_cache_take_the_mods():
     slopes = jnp.asarray([0.01, 0.02, 0.05, 0.1])
     score_mod = lambda s, b, h, q_idx, kv_idx, slopes: s - slopes[h] * jnp.abs(q_idx + lk - lq - kv_idx)
     mask_mod = lambda b, h, q_idx, kv_idx, slopes: (kv_idx % 7 != b) & (kv_idx % 5 != h)
-    kw = dict(score_mod=score_mod, mask_mod=mask_mod, mod_aux=(slopes,))
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod, mod_aux=(slopes,),
+              implementation=implementation, interpret=implementation is not None)
     rows, cols = np.arange(lq)[:, None] + lk - lq, np.arange(lk)[None, :]
     heads = np.arange(hq)[:, None, None]
     allowed = (cols % 7 != np.arange(b)[:, None, None, None]) & (cols % 5 != heads)
