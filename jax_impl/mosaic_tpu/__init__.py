@@ -24,25 +24,16 @@ from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.mosaic_tpu import common
 
-__all__ = ["forward", "backward", "unsupported", "unavailable", "DTYPES", "PLATFORM_ERROR"]
+__all__ = ["forward", "backward", "unsupported", "unavailable", "block_shape", "DTYPES"]
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-PLATFORM_ERROR = (
-    "implementation='mosaic_tpu' runs only on a TPU (the call is being lowered for "
-    "{platform!r}). Use implementation='xla' on any device, implementation=None to choose "
-    "automatically, or interpret=True to run the kernel in the TPU interpreter.")
-
-
-def _import_error() -> str | None:
-    try:
-        from jax.experimental.pallas import tpu as pltpu  # noqa: F401
-        from jax_impl.mosaic_tpu import forward as _  # noqa: F401
-    except Exception as e:  # ImportError, or an API that moved
-        return f"jax.experimental.pallas.tpu cannot be used here: {type(e).__name__}: {e}"
-    return None
-
-
-_UNAVAILABLE = _import_error()
+# Imported here, before the function of the same name is defined below (importing the
+# submodule later would rebind the package's attribute to the module).
+try:
+    from jax_impl.mosaic_tpu import forward as _kernel_module  # noqa: F401  (pltpu)
+    _UNAVAILABLE = None
+except Exception as e:  # ImportError, or an API that moved
+    _UNAVAILABLE = f"jax.experimental.pallas.tpu cannot be used here: {type(e).__name__}: {e}"
 
 
 def unavailable() -> str | None:
@@ -56,7 +47,8 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     """Why the Mosaic TPU forward cannot run such a call, or None; every feature it does not
     take is named. It takes causal (both alignments), windows, lengths, segment ids, GQA/MQA,
     the soft cap, block_mask, mask_mod and score_mod (without mod_aux), sinks, position
-    offsets, a dense mask and a bias."""
+    offsets, a dense mask, a bias and dropout (the shared hash: the same pattern as every
+    implementation's)."""
     del head_dim, has_bias, has_mask, has_sinks, has_segment_ids  # any head_dim: a full block
     if _UNAVAILABLE:
         return _UNAVAILABLE
@@ -64,8 +56,6 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
         return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float32"
     if cfg is None:
         return None
-    if cfg.dropout_rate:
-        return "dropout is not in the Mosaic TPU kernel yet (xla runs it)"
     reason = common.precision_unsupported(cfg, dtype)
     if reason:
         return reason
@@ -103,7 +93,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
         bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
     q, k, v = _nonfinite_rule(q, k, v)
     out, row_max, log_sum = forward_call(
-        cfg, q, k, v, masks, bias, extras.sinks,
+        cfg, q, k, v, masks, bias, extras.sinks, extras.dropout_seeds,
         interpret=pltpu.InterpretParams() if cfg.interpret else None)
     return out, online_softmax.RowStats(row_max, log_sum)
 

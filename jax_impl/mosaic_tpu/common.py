@@ -209,6 +209,14 @@ def recomputed_probs(s, row_max, log_sum, allowed):
     return jnp.exp(shifted)
 
 
+def per_head(ref, b, h):
+    """The entry of (batch b, query head h) of a ``[Bs, Hs]`` SMEM ref (sinks, dropout seeds;
+    Bs in {1, B}, Hs in {1, Hq}), or None without one."""
+    if ref is None:
+        return None
+    return ref[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
+
+
 # --- Tile lists (scalar prefetch) ---------------------------------------------------------------
 # block_mask.tile_classes gives per tile of the grid EMPTY, PARTIAL or FULL. A kernel's grid
 # walks, per (batch row, head, query tile), only the non-empty key tiles: the grid's key axis
@@ -291,5 +299,5 @@ def cost_estimate(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int
 
 __all__ = ["NUM_LANES", "TilePositions", "TileRules", "PARTIAL_TILE", "FULL_TILE", "tile_allowed",
            "mxu_precision", "precision_unsupported", "dot_nt", "dot_nn", "dot_tn", "tile_logits",
-           "lanes", "online_step", "initial_stats", "finalize", "recomputed_probs", "TileLists",
+           "lanes", "online_step", "initial_stats", "per_head", "finalize", "recomputed_probs", "TileLists",
            "static_steps", "tile_lists", "cost_estimate", "round_up"]

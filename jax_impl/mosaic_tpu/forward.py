@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_impl import masking
+from jax_impl import dropout_sinks, masking
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_tpu import common
 
@@ -34,7 +34,7 @@ DEFAULT_BLOCK = 512
 
 def _forward_kernel(*refs, cfg: AttentionConfig, lists: common.TileLists, block_q: int,
                     block_k: int, has_offset: bool, has_segments: bool, has_mask: bool,
-                    has_bias: bool, has_sinks: bool, precision):
+                    has_bias: bool, has_sinks: bool, has_seeds: bool, precision):
     refs = list(refs)
     take = lambda present: refs.pop(0) if present else None
     q_len_ref, kv_len_ref = refs.pop(0), refs.pop(0)
@@ -43,6 +43,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, lists: common.TileLists, block_
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     q_seg_ref, kv_seg_ref = take(has_segments), take(has_segments)
     mask_ref, bias_ref, sinks_ref = take(has_mask), take(has_bias), take(has_sinks)
+    seeds_ref = take(has_seeds)
     o_ref, max_ref, log_sum_ref, m_scratch, l_scratch, acc_scratch = refs
 
     b, h, i, step = (pl.program_id(axis) for axis in range(4))
@@ -50,10 +51,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, lists: common.TileLists, block_
 
     @pl.when(step == 0)
     def _init():
-        sink = None
-        if sinks_ref is not None:
-            sink = sinks_ref[b if sinks_ref.shape[0] > 1 else 0, h if sinks_ref.shape[1] > 1 else 0]
-        m, l = common.initial_stats(block_q, sink)
+        m, l = common.initial_stats(block_q, common.per_head(sinks_ref, b, h))
         m_scratch[...], l_scratch[...] = m, l
         acc_scratch[...] = jnp.zeros_like(acc_scratch)
 
@@ -73,6 +71,10 @@ def _forward_kernel(*refs, cfg: AttentionConfig, lists: common.TileLists, block_
             allowed = masking.all_of([allowed, s != -jnp.inf])
         rescale, p, m, l = common.online_step(m_scratch[...], l_scratch[...], s, allowed)
         v = v_ref[...]
+        if seeds_ref is not None:  # on P where it meets V; m and l stay the undropped ones
+            keep = dropout_sinks.keep(common.per_head(seeds_ref, b, h), pos.rows, pos.cols,
+                                      cfg.dropout_rate)
+            p = dropout_sinks.apply_dropout(p, keep, cfg.dropout_rate)
         pv = common.dot_nn(p.astype(v.dtype), v, precision)
         acc_scratch[...] = acc_scratch[...] * common.lanes(rescale, pv.shape[-1]) + pv
         m_scratch[...], l_scratch[...] = m, l
@@ -102,10 +104,11 @@ def block_shape(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
 
 
 def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=None,
-                 sinks=None, *, interpret=None):
+                 sinks=None, seeds=None, *, interpret=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (already under the non-finite rule) -> (out
     [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32). ``bias`` [Bb, Hb, Lq, Lk] or
-    None; ``masks.mask`` the dense mask or None; ``sinks`` [Bs, Hs] float32 or None."""
+    None; ``masks.mask`` the dense mask or None; ``sinks`` [Bs, Hs] float32 or None; ``seeds``
+    the dropout's [Bs, Hs] uint32 head seeds (dropout_sinks.head_seeds) or None."""
     batch, lq, hq, head_dim = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -150,9 +153,10 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
             (None, None, block_q, block_k),
             lambda b, h, i, s, *p, x=pairs: (bcast(x, 0, b), bcast(x, 1, h), i,
                                              kv_tile(b, h, i, s, *p))))
-    if sinks is not None:
-        operands.append(sinks.astype(jnp.float32))
-        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+    for per_head in (None if sinks is None else sinks.astype(jnp.float32), seeds):
+        if per_head is not None:  # [Bs, Hs] scalars
+            operands.append(per_head)
+            in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
 
     prefetch = [masks.q_len, masks.kv_len]
     if masks.position_offset is not None:
@@ -176,7 +180,7 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
             counts=None, indices=None, full=None), block_q=block_q, block_k=block_k,
         has_offset=masks.position_offset is not None, has_segments=has_segments,
         has_mask=masks.mask is not None, has_bias=bias is not None, has_sinks=sinks is not None,
-        precision=common.mxu_precision(cfg, q.dtype))
+        has_seeds=seeds is not None, precision=common.mxu_precision(cfg, q.dtype))
     nbytes = lambda x: x.size * x.dtype.itemsize
     cost = common.cost_estimate(
         batch, hq, lq, lk, head_dim, matmuls=2, exps=1, causal=cfg.mask.is_causal,

@@ -47,7 +47,7 @@ def test_table_entry_needs_a_tpu_unless_interpreted_and_is_chosen_on_tpu():
 
 @pytest.mark.parametrize("features, reason", [
     (dict(dtype=jnp.float16), "dtype float16 is not bfloat16 or float32"),
-    (dict(dropout_rate=0.1), "dropout is not in the Mosaic TPU kernel"),
+    (dict(dropout_rate=0.1), None),
     (dict(dtype=jnp.float32, precision=lax.Precision.HIGH), "precision=HIGH with float32 inputs"),
     (dict(dtype=jnp.bfloat16, precision=lax.Precision.HIGH), None),  # 16-bit: native
     (dict(block_sizes=BlockSizes(block_q=64, block_k=128)), "BlockSizes.block_q=64 is not a multiple of 128"),
@@ -60,6 +60,15 @@ def test_unsupported_names_what_the_kernel_does_not_take(features, reason):
                           block_sizes=features.pop("block_sizes", None))
     got = mosaic_tpu.unsupported(head_dim=64, cfg=cfg, **features)
     assert got == reason if reason is None else reason in got
+
+
+def test_flash_attention_refuses_what_the_kernel_does_not_take_by_name():
+    """Judged when the call is made, not where it lowers: the feature is named."""
+    from jax_impl import flash_attention
+    q = jnp.ones((1, 128, 2, 64), jnp.float16)
+    with pytest.raises(ValueError, match="implementation='mosaic_tpu' cannot run this call: "
+                                         "dtype float16 is not bfloat16 or float32"):
+        flash_attention(q, q, q, implementation="mosaic_tpu", interpret=True)
 
 
 # --- Tile lists: the grid's key axis walks only non-empty tiles ------------------------------
@@ -116,8 +125,8 @@ def _race_detection():
 PROBLEMS = [  # every sequence ragged against the 128-wide tiles
     Case("bf16-plain-gqa-edges", batch=1, q_heads=2, kv_heads=1, q_len=200, kv_len=130,
          dtype="bfloat16", seed=60),
-    Case("fp32-causal-bottomright-lengths-mqa", batch=2, q_heads=2, kv_heads=1, q_len=260,
-         kv_len=140, causal="bottom_right", lengths=True, seed=61),
+    Case("fp32-causal-bottomright-lengths-mqa-dropout", batch=2, q_heads=2, kv_heads=1, q_len=260,
+         kv_len=140, causal="bottom_right", lengths=True, dropout=0.2, seed=61),
     Case("bf16-causal-window-softcap-sinks-d128", batch=1, q_heads=2, kv_heads=2, q_len=260,
          kv_len=260, head_dim=128, dtype="bfloat16", causal="top_left", window=(50, None),
          soft_cap=4.0, sinks=True, seed=62),
