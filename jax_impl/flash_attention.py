@@ -329,7 +329,7 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                                                    call.extras)
             return ImplementationChoice(chosen, reasons, _strategy(query, call, chosen), "regular",
                                         why_not, implementations.tiles_visited(
-                                            impl, cfg, call.q.shape, call.k.shape, masks))
+                                            impl, cfg, call.q, call.k, masks))
         why = ("a paged KV cache runs on the decode path" if paged else
                f"{call.q.shape[1]} query rows against {lk} keys, no bias, mask, segment ids or dropout")
         if impl.decode_note:

@@ -81,8 +81,8 @@ class Implementation:
     pages_unsupported: Callable[..., str | None] | None = None
     # Whose kernel its decode path is and why, where not its own (explain_implementation says it).
     decode_note: str = ""
-    # (block_q, block_k) of its forward for (cfg, q_shape, k_shape, masks): tiles_visited reads
-    # its tile classes there. None: not reported.
+    # (block_q, block_k) of its forward for (cfg, q, k, masks), q and k arrays or
+    # ShapeDtypeStructs: tiles_visited reads its tile classes there. None: not reported.
     forward_tiles: Callable | None = None
 
     def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False,
@@ -151,7 +151,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         pallas_triton.forward, _pallas_triton_backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
         takes_position_offset=True, takes_dropout_offset=True, decode=pallas_triton.decode,
         decode_takes_mods=True, decode_unsupported=pallas_triton.decode_unsupported,
-        pages_unsupported=pallas_triton.pages_unsupported),
+        pages_unsupported=pallas_triton.pages_unsupported,
+        forward_tiles=lambda cfg, q, k, masks: pallas_triton.forward_blocks(cfg, q, k)),
     "mosaic_gpu": Implementation(
         "mosaic_gpu", "FlashAttention-3's design in Pallas Mosaic GPU for Hopper (sm_90a: TMA "
         "producer, two wgmma consumers, persistent): forward (ping-ponging consumers), dK/dV "
@@ -173,18 +174,17 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         mosaic_tpu.forward, mosaic_tpu.backward, needs_tpu=True, takes_position_offset=True,
         interpreter_has_effects=True,
         call_unsupported=mosaic_tpu.unsupported,
-        forward_tiles=lambda cfg, q_shape, k_shape, masks: mosaic_tpu.block_shape(
-            cfg, q_shape[1], k_shape[1])),
+        forward_tiles=lambda cfg, q, k, masks: mosaic_tpu.block_shape(cfg, q.shape[1], k.shape[1])),
     "cpu": Implementation(
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
         decode=cpu_kernel.decode, decode_unsupported=cpu_kernel.decode_unsupported,
         call_unsupported=cpu_kernel.unsupported, takes_position_offset=True,
-        forward_tiles=lambda cfg, q_shape, k_shape, masks: cpu_kernel.forward_blocks(cfg, masks)),
+        forward_tiles=lambda cfg, q, k, masks: cpu_kernel.forward_blocks(cfg, masks)),
     "xla": Implementation(
         "xla", "the same blocked algorithm in plain JAX: linear memory, any device",
         xla.forward, xla.backward, takes_position_offset=True, takes_dropout_offset=True,
         decode=xla.decode, decode_takes_mods=True,
-        forward_tiles=lambda cfg, q_shape, k_shape, masks: xla.chunk_sizes(cfg, q_shape[1], k_shape[1], masks)),
+        forward_tiles=lambda cfg, q, k, masks: xla.chunk_sizes(cfg, q.shape[1], k.shape[1], masks)),
     "reference": Implementation(
         "reference", "dense attention (materialises [Lq, Lk]); the oracle of the tests",
         automatic=False),
@@ -227,19 +227,18 @@ def decode_path(implementation: Implementation, *, lq: int, lk: int, features: C
     return None
 
 
-def tiles_visited(implementation: Implementation, cfg: AttentionConfig, q_shape, k_shape,
-                  masks) -> str:
+def tiles_visited(implementation: Implementation, cfg: AttentionConfig, q, k, masks) -> str:
     """How many tiles the implementation's forward computes, partial and full, summed over the
     batch rows and heads (``block_mask.tile_classes`` on its tiles), or "" where its tiles are
     not known or the mask inputs are traced."""
     if implementation.forward_tiles is None:
         return ""
-    lq, lk = q_shape[1], k_shape[1]
-    block_q, block_k = implementation.forward_tiles(cfg, q_shape, k_shape, masks)
+    lq, lk = q.shape[1], k.shape[1]
+    block_q, block_k = implementation.forward_tiles(cfg, q, k, masks)
     classes = block_mask.tile_classes(cfg.mask, masks, lq, lk, block_q, block_k,
                                       mask_mod=cfg.mask_mod is not None, band_only=True)
     try:
-        classes = np.broadcast_to(np.asarray(classes), (q_shape[0], q_shape[2]) + classes.shape[2:])
+        classes = np.broadcast_to(np.asarray(classes), (q.shape[0], q.shape[2]) + classes.shape[2:])
     except jax.errors.ConcretizationTypeError:
         return ""
     partial, full = ((classes == c).sum() for c in (block_mask.PARTIAL, block_mask.FULL))

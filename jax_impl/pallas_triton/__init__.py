@@ -37,6 +37,14 @@ def _dropout_offset(extras: SinksAndDropout, q):
     return vma.like(jnp.asarray(extras.dropout_offset, jnp.int32), vma.axes_of(q))
 
 
+def forward_blocks(cfg: AttentionConfig, q, k) -> tuple[int, int]:
+    """(block_q, block_k) of the forward kernel for q [B, Lq, Hq, D] and k (arrays or
+    ShapeDtypeStructs)."""
+    blocks = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
+                           cfg.mask.is_causal).blocks
+    return blocks.block_q, blocks.block_k
+
+
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,

@@ -232,12 +232,14 @@ def test_a_block_mask_with_a_paged_cache_is_refused():
         flash_attention(q, pages, pages, page_table=jnp.zeros((1, 2), jnp.int32), block_mask=full)
 
 
-def test_explain_counts_the_tiles_a_block_mask_leaves():
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+def test_explain_counts_the_tiles_a_block_mask_leaves(implementation):
     q, k, v, _ = _inputs(8)
     doc = _documents(8)
     bm = create_block_mask(_documents_causal, B, None, L, L, block_size=16, mod_aux=(jnp.asarray(doc),))
     choice = explain_implementation(q, k, v, mask_mod=_documents_causal, mod_aux=(jnp.asarray(doc),),
-                                    block_mask=bm, implementation="xla",
+                                    block_mask=bm, implementation=implementation,
+                                    interpret=implementation == "pallas_triton",
                                     block_sizes=BlockSizes(block_q=16, block_k=16))
     allowed = (doc[:, :, None] == doc[:, None, :]) & (POSITIONS[None, :] <= POSITIONS[:, None])
     tiles = allowed.reshape(B, L // 16, 16, L // 16, 16)
