@@ -1,0 +1,1 @@
+"""Pallas Mosaic TPU FlashAttention (placeholder until the forward lands)."""
