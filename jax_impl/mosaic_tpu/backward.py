@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax_impl import block_mask as block_mask_lib
 from jax_impl import dropout_sinks, masking, mods, online_softmax, vma, xla
 from jax_impl.config import AttentionConfig, BlockSizes
+from jax_impl.mosaic_tpu import common
 from jax_impl.pallas_triton.common import kernel_mod_aux, mod_aux_operand, mod_aux_types
 
 # Tile edge of both backward kernels when cfg.block_sizes is not a BlockSizes: TPU grid steps
@@ -68,58 +69,13 @@ def blocks(cfg: AttentionConfig, lq: int, lk: int) -> Blocks:
     return chosen
 
 
-def _precision(cfg: AttentionConfig, dtype):
-    """Pallas TPU takes DEFAULT or HIGHEST: fp32 operands get HIGHEST unless cfg asks for
-    DEFAULT (HIGH has no Mosaic lowering; HIGHEST is never less precise). bf16: the default."""
-    if jnp.dtype(dtype) != jnp.float32:
-        return None
-    return None if cfg.precision in (lax.Precision.DEFAULT, "default") else lax.Precision.HIGHEST
-
-
-def _dot(a, b, contract, precision):
-    """a, b contracted on the given (lhs, rhs) axes, f32 accumulation."""
-    return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
-                           precision=precision, preferred_element_type=jnp.float32)
-
-
-# --- Tile lists --------------------------------------------------------------------------------
-
-def tile_lists(cfg: AttentionConfig, masks: masking.MaskInputs, lq: int, lk: int, block_q: int,
-               block_k: int, *, transposed: bool = False):
-    """Flat int32 (counts ``[Bc*Hc*R]``, tiles ``[Bc*Hc*R*C]``, full ``[Bc*Hc*R*C]``) and
-    their grid's shape (Bc, Hc, R, C): per row of the grid (a query tile, or with ``transposed`` a key tile) its
-    non-empty tiles ascending, padded with the last one, and whether each is full. Flat: SMEM
-    pads the last two axes of a multi-axis array."""
-    classes = block_mask_lib.tile_classes(cfg.mask, masks, lq, lk, block_q, block_k,
-                                          mask_mod=cfg.mask_mod is not None, band_only=True)
-    if transposed:
-        classes = jnp.swapaxes(classes, -1, -2)
-    counts, tiles = block_mask_lib.index_lists(classes != block_mask_lib.EMPTY)
-    full = jnp.take_along_axis(classes, tiles, axis=-1) == block_mask_lib.FULL
-    return (counts.reshape(-1), tiles.reshape(-1), full.astype(jnp.int32).reshape(-1)), classes.shape
-
-
-class _ListRow:
-    """Row ``(b, h, r)`` of the flat tile lists of a ``[Bc, Hc, R, C]`` grid."""
-
-    def __init__(self, shape, b, h, r):
-        bc, hc, self.rows, self.cols = shape
-        self.index = ((b if bc > 1 else 0) * hc + (h if hc > 1 else 0)) * self.rows + r
-
-    def count(self, counts_ref):
-        return counts_ref[self.index]
-
-    def entry(self, ref, t):
-        return ref[self.index * self.cols + t]
-
-
 # --- One tile ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """What a kernel knows at trace time."""
     cfg: AttentionConfig
-    spec: masking.MaskSpec
+    mask_cfg: AttentionConfig  # cfg with the length rules on (the kernels read q_len, kv_len)
     block_q: int
     block_k: int
     precision: object
@@ -140,38 +96,32 @@ def _tile_gradients(st: _Static, refs: dict, b, h, i, j, q, k, v, do, row_max, l
     ``masked``: a partial tile, where the band, lengths, segment ids and mask_mod are evaluated;
     a full tile evaluates only the dense mask. The bias, poison, soft cap, score_mod and dropout
     apply to every tile."""
-    cfg, bq, bk = st.cfg, st.block_q, st.block_k
-    rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    conditions = []
-    if masked:
-        offset = refs["offset"][b] if st.has_offset else None
-        conditions.append(masking.structural_allowed(st.spec, rows, cols, refs["q_len"][b],
-                                                     refs["kv_len"][b], offset))
-        if st.has_segments:
-            conditions.append(masking.segments_equal(refs["q_seg"][...], refs["kv_seg"][...]))
-    if st.has_mask:
-        conditions.append(refs["mask"][...] != 0)
+    cfg = st.cfg
+    pos = common.TilePositions.create(i, j, st.block_q, st.block_k)
     aux = kernel_mod_aux(refs["aux"], st.aux_types) if cfg.has_mods else ()
-    if masked and cfg.mask_mod is not None:
-        conditions.append(mods.allowed(cfg, b, h, rows, cols, aux))
-    allowed = masking.all_of(conditions)
-    qk = _dot(q, k, (1, 1), st.precision)                              # S = Q K^T
-    poison = refs["q_poison"][...] + refs["k_poison"][...]             # [bq, 1] + [1, bk]
-    s, capped = online_softmax.logits(qk, cfg, refs["bias"][...] if st.has_bias else None, poison)
-    slope = None
-    if cfg.score_mod is not None:  # score_mod(s) and its elementwise derivative
-        apply = lambda s: mods.score(cfg, s, b, h, rows, cols, aux)
-        s, slope = jax.jvp(apply, (s,), (jnp.ones_like(s),))
+    allowed = common.tile_allowed(
+        st.mask_cfg, pos, common.PARTIAL_TILE if masked else common.FULL_TILE, b=b, h=h,
+        q_len=refs["q_len"][b], kv_len=refs["kv_len"][b],
+        position_offset=refs["offset"][b] if st.has_offset else None,
+        q_segment_ids=refs["q_seg"][...] if st.has_segments else None,
+        kv_segment_ids=refs["kv_seg"][...] if st.has_segments else None,
+        mask_tile=refs["mask"][...] if st.has_mask else None, mod_aux=aux)
+    # The poison ([bq, 1] + [1, bk], NaN or 0) added to the raw product: S is then NaN at a
+    # poisoned pair and bit for bit the forward's elsewhere (x + 0 == x).
+    qk = common.dot_nt(q, k, st.precision) + (refs["q_poison"][...] + refs["k_poison"][...])
+    s, capped, slope = common.tile_logits(cfg, qk, pos, b=b, h=h,
+                                          bias_tile=refs["bias"][...] if st.has_bias else None,
+                                          mod_aux=aux, score_gradient=True)
     attended = online_softmax.attended(s, allowed, st.has_bias or slope is not None)
     # The stats arrive as [bq, 1] columns: already shaped against the tile.
     p = online_softmax.recomputed_probs(s, online_softmax.RowStats(row_max, log_sum), attended,
                                         to_tile=lambda x: x)
-    dp = _dot(do, v, (1, 1), st.precision)                             # dP = dO V^T
+    dp = common.dot_nt(do, v, st.precision)                            # dP = dO V^T
     keep = None
     if st.has_dropout:
         seed = refs["seeds"][_seed_index(st.seeds_shape, b, h)]
         seed = lax.bitcast_convert_type(jnp.full((1, 1), seed, jnp.int32), jnp.uint32)
+        rows, cols = pos
         if st.has_dropout_offset:
             rows, cols = rows + refs["dropout_offset"][0], cols + refs["dropout_offset"][1]
         keep = dropout_sinks.keep(seed, rows, cols, cfg.dropout_rate)
@@ -193,13 +143,12 @@ def _refs(names, refs):
     return named
 
 
-def _dkdv_kernel(*refs, names, st: _Static, groups: int, list_shape, num_q_steps: int):
+def _dkdv_kernel(*refs, names, st: _Static, groups: int, lists: common.TileLists):
     r = _refs(names, refs)
     b, kv_head, j, t = (pl.program_id(n) for n in range(4))
-    g, step = t // num_q_steps, t % num_q_steps
+    g, step = lax.div(t, lists.steps), lax.rem(t, lists.steps)  # lax: no sign op (no Mosaic rule)
     h = kv_head * groups + g
-    row = _ListRow(list_shape, b, h, j)
-    last = groups * num_q_steps - 1
+    last = groups * lists.steps - 1
 
     @pl.when(t == 0)
     def _():
@@ -207,16 +156,16 @@ def _dkdv_kernel(*refs, names, st: _Static, groups: int, list_shape, num_q_steps
         r["dv_acc"][...] = jnp.zeros_like(r["dv_acc"])
 
     def tile(masked):
-        i = row.entry(r["tiles"], step)
+        i = r["tiles"][lists.entry(b, h, j, step)]
         q, do = r["q"][...], r["do"][...]
         p, dqk, _ = _tile_gradients(st, r, b, h, i, j, q, r["k"][...], r["v"][...], do,
                                     r["max"][...], r["log_sum"][...], r["delta"][...], masked)
         # dV += P^T dO, dK += d(q.k)^T Q: contracted over the query axis, no transposed copy.
-        r["dv_acc"][...] += _dot(p.astype(do.dtype), do, (0, 0), st.precision)
-        r["dk_acc"][...] += _dot(dqk.astype(q.dtype), q, (0, 0), st.precision)
+        r["dv_acc"][...] += common.dot_tn(p.astype(do.dtype), do, st.precision)
+        r["dk_acc"][...] += common.dot_tn(dqk.astype(q.dtype), q, st.precision)
 
-    visited = step < row.count(r["counts"])
-    full = row.entry(r["full"], step) != 0
+    visited = step < r["counts"][lists.row(b, h, j)]
+    full = r["full"][lists.entry(b, h, j, step)] != 0
     pl.when(visited & ~full)(lambda: tile(True))
     pl.when(visited & full)(lambda: tile(False))
 
@@ -226,11 +175,10 @@ def _dkdv_kernel(*refs, names, st: _Static, groups: int, list_shape, num_q_steps
         r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
 
 
-def _dq_kernel(*refs, names, st: _Static, groups: int, list_shape, num_k_steps: int):
+def _dq_kernel(*refs, names, st: _Static, lists: common.TileLists):
     r = _refs(names, refs)
     b, h, i, t = (pl.program_id(n) for n in range(4))
-    row = _ListRow(list_shape, b, h, i)
-    count = row.count(r["counts"])
+    count = r["counts"][lists.row(b, h, i)]
 
     @pl.when(t == 0)
     def _():
@@ -241,20 +189,20 @@ def _dq_kernel(*refs, names, st: _Static, groups: int, list_shape, num_k_steps: 
                 r["dbias"][...] = jnp.zeros_like(r["dbias"])
 
     def tile(masked):
-        j = row.entry(r["tiles"], t)
+        j = r["tiles"][lists.entry(b, h, i, t)]
         k = r["k"][...]
         _, dqk, ds = _tile_gradients(st, r, b, h, i, j, r["q"][...], k, r["v"][...], r["do"][...],
                                      r["max"][...], r["log_sum"][...], r["delta"][...], masked)
-        r["dq_acc"][...] += _dot(dqk.astype(k.dtype), k, (1, 0), st.precision)
+        r["dq_acc"][...] += common.dot_nn(dqk.astype(k.dtype), k, st.precision)
         if "dbias" in r:
             r["dbias"][...] = ds
 
     visited = t < count
-    full = row.entry(r["full"], t) != 0
+    full = r["full"][lists.entry(b, h, i, t)] != 0
     pl.when(visited & ~full)(lambda: tile(True))
     pl.when(visited & full)(lambda: tile(False))
 
-    @pl.when(t == num_k_steps - 1)
+    @pl.when(t == lists.steps - 1)
     def _():
         r["dq"][...] = (r["dq_acc"][...] * st.cfg.scale).astype(r["dq"].dtype)
 
@@ -299,7 +247,7 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
     per_row = lambda x: x.astype(jnp.float32)[..., None]               # [B, Hq, Lq] -> [..., 1]
     row_max, log_sum, delta = per_row(stats.max), per_row(stats.log_sum), per_row(delta)
     aux = tuple(map(mod_aux_operand, extras.mod_aux)) if cfg.has_mods else ()
-    st = _Static(cfg, spec, 0, 0, _precision(cfg, q.dtype),
+    st = _Static(cfg, dataclasses.replace(cfg, mask=spec), 0, 0, common.mxu_precision(cfg, q.dtype),
                  has_offset=masks.position_offset is not None,
                  has_segments=masks.q_segment_ids is not None, has_mask=masks.mask is not None,
                  has_bias=bias is not None, has_dropout=bool(cfg.dropout_rate),
@@ -312,7 +260,7 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
 
     def scalars(lists):
         """Scalar-prefetch operands by name (SMEM): the tile lists, lengths, offsets, seeds."""
-        named = {"counts": lists[0], "tiles": lists[1], "full": lists[2],
+        named = {"counts": lists.counts, "tiles": lists.indices, "full": lists.full,
                  "q_len": masks.q_len.astype(jnp.int32), "kv_len": masks.kv_len.astype(jnp.int32)}
         if masks.position_offset is not None:
             named["offset"] = masks.position_offset.astype(jnp.int32)
@@ -329,20 +277,14 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
     # dK/dV: grid (B, Hkv, key tiles, G x query steps).
     bq, bk = tiles.q_dkv, tiles.k_dkv
     st_dkv = dataclasses.replace(st, block_q=bq, block_k=bk)
-    lists, list_shape = tile_lists(cfg, masks, lq, lk, bq, bk, transposed=True)
-    nq = lq // bq
+    lists = common.tile_lists(cfg, masks, lq, lk, bq, bk, transposed=True)
     named_scalars = scalars(lists)
     scalar_names = list(named_scalars)
-
-    def dkv_maps(shape):
-        """Index maps of grid step (b, kv head, key tile j, t) for the dK/dV kernel."""
-        def query_tile(b, kvh, j, t, *s):
-            row = _ListRow(shape, b, kvh * groups + t // nq, j)
-            return row.entry(s[scalar_names.index("tiles")], t % nq)
-        head = lambda kvh, t: kvh * groups + t // nq
-        return query_tile, head
-
-    query_tile, head = dkv_maps(list_shape)
+    static_lists = _static(lists)
+    head = lambda kvh, t: kvh * groups + lax.div(t, lists.steps)
+    # The query tile of step t: entry t mod steps of (b, head, key tile j)'s list.
+    query_tile = lambda b, kvh, j, t, counts, tiles, *_: tiles[
+        static_lists.entry(b, head(kvh, t), j, lax.rem(t, lists.steps))]
     q_spec = pl.BlockSpec((None, None, bq, d), lambda b, kvh, j, t, *s: (b, head(kvh, t), query_tile(b, kvh, j, t, *s), 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, kvh, j, t, *s: (b, head(kvh, t), query_tile(b, kvh, j, t, *s), 0))
     kv_spec = pl.BlockSpec((None, None, bk, d), lambda b, kvh, j, t, *s: (b, kvh, j, 0))
@@ -358,9 +300,9 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
     names = scalar_names + list(inputs) + ["dk", "dv", "dk_acc", "dv_acc"]
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, names=names, st=st_dkv, groups=groups,
-                          list_shape=list_shape, num_q_steps=nq),
+                          lists=static_lists),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalar_names), grid=(batch, hkv, lk // bk, groups * nq),
+            num_scalar_prefetch=len(scalar_names), grid=(batch, hkv, lk // bk, groups * lists.steps),
             in_specs=[spec for _, spec in inputs.values()], out_specs=[kv_spec, kv_spec],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * 2),
         out_shape=[vma.out_struct(kh.shape, k.dtype, q), vma.out_struct(vh.shape, v.dtype, q)],
@@ -374,21 +316,20 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
     # dQ (and dbias): grid (B, Hq, query tiles, key steps).
     bq, bk = tiles.q_dq, tiles.k_dq
     st_dq = dataclasses.replace(st, block_q=bq, block_k=bk)
-    lists, list_shape = tile_lists(cfg, masks, lq, lk, bq, bk)
-    nk = lk // bk
+    lists = common.tile_lists(cfg, masks, lq, lk, bq, bk)
     named_scalars = scalars(lists)
-    key_tile = lambda b, h, i, t, *s: _ListRow(list_shape, b, h, i).entry(
-        s[scalar_names.index("tiles")], t)
+    static_lists = _static(lists)
+    key_tile = lambda b, h, i, t, counts, tiles, *_: tiles[static_lists.entry(b, h, i, t)]
     q_spec = pl.BlockSpec((None, None, bq, d), lambda b, h, i, t, *s: (b, h, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, t, *s: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, d), lambda b, h, i, t, *s: (b, h // groups, key_tile(b, h, i, t, *s), 0))
+    kv_spec = pl.BlockSpec((None, None, bk, d), lambda b, h, i, t, *s: (b, lax.div(h, groups), key_tile(b, h, i, t, *s), 0))
     pair_spec = lambda x: pl.BlockSpec((None, None, bq, bk), lambda b, h, i, t, *s: (
         _broadcast(x, 0, b), _broadcast(x, 1, h), i, key_tile(b, h, i, t, *s)))
     inputs = {"q": (qh, q_spec), "k": (kh, kv_spec), "v": (vh, kv_spec), "do": (doh, q_spec),
               "max": (row_max, row_spec), "log_sum": (log_sum, row_spec), "delta": (delta, row_spec),
               "q_poison": (q_poison, row_spec),
               "k_poison": (k_poison, pl.BlockSpec((None, None, 1, bk), lambda b, h, i, t, *s: (
-                  b, h // groups, 0, key_tile(b, h, i, t, *s))))}
+                  b, lax.div(h, groups), 0, key_tile(b, h, i, t, *s))))}
     _add_mask_inputs(inputs, masks, bias, aux, pair_spec,
                      q_seg=lambda b, h, i, t, *s: (b, i, 0),
                      kv_seg=lambda b, h, i, t, *s: (b, 0, key_tile(b, h, i, t, *s)), bq=bq, bk=bk)
@@ -405,10 +346,10 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
         outputs.append("dbias")
     names = scalar_names + list(inputs) + outputs + ["dq_acc"]
     results = pl.pallas_call(
-        functools.partial(_dq_kernel, names=names, st=st_dq, groups=groups,
-                          list_shape=list_shape, num_k_steps=nk),
+        functools.partial(_dq_kernel, names=names, st=st_dq,
+                          lists=static_lists),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalar_names), grid=(batch, hq, lq // bq, nk),
+            num_scalar_prefetch=len(scalar_names), grid=(batch, hq, lq // bq, lists.steps),
             in_specs=[spec for _, spec in inputs.values()], out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
         out_shape=out_shape, input_output_aliases=aliases,
@@ -422,6 +363,11 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
     dq = results[0]
     dbias = results[1] if write_dbias else None
     return heads_first(dq), heads_first(dk), heads_first(dv), dbias
+
+
+def _static(lists: common.TileLists) -> common.TileLists:
+    """The lists' static part (their row arithmetic), for the kernels and index maps."""
+    return lists._replace(counts=None, indices=None, full=None)
 
 
 def _seed_index(shape, b, h):
