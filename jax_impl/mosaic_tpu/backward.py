@@ -13,27 +13,27 @@ Tiles: ``block_mask.tile_classes`` on each kernel's own grid (the band, lengths,
 block_mask) -> per row of tiles the non-empty ones ascending and whether each is full, passed as
 scalar prefetch. Step t of a row reads entry t of its list; the steps past the row's count
 repeat the last tile (no new copy) and compute nothing. Partial tiles evaluate every mask
-rule; full ones only the dense mask.
+rule; full ones only the dense mask. Sequences are padded to whole tiles (the padded positions
+fail the length rule; their rows get max = +inf); head_dim is taken whole.
 
 P = exp(S - max - log_sum) is recomputed from the forward's natural-log RowStats (an empty row
 has max = +inf, log_sum = 0, so P = 0); delta = rowsum(O dO) comes from the custom VJP. Q, K
 and V are read with their non-finite entries as 0, and each tile adds the NaN-or-0 poison of
 its query rows and keys (online_softmax's non-finite rule), as pallas_triton does. The gradient
 of a floating mod_aux is taken from the xla backward (the kernels return none), as
-pallas_triton's registration does.
+pallas_triton's registration does. Sinks need nothing here: they are in the RowStats, and
+their gradient comes from the statistics (recompute_vjp).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_impl import block_mask as block_mask_lib
 from jax_impl import dropout_sinks, masking, mods, online_softmax, vma, xla
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.mosaic_tpu import common
@@ -54,19 +54,28 @@ class Blocks:
 
 
 def blocks(cfg: AttentionConfig, lq: int, lk: int) -> Blocks:
-    """The backward tiles: cfg.block_sizes' dkv/dq fields, else DEFAULT_BLOCK; at most the
-    sequence. Each must divide its sequence (the kernels read no ragged tile: its padding rows
-    could hold NaN that dS = 0 would not cancel)."""
+    """The backward tiles: cfg.block_sizes' dkv/dq fields, else DEFAULT_BLOCK, at most the
+    sequence rounded up to 128. Multiples of 128: a tile's key axis is the lanes of S, and its
+    query axis the sublanes of an int8 mask tile (32)."""
     sizes = cfg.block_sizes if isinstance(cfg.block_sizes, BlockSizes) else None
-    chosen = Blocks(*(min(DEFAULT_BLOCK if sizes is None else getattr(sizes, name), length)
-                      for name, length in (("block_q_dkv", lq), ("block_k_dkv", lk),
-                                           ("block_q_dq", lq), ("block_k_dq", lk))))
-    for name, length, block in (("Lq", lq, chosen.q_dkv), ("Lk", lk, chosen.k_dkv),
-                                ("Lq", lq, chosen.q_dq), ("Lk", lk, chosen.k_dq)):
-        if length % block:
-            raise ValueError(f"mosaic_tpu backward: {name}={length} must be a multiple of its "
-                             f"tile ({block}); pad the sequence or set block_sizes")
-    return chosen
+    chosen = []
+    for name, length in (("block_q_dkv", lq), ("block_k_dkv", lk), ("block_q_dq", lq),
+                         ("block_k_dq", lk)):
+        block = DEFAULT_BLOCK if sizes is None else getattr(sizes, name)
+        if block % common.NUM_LANES:
+            raise ValueError(f"implementation='mosaic_tpu': BlockSizes.{name}={block} must be a "
+                             f"multiple of {common.NUM_LANES} (the TPU's lanes)")
+        chosen.append(min(block, common.round_up(length, common.NUM_LANES)))
+    return Blocks(*chosen)
+
+
+def _pad(x, axis: int, size: int, value=0):
+    """x padded along ``axis`` to ``size`` with ``value`` (None stays None)."""
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
 
 
 # --- One tile ----------------------------------------------------------------------------------
@@ -237,15 +246,26 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
     lk, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
     tiles = blocks(cfg, lq, lk)
+    # Sequences padded to whole tiles of both kernels: the padded positions lie at or past the
+    # lengths (the length rules are on: ``spec``), their rows have max = +inf (P = 0), and the
+    # tile lists (built for Lq, Lk) never call their tiles full.
+    lq_pad = common.round_up(lq, max(tiles.q_dkv, tiles.q_dq))
+    lk_pad = common.round_up(lk, max(tiles.k_dkv, tiles.k_dq))
     spec = dataclasses.replace(cfg.mask, has_q_lengths=True, has_kv_lengths=True)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)                       # [B, L, H, D] -> [B, H, L, D]
     # The non-finite rule, once per call: finite operands, and each query row's and key's poison.
-    q_poison = online_softmax.row_poison(q).transpose(0, 2, 1)[..., None]     # [B, Hq, Lq, 1]
-    k_poison = online_softmax.key_poison(k, v).transpose(0, 2, 1)[:, :, None]  # [B, Hkv, 1, Lk]
-    qh, kh, vh = (heads_first(online_softmax.finite_or_zero(x)) for x in (q, k, v))
-    doh = heads_first(d_out)
-    per_row = lambda x: x.astype(jnp.float32)[..., None]               # [B, Hq, Lq] -> [..., 1]
-    row_max, log_sum, delta = per_row(stats.max), per_row(stats.log_sum), per_row(delta)
+    q_poison = _pad(online_softmax.row_poison(q).transpose(0, 2, 1), 2, lq_pad)[..., None]  # [B, Hq, Lq, 1]
+    k_poison = _pad(online_softmax.key_poison(k, v).transpose(0, 2, 1), 2, lk_pad)[:, :, None]  # [B, Hkv, 1, Lk]
+    qh, kh, vh = (_pad(heads_first(online_softmax.finite_or_zero(x)), 2, length)
+                  for x, length in ((q, lq_pad), (k, lk_pad), (v, lk_pad)))
+    doh = _pad(heads_first(d_out), 2, lq_pad)
+    per_row = lambda x, value=0: _pad(x.astype(jnp.float32), 2, lq_pad, value)[..., None]  # [..., 1]
+    row_max, log_sum, delta = per_row(stats.max, jnp.inf), per_row(stats.log_sum), per_row(delta)
+    bias = None if bias is None else _pad(_pad(bias, 2, lq_pad), 3, lk_pad)
+    padded_masks = masks._replace(
+        q_segment_ids=_pad(masks.q_segment_ids, 1, lq_pad),
+        kv_segment_ids=_pad(masks.kv_segment_ids, 1, lk_pad),
+        mask=None if masks.mask is None else _pad(_pad(masks.mask, 2, lq_pad, False), 3, lk_pad, False))
     aux = tuple(map(mod_aux_operand, extras.mod_aux)) if cfg.has_mods else ()
     st = _Static(cfg, dataclasses.replace(cfg, mask=spec), 0, 0, common.mxu_precision(cfg, q.dtype),
                  has_offset=masks.position_offset is not None,
@@ -294,7 +314,7 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
               "max": (row_max, row_spec), "log_sum": (log_sum, row_spec), "delta": (delta, row_spec),
               "q_poison": (q_poison, row_spec),
               "k_poison": (k_poison, pl.BlockSpec((None, None, 1, bk), lambda b, kvh, j, t, *s: (b, kvh, 0, j)))}
-    _add_mask_inputs(inputs, masks, bias, aux, pair_spec,
+    _add_mask_inputs(inputs, padded_masks, bias, aux, pair_spec,
                      q_seg=lambda b, kvh, j, t, *s: (b, query_tile(b, kvh, j, t, *s), 0),
                      kv_seg=lambda b, kvh, j, t, *s: (b, 0, j), bq=bq, bk=bk)
     names = scalar_names + list(inputs) + ["dk", "dv", "dk_acc", "dv_acc"]
@@ -302,7 +322,7 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
         functools.partial(_dkdv_kernel, names=names, st=st_dkv, groups=groups,
                           lists=static_lists),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalar_names), grid=(batch, hkv, lk // bk, groups * lists.steps),
+            num_scalar_prefetch=len(scalar_names), grid=(batch, hkv, lists.rows, groups * lists.steps),
             in_specs=[spec for _, spec in inputs.values()], out_specs=[kv_spec, kv_spec],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * 2),
         out_shape=[vma.out_struct(kh.shape, k.dtype, q), vma.out_struct(vh.shape, v.dtype, q)],
@@ -330,7 +350,7 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
               "q_poison": (q_poison, row_spec),
               "k_poison": (k_poison, pl.BlockSpec((None, None, 1, bk), lambda b, h, i, t, *s: (
                   b, lax.div(h, groups), 0, key_tile(b, h, i, t, *s))))}
-    _add_mask_inputs(inputs, masks, bias, aux, pair_spec,
+    _add_mask_inputs(inputs, padded_masks, bias, aux, pair_spec,
                      q_seg=lambda b, h, i, t, *s: (b, i, 0),
                      kv_seg=lambda b, h, i, t, *s: (b, 0, key_tile(b, h, i, t, *s)), bq=bq, bk=bk)
     out_specs, out_shape, outputs = [q_spec], [vma.out_struct(qh.shape, q.dtype, q)], ["dq"]
@@ -338,18 +358,18 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
     write_dbias = bias is not None and cfg.bias_gradient
     if write_dbias:  # zeros in, updated in place: the skipped tiles stay 0
         aliases = {len(named_scalars) + len(inputs): 1}
-        inputs["dbias_zeros"] = (vma.like(jnp.zeros((batch, hq, lq, lk), jnp.float32), vma.axes_of(q)),
+        inputs["dbias_zeros"] = (vma.like(jnp.zeros((batch, hq, lq_pad, lk_pad), jnp.float32), vma.axes_of(q)),
                                  pl.BlockSpec(memory_space=pl.ANY))
         out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda b, h, i, t, *s: (
             b, h, i, key_tile(b, h, i, t, *s))))
-        out_shape.append(vma.out_struct((batch, hq, lq, lk), jnp.float32, q))
+        out_shape.append(vma.out_struct((batch, hq, lq_pad, lk_pad), jnp.float32, q))
         outputs.append("dbias")
     names = scalar_names + list(inputs) + outputs + ["dq_acc"]
     results = pl.pallas_call(
         functools.partial(_dq_kernel, names=names, st=st_dq,
                           lists=static_lists),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalar_names), grid=(batch, hq, lq // bq, lists.steps),
+            num_scalar_prefetch=len(scalar_names), grid=(batch, hq, lists.rows, lists.steps),
             in_specs=[spec for _, spec in inputs.values()], out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
         out_shape=out_shape, input_output_aliases=aliases,
@@ -361,8 +381,8 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
         interpret=_interpret(cfg), name="flash_attention_tpu_dq",
     )(*named_scalars.values(), *(x for x, _ in inputs.values()))
     dq = results[0]
-    dbias = results[1] if write_dbias else None
-    return heads_first(dq), heads_first(dk), heads_first(dv), dbias
+    dbias = results[1][:, :, :lq, :lk] if write_dbias else None
+    return heads_first(dq[:, :, :lq]), heads_first(dk[:, :, :lk]), heads_first(dv[:, :, :lk]), dbias
 
 
 def _static(lists: common.TileLists) -> common.TileLists:
