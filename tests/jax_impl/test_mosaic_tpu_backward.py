@@ -47,8 +47,10 @@ class Case:
 
 
 CASES = {
-    "gqa_d128_sinks": Case(d=128, sinks=True),
-    # A non-finite key past kv_len: no row attends it, so it reaches no gradient.
+    # No band: every tile is full, where the dense mask is still evaluated.
+    "gqa_d128_sinks_dense_mask": Case(d=128, sinks=True, dense_mask=True),
+    # A non-finite key past kv_len: no row attends it, so it reaches no gradient; a NaN query
+    # row makes its own gradients and those of the keys it attends NaN.
     "causal_bottom_right_lengths_nonfinite_key": Case(lq=128, spec=masking.MaskSpec(
         is_causal=True, bottom_right=True, has_kv_lengths=True), kv_len=200, nonfinite=True),
     # L=200: the last tile is ragged (padded to 256 inside).
@@ -80,6 +82,7 @@ def _run(case: Case, seed: int = 0):
     kv_len = np.full((B,), case.kv_len or case.lk, np.int32)
     if case.nonfinite:
         k[0, 230, 0, 3] = np.inf
+        q[0, 5, 1, 0] = np.nan
     bottom_right = case.spec.bottom_right or case.position_offset is not None
     oracle_kwargs = dict(is_causal=case.spec.is_causal,
                          causal_alignment="bottom_right" if bottom_right else "top_left")
@@ -103,6 +106,12 @@ def _run(case: Case, seed: int = 0):
     if case.bias:
         bias = normal(B, HQ, case.lq, case.lk)
         bias[0, 1, 5, 7:20] = -np.inf  # excluded pairs: dbias 0 there
+        # A NaN query row: its logit at an allowed pair with a -inf bias is NaN, not -inf, so
+        # the pair takes part (dbias NaN there), as the forward's row statistics say.
+        q[0, 30, 1, 0] = np.nan
+        bias[0, 1, 30, 11] = -np.inf
+        if mask is not None:
+            mask[0, 1, 30, 11] = oracle_mask[0, 1, 30, 11] = True
         oracle_kwargs["bias"] = bias
     extras = dropout_sinks.SinksAndDropout()
     if case.sinks:
