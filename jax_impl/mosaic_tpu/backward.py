@@ -53,20 +53,31 @@ class Blocks:
     k_dq: int
 
 
+_BLOCK_FIELDS = ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
+
+
+def blocks_unsupported(cfg: AttentionConfig) -> str | None:
+    """Why cfg.block_sizes cannot tile the backward kernels, or None: their tiles must be
+    multiples of 128 (a tile's key axis is the lanes of S, its query axis the sublanes of an
+    int8 mask tile)."""
+    sizes = cfg.block_sizes if isinstance(cfg.block_sizes, BlockSizes) else None
+    for name in _BLOCK_FIELDS if sizes is not None else ():
+        if getattr(sizes, name) % common.NUM_LANES:
+            return (f"BlockSizes.{name}={getattr(sizes, name)} is not a multiple of "
+                    f"{common.NUM_LANES} (the TPU's lanes; the backward kernels' tiles)")
+    return None
+
+
 def blocks(cfg: AttentionConfig, lq: int, lk: int) -> Blocks:
     """The backward tiles: cfg.block_sizes' dkv/dq fields, else DEFAULT_BLOCK, at most the
-    sequence rounded up to 128. Multiples of 128: a tile's key axis is the lanes of S, and its
-    query axis the sublanes of an int8 mask tile (32)."""
+    sequence rounded up to 128 (``blocks_unsupported`` refuses the rest)."""
+    reason = blocks_unsupported(cfg)
+    if reason:
+        raise ValueError(f"implementation='mosaic_tpu' backward: {reason}")
     sizes = cfg.block_sizes if isinstance(cfg.block_sizes, BlockSizes) else None
-    chosen = []
-    for name, length in (("block_q_dkv", lq), ("block_k_dkv", lk), ("block_q_dq", lq),
-                         ("block_k_dq", lk)):
-        block = DEFAULT_BLOCK if sizes is None else getattr(sizes, name)
-        if block % common.NUM_LANES:
-            raise ValueError(f"implementation='mosaic_tpu': BlockSizes.{name}={block} must be a "
-                             f"multiple of {common.NUM_LANES} (the TPU's lanes)")
-        chosen.append(min(block, common.round_up(length, common.NUM_LANES)))
-    return Blocks(*chosen)
+    return Blocks(*(min(DEFAULT_BLOCK if sizes is None else getattr(sizes, name),
+                        common.round_up(length, common.NUM_LANES))
+                    for name, length in zip(_BLOCK_FIELDS, (lq, lk, lq, lk))))
 
 
 def _pad(x, axis: int, size: int, value=0):
