@@ -168,9 +168,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         decode_unsupported=pallas_triton.decode_unsupported,
         pages_unsupported=pallas_triton.pages_unsupported, decode_note=MOSAIC_GPU_DECODE_NOTE),
     "mosaic_tpu": Implementation(
-        "mosaic_tpu", "FlashAttention in Pallas Mosaic TPU: forward with scalar-prefetched "
-        "lists of the non-empty key tiles; backward: xla's from the same RowStats until the "
-        "TPU backward kernels land (speed unmeasured on TPU hardware)",
+        "mosaic_tpu", "FlashAttention in Pallas Mosaic TPU: forward, dK/dV and dQ kernels "
+        "walking scalar-prefetched lists of the non-empty tiles (proven in the TPU interpreter "
+        "and compiled for v4/v5e/v5p/v6e; speed unmeasured on TPU hardware)",
         mosaic_tpu.forward, mosaic_tpu.backward, needs_tpu=True, takes_position_offset=True,
         interpreter_has_effects=True,
         call_unsupported=mosaic_tpu.unsupported,

@@ -1,6 +1,5 @@
-"""Pallas Mosaic TPU FlashAttention: the forward kernel (forward.py) and, once backward.py is
-there, its dK/dV and dQ kernels; until then the backward is ``xla.backward``, which recomputes
-P from the same natural-log RowStats.
+"""Pallas Mosaic TPU FlashAttention: the forward kernel (forward.py) and the dK/dV and dQ
+kernels (backward.py), which recompute P from the forward's natural-log RowStats.
 
 ``forward`` and ``backward`` keep the contract of ``implementations.py`` (RowStats: an empty
 row has max = +inf and log_sum = 0). ``unsupported`` names every feature of a call that the
@@ -11,9 +10,9 @@ The non-finite rule (online_softmax) costs one XLA pass over q, k and v before t
 for the Mosaic GPU kernel (``jax_impl.mosaic_gpu._nonfinite_rule``): q's rows that hold a
 non-finite value become all NaN, k's rows take their key's poison, v's non-finite entries 0.
 
-A score_mod or mask_mod that reads mod_aux arrays (gathers the kernel does not make) runs as
+A score_mod or mask_mod that reads mod_aux arrays (gathers the kernels do not make) runs as
 ``xla.forward`` and ``xla.backward`` (the same contract and RowStats); mods that read only the
-indices are traced into the kernel.
+indices are traced into the kernels. The floating mod_aux gradient is xla's in any case.
 """
 from __future__ import annotations
 
@@ -27,10 +26,10 @@ from jax_impl.mosaic_tpu import common
 __all__ = ["forward", "backward", "unsupported", "unavailable", "block_shape", "DTYPES"]
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-# Imported here, before the function of the same name is defined below (importing the
+# Imported here, before the functions of the same names are defined below (importing a
 # submodule later would rebind the package's attribute to the module).
 try:
-    from jax_impl.mosaic_tpu import forward as _kernel_module  # noqa: F401  (pltpu)
+    from jax_impl.mosaic_tpu import backward as _backward_kernels, forward as _forward_kernel
     _UNAVAILABLE = None
 except Exception as e:  # ImportError, or an API that moved
     _UNAVAILABLE = f"jax.experimental.pallas.tpu cannot be used here: {type(e).__name__}: {e}"
@@ -68,13 +67,12 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
             if value % common.NUM_LANES:
                 return (f"BlockSizes.{name}={value} is not a multiple of {common.NUM_LANES} "
                         "(the TPU's lanes)")
-    return None
+    return _backward_kernels.blocks_unsupported(cfg)
 
 
 def block_shape(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
     """The forward's (block_q, block_k) for sequences of Lq and Lk."""
-    from jax_impl.mosaic_tpu.forward import block_shape as forward_block_shape
-    return forward_block_shape(cfg, lq, lk)
+    return _forward_kernel.block_shape(cfg, lq, lk)
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
@@ -82,7 +80,6 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     from jax.experimental.pallas import tpu as pltpu
 
     from jax_impl.mosaic_gpu import _nonfinite_rule
-    from jax_impl.mosaic_tpu.forward import forward_call
     extras = extras or SinksAndDropout()
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype)
     if reason:
@@ -92,25 +89,14 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
         bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
     q, k, v = _nonfinite_rule(q, k, v)
-    out, row_max, log_sum = forward_call(
+    out, row_max, log_sum = _forward_kernel.forward_call(
         cfg, q, k, v, masks, bias, extras.sinks, extras.dropout_seeds,
         interpret=pltpu.InterpretParams() if cfg.interpret else None)
     return out, online_softmax.RowStats(row_max, log_sum)
 
 
-def _backward(extras: SinksAndDropout | None):
-    """backward.py's ``backward`` where it exists, else (and for mods with mod_aux, whose
-    forward is xla's) ``xla.backward``, which reads the same RowStats."""
-    if extras is not None and extras.mod_aux:
-        return xla.backward
-    try:
-        from jax_impl.mosaic_tpu.backward import backward as kernels
-    except ImportError:
-        return xla.backward
-    return kernels
-
-
 def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, extras=None):
-    """-> (dq, dk, dv, dbias or None, d_mod_aux): see ``_backward``."""
-    return _backward(extras)(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
-
+    """-> (dq, dk, dv, dbias or None, d_mod_aux): the kernels, or ``xla.backward`` for mods
+    that read mod_aux (their forward is xla's)."""
+    run = xla.backward if extras is not None and extras.mod_aux else _backward_kernels.backward
+    return run(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)

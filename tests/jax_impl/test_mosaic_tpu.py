@@ -27,7 +27,8 @@ from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run
 
 needs_pallas_tpu = pytest.mark.skipif(mosaic_tpu.unavailable() is not None,
                                       reason=f"mosaic_tpu: {mosaic_tpu.unavailable()}")
-TILES = BlockSizes(block_q=128, block_k=128)
+TILES = BlockSizes(**dict.fromkeys(
+    ('block_q', 'block_k', 'block_q_dkv', 'block_k_dkv', 'block_q_dq', 'block_k_dq'), 128))
 
 
 # --- The table and eligibility ---------------------------------------------------------------
@@ -51,6 +52,8 @@ def test_table_entry_needs_a_tpu_unless_interpreted_and_is_chosen_on_tpu():
     (dict(dtype=jnp.float32, precision=lax.Precision.HIGH), "precision=HIGH with float32 inputs"),
     (dict(dtype=jnp.bfloat16, precision=lax.Precision.HIGH), None),  # 16-bit: native
     (dict(block_sizes=BlockSizes(block_q=64, block_k=128)), "BlockSizes.block_q=64 is not a multiple of 128"),
+    (dict(block_sizes=BlockSizes(block_q=128, block_k=128)),  # the backward's fields too
+     "BlockSizes.block_q_dkv=32 is not a multiple of 128"),
     (dict(dtype=jnp.float32), None),
 ])
 def test_unsupported_names_what_the_kernel_does_not_take(features, reason):
