@@ -40,6 +40,7 @@ def adapters(device: str = "cpu") -> dict[str, Adapter]:
                     ("cpu", "", ("cpu", "cuda")), ("xla", "", ("cpu", "cuda")),
                     ("pallas_triton", ", interpret=True on CPU", ("cpu", "cuda")),
                     ("mosaic_gpu", ", interpret=True on CPU (jax >= 0.11)", ("cpu", "cuda")),
+                    ("mosaic_tpu", ", interpret=True on CPU (the TPU interpreter)", ("cpu",)),
                     ("reference", "", ("cpu", "cuda")), ("cudnn", ": jax.nn's cuDNN kernel", ("cuda",)))]
     jax_nn = [JaxNNAdapter(f"jax.nn.{impl}", "jax", device, ("jax",), devices=devices, fn=jax_nn_attention,
                            fixed_kwargs=(("implementation", impl),), reason_fn=jax_nn_reason,
