@@ -160,7 +160,7 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         raise TypeError(f"block_sizes must be a jax_impl.BlockSizes (or, with "
                         f"implementation='mosaic_gpu', a jax_impl.mosaic_gpu.Config); got "
                         f"{type(block_sizes).__name__}")
-    if interpret and implementation not in (None, "pallas_triton", "mosaic_gpu"):
+    if interpret and implementation not in (None, "pallas_triton", "mosaic_gpu", "mosaic_tpu"):
         raise ValueError(f"interpret=True runs a Pallas kernel in its interpreter; it does not "
                          f"apply to {implementation=}")
     if implementation == "pallas_triton" or (interpret and implementation is None):

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from jax_impl import block_mask, cpu_kernel, mods, mosaic_gpu, pallas_triton, xla
+from jax_impl import block_mask, cpu_kernel, mods, mosaic_gpu, mosaic_tpu, pallas_triton, xla
 from jax_impl.platform import CUDA_PLATFORMS
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
@@ -57,6 +57,7 @@ class Implementation:
     max_head_dim: int | None = None
     needs_cuda: bool = False          # unless interpret=True (the Pallas interpreter)
     needs_cpu: bool = False
+    needs_tpu: bool = False           # unless interpret=True (the TPU interpreter)
     automatic: bool = True            # may be chosen by implementation=None
     # Why it is never chosen by implementation=None (explain_implementation says it).
     manual_because: str = "it materialises the [Lq, Lk] logits"
@@ -93,6 +94,9 @@ class Implementation:
         if self.needs_cuda and not interpret and platform not in CUDA_PLATFORMS:
             return (f"the {self.name} kernel needs a CUDA GPU; platform is {platform!r} "
                     "(interpret=True runs it anywhere)")
+        if self.needs_tpu and not interpret and platform != "tpu":
+            return (f"the {self.name} kernel needs a TPU; platform is {platform!r} "
+                    "(interpret=True runs it in the TPU interpreter)")
         if self.needs_cpu and platform != "cpu":
             return f"the fused C++ kernel runs on the CPU; platform is {platform!r}"
         if self.call_unsupported is not None:
@@ -162,6 +166,15 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         takes_dropout_offset=True, interpreter_has_effects=True, decode=_mosaic_gpu_decode,
         decode_unsupported=pallas_triton.decode_unsupported,
         pages_unsupported=pallas_triton.pages_unsupported, decode_note=MOSAIC_GPU_DECODE_NOTE),
+    "mosaic_tpu": Implementation(
+        "mosaic_tpu", "FlashAttention in Pallas Mosaic TPU: forward with scalar-prefetched "
+        "lists of the non-empty key tiles; backward: xla's from the same RowStats until the "
+        "TPU backward kernels land (speed unmeasured on TPU hardware)",
+        mosaic_tpu.forward, mosaic_tpu.backward, needs_tpu=True, takes_position_offset=True,
+        interpreter_has_effects=True,
+        call_unsupported=mosaic_tpu.unsupported,
+        forward_tiles=lambda cfg, q_shape, k_shape, masks: mosaic_tpu.block_shape(
+            cfg, q_shape[1], k_shape[1])),
     "cpu": Implementation(
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
         decode=cpu_kernel.decode, decode_unsupported=cpu_kernel.decode_unsupported,
@@ -291,10 +304,10 @@ def automatic(reasons_by_name: dict, among: tuple[str, ...] | None = None) -> st
 
 def on_lowering_platform(choose: Callable[[str], str], run: Callable[[str], Callable], *args):
     """``run(choose(platform))(*args)`` for the platform the call is lowered for, decided there
-    (so that jax.export for "cuda" works on a CPU host); platforms other than CUDA and the CPU
-    take ``choose("other")``."""
+    (so that jax.export for "cuda" works on a CPU host); platforms other than CUDA, TPU and
+    the CPU take ``choose("other")``."""
     default = choose("other")
-    branches = {platform: run(name) for platform in ("cuda", "cpu")
+    branches = {platform: run(name) for platform in ("cuda", "tpu", "cpu")
                 if (name := choose(platform)) != default}
     if not branches:
         return run(default)(*args)

@@ -1,0 +1,191 @@
+"""Forward kernel: FlashAttention-2's Algorithm 1 in Pallas Mosaic TPU.
+
+Grid ``(B, Hq, query tiles, steps)``: the key axis is innermost and "arbitrary" (the running
+m, l and the fp32 output accumulator live in VMEM scratch across it), the others "parallel".
+The key axis walks the query tile's non-empty key tiles only (``common.tile_lists``, read
+through scalar prefetch): its extent is a static bound on their count, the K/V index maps read
+the list (entries past the count repeat the last tile: no new DMA) and the compute of those
+steps is skipped. FULL tiles evaluate no mask rule. GQA/MQA: the K/V index maps take the kv
+head ``h // group``, nothing is repeated in memory. O is divided by l once, at the last step,
+where the natural-log RowStats are written too.
+
+Precision: bf16 operands multiply natively on the MXU with float32 accumulation (P is rounded
+to bf16 for P V, as JAX's TPU flash attention does). float32 operands: at precision DEFAULT
+the MXU rounds them to bf16 (one pass); at HIGHEST (the project's default) Mosaic emulates
+fp32 in several passes (~5x the MXU time, measured in the static LLO estimate).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jax_impl import masking
+from jax_impl.config import AttentionConfig
+from jax_impl.mosaic_tpu import common
+
+DEFAULT_BLOCK = 512
+
+
+def _forward_kernel(*refs, cfg: AttentionConfig, lists: common.TileLists, block_q: int,
+                    block_k: int, has_offset: bool, has_segments: bool, has_mask: bool,
+                    has_bias: bool, has_sinks: bool, precision):
+    refs = list(refs)
+    take = lambda present: refs.pop(0) if present else None
+    q_len_ref, kv_len_ref = refs.pop(0), refs.pop(0)
+    offset_ref = take(has_offset)
+    counts_ref, indices_ref, full_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    q_seg_ref, kv_seg_ref = take(has_segments), take(has_segments)
+    mask_ref, bias_ref, sinks_ref = take(has_mask), take(has_bias), take(has_sinks)
+    o_ref, max_ref, log_sum_ref, m_scratch, l_scratch, acc_scratch = refs
+
+    b, h, i, step = (pl.program_id(axis) for axis in range(4))
+    row = lists.row(b, h, i)
+
+    @pl.when(step == 0)
+    def _init():
+        sink = None
+        if sinks_ref is not None:
+            sink = sinks_ref[b if sinks_ref.shape[0] > 1 else 0, h if sinks_ref.shape[1] > 1 else 0]
+        m, l = common.initial_stats(block_q, sink)
+        m_scratch[...], l_scratch[...] = m, l
+        acc_scratch[...] = jnp.zeros_like(acc_scratch)
+
+    def visit(rules: common.TileRules):
+        kv_tile = indices_ref[row * lists.steps + step]
+        pos = common.TilePositions.create(i, kv_tile, block_q, block_k)
+        allowed = common.tile_allowed(
+            cfg, pos, rules, b=b, h=h, q_len=q_len_ref[b], kv_len=kv_len_ref[b],
+            position_offset=None if offset_ref is None else offset_ref[b],
+            q_segment_ids=None if q_seg_ref is None else q_seg_ref[...],
+            kv_segment_ids=None if kv_seg_ref is None else kv_seg_ref[...],
+            mask_tile=None if mask_ref is None else mask_ref[...])
+        qk = common.dot_nt(q_ref[...], k_ref[...], precision)
+        s, _, _ = common.tile_logits(cfg, qk, pos, b=b, h=h,
+                                     bias_tile=None if bias_ref is None else bias_ref[...])
+        if has_bias:  # an additive -inf bias excludes its pair (online_softmax.attended)
+            allowed = masking.all_of([allowed, s != -jnp.inf])
+        rescale, p, m, l = common.online_step(m_scratch[...], l_scratch[...], s, allowed)
+        v = v_ref[...]
+        pv = common.dot_nn(p.astype(v.dtype), v, precision)
+        acc_scratch[...] = acc_scratch[...] * common.lanes(rescale, pv.shape[-1]) + pv
+        m_scratch[...], l_scratch[...] = m, l
+
+    visited = step < counts_ref[row]
+    is_full = full_ref[row * lists.steps + step] != 0
+    pl.when(visited & is_full)(lambda: visit(common.FULL_TILE))
+    pl.when(visited & ~is_full)(lambda: visit(common.PARTIAL_TILE))
+
+    @pl.when(step == lists.steps - 1)
+    def _write():
+        out, row_max, log_sum = common.finalize(acc_scratch[...], m_scratch[...], l_scratch[...])
+        o_ref[...] = out.astype(o_ref.dtype)
+        # [bq, lanes] -> [1, bq]: the row statistics as a lane-dense row.
+        max_ref[...] = row_max.T[:1, :]
+        log_sum_ref[...] = log_sum.T[:1, :]
+
+
+def block_shape(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
+    """(block_q, block_k): ``cfg.block_sizes``' where given, else DEFAULT_BLOCK; clipped to
+    the sequences rounded up to the lanes (multiples of 128 both)."""
+    given = cfg.block_sizes
+    block_q = given.block_q if given is not None else DEFAULT_BLOCK
+    block_k = given.block_k if given is not None else DEFAULT_BLOCK
+    return (min(block_q, common.round_up(lq, common.NUM_LANES)),
+            min(block_k, common.round_up(lk, common.NUM_LANES)))
+
+
+def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=None,
+                 sinks=None, *, interpret=None):
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (already under the non-finite rule) -> (out
+    [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32). ``bias`` [Bb, Hb, Lq, Lk] or
+    None; ``masks.mask`` the dense mask or None; ``sinks`` [Bs, Hs] float32 or None."""
+    batch, lq, hq, head_dim = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    block_q, block_k = block_shape(cfg, lq, lk)
+    lq_pad, lk_pad = common.round_up(lq, block_q), common.round_up(lk, block_k)
+    lists = common.tile_lists(cfg, masks, lq, lk, block_q, block_k)
+    kernel_cfg = dataclasses.replace(cfg, mask=masking.with_padding(
+        cfg.mask, queries_padded=lq_pad != lq, keys_padded=lk_pad != lk))
+    pad_to = lambda x, axis, n: x if x.shape[axis] == n else jnp.pad(
+        x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+    q = pad_to(q.transpose(0, 2, 1, 3), 2, lq_pad)       # [B, Hq, Lq_pad, D]
+    k = pad_to(k.transpose(0, 2, 1, 3), 2, lk_pad)       # [B, Hkv, Lk_pad, D]
+    v = pad_to(v.transpose(0, 2, 1, 3), 2, lk_pad)
+
+    def kv_tile(b, h, i, step, *prefetch):
+        counts, indices, full = prefetch[-3:]
+        return indices[lists.row(b, h, i) * lists.steps + step]
+
+    bcast = lambda x, axis, index: index if x.shape[axis] > 1 else 0
+    in_specs = [
+        pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, s, *_: (b, h, i, 0)),
+        pl.BlockSpec((None, None, block_k, head_dim),
+                     lambda b, h, i, s, *p: (b, lax.div(h, groups), kv_tile(b, h, i, s, *p), 0)),
+        pl.BlockSpec((None, None, block_k, head_dim),
+                     lambda b, h, i, s, *p: (b, lax.div(h, groups), kv_tile(b, h, i, s, *p), 0)),
+    ]
+    operands = [q, k, v]
+    has_segments = masks.q_segment_ids is not None
+    if has_segments:
+        operands += [pad_to(masks.q_segment_ids, 1, lq_pad)[:, :, None],   # [B, Lq_pad, 1]
+                     pad_to(masks.kv_segment_ids, 1, lk_pad)[:, None, :]]  # [B, 1, Lk_pad]
+        in_specs += [pl.BlockSpec((None, block_q, 1), lambda b, h, i, s, *_: (b, i, 0)),
+                     pl.BlockSpec((None, 1, block_k),
+                                  lambda b, h, i, s, *p: (b, 0, kv_tile(b, h, i, s, *p)))]
+    for pairs in (masks.mask, bias):
+        if pairs is None:
+            continue
+        if pairs.dtype == jnp.bool_:
+            pairs = pairs.astype(jnp.int8)
+        operands.append(pad_to(pad_to(pairs, 2, lq_pad), 3, lk_pad))
+        in_specs.append(pl.BlockSpec(
+            (None, None, block_q, block_k),
+            lambda b, h, i, s, *p, x=pairs: (bcast(x, 0, b), bcast(x, 1, h), i,
+                                             kv_tile(b, h, i, s, *p))))
+    if sinks is not None:
+        operands.append(sinks.astype(jnp.float32))
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+
+    prefetch = [masks.q_len, masks.kv_len]
+    if masks.position_offset is not None:
+        prefetch.append(masks.position_offset.astype(jnp.int32))
+    prefetch += list(lists.operands())
+
+    stats_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, s, *_: (b, h, 0, i))
+    out_specs = [pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, s, *_: (b, h, i, 0)),
+                 stats_spec, stats_spec]
+    stats_shape = jax.ShapeDtypeStruct((batch, hq, 1, lq_pad), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((batch, hq, lq_pad, head_dim), q.dtype), stats_shape,
+                 stats_shape]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch), grid=(batch, hq, lq_pad // block_q, lists.steps),
+        in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((block_q, common.NUM_LANES), jnp.float32),
+                        pltpu.VMEM((block_q, common.NUM_LANES), jnp.float32),
+                        pltpu.VMEM((block_q, head_dim), jnp.float32)])
+    kernel = functools.partial(
+        _forward_kernel, cfg=kernel_cfg, lists=lists._replace(
+            counts=None, indices=None, full=None), block_q=block_q, block_k=block_k,
+        has_offset=masks.position_offset is not None, has_segments=has_segments,
+        has_mask=masks.mask is not None, has_bias=bias is not None, has_sinks=sinks is not None,
+        precision=common.mxu_precision(cfg, q.dtype))
+    nbytes = lambda x: x.size * x.dtype.itemsize
+    cost = common.cost_estimate(
+        batch, hq, lq, lk, head_dim, matmuls=2, exps=1, causal=cfg.mask.is_causal,
+        bytes_accessed=sum(nbytes(x) for x in operands) + nbytes(q))
+    out, row_max, log_sum = pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=cost, interpret=interpret or False, name="flash_attention_forward_tpu",
+    )(*prefetch, *operands)
+    out = out[:, :, :lq].transpose(0, 2, 1, 3)
+    return out, row_max[:, :, 0, :lq], log_sum[:, :, 0, :lq]

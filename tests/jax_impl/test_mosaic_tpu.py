@@ -1,0 +1,153 @@
+"""implementation="mosaic_tpu": its table entry, its tile lists (the grid walks only non-empty
+key tiles), and its forward in the TPU interpreter (races detected) against the float64 torch
+oracle, with gradients through its registered backward from the kernel's RowStats.
+
+Interpret mode is slow (seconds per call on CPU): tiny shapes, 128-wide tiles so that the
+sequences span several tiles and end ragged.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+from conformance import mods as conformance_mods
+from conformance.cases import Case
+from jax_impl import block_mask, implementations, masking, mosaic_tpu
+from jax_impl.config import AttentionConfig, BlockSizes
+from jax_impl.flash_attention import explain_implementation
+from jax_impl.mosaic_tpu import common
+from jax_impl.mosaic_tpu.forward import forward_call
+from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run
+
+needs_pallas_tpu = pytest.mark.skipif(mosaic_tpu.unavailable() is not None,
+                                      reason=f"mosaic_tpu: {mosaic_tpu.unavailable()}")
+TILES = BlockSizes(block_q=128, block_k=128)
+
+
+# --- The table and eligibility ---------------------------------------------------------------
+
+def test_table_entry_needs_a_tpu_unless_interpreted_and_is_chosen_on_tpu():
+    impl = implementations.get("mosaic_tpu")
+    assert impl.automatic and impl.needs_tpu and "unmeasured" in impl.summary
+    assert list(implementations.IMPLEMENTATIONS).index("mosaic_tpu") < list(
+        implementations.IMPLEMENTATIONS).index("xla")
+    reason = impl.unsupported(head_dim=64, platform="cpu")
+    assert "needs a TPU" in reason and "'cpu'" in reason and "interpret=True" in reason
+    assert impl.unsupported(head_dim=64, platform="cpu", interpret=True) is None
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    assert explain_implementation(q, q, q, platform="tpu").chosen == "mosaic_tpu"
+    assert explain_implementation(q, q, q, platform="cpu").chosen != "mosaic_tpu"
+
+
+@pytest.mark.parametrize("features, reason", [
+    (dict(dtype=jnp.float16), "dtype float16 is not bfloat16 or float32"),
+    (dict(dropout_rate=0.1), "dropout is not in the Mosaic TPU kernel"),
+    (dict(dtype=jnp.float32, precision=lax.Precision.HIGH), "precision=HIGH with float32 inputs"),
+    (dict(dtype=jnp.bfloat16, precision=lax.Precision.HIGH), None),  # 16-bit: native
+    (dict(block_sizes=BlockSizes(block_q=64, block_k=128)), "BlockSizes.block_q=64 is not a multiple of 128"),
+    (dict(dtype=jnp.float32), None),
+])
+def test_unsupported_names_what_the_kernel_does_not_take(features, reason):
+    cfg = AttentionConfig(scale=0.125, mask=masking.MaskSpec(),
+                          dropout_rate=features.pop("dropout_rate", 0.0),
+                          precision=features.pop("precision", lax.Precision.HIGHEST),
+                          block_sizes=features.pop("block_sizes", None))
+    got = mosaic_tpu.unsupported(head_dim=64, cfg=cfg, **features)
+    assert got == reason if reason is None else reason in got
+
+
+# --- Tile lists: the grid's key axis walks only non-empty tiles ------------------------------
+
+def _grid(cfg, q, k, masks):
+    """The grid of the forward's pallas_call for these operands (traced, not run)."""
+    jaxpr = jax.make_jaxpr(lambda q, k, v: forward_call(cfg, q, k, v, masks))(q, k, k)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    return eqn.params["grid_mapping"].grid
+
+
+@pytest.mark.parametrize("spec, steps", [
+    (masking.MaskSpec(window_left=128, window_right=0), 2),   # each query tile: 2 of 4 key tiles
+    (masking.MaskSpec(is_causal=True, window_left=0), 1),      # the diagonal tile alone
+    (masking.MaskSpec(is_causal=True), 4),                     # the last query tile sees all 4
+])
+def test_the_key_axis_extent_is_the_most_non_empty_tiles_of_any_query_tile(spec, steps):
+    q = jnp.zeros((1, 512, 2, 64), jnp.bfloat16)
+    full = jnp.full((1,), 512, jnp.int32)
+    masks = masking.MaskInputs(full, full, None, None, None)
+    cfg = AttentionConfig(scale=0.125, mask=spec, block_sizes=TILES)
+    assert _grid(cfg, q, q, masks) == (1, 2, 4, steps)
+
+
+def test_segment_ids_leave_a_query_tile_only_the_tiles_of_its_documents():
+    """Two documents of 256 keys: every query tile lists 2 of the 4 key tiles, all FULL, and
+    the padding repeats the last listed tile (no new copy)."""
+    ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 256)[None]
+    full = jnp.full((1,), 512, jnp.int32)
+    masks = masking.MaskInputs(full, full, ids, ids, None)
+    cfg = AttentionConfig(scale=0.125, mask=masking.MaskSpec())
+    lists = common.tile_lists(cfg, masks, 512, 512, 128, 128)
+    assert lists.steps == 4 and lists.counts.tolist() == [2, 2, 2, 2]
+    assert np.asarray(lists.indices).reshape(4, 4).tolist() == [[0, 1, 1, 1], [0, 1, 1, 1],
+                                                                [2, 3, 3, 3], [2, 3, 3, 3]]
+    assert np.asarray(lists.full).reshape(4, 4)[:, :2].all()
+
+
+# --- Numbers in the TPU interpreter ------------------------------------------------------------
+
+@contextlib.contextmanager
+def _race_detection():
+    """The interpreter with race detection; asserts afterwards that it ran and found none."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    try:
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True)):
+            yield
+    except Exception:
+        pltpu.reset_tpu_interpret_mode_state()
+        raise
+    assert ipc.races is not None and not ipc.races.races_found
+
+
+PROBLEMS = [  # every sequence ragged against the 128-wide tiles
+    Case("bf16-plain-gqa-edges", batch=1, q_heads=2, kv_heads=1, q_len=200, kv_len=130,
+         dtype="bfloat16", seed=60),
+    Case("fp32-causal-bottomright-lengths-mqa", batch=2, q_heads=2, kv_heads=1, q_len=260,
+         kv_len=140, causal="bottom_right", lengths=True, seed=61),
+    Case("bf16-causal-window-softcap-sinks-d128", batch=1, q_heads=2, kv_heads=2, q_len=260,
+         kv_len=260, head_dim=128, dtype="bfloat16", causal="top_left", window=(50, None),
+         soft_cap=4.0, sinks=True, seed=62),
+    Case("fp32-segments-mask-bias-d96", batch=1, q_heads=2, kv_heads=2, q_len=200, kv_len=200,
+         head_dim=96, segments=True, mask="bool", bias=True, seed=63),
+    Case("bf16-mask_mod-block_mask", batch=1, q_heads=2, kv_heads=2, q_len=300, kv_len=300,
+         dtype="bfloat16", mods="sliding_global", block_size=128, seed=64),
+    Case("fp32-score_mod-empty_rows", batch=1, q_heads=2, kv_heads=1, q_len=140, kv_len=140,
+         mods="soft_cap", mask="bool", empty_rows=True, seed=65),
+]
+
+
+def _mods(case: Case) -> dict:
+    """The case's score_mod / mask_mod (index-only: no mod_aux) and its block_mask, as
+    flash_attention keywords."""
+    if case.mods is None:
+        return {}
+    mods = conformance_mods.get(case.mods)
+    given = {name: conformance_mods.bound(fn, jnp) for name, fn in
+             (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)) if fn is not None}
+    if case.block_size:
+        given["block_mask"] = block_mask.create_block_mask(
+            given["mask_mod"], None, None, case.q_len, case.kv_len, block_size=case.block_size)
+    return given
+
+
+@needs_pallas_tpu
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.name)
+def test_forward_and_its_gradients_match_the_float64_oracle(problem):
+    with _race_detection():
+        results = run(problem, DTYPES[problem.dtype], "mosaic_tpu", interpret=True,
+                      block_sizes=TILES, **_mods(problem))
+    assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
