@@ -350,7 +350,7 @@ def _warn(plan: ShardingPlan):
 class _Op:
     """One op three ways: ``body`` unpartitioned, ``partitioned`` (custom_partitioning: XLA's
     partitioner calls back into Python for the plan) and ``shard_mapped`` (the same plan and
-    per-device function through ``jax.shard_map``, for q's sharding known while tracing)."""
+    per-device function through ``jax.shard_map``, where libtpu or explicit axes need it)."""
 
     body: object  # (implementation, cfg, names, *arrays) -> results, on one device
     partitioned: custom_partitioning
@@ -379,10 +379,13 @@ def _make_op(body, local_of, plan_of, results_of):
     def shard_mapped(implementation, cfg, names, mesh, avals, *arrays):
         plan, args, results = planned(implementation, cfg, names, mesh, avals)
         _warn(plan)
-        arrays = [jax.sharding.reshard(x, s.spec) for x, s in zip(arrays, args)]
+        if AxisType.Explicit in mesh.axis_types:  # typed operands must match in_specs
+            arrays = [jax.sharding.reshard(x, s) for x, s in zip(arrays, args)]
+        # check_vma=False: the per-device functions are custom_partitioning's, which run
+        # untyped (a kernel's outputs need not declare how they vary); the plan fixes the specs.
         return jax.shard_map(local_of(plan, mesh, implementation, cfg, names), mesh=mesh,
                              in_specs=tuple(s.spec for s in args),
-                             out_specs=tuple(s.spec for s in results))(*arrays)
+                             out_specs=tuple(s.spec for s in results), check_vma=False)(*arrays)
 
     op = custom_partitioning(body, static_argnums=(0, 1, 2))
     op.def_partition(partition=partition, infer_sharding_from_operands=infer,
@@ -490,29 +493,29 @@ def _call(op: _Op, implementation, cfg, names, *arrays):
     """``op`` on ``arrays`` over the devices of q's mesh. q's sharding known while tracing (a
     mesh with explicit axes): the plan through shard_map, on every platform (custom_partitioning
     cannot even trace the op with such operands, and libtpu cannot partition it). Else
-    custom_partitioning, and, lowered for a platform of NO_CUSTOM_PARTITIONING, the op
-    unpartitioned (XLA partitions what it can; a kernel's operands are gathered) with a warning."""
+    custom_partitioning, and, lowered for a platform of NO_CUSTOM_PARTITIONING, shard_map with
+    the operands replicated (every device computes the whole call) and a warning."""
     q = arrays[names.index("q")]
     mesh = jax.typeof(q).sharding.mesh
     if mesh.size <= 1 or AxisType.Manual in mesh.axis_types:  # one device or inside shard_map:
         return op.partitioned(implementation, cfg, names, *arrays)  # custom_partitioning inlines
+    shard_mapped = functools.partial(op.shard_mapped, implementation, cfg, names, mesh,
+                                     tuple(jax.typeof(x) for x in arrays))
     if _known_sharding(q) is not None:
-        return op.shard_mapped(implementation, cfg, names, mesh,
-                               tuple(jax.typeof(x) for x in arrays), *arrays)
+        return shard_mapped(*arrays)
     platform = getattr(mesh.abstract_device, "platform", None)
     if platform is not None and platform not in NO_CUSTOM_PARTITIONING:
         return op.partitioned(implementation, cfg, names, *arrays)
     if platform is not None:
         warnings.warn(
             f"flash_attention on {platform}: its XLA cannot call back into custom partitioning "
-            "and q's sharding is not known while tracing (a mesh with automatic axes), so XLA "
-            "partitions the call as it can (a kernel's operands are gathered). For the local "
+            "and q's sharding is not known while tracing (a mesh with automatic axes), so every "
+            "device computes the whole call (its operands are gathered). For the local "
             "batch/head split and the ring or all-to-all over the sequence, use a mesh with "
             "explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))) or call "
             "flash_attention inside jax.shard_map", ShardingWarning, stacklevel=2)
     return jax.lax.platform_dependent(
-        *arrays, **{p: functools.partial(op.body, implementation, cfg, names)
-                    for p in NO_CUSTOM_PARTITIONING},
+        *arrays, **{p: shard_mapped for p in NO_CUSTOM_PARTITIONING},
         default=functools.partial(op.partitioned, implementation, cfg, names))
 
 

@@ -1,6 +1,6 @@
 """Sharded calls without custom_partitioning (partitioned._call): a mesh with explicit axes
 runs the plan through shard_map on every platform; on TPU (whose XLA never calls the Python
-partitioner back) a mesh with automatic axes runs the op unpartitioned, saying so. Checked on
+partitioner back) a mesh with automatic axes runs it replicated through shard_map, saying so. Checked on
 8 CPU devices with the TPU route forced (shard_map_route.py); tests/tpu/ compiles it for TPU."""
 import functools
 
@@ -30,10 +30,10 @@ def test_explicit_axes_run_the_plan_through_shard_map(case, all_to_alls):
     assert (result["collective_permutes"] > 0) == (case == "ring")
 
 
-def test_automatic_axes_on_tpu_run_unpartitioned_and_say_so():
+def test_automatic_axes_on_tpu_run_replicated_and_say_so():
     """A batch split on a mesh with automatic axes, lowered with the TPU route: the op is not
-    custom-partitioned, the answer matches torch_ref float64, and a ShardingWarning names the
-    limitation and the two ways out."""
+    custom-partitioned (shard_map, operands replicated), the answer matches torch_ref float64,
+    and a ShardingWarning names the limitation and the two ways out."""
     result = _route()["auto_mesh"]
     assert max(result["errors"].values()) < TOL, result["errors"]
     assert not result["custom_partitioning"]

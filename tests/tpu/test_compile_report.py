@@ -17,7 +17,8 @@ def test_one_configuration_compiles_with_its_memory(implementation):
     q_bytes = report.BATCH * report.SEQ_LEN * report.HEADS * 128 * 2
     for row in rows:
         assert row.ok, row.error
-        assert row.argument_bytes == row.output_bytes == 3 * q_bytes
+        assert row.argument_bytes == 3 * q_bytes
+        assert 3 * q_bytes <= row.output_bytes < 3 * q_bytes + 4096  # + the result tuple's table
 
 
 def test_committed_report_matches_the_configurations():

@@ -38,8 +38,7 @@ def test_sharded_fwd_and_grad_compile_for_tpu(implementation, spec, kwargs, gath
     k/v with collective-permutes."""
     mesh = _mesh(AxisType.Explicit)
     operand = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
-    with jax.set_mesh(mesh):
-        hlo = _fwd_and_grad(implementation, **kwargs).lower(operand, operand, operand).compile().as_text()
+    hlo = _fwd_and_grad(implementation, **kwargs).lower(operand, operand, operand).compile().as_text()
     if not gathers_allowed:
         assert hlo.count("all-gather") == 0
     else:
@@ -47,14 +46,16 @@ def test_sharded_fwd_and_grad_compile_for_tpu(implementation, spec, kwargs, gath
 
 
 def test_automatic_axes_warn_on_tpu(implementation):
-    """On a mesh with automatic axes q's sharding is not known while tracing: the call is
-    lowered unpartitioned (no custom_partitioning call, which libtpu cannot compile) and a
+    """On a mesh with automatic axes q's sharding is not known while tracing: the call runs
+    replicated through shard_map (no custom_partitioning call, which libtpu cannot compile;
+    a Mosaic kernel cannot be left to XLA's partitioner either) and compiles, and a
     ShardingWarning names the limitation and the ways out."""
     mesh = _mesh(AxisType.Auto)
     operand = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        lowered = _fwd_and_grad(implementation).lower(operand, operand, operand).as_text()
-    assert "CustomSPMDPartitioning" not in lowered
+        lowered = _fwd_and_grad(implementation).lower(operand, operand, operand)
+    assert "CustomSPMDPartitioning" not in lowered.as_text()
+    lowered.compile()
     messages = [str(w.message) for w in caught if w.category is ShardingWarning]
     assert messages and all("explicit axes" in m and "shard_map" in m for m in messages), messages
