@@ -35,7 +35,10 @@ class UnknownImplementation(ValueError):
 def adapters(device: str = "cpu") -> dict[str, Adapter]:
     """name -> Adapter bound to ``device``, in report order."""
     jax_impl = [JaxImplAdapter(f"jax_impl.{impl}", "jax", device, ("jax",), implementation=impl, devices=devices,
-                               description=f"jax_impl.flash_attention(implementation={impl!r}){note}")
+                               description=f"jax_impl.flash_attention(implementation={impl!r}){note}",
+                               **(dict(on_request_only=("cpu",), on_request_why=(
+                                   "the TPU interpreter takes ~15 s a case on a CPU"))
+                                  if impl == "mosaic_tpu" else {}))
                 for impl, note, devices in (
                     ("cpu", "", ("cpu", "cuda")), ("xla", "", ("cpu", "cuda")),
                     ("pallas_triton", ", interpret=True on CPU", ("cpu", "cuda")),

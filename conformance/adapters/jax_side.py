@@ -6,7 +6,7 @@ import dataclasses
 import functools
 
 from conformance import mods as mods_mod
-from conformance.adapters.base import Adapter, JaxFunctionAdapter, has_module
+from conformance.adapters.base import Adapter, JaxFunctionAdapter
 from conformance.cases import Case
 from conformance.runs import JaxPrepared, NotSupported
 
@@ -51,11 +51,6 @@ class JaxImplAdapter(Adapter):
     @property
     def interpret(self) -> bool:
         return self.implementation in ("pallas_triton", "mosaic_gpu", "mosaic_tpu") and self.device == "cpu"
-
-    def available(self, device: str | None = None) -> str | None:
-        if self.implementation == "mosaic_tpu" and not has_module("jax_impl.mosaic_tpu"):
-            return "not in this jax_impl (no jax_impl/mosaic_tpu)"
-        return super().available(device)
 
     def _reason(self, case):
         if self.implementation == "cudnn":
