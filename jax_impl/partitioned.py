@@ -19,6 +19,10 @@ gives both the forward and the backward (so the whole custom VJP) a rule, valid 
   the page table, lengths and sinks; the page pool, shared by the batch, is whole on every
   device but its kv heads (a pool split along its pages is gathered, and said so).
 
+Where XLA cannot call the partitioner back (libtpu) or q's sharding is known while tracing (a
+mesh with explicit axes, where custom_partitioning cannot trace the op), the same plan and
+per-device functions run through ``jax.shard_map`` (``_call``).
+
 Under ``vmap`` (which custom_partitioning does not support) the mapped axis is folded into
 the batch axis (``custom_vmap``).
 """
@@ -348,11 +352,10 @@ def _warn(plan: ShardingPlan):
 
 @dataclasses.dataclass(frozen=True)
 class _Op:
-    """One op three ways: ``body`` unpartitioned, ``partitioned`` (custom_partitioning: XLA's
-    partitioner calls back into Python for the plan) and ``shard_mapped`` (the same plan and
-    per-device function through ``jax.shard_map``, where libtpu or explicit axes need it)."""
+    """One op two ways: ``partitioned`` (custom_partitioning: XLA's partitioner calls back into
+    Python for the plan) and ``shard_mapped`` (the same plan and per-device function through
+    ``jax.shard_map``, where libtpu or explicit axes need it: ``_call``)."""
 
-    body: object  # (implementation, cfg, names, *arrays) -> results, on one device
     partitioned: custom_partitioning
     shard_mapped: object  # (implementation, cfg, names, mesh, avals, *arrays) -> results
 
@@ -390,7 +393,7 @@ def _make_op(body, local_of, plan_of, results_of):
     op = custom_partitioning(body, static_argnums=(0, 1, 2))
     op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                      sharding_rule=rule)
-    return _Op(body, op, shard_mapped)
+    return _Op(op, shard_mapped)
 
 
 def _sequence_local_of(body, ring_body, a2a_body, hybrid_body):
