@@ -35,11 +35,15 @@ class UnknownImplementation(ValueError):
 def adapters(device: str = "cpu") -> dict[str, Adapter]:
     """name -> Adapter bound to ``device``, in report order."""
     jax_impl = [JaxImplAdapter(f"jax_impl.{impl}", "jax", device, ("jax",), implementation=impl, devices=devices,
-                               description=f"jax_impl.flash_attention(implementation={impl!r}){note}")
+                               description=f"jax_impl.flash_attention(implementation={impl!r}){note}",
+                               **(dict(on_request_only=("cpu",), on_request_why=(
+                                   "the TPU interpreter takes ~15 s a case on a CPU"))
+                                  if impl == "mosaic_tpu" else {}))
                 for impl, note, devices in (
                     ("cpu", "", ("cpu", "cuda")), ("xla", "", ("cpu", "cuda")),
                     ("pallas_triton", ", interpret=True on CPU", ("cpu", "cuda")),
                     ("mosaic_gpu", ", interpret=True on CPU (jax >= 0.11)", ("cpu", "cuda")),
+                    ("mosaic_tpu", ", interpret=True on CPU (the TPU interpreter)", ("cpu",)),
                     ("reference", "", ("cpu", "cuda")), ("cudnn", ": jax.nn's cuDNN kernel", ("cuda",)))]
     jax_nn = [JaxNNAdapter(f"jax.nn.{impl}", "jax", device, ("jax",), devices=devices, fn=jax_nn_attention,
                            fixed_kwargs=(("implementation", impl),), reason_fn=jax_nn_reason,

@@ -19,6 +19,10 @@ gives both the forward and the backward (so the whole custom VJP) a rule, valid 
   the page table, lengths and sinks; the page pool, shared by the batch, is whole on every
   device but its kv heads (a pool split along its pages is gathered, and said so).
 
+Where XLA cannot call the partitioner back (libtpu) or q's sharding is known while tracing (a
+mesh with explicit axes, where custom_partitioning cannot trace the op), the same plan and
+per-device functions run through ``jax.shard_map`` (``_call``).
+
 Under ``vmap`` (which custom_partitioning does not support) the mapped axis is folded into
 the batch axis (``custom_vmap``).
 """
@@ -343,34 +347,71 @@ def _hybrid_backward_body(axes, sizes, implementation, cfg, names, *arrays):
                                    stats, named["d_out"], named["delta"], extras)[:3]
 
 
-def _make_op(body, ring_body, a2a_body, hybrid_body, results_of):
+def _warn(plan: ShardingPlan):
+    for note in plan.notes:
+        warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """One op two ways: ``partitioned`` (custom_partitioning: XLA's partitioner calls back into
+    Python for the plan) and ``shard_mapped`` (the same plan and per-device function through
+    ``jax.shard_map``, where libtpu or explicit axes need it: ``_call``)."""
+
+    partitioned: custom_partitioning
+    shard_mapped: object  # (implementation, cfg, names, mesh, avals, *arrays) -> results
+
+
+def _make_op(body, local_of, plan_of, results_of):
+    """``local_of(plan, mesh, implementation, cfg, names)``: the per-device function of a plan;
+    ``plan_of(implementation, cfg, mesh, arg_shapes, names)``: (plan, operand shapes by name)."""
+    def planned(implementation, cfg, names, mesh, arg_shapes):
+        plan, named = plan_of(implementation, cfg, mesh, arg_shapes, names)
+        args, results = _shardings(mesh, plan, named, results_of(cfg, names))
+        return plan, args, results
+
     def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        plan, named = _local_plan(implementation, cfg, mesh, arg_shapes, names)
-        return _shardings(mesh, plan, named, results_of(cfg, names))[1]
+        return planned(implementation, cfg, names, mesh, arg_shapes)[2]
 
     def partition(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        plan, named = _local_plan(implementation, cfg, mesh, arg_shapes, names)
-        for note in plan.notes:
-            warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
-        args, results = _shardings(mesh, plan, named, results_of(cfg, names))
-        if plan.strategy == "hybrid" and plan.sequence:
-            local = functools.partial(hybrid_body, plan.sequence, tuple(mesh.shape[a] for a in plan.sequence),
-                                      implementation, cfg, names)
-        elif plan.sequence:
-            (axis,) = plan.sequence
-            sequence_body = ring_body if plan.strategy == "ring" else a2a_body
-            local = functools.partial(sequence_body, axis, mesh.shape[axis], implementation, cfg, names)
-        else:
-            local = functools.partial(body, implementation, cfg, names)
-        return mesh, local, results, args
+        plan, args, results = planned(implementation, cfg, names, mesh, arg_shapes)
+        _warn(plan)
+        return mesh, local_of(plan, mesh, implementation, cfg, names), results, args
 
     def rule(implementation, cfg, names, mesh, operand_types, result_types):
         return sharding_rule(names, results_of(cfg, names), operand_types)
 
+    def shard_mapped(implementation, cfg, names, mesh, avals, *arrays):
+        plan, args, results = planned(implementation, cfg, names, mesh, avals)
+        _warn(plan)
+        if AxisType.Explicit in mesh.axis_types:  # typed operands must match in_specs
+            arrays = [jax.sharding.reshard(x, s) for x, s in zip(arrays, args)]
+        # check_vma=False: the per-device functions are custom_partitioning's, which run
+        # untyped (a kernel's outputs need not declare how they vary); the plan fixes the specs.
+        return jax.shard_map(local_of(plan, mesh, implementation, cfg, names), mesh=mesh,
+                             in_specs=tuple(s.spec for s in args),
+                             out_specs=tuple(s.spec for s in results), check_vma=False)(*arrays)
+
     op = custom_partitioning(body, static_argnums=(0, 1, 2))
     op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                      sharding_rule=rule)
-    return op
+    return _Op(op, shard_mapped)
+
+
+def _sequence_local_of(body, ring_body, a2a_body, hybrid_body):
+    """local_of for the forward and backward ops: local, ring, all-to-all or hybrid by the plan."""
+    def local_of(plan, mesh, implementation, cfg, names):
+        if plan.strategy == "hybrid" and plan.sequence:
+            return functools.partial(hybrid_body, plan.sequence,
+                                     tuple(mesh.shape[a] for a in plan.sequence), implementation,
+                                     cfg, names)
+        if plan.sequence:
+            (axis,) = plan.sequence
+            sequence_body = ring_body if plan.strategy == "ring" else a2a_body
+            return functools.partial(sequence_body, axis, mesh.shape[axis], implementation, cfg,
+                                     names)
+        return functools.partial(body, implementation, cfg, names)
+    return local_of
 
 
 def sharding_rule(names, results, operand_types):
@@ -429,32 +470,73 @@ def _paged_body(implementation, cfg, names, *arrays):
     return out, stats.max, stats.log_sum
 
 
-def _make_paged_op():
-    def infer(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        named = dict(zip(names, arg_shapes))
-        return _shardings(mesh, _paged_plan(mesh, named), named, FORWARD_RESULTS)[1]
-
-    def partition(implementation, cfg, names, mesh, arg_shapes, result_shape):
-        named = dict(zip(names, arg_shapes))
-        plan = _paged_plan(mesh, named)
-        for note in plan.notes:
-            warnings.warn(f"flash_attention: {note}", ShardingWarning, stacklevel=2)
-        args, results = _shardings(mesh, plan, named, FORWARD_RESULTS)
-        return mesh, functools.partial(_paged_body, implementation, cfg, names), results, args
-
-    def rule(implementation, cfg, names, mesh, operand_types, result_types):
-        return sharding_rule(names, FORWARD_RESULTS, operand_types)
-
-    op = custom_partitioning(_paged_body, static_argnums=(0, 1, 2))
-    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
-    return op
+def _paged_plan_of(implementation, cfg, mesh, arg_shapes, names):
+    named = dict(zip(names, arg_shapes))
+    return _paged_plan(mesh, named), named
 
 
-_paged_op = _make_paged_op()
-_forward_op = _make_op(_forward_body, _ring_forward_body, _a2a_forward_body, _hybrid_forward_body,
-                       lambda cfg, names: FORWARD_RESULTS)
-_backward_op = _make_op(_backward_body, _ring_backward_body, _a2a_backward_body,
-                        _hybrid_backward_body, _backward_results)
+_paged_op = _make_op(_paged_body,
+                     lambda plan, mesh, implementation, cfg, names:
+                     functools.partial(_paged_body, implementation, cfg, names),
+                     _paged_plan_of, lambda cfg, names: FORWARD_RESULTS)
+_forward_op = _make_op(_forward_body, _sequence_local_of(
+    _forward_body, _ring_forward_body, _a2a_forward_body, _hybrid_forward_body), _local_plan,
+    lambda cfg, names: FORWARD_RESULTS)
+_backward_op = _make_op(_backward_body, _sequence_local_of(
+    _backward_body, _ring_backward_body, _a2a_backward_body, _hybrid_backward_body), _local_plan,
+    _backward_results)
+
+
+# --- Without custom_partitioning: shard_map ------------------------------------------------------
+
+# Platforms whose XLA never calls the Python partitioner back: libtpu ("Custom emitter for
+# CustomSPMDPartitioning not found", jax-ml/jax#38196). Tests add "cpu" to check that route.
+NO_CUSTOM_PARTITIONING = ("tpu",)
+
+
+def _call(op: _Op, implementation, cfg, names, *arrays):
+    """``op`` on ``arrays`` over the devices of q's mesh. q's sharding known while tracing (a
+    mesh with explicit axes): the plan through shard_map, on every platform (custom_partitioning
+    cannot even trace the op with such operands, and libtpu cannot partition it). Else
+    custom_partitioning, and, lowered for a platform of NO_CUSTOM_PARTITIONING, shard_map with
+    the operands replicated (every device computes the whole call) and a warning."""
+    q = arrays[names.index("q")]
+    mesh = jax.typeof(q).sharding.mesh
+    if mesh.size <= 1 or AxisType.Manual in mesh.axis_types:  # one device or inside shard_map:
+        return op.partitioned(implementation, cfg, names, *arrays)  # custom_partitioning inlines
+    shard_mapped = functools.partial(op.shard_mapped, implementation, cfg, names, mesh,
+                                     tuple(jax.typeof(x) for x in arrays))
+    if _known_sharding(q) is not None:
+        return shard_mapped(*arrays)
+    platform = getattr(mesh.abstract_device, "platform", None)
+    if platform is not None and platform not in NO_CUSTOM_PARTITIONING:
+        return op.partitioned(implementation, cfg, names, *arrays)
+    if platform is not None:
+        warnings.warn(
+            f"flash_attention on {platform}: its XLA cannot call back into custom partitioning "
+            "and q's sharding is not known while tracing (a mesh with automatic axes), so every "
+            "device computes the whole call (its operands are gathered). For the local "
+            "batch/head split and the ring or all-to-all over the sequence, use a mesh with "
+            "explicit axes (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))) or call "
+            "flash_attention inside jax.shard_map", ShardingWarning, stacklevel=2)
+    return jax.lax.platform_dependent(
+        *arrays, **{p: shard_mapped for p in NO_CUSTOM_PARTITIONING},
+        default=functools.partial(op.partitioned, implementation, cfg, names))
+
+
+def _known_sharding(x) -> NamedSharding | None:
+    """x's NamedSharding over more than one device where it is known while tracing: an
+    array's own; a tracer's on a mesh with explicit axes (on an automatic one only the mesh is,
+    the partitioner decides later)."""
+    if isinstance(x, jax.core.Tracer):
+        sharding = jax.typeof(x).sharding
+        if AxisType.Explicit not in getattr(sharding.mesh, "axis_types", ()):
+            return None
+    else:
+        sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
+        return None
+    return sharding
 
 
 # --- vmap: fold the mapped axis into the batch axis ------------------------------------------
@@ -462,7 +544,7 @@ _backward_op = _make_op(_backward_body, _ring_backward_body, _a2a_backward_body,
 def _folded(op, implementation, cfg, names):
     @jax.custom_batching.custom_vmap
     def call(*arrays):
-        return op(implementation, cfg, names, *arrays)
+        return _call(op, implementation, cfg, names, *arrays)
 
     @call.def_vmap
     def rule(axis_size, in_batched, *arrays):
@@ -558,15 +640,8 @@ def explain(implementation, q, q_shape, k_shape, pairwise: dict, cfg=None,
         multi = isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
         return f"one program: {UNPARTITIONED_MODS}" if multi else None
     has_bias_or_mask = bool(pairwise)
-    # Under jit the aval's, known on a mesh with explicit axes (on an automatic one the
-    # partitioner decides later); else the array's.
-    if isinstance(q, jax.core.Tracer):
-        sharding = jax.typeof(q).sharding
-        if AxisType.Explicit not in getattr(sharding.mesh, "axis_types", ()):
-            return None
-    else:
-        sharding = getattr(q, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or sharding.mesh.size <= 1:
+    sharding = _known_sharding(q)
+    if sharding is None:
         return None
     names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ()) + tuple(
         short for field, short in _EXTRA_FIELDS if extras is not None and getattr(extras, field) is not None)

@@ -50,7 +50,7 @@ class JaxImplAdapter(Adapter):
 
     @property
     def interpret(self) -> bool:
-        return self.implementation in ("pallas_triton", "mosaic_gpu") and self.device == "cpu"
+        return self.implementation in ("pallas_triton", "mosaic_gpu", "mosaic_tpu") and self.device == "cpu"
 
     def _reason(self, case):
         if self.implementation == "cudnn":
