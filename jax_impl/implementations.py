@@ -121,13 +121,13 @@ def _with_mod_aux_gradient(kernel_backward: Callable, cfg: AttentionConfig, q, k
     """A kernels' backward, with the gradient of the floating mod_aux that a score_mod reads
     taken from the xla backward (the kernels return none: summing it there would need atomics
     or a buffer per program)."""
-    dq, dk, dv, dbias, d_mod_aux = kernel_backward(cfg, q, k, v, bias, masks, stats, d_out,
-                                                   delta, extras)
-    if cfg.score_mod is not None and any(map(mods.differentiable, extras.mod_aux)):
-        if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
-            cfg = dataclasses.replace(cfg, block_sizes=None)  # a mosaic_gpu.Config: not xla's
-        d_mod_aux = xla.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)[4]
-    return dq, dk, dv, dbias, d_mod_aux
+    found = kernel_backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
+    if cfg.score_mod is None or not any(map(mods.differentiable, extras.mod_aux)):
+        return found
+    if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
+        cfg = dataclasses.replace(cfg, block_sizes=None)  # a mosaic_gpu.Config: not xla's
+    d_mod_aux = xla.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)[4]
+    return (*found[:4], d_mod_aux)
 
 
 def _pallas_triton_backward(cfg: AttentionConfig, *args, **kwargs):
