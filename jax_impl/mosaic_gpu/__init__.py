@@ -7,7 +7,10 @@ them. ``backward_unsupported`` says when the table sends the backward to pallas_
 (the caller's ``Config(backward="pallas_triton")``, an interpreted call that did not choose
 ``Config(backward="mosaic_gpu")``, or dbias with the fused dQ: pallas_triton's backward
 reads the same RowStats). A bias and a dense mask stream through the backward's rings as
-through the forward's; the dQ kernel writes dbias.
+through the forward's; the dQ kernel writes dbias. With segment ids, a block_mask or a mod
+every kernel walks the lists of its non-empty tiles (full ones without the per-pair mask);
+score_mod and mask_mod are traced on the fragments' global indices, their mod_aux read by
+scalar indices (its gradient is the xla backward's: implementations.py).
 ``unsupported`` names every feature of a call that the kernel does not take;
 ``unavailable`` says why the kernel cannot be offered at all here (jax older than 0.11, or no
 ``jax.experimental.pallas.mosaic_gpu``).
