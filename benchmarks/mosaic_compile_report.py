@@ -2,7 +2,7 @@
 measured without a GPU.
 
     python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
-        [--only defaults|all|segments|bias_mask|bias_with_mask|fused_dq|packed|d256|edges]
+        [--only defaults|all|segments|bias_mask|bias_with_mask|fused_dq|packed|d256|edges|mods]
         [--kernels all|forward|backward] [--seq-len 4096]
 
 Needs jax >= 0.11 with its CUDA plugin (``pip install 'jax[cuda13]==0.11.2'``, Python >= 3.12;
@@ -115,6 +115,32 @@ D256_FEATURES = (("", {}), ("lengths, bottom-right, window, soft cap, sinks",
                                  sinks=True)), ("segment ids", dict(segments=True)))
 
 
+# The mods: ALiBi as a score_mod (its slopes in mod_aux, read by the query head) and a sliding
+# window as a mask_mod with its block_mask (128 x 128 tiles): the kernels walk the block_mask's
+# tile lists, evaluate the mask_mod on its partial tiles and take score_mod's derivative.
+MODS_LABEL = "score_mod ALiBi (mod_aux) + mask_mod window 1024 + block_mask"
+MODS_WINDOW = 1024
+
+
+def _window(b, h, q_idx, kv_idx, slopes):
+    return (q_idx - kv_idx < MODS_WINDOW) & (kv_idx - q_idx < MODS_WINDOW)
+
+
+def _alibi(score, b, h, q_idx, kv_idx, slopes):
+    return score + slopes[h] * (kv_idx - q_idx).astype(score.dtype)
+
+
+def _mods(options, length: int):
+    """(block_mask, mod_aux) of a row: those of ``MODS_LABEL``'s calls, or (None, ())."""
+    if not options.get("mods"):
+        return None, ()
+    import jax.numpy as jnp
+
+    from jax_impl import create_block_mask
+    mod_aux = (2.0 ** -jnp.arange(1, HEADS + 1, dtype=jnp.float32),)
+    return create_block_mask(_window, None, None, length, length, mod_aux=mod_aux), mod_aux
+
+
 def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     """(label, dtype, head_dim, causal, Config or None, extra call options): the shipped
     defaults (16-bit, D=64/128, causal and not); ``all`` adds masked edges, the mask features,
@@ -129,7 +155,8 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
     causal and not, and with segment ids at D=128 causal; ``all`` has them too); ``d256``
     only the forward at head_dim 256 (bf16, causal and not, plain, with the band's features,
     with segment ids; ``all`` has them too); ``edges`` only the forward with one side's last
-    tile padded alone (``EDGE_ROWS``; ``all`` has them too)."""
+    tile padded alone (``EDGE_ROWS``; ``all`` has them too); ``mods`` only the calls with
+    ``MODS_LABEL``'s mods (bf16, D=64/128, causal and not; ``all`` has them too)."""
     from jax_impl.mosaic_gpu.config import Config
     found = [("", dtype, d, causal, None, {}) for dtype in ("bfloat16", "float16")
              for d in (64, 128) for causal in (False, True)]
@@ -172,6 +199,10 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
                  for d in dims]
     if only == "edges":
         return edge_rows
+    mods_rows = [(MODS_LABEL, "bfloat16", d, causal, None, dict(mods=True))
+                 for d in (64, 128) for causal in (False, True)]
+    if only == "mods":
+        return mods_rows
     if only == "all":
         found += [
             ("edges: L=4001 (padded to 4008)", "bfloat16", 128, True, None, dict(seq_len=seq_len - 95)),
@@ -193,6 +224,7 @@ def configurations(only: str = "defaults", seq_len: int = SEQ_LEN):
               for d in (64, 128) for causal in (False, True)),
             *((COMBINED_LABEL, "bfloat16", d, True, None, COMBINED) for d in (64, 128)),
             *fused_rows,
+            *mods_rows,
         ]
     return found
 
@@ -203,14 +235,16 @@ def _attention_config(head_dim, causal, options):
     from jax_impl import masking
     from jax_impl.config import AttentionConfig
     window = options.get("window")
+    mods = bool(options.get("mods"))
     spec = masking.MaskSpec(is_causal=causal, bottom_right=options.get("bottom_right", False),
                             window_left=None if window is None else window[0],
                             window_right=None if window is None else window[1],
                             has_q_lengths=options.get("lengths", False),
-                            has_kv_lengths=options.get("lengths", False))
+                            has_kv_lengths=options.get("lengths", False), has_block_mask=mods)
     return AttentionConfig(scale=head_dim ** -0.5, mask=spec, logits_soft_cap=options.get("soft_cap"),
                            dropout_rate=options.get("dropout", 0.0),
-                           bias_gradient=bool(options.get("dbias")))
+                           bias_gradient=bool(options.get("dbias")),
+                           score_mod=_alibi if mods else None, mask_mod=_window if mods else None)
 
 
 def _pairwise(options):
@@ -252,7 +286,7 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
     geometry = Geometry(BATCH, q_length, length, HEADS, kv_heads, head_dim, jnp.dtype(dtype),
                         config, bias_dtype, has_mask)
     packed = packs_query_group(config, q_length, HEADS // kv_heads, per_head_pairs=bool(
-        cfg.dropout_rate) or bias_dtype is not None or has_mask)  # as mosaic_gpu.forward decides
+        cfg.dropout_rate) or bias_dtype is not None or has_mask or cfg.has_mods)  # as mosaic_gpu.forward decides
     sharding = jax.sharding.SingleDeviceSharding(device)
     struct = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
     args = [struct((BATCH, q_length, HEADS, head_dim), dtype),
@@ -267,9 +301,12 @@ def _compile(label, dtype, head_dim, causal, config, options, seq_len, device):
         (BATCH if options.get("bias_batch") else 1, HEADS, length, length), bias_dtype)
     mask = struct((BATCH, 1, length, length), jnp.bool_) if has_mask else None
 
+    block_mask, mod_aux = _mods(options, length)
+
     def forward(q, k, v, q_len, kv_len, sinks, q_segments, kv_segments, seeds, bias, mask):
         return forward_call(cfg, geometry, q, k, v, q_len, kv_len, None, sinks, q_segments,
-                            kv_segments, seeds, None, bias, mask, pack_query_group=packed)
+                            kv_segments, seeds, None, bias, mask, block_mask=block_mask,
+                            mod_aux=mod_aux, pack_query_group=packed)
 
     facts = Facts(label, str(jnp.dtype(dtype)), head_dim, causal, config.block_q, config.block_kv,
                   config.num_stages, config.persistent, length,
@@ -321,13 +358,14 @@ def _compile_backward(label, dtype, head_dim, causal, options, seq_len, device):
     bias = None if bias_dtype is None else struct(
         (BATCH if options.get("bias_batch") else 1, HEADS, length, length), bias_dtype)
     mask = struct((BATCH, 1, length, length), jnp.bool_) if has_mask else None
+    block_mask, mod_aux = _mods(options, length)
 
     def backward(q, k, v, d_out, row_max, log_sum, delta, q_len, kv_len, seeds, bias, mask,
                  *segments):
         return backward_call(cfg, config, q, k, v, d_out,
                              online_softmax.RowStats(row_max, log_sum), delta, q_len, kv_len,
                              None, *(segments or (None, None)), seeds=seeds, bias=bias,
-                             mask=mask)
+                             mask=mask, block_mask=block_mask, mod_aux=mod_aux)
 
     start = time.perf_counter()
     jax.jit(backward).lower(queries, keys, keys, queries, rows, rows, rows, lengths,
@@ -515,7 +553,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
     parser.add_argument("--only", choices=("defaults", "all", "candidates", "segments", "bias_mask",
                                            "bias_with_mask", "fused_dq", "packed", "d256",
-                                           "edges"),
+                                           "edges", "mods"),
                         default="defaults")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")

@@ -113,22 +113,30 @@ def _mosaic_gpu_backward(cfg: AttentionConfig, q, k, v, bias, masks, *args, **kw
     forward's)."""
     if mosaic_gpu.backward_unsupported(cfg, has_bias=bias is not None,
                                        head_dim=q.shape[-1]) is None:
-        return mosaic_gpu.backward(cfg, q, k, v, bias, masks, *args, **kwargs)
+        return _with_mod_aux_gradient(mosaic_gpu.backward, cfg, q, k, v, bias, masks, *args,
+                                      **kwargs)
     if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
         cfg = dataclasses.replace(cfg, block_sizes=None)
-    return pallas_triton.backward(cfg, q, k, v, bias, masks, *args, **kwargs)
+    return _pallas_triton_backward(cfg, q, k, v, bias, masks, *args, **kwargs)
 
 
-def _pallas_triton_backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta,
-                            extras=None):
-    """pallas_triton's backward, with the gradient of the floating mod_aux that a score_mod
-    reads taken from the xla backward (the kernels return none: summing it there would need
-    atomics or a buffer per program)."""
-    dq, dk, dv, dbias, d_mod_aux = pallas_triton.backward(cfg, q, k, v, bias, masks, stats, d_out,
-                                                          delta, extras)
-    if cfg.score_mod is not None and any(map(mods.differentiable, extras.mod_aux)):
-        d_mod_aux = xla.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)[4]
-    return dq, dk, dv, dbias, d_mod_aux
+def _with_mod_aux_gradient(kernel_backward: Callable, cfg: AttentionConfig, q, k, v, bias, masks,
+                           stats, d_out, delta, extras=None):
+    """A kernels' backward, with the gradient of the floating mod_aux that a score_mod reads
+    taken from the xla backward (the kernels return none: summing it there would need atomics
+    or a buffer per program)."""
+    found = kernel_backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
+    if cfg.score_mod is None or not any(map(mods.differentiable, extras.mod_aux)):
+        return found
+    if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
+        cfg = dataclasses.replace(cfg, block_sizes=None)  # a mosaic_gpu.Config: not xla's
+    d_mod_aux = xla.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)[4]
+    return (*found[:4], d_mod_aux)
+
+
+def _pallas_triton_backward(cfg: AttentionConfig, *args, **kwargs):
+    """pallas_triton's backward, its mod_aux gradient from the xla backward."""
+    return _with_mod_aux_gradient(pallas_triton.backward, cfg, *args, **kwargs)
 
 
 def _mosaic_gpu_decode(cfg: AttentionConfig, *args, **kwargs):

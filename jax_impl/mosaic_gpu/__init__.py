@@ -7,7 +7,10 @@ them. ``backward_unsupported`` says when the table sends the backward to pallas_
 (the caller's ``Config(backward="pallas_triton")``, an interpreted call that did not choose
 ``Config(backward="mosaic_gpu")``, or dbias with the fused dQ: pallas_triton's backward
 reads the same RowStats). A bias and a dense mask stream through the backward's rings as
-through the forward's; the dQ kernel writes dbias.
+through the forward's; the dQ kernel writes dbias. With segment ids, a block_mask or a mod
+every kernel walks the lists of its non-empty tiles (full ones without the per-pair mask);
+score_mod and mask_mod are traced on the fragments' global indices, their mod_aux read by
+scalar indices (its gradient is the xla backward's: implementations.py).
 ``unsupported`` names every feature of a call that the kernel does not take;
 ``unavailable`` says why the kernel cannot be offered at all here (jax older than 0.11, or no
 ``jax.experimental.pallas.mosaic_gpu``).
@@ -76,9 +79,6 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     del has_sinks  # taken, forward and backward; segment ids too
     if _UNAVAILABLE:
         return _UNAVAILABLE
-    if cfg is not None and (cfg.has_mods or cfg.mask.has_block_mask):
-        return ("score_mod, mask_mod and block_mask are not in the Mosaic GPU kernels yet "
-                "(pallas_triton runs them)")
     if head_dim not in HEAD_DIMS:
         return f"head_dim={head_dim} is not one of {HEAD_DIMS}"
     if dtype is not None and jnp.dtype(dtype) not in DTYPES:
@@ -97,7 +97,9 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                     "jax_impl.mosaic_gpu.Config")
         if isinstance(cfg.block_sizes, Config) and cfg.block_sizes.pack_query_group:
             per_head = [x for x, given in (("dropout", bool(cfg.dropout_rate)), ("a bias", has_bias),
-                                           ("a dense mask", has_mask)) if given]
+                                           ("a dense mask", has_mask),
+                                           ("a block_mask", cfg.mask.has_block_mask),
+                                           ("score_mod and mask_mod", cfg.has_mods)) if given]
             if per_head:
                 return (f"Config(pack_query_group=True) packs a kv head's query heads into one "
                         f"tile's rows, where {' and '.join(per_head)} would differ per query head "
@@ -150,8 +152,10 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {reason}")
     extras = extras or SinksAndDropout()
-    operands = (q, k, v, masks, extras.sinks, extras.dropout_seeds, extras.dropout_offset)
-    q, k, v, masks, sinks, seeds, dropout_offset = vma.like(operands, vma.axes_of(*operands))
+    operands = (q, k, v, masks, extras.sinks, extras.dropout_seeds, extras.dropout_offset,
+                extras.mod_aux)
+    q, k, v, masks, sinks, seeds, dropout_offset, mod_aux = vma.like(operands,
+                                                                     vma.axes_of(*operands))
     interpret = None
     if cfg.interpret:
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -168,13 +172,15 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     geometry = Geometry(batch, lq, k.shape[1], heads, k.shape[2], head_dim, jnp.dtype(q.dtype),
                         config, bias_dtype, masks.mask is not None)
     packed = packs_query_group(config, lq, heads // k.shape[2], per_head_pairs=bool(
-        cfg.dropout_rate) or bias is not None or masks.mask is not None)
+        cfg.dropout_rate) or bias is not None or masks.mask is not None or cfg.has_mods
+        or masks.block_mask is not None)
     q, k, v = _nonfinite_rule(q, k, v)
     out, row_max, log_sum = forward_call(
         cfg, geometry, q, k, v, masks.q_len, masks.kv_len, masks.position_offset,
         None if sinks is None else sinks.astype(jnp.float32), masks.q_segment_ids,
-        masks.kv_segment_ids, seeds, dropout_offset, bias, masks.mask, num_sms=_num_sms(),
-        interpret=interpret, pack_query_group=packed)
+        masks.kv_segment_ids, seeds, dropout_offset, bias, masks.mask,
+        block_mask=masks.block_mask, mod_aux=mod_aux, num_sms=_num_sms(), interpret=interpret,
+        pack_query_group=packed)
     return out, online_softmax.RowStats(row_max, log_sum)
 
 
@@ -220,7 +226,8 @@ def backward_unsupported(cfg: AttentionConfig, *, has_bias: bool = False,
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
              extras=None):
-    """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] float32 or None): the Mosaic GPU dK/dV and dQ
+    """-> (dq, dk, dv, dbias [B, Hq, Lq, Lk] float32 or None, d_mod_aux all None): the
+    Mosaic GPU dK/dV and dQ
     kernels (backward.py) from the forward's RowStats; dbias with a bias and
     ``cfg.bias_gradient``. Calls they cannot take raise; the table routes those elsewhere
     (``backward_unsupported``)."""
@@ -232,9 +239,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
     extras = extras or SinksAndDropout()
-    operands = (q, k, v, masks, d_out, stats, delta, extras.dropout_seeds, extras.dropout_offset)
+    operands = (q, k, v, masks, d_out, stats, delta, extras.dropout_seeds, extras.dropout_offset,
+                extras.mod_aux)
     (q, k, v, masks, d_out, stats, delta, seeds,
-     dropout_offset) = vma.like(operands, vma.axes_of(*operands))
+     dropout_offset, mod_aux) = vma.like(operands, vma.axes_of(*operands))
     interpret = None
     if cfg.interpret:
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -245,6 +253,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     dq, dk, dv, dbias = backward_call(
         cfg, chosen or default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
         masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
-        masks.kv_segment_ids, seeds, dropout_offset, bias, masks.mask, num_sms=_num_sms(),
-        interpret=interpret)
-    return dq, dk, dv, dbias, ()
+        masks.kv_segment_ids, seeds, dropout_offset, bias, masks.mask,
+        block_mask=masks.block_mask, mod_aux=mod_aux, num_sms=_num_sms(), interpret=interpret)
+    # The mod_aux cotangents are not summed in the kernels (implementations.py takes them
+    # from the xla backward, as for pallas_triton's).
+    return dq, dk, dv, dbias, tuple(None for _ in mod_aux)

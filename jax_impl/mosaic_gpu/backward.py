@@ -71,7 +71,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_gpu.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, BackwardConfig
-from jax_impl.mosaic_gpu.forward import pairwise_source, pairwise_tiles, rows_of_sixteen_bytes
+from jax_impl.mosaic_gpu.forward import (listed_tiles, pairwise_source, pairwise_tiles,
+                                          rows_of_sixteen_bytes, streamed_tiles, tile_mods)
+from jax_impl.pallas_triton.common import TileRules, mod_aux_operand, mod_aux_types, tile_lists
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
 
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
@@ -96,6 +98,7 @@ class Geometry:
     bias_dtype: object = None  # the bias's dtype as the kernel reads it, or None: no bias
     has_mask: bool = False
     write_dbias: bool = False  # the dQ kernel writes dS (its bias is then float32)
+    mod_aux_types: tuple = ()  # (dtype, shape) of each mod_aux entry (common.mod_aux_types)
 
     @property
     def pairwise_dtypes(self) -> tuple:
@@ -134,13 +137,15 @@ def _wait_all(barriers, slot):
 
 
 def _producer(order: WorkOrder, num_stages: int, walk, copies, consumed):
-    """The memory warpgroup: for each item, ``walk(pair, head, b) -> (passes, lo, hi)`` streamed
-    tiles ``[lo, hi)`` once per pass; ``copies(pair, head, b, p, j, slot)`` issues one step's TMA
-    copies into ring slot ``slot`` once both compute warpgroups have released it."""
+    """The memory warpgroup: for each item, ``walk(pair, head, b) -> (passes, tiles)``,
+    ``tiles(p) -> (start, stop, index_of)`` (``forward.streamed_tiles``): streamed tiles
+    ``index_of(t)`` for ``t`` in ``[start, stop)`` in pass ``p``; ``copies(pair, head, b, p, j, slot)``
+    issues one step's TMA copies into ring slot ``slot`` once both compute warpgroups have
+    released it."""
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
     def item(pair, head, b, step):
-        passes, lo, hi = walk(pair, head, b)
+        passes, tiles = walk(pair, head, b)
 
         def one_pass(p, step):
             def load(j, step):
@@ -152,7 +157,8 @@ def _producer(order: WorkOrder, num_stages: int, walk, copies, consumed):
                 copies(pair, head, b, p, j, slot)
                 return step + 1
 
-            return lax.fori_loop(lo, hi, load, step)
+            start, stop, index_of = tiles(p)
+            return lax.fori_loop(start, stop, lambda t, step: load(index_of(t), step), step)
 
         return lax.fori_loop(0, passes, one_pass, step)
 
@@ -162,6 +168,30 @@ def _producer(order: WorkOrder, num_stages: int, walk, copies, consumed):
         @pl.when(steps >= back)
         def _(back=back):
             plgpu.barrier_wait(consumed.at[lax.rem(steps - back, num_stages)])
+
+
+def _tile_lists(refs):
+    """The kernel's tile-list refs (``common.tile_lists``), or None: the band walk."""
+    names = ("counts", "indices", "full_counts", "full_indices")
+    return None if refs["counts"] is None else tuple(refs[n] for n in names)
+
+
+def _walk_tiles(lists, bounds, b, head, tile, attend, skip, carry):
+    """A compute warpgroup's tiles of an item, as the producer streams them:
+    ``attend(j, carry, rules)`` over the listed tiles (``rules``: the partial ones', then the
+    full ones'), or the band's five stretches (``_bounds``: outside its own range ``skip``,
+    its edges masked, its interior not)."""
+    if lists is None:
+        bodies = (skip, functools.partial(attend, rules=TileRules.band(True)),
+                  functools.partial(attend, rules=TileRules.band(False)),
+                  functools.partial(attend, rules=TileRules.band(True)), skip)
+        for start, stop, body in zip(bounds[:-1], bounds[1:], bodies):
+            carry = lax.fori_loop(start, stop, body, carry)
+        return carry
+    for count, index_of, rules in listed_tiles(lists, b, head, tile):
+        carry = lax.fori_loop(0, count, lambda t, carry, index_of=index_of, rules=rules: attend(
+            index_of(t), carry, rules), carry)
+    return carry
 
 
 def _bounds(lo, hi, split):
@@ -236,25 +266,42 @@ def _accumulate_two(acc_a, lhs_a, rhs_a, acc_b, lhs_b, rhs_b, interpreted: bool)
     return pl.run_state(both)((plgpu.ACC.init(acc_a), plgpu.ACC.init(acc_b)))
 
 
-def _probs(cfg, qk, broadcast, row_max, log_sum, allowed, bias=None, poison=None):
-    """P recomputed as ``online_softmax.recomputed_probs`` does (exactly 0 where ``allowed`` is
-    False) and the soft cap's tanh term; ``broadcast`` takes a per-query vector to the tile;
-    ``poison``: the streamed keys' (``online_softmax.logits``)."""
+def _probs(cfg, qk, broadcast, row_max, log_sum, allowed, bias=None, poison=None,
+           score_mod=None):
+    """(P, the soft cap's tanh term, score_mod's derivative or None): P recomputed as
+    ``online_softmax.recomputed_probs`` does (exactly 0 where ``allowed`` is False);
+    ``broadcast`` takes a per-query vector to the tile; ``poison``: the streamed keys'
+    (``online_softmax.logits``); ``score_mod(s) -> (score, d score / ds)`` on the final logits
+    (``TileMods.score``), or None."""
     s, capped = online_softmax.logits(qk, cfg, bias, poison)
+    s, slope = (s, None) if score_mod is None else score_mod(s)
     stats = online_softmax.RowStats(row_max, log_sum)
-    return online_softmax.recomputed_probs(s, stats, allowed, base2=True, to_tile=broadcast), capped
+    p = online_softmax.recomputed_probs(s, stats, allowed, base2=True, to_tile=broadcast)
+    return p, capped, slope
 
 
-def _logits_gradient(p, dp, capped, broadcast, delta, masked: bool):
+def _logits_gradient(p, dp, capped, broadcast, delta, masked: bool, slope=None):
     """(dS, d(q.k) without the scale): ``online_softmax.logits_gradient(scaled=False)``, both
-    exactly 0 where P is 0 on a tile with excluded pairs (also in a NaN row)."""
+    exactly 0 where P is 0 on a tile with excluded pairs (also in a NaN row); through
+    score_mod's elementwise derivative ``slope`` where given (NaN where a logit is poisoned,
+    so its P = 0 is excluded too)."""
     ds = p * (dp - broadcast(delta))
+    if slope is not None:
+        ds, masked = ds * slope, True
     dqk = ds if capped is None else ds * (1.0 - capped * capped)
     if masked:
         excluded = p == 0
         ds = jnp.where(excluded, 0.0, ds)
         dqk = ds if capped is None else jnp.where(excluded, 0.0, dqk)
     return ds, dqk
+
+
+def _excludes(cfg, rules: TileRules, has_segments: bool, has_mask: bool) -> bool:
+    """Whether a tile may hold excluded pairs (``_logits_gradient``'s ``masked``): a masked
+    edge of the band, every tile with segment ids or a mask_mod in the band walk, a listed
+    partial tile, every tile with a dense mask."""
+    return (rules.structural or (has_segments and rules.segments) or has_mask
+            or (cfg.mask_mod is not None and rules.mask_mod))
 
 
 def _same_segment(own_ids, streamed_ids, tile):
@@ -441,7 +488,7 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
         plgpu.barrier_wait(k_loaded.at[wg])
         plgpu.barrier_wait(v_loaded.at[wg])
 
-        def attend(i, carry, masked: bool, member=None):
+        def attend(i, carry, rules: TileRules, member=None):
             dk, dv, step = carry
             slot = lax.rem(step, c.num_stages)
             _wait_all(produced, slot)
@@ -452,22 +499,31 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             s_t, dp_t = _two_products(tile, k_all.at[mine], q_ring.at[slot], v_all.at[mine],
                                       do_ring.at[slot])
             allowed = None
-            if masked and cfg.mask.restricts:  # two query bounds per key, as the forward's
+            if rules.structural and cfg.mask.restricts:  # two query bounds per key, as the forward's
                 lo, hi = masking.query_bounds_per_key(cfg.mask, key_start + key_offsets(),
                                                       i * c.block_q, q_len, kv_len, offset)
                 per_key = lambda x: x if x is None or jnp.ndim(x) == 0 else \
                     lax.broadcast_in_dim(x, tile, (0,))
                 allowed = masking.within_bounds(cols(query_offsets()), per_key(lo), per_key(hi))
             load = lambda ref: plgpu.load(ref.at[slot], layout=_COLS)
-            if key_ids is not None:  # rule 4 on every tile, the interior too
+            head_mods = tile_mods(cfg, b, kv_head * g.groups + member, refs["mod_aux"],
+                                  g.mod_aux_types, gradient=True)
+            score_mod = None
+            if head_mods is not None:  # on the fragment's global indices (transposed)
+                q_idx = cols(i * c.block_q + query_offsets())
+                kv_idx = lax.broadcast_in_dim(key_start + key_offsets(), tile, (0,))
+                score_mod = functools.partial(head_mods.score, rows=q_idx, cols=kv_idx)
+                if rules.mask_mod:
+                    allowed = masking.all_of([allowed, head_mods.allowed(q_idx, kv_idx)])
+            if key_ids is not None and rules.segments:  # the band walk: on every tile
                 allowed = masking.all_of([allowed, _same_segment(
                     key_ids, load(q_ids_ring), tile)])
             bias_t, mask_t = pairwise_tiles(pairwise, slot, own_keys, g.bias_dtype is not None,
                                             g.has_mask)
             allowed = masking.all_of([allowed, mask_t])
-            p_t, capped = _probs(cfg, s_t, cols, load(max_ring), load(log_sum_ring), allowed,
-                                 bias_t, None if key_poison is None else
-                                 lax.broadcast_in_dim(key_poison, tile, (0,)))
+            p_t, capped, slope = _probs(cfg, s_t, cols, load(max_ring), load(log_sum_ring),
+                                        allowed, bias_t, None if key_poison is None else
+                                        lax.broadcast_in_dim(key_poison, tile, (0,)), score_mod)
             # Dropout: dV from the dropped P^T, dP^T dropped alike. With a tile streamed beside
             # Q and dO (ids, a bias, a mask) P^T is dropped beside dP^T (one hash) and dV's
             # 16-bit operand made at once; without, after dS^T: each order the one that
@@ -482,7 +538,7 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                 else:
                     dp_t = drop(dp_t, queries, keys, 1)
             _, dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring),
-                                        masked or key_ids is not None or g.has_mask)
+                                        _excludes(cfg, rules, key_ids is not None, g.has_mask), slope)
             if dv_lhs is None:
                 dv_lhs = (p_t if drop is None else drop(p_t, queries, keys, 1)).astype(g.dtype)
             ds_t = dqk_t.astype(g.dtype)
@@ -503,14 +559,11 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             return dk, dv, step + 1
 
         skip = _pass_step(produced, consumed, c.num_stages)
+        lists = _tile_lists(refs)
 
         def one_head(member, carry):  # the group's query heads, in order: their sum is fixed
-            masked = functools.partial(attend, masked=True, member=member)
-            bodies = (skip, masked, functools.partial(attend, masked=False, member=member),
-                      masked, skip)
-            for start, stop, body in zip(bounds[:-1], bounds[1:], bodies):
-                carry = lax.fori_loop(start, stop, body, carry)
-            return carry
+            return _walk_tiles(lists, bounds, b, kv_head * g.groups + member, pair,
+                               functools.partial(attend, member=member), skip, carry)
 
         dk, dv, step = lax.fori_loop(0, g.groups, one_head, (zeros, zeros, step))
         k_own[...] = (dk * cfg.scale).astype(g.dtype)
@@ -532,7 +585,8 @@ def _dkdv_walk(cfg, g: Geometry, refs):
         lo, hi = masking.q_block_range(cfg.mask, pair * CONSUMERS * c.block_kv,
                                        CONSUMERS * c.block_kv, c.block_q, refs["q_len"][b],
                                        refs["kv_len"][b], offset)
-        return g.groups, lo, hi
+        return g.groups, lambda member: streamed_tiles(_tile_lists(refs), (lo, hi), b,
+                                                       kv_head * g.groups + member, pair)
 
     def copies(pair, kv_head, b, member, i, slot, smem, produced):
         _, _, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *rest = smem
@@ -611,8 +665,9 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
         zeros = plgpu.layout_cast(jnp.zeros((c.block_q, g.head_dim), jnp.float32),
                                   plgpu.Layout.WGMMA)
         drop = _dropout(cfg, refs, b, head)
+        item_mods = tile_mods(cfg, b, head, refs["mod_aux"], g.mod_aux_types, gradient=True)
 
-        def attend(j, carry, masked: bool):
+        def attend(j, carry, rules: TileRules):
             dq, step = carry
             slot = lax.rem(step, c.num_stages)
             _wait_all(produced, slot)
@@ -621,23 +676,30 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                                   v_ring.at[slot])
             poison = plgpu.load(poison_ring.at[slot], layout=_COLS)
             allowed = None
-            if masked:
+            if rules.structural:
                 allowed = masking.structural_allowed(
                     cfg.mask, lax.broadcast_in_dim(q_start + query_offsets(), tile, (0,)),
                     lax.broadcast_in_dim(j * c.block_kv + key_offsets(), tile, (1,)), q_len,
                     kv_len, offset)
-            if query_ids is not None:  # rule 4 on every tile, the interior too
+            score_mod = None
+            if item_mods is not None:  # on the fragment's global indices
+                q_idx = rows_of(q_start + query_offsets())
+                kv_idx = lax.broadcast_in_dim(j * c.block_kv + key_offsets(), tile, (1,))
+                score_mod = functools.partial(item_mods.score, rows=q_idx, cols=kv_idx)
+                if rules.mask_mod:
+                    allowed = masking.all_of([allowed, item_mods.allowed(q_idx, kv_idx)])
+            if query_ids is not None and rules.segments:  # the band walk: on every tile
                 allowed = masking.all_of([allowed, _same_segment(
                     query_ids, plgpu.load(kv_ids_ring.at[slot], layout=_COLS), tile)])
             bias, mask = pairwise_tiles(pairwise, slot, own_rows, g.bias_dtype is not None,
                                         g.has_mask)
             allowed = masking.all_of([allowed, mask])
-            p, capped = _probs(cfg, s, rows_of, row_max, log_sum, allowed, bias,
-                               lax.broadcast_in_dim(poison, tile, (1,)))
+            p, capped, slope = _probs(cfg, s, rows_of, row_max, log_sum, allowed, bias,
+                                      lax.broadcast_in_dim(poison, tile, (1,)), score_mod)
             if drop is not None:  # dropout: dP dropped as the forward dropped P
                 dp = drop(dp, q_start + query_offsets(), j * c.block_kv + key_offsets(), 0)
             ds, dqk = _logits_gradient(p, dp, capped, rows_of, delta,
-                                       masked or query_ids is not None or g.has_mask)
+                                       _excludes(cfg, rules, query_ids is not None, g.has_mask), slope)
             dq = _accumulate(dq, dqk.astype(g.dtype), k_ring.at[slot], interpreted)
             if g.write_dbias:  # dS, without the soft cap's factor
                 _write_dbias(refs["dbias"].at[b, head, rows, pl.ds(j * c.block_kv, c.block_kv)],
@@ -645,14 +707,8 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             plgpu.barrier_arrive(consumed.at[slot])
             return dq, step + 1
 
-        masked = functools.partial(attend, masked=True)
-        bodies = (_pass_step(produced, consumed, c.num_stages), masked,
-                  functools.partial(attend, masked=False), masked,
-                  _pass_step(produced, consumed, c.num_stages))
-        carry = (zeros, step)
-        for start, stop, body in zip(bounds[:-1], bounds[1:], bodies):
-            carry = lax.fori_loop(start, stop, body, carry)
-        dq, step = carry
+        dq, step = _walk_tiles(_tile_lists(refs), bounds, b, head, pair, attend,
+                               _pass_step(produced, consumed, c.num_stages), (zeros, step))
         q_own[...] = (dq * cfg.scale).astype(g.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_own, refs["dq"].at[b, rows, head])
@@ -685,7 +741,7 @@ def _dq_walk(cfg, g: Geometry, refs):
         lo, hi = masking.kv_block_range(cfg.mask, pair * CONSUMERS * c.block_q,
                                         CONSUMERS * c.block_q, c.block_kv, refs["q_len"][b],
                                         refs["kv_len"][b], offset)
-        return 1, lo, hi
+        return 1, lambda _: streamed_tiles(_tile_lists(refs), (lo, hi), b, head, pair)
 
     def copies(pair, head, b, _, j, slot, smem, produced):
         k_ring, v_ring, poison_ring = smem[5:8]
@@ -707,23 +763,31 @@ def _dq_walk(cfg, g: Geometry, refs):
 # --- The calls --------------------------------------------------------------------------------
 
 # "bias" and "mask": [Bx, Hx, Lq, Lk] for dQ, transposed ([Bx, Hx, Lk, Lq]) for dK/dV.
+# "counts" ... "full_indices": the tile lists (common.tile_lists), dK/dV's transposed.
+_LISTS = ("counts", "indices", "full_counts", "full_indices")
 _DKDV_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
                 "q_ids", "kv_ids", "seeds", "dropout_offset", "key_poison", "bias", "mask",
-                "dq_sum")
+                *_LISTS, "dq_sum")
 _DQ_INPUTS = ("q", "do", "k", "v", "q_len", "kv_len", "offset", "row_max", "log_sum", "delta",
               "key_poison", "q_ids", "kv_ids", "seeds", "dropout_offset", "bias", "mask",
-              "dbias")
+              *_LISTS, "dbias")
+
+
+def _aux_names(g: Geometry) -> list[str]:
+    """The kernels' names of the mod_aux operands."""
+    return [f"mod_aux{i}" for i in range(len(g.mod_aux_types))]
 
 
 def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch, consumer,
             walk_of, order: WorkOrder, interpret, name: str):
-    present = [n for n in names if inputs.get(n) is not None]
+    present = [n for n in (*names, *_aux_names(g)) if inputs.get(n) is not None]
     interpreted = interpret is not None
 
     def entry(*refs):
         refs = dict(zip(present + list(out_names), refs))
+        refs["mod_aux"] = tuple(refs.pop(name) for name in _aux_names(g))
         for optional in ("offset", "q_ids", "kv_ids", "seeds", "dropout_offset", "key_poison",
-                         "bias", "mask", "dq_sum", "dbias"):
+                         "bias", "mask", *_LISTS, "dq_sum", "dbias"):
             refs.setdefault(optional, None)
         walk, copies = walk_of(cfg, g, refs)
 
@@ -752,15 +816,16 @@ def _kernel(cfg, g: Geometry, inputs: dict, names, out_type, out_names, scratch,
 
 def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, stats, delta,
                   q_len, kv_len, offset=None, q_segment_ids=None, kv_segment_ids=None,
-                  seeds=None, dropout_offset=None, bias=None, mask=None, *,
-                  num_sms: int | None = None, interpret=None):
+                  seeds=None, dropout_offset=None, bias=None, mask=None, *, block_mask=None,
+                  mod_aux=(), num_sms: int | None = None, interpret=None):
     """q/d_out [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), stats RowStats [B, Hq, Lq] f32,
     delta [B, Hq, Lq] f32, segment ids [B, Lq] and [B, Lk] int32 or None, dropout seeds
     [Bs, Hs] uint32 and their offset [2] int32 (or None; read only with ``cfg.dropout_rate``),
     a bias [Bb, Hb, Lq, Lk] float and a mask [Bm, Hm, Lq, Lk] bool (True: may attend) or None
     (Bx in {1, B}, Hx in {1, Hq}) -> (dq, dk, dv) in the operands' dtypes and dS [B, Hq, Lq,
     Lk] float32, the bias's gradient before its broadcast is summed (``cfg.bias_gradient``;
-    else None)."""
+    else None). With segment ids, a ``block_mask`` or a mod, each kernel walks the lists of
+    its CTAs' non-empty tiles (``common.tile_lists``) instead of the band."""
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     write_dbias = bias is not None and cfg.bias_gradient
@@ -781,6 +846,13 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
                                      ("mask", mask))}
     batch, lq, heads, head_dim = q.shape
     lk, kv_heads = k.shape[1], k.shape[2]
+    listed = masking.MaskInputs(q_len, kv_len, q_segment_ids, kv_segment_ids, None, offset,
+                                block_mask)
+    dq_lists = tile_lists(cfg, listed, lq, lk, CONSUMERS * config.block_q, config.block_kv)
+    dkdv_lists = tile_lists(cfg, listed, lq, lk, config.block_q, CONSUMERS * config.block_kv,
+                            transposed=True)
+    dq_lists, dkdv_lists = (None if x is None else dict(zip(_LISTS, x))
+                            for x in (dq_lists, dkdv_lists))
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=lq % (CONSUMERS * config.block_q) != 0,
         keys_padded=lk % (CONSUMERS * config.block_kv) != 0))
@@ -796,7 +868,8 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     g = Geometry(batch, q.shape[1], k.shape[1], heads, kv_heads, head_dim, jnp.dtype(q.dtype),
                  config, has_segments=q_segment_ids is not None,
                  bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
-                 has_mask=mask is not None, write_dbias=write_dbias)
+                 has_mask=mask is not None, write_dbias=write_dbias,
+                 mod_aux_types=mod_aux_types(mod_aux if cfg.has_mods else ()))
     pad_last = lambda x, multiple, value: jnp.pad(
         x, ((0, 0), (0, 0), (0, -x.shape[-1] % multiple)), constant_values=value)
     per_query = CONSUMERS * config.block_q
@@ -822,12 +895,14 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     common = dict(q=q, do=d_out, v=v, q_len=q_len, kv_len=kv_len, offset=offset,
                   row_max=row_max, log_sum=log_sum, delta=delta, q_ids=q_ids, kv_ids=kv_ids,
                   seeds=None if seeds is None else seeds.astype(jnp.uint32),
-                  dropout_offset=None if dropout_offset is None else dropout_offset.astype(jnp.int32))
+                  dropout_offset=None if dropout_offset is None else dropout_offset.astype(jnp.int32),
+                  **{name: mod_aux_operand(x) for name, x in zip(_aux_names(g), mod_aux)})
     kv_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     order = WorkOrder.create(g.kv_pairs, kv_heads, batch, masking.later_key_tiles_heavier(cfg.mask),
                              True, **sms)
     g_dkdv = dataclasses.replace(g, write_dbias=False, bias_dtype=None if bias is None
                                  else jnp.dtype(jnp.float32))
+    dkdv_pairwise = dict(dkdv_pairwise, **(dkdv_lists or {}))
     if config.dq == "fused":
         return (*_fused_call(cfg, g_dkdv, dict(common, **dkdv_pairwise), k, v, key_poison,
                              order, interpret, lq, lk), None)
@@ -848,7 +923,8 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
         dbias = jax.new_ref(jnp.zeros((batch, heads, g.q_pairs * per_query,
                                        -(-g.lk // config.block_kv) * config.block_kv),
                                       jnp.float32))
-    dq = _kernel(cfg, g, dict(common, k=k, key_poison=key_poison, dbias=dbias, **dq_pairwise),
+    dq = _kernel(cfg, g, dict(common, k=k, key_poison=key_poison, dbias=dbias, **dq_pairwise,
+                              **(dq_lists or {})),
                  _DQ_INPUTS, kv_struct(q), ("dq",), _dq_scratch, _dq_consumer, _dq_walk, order,
                  interpret, "dq")
     if dbias is not None:

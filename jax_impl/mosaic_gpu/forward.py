@@ -56,6 +56,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
+from jax_impl.pallas_triton.common import (FULL_TILE, PARTIAL_TILE, ModAux, TileMods,
+                                           TileRules, broadcast_index, kernel_mod_aux,
+                                           mod_aux_operand, mod_aux_types, tile_lists)
 from jax_impl.mosaic_gpu.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, Config
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
 
@@ -82,6 +85,7 @@ class Geometry:
     # Rows per query position: G where a kv head's G query heads are packed into the rows
     # (row r is query r // G of head r % G of the group: ``_packed``), else 1.
     group_rows: int = 1
+    mod_aux_types: tuple = ()  # (dtype, shape) of each mod_aux entry (common.mod_aux_types)
 
     @property
     def rows_per_cta(self) -> int:
@@ -224,7 +228,8 @@ class _Item:
 
 def _split_refs(refs, has_offset: bool, has_sinks: bool, has_segments: bool,
                 has_seeds: bool = False, has_dropout_offset: bool = False,
-                has_bias: bool = False, has_mask: bool = False):
+                has_bias: bool = False, has_mask: bool = False, has_tiles: bool = False,
+                num_aux: int = 0):
     refs = list(refs)
     q, k, v, q_len, kv_len = refs[:5]
     rest = refs[5:]
@@ -235,9 +240,12 @@ def _split_refs(refs, has_offset: bool, has_sinks: bool, has_segments: bool,
     dropout_offset = rest.pop(0) if has_dropout_offset else None
     bias = rest.pop(0) if has_bias else None
     mask = rest.pop(0) if has_mask else None
+    tiles = tuple(rest.pop(0) for _ in range(4)) if has_tiles else None
+    mod_aux = tuple(rest.pop(0) for _ in range(num_aux))
     out, row_max, log_sum = rest
     return _KernelRefs(q, k, v, q_len, kv_len, offset, sinks, out, row_max, log_sum,
-                       q_segments, kv_segments, seeds, dropout_offset, bias, mask)
+                       q_segments, kv_segments, seeds, dropout_offset, bias, mask, tiles,
+                       mod_aux)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +266,62 @@ class _KernelRefs:
     dropout_offset: object = None  # [2] int32: the global (query, key) index of local (0, 0)
     bias: object = None         # [Bb, Hb, Lq, Lk] float or None (Bb in {1, B}, Hb in {1, Hq})
     mask: object = None         # [Bm, Hm, Lq, Lk] int8 (nonzero: may attend) or None
+    tiles: object = None        # the item's tile lists (tile_lists) or None: the band walk
+    mod_aux: tuple = ()         # the mods' arrays (mod_aux_operand), read by scalar indices
+
+
+class ScalarModAux(ModAux):
+    """A mod_aux array in the Mosaic GPU kernels: indexed by scalars only (``slopes[h]``,
+    ``table[b, h]``: one load from global memory); an index array (``q_idx``, ``kv_idx``, or
+    one made from them) would be a gather, which these kernels do not do."""
+
+    def __getitem__(self, key):
+        for index in key if isinstance(key, tuple) else (key,):
+            if jnp.ndim(index):
+                raise self._refuse_gather(index)
+        return super().__getitem__(key)
+
+    def _refuse_gather(self, index):
+        return TypeError(f"mod_aux[{self._position}] (shape {self.shape}) is indexed with an "
+                         f"array of shape {jnp.shape(index)}: in the mosaic_gpu kernels a mod_aux "
+                         "array is read with scalar indices only (b, h, constants); "
+                         "implementation='pallas_triton' or 'xla' gathers by q_idx and kv_idx")
+
+
+def tile_mods(cfg, b, head, aux_refs, aux_types, gradient: bool = False):
+    """The call's mods on an item's tiles (``common.TileMods``: batch row ``b``, query head
+    ``head``), their mod_aux read as ``ScalarModAux``; None without mods."""
+    if not cfg.has_mods:
+        return None
+    views = tuple(ScalarModAux(x._ref, x.dtype, i) if isinstance(x, ModAux) else x
+                  for i, x in enumerate(kernel_mod_aux(aux_refs, aux_types)))
+    return TileMods(cfg, jnp.asarray(b, jnp.int32), jnp.asarray(head, jnp.int32), views, gradient)
+
+
+def listed_tiles(lists, b, head, tile):
+    """The tiles that item ``(tile, head, b)`` visits, from the refs of ``common.tile_lists`` (scalars
+    read from global memory; batch and head axes broadcast where of size 1): the partial ones,
+    then the full ones, as ``[(count, index_of(t), TileRules)]``."""
+    counts, indices, full_counts, full_indices = lists
+    walk = []
+    for count_ref, index_ref, rules in ((counts, indices, PARTIAL_TILE),
+                                        (full_counts, full_indices, FULL_TILE)):
+        row = (broadcast_index(count_ref, 0, b), broadcast_index(count_ref, 1, head), tile)
+        walk.append((count_ref[row], lambda t, index_ref=index_ref, row=row: index_ref[(*row, t)],
+                     rules))
+    return walk
+
+
+def streamed_tiles(lists, band, b, head, tile):
+    """A memory warpgroup's walk of an item as ``(start, stop, index_of)``: the band
+    ``(lo, hi)`` when ``lists`` is None, else the listed tiles of ``listed_tiles`` in its order,
+    in one loop (one copy of the loop's TMA issue in the program)."""
+    if lists is None:
+        return (*band, lambda t: t)
+    (count, partial, _), (full_count, full, _) = listed_tiles(lists, b, head, tile)
+    last = lists[1].shape[-1] - 1  # both reads stay inside the lists; the select picks one
+    return 0, count + full_count, lambda t: jnp.where(
+        t < count, partial(jnp.minimum(t, last)), full(jnp.clip(t - count, 0, last)))
 
 
 def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem, barriers):
@@ -292,7 +356,8 @@ def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                                   c.num_stages)
             return step + 1
 
-        return lax.fori_loop(it.lo, it.hi, load, step)
+        start, stop, index_of = streamed_tiles(refs.tiles, (it.lo, it.hi), b, head, pair)
+        return lax.fori_loop(start, stop, lambda t, step: load(index_of(t), step), step)
 
     steps = order.loop(lax.axis_index("cta"), item, jnp.int32(0))
     # The tail (FA3's load_tail): wait until the consumers have read the last tile of every
@@ -320,7 +385,8 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
     tile = (c.block_q, c.block_kv)
     # Plain logits stay q.k in the online softmax (its ``unit``): one multiply fewer per logit.
-    unit = cfg.scale if refs.bias is None and cfg.logits_soft_cap is None else 1.0
+    unit = 1.0 if refs.bias is not None or cfg.logits_soft_cap is not None or (
+        cfg.score_mod is not None) else cfg.scale
     key_iota = lambda: plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
     row_iota = lambda: plgpu.broadcasted_iota(jnp.int32, (c.block_q,), 0, layout=_ROW)
     # The query position of each of the warpgroup's rows (packed: G rows per position).
@@ -342,23 +408,31 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
         q_segments = None if refs.q_segments is None else plgpu.load(
             refs.q_segments.at[b, pl.ds(it.q_start, c.block_q)], layout=_ROW, optimized=False)
         dropout = None if refs.seeds is None else _Dropout.create(cfg, refs, it, c)
+        item_mods = tile_mods(cfg, b, head, refs.mod_aux, geometry.mod_aux_types)
         acc = plgpu.layout_cast(jnp.zeros((c.block_q, geometry.head_dim), jnp.float32),
                                 plgpu.Layout.WGMMA)
         plgpu.barrier_wait(q_loaded.at[wg])
         pl.when(wg == 1)(schedule_sync)  # one phase behind warpgroup 0: the ping-pong
 
-        def softmax_of(s, j, slot, masked: bool, row_max, row_sum):
-            """The online softmax of key tile ``j``'s logits (in ring stage ``slot``):
-            (rescale, P in fp32, stats). Releases K's stage once its key ids are read."""
+        def softmax_of(s, j, slot, rules: TileRules, row_max, row_sum):
+            """The online softmax of key tile ``j``'s logits (in ring stage ``slot``), the
+            per-pair ``rules`` applied: (rescale, P in fp32, stats). Releases K's stage once
+            its key ids are read."""
             same = None
-            if q_segments is not None:  # every pair's rule: on every tile, the interior too
+            if q_segments is not None and rules.segments:  # the band walk: on every tile
                 kv_segments = plgpu.load(key_ids.at[slot], layout=_COLUMN, optimized=False)
                 same = (online_softmax.rows_to(q_segments, s)
                         == lax.broadcast_in_dim(kv_segments, tile, (1,)))
             plgpu.barrier_arrive(k_consumed.at[slot])
             bias, allowed = pairwise.read(slot, own_rows)
             t = s if unit != 1.0 else online_softmax.logits(s, cfg, bias)[0]
-            if masked and cfg.mask.restricts:  # (an unused iota fails layout inference:
+            if item_mods is not None:  # on the fragment's global indices
+                q_idx = online_softmax.rows_to(row_positions(it.q_start), s)
+                kv_idx = j * c.block_kv + key_iota()
+                t = item_mods.score(t, q_idx, kv_idx)[0]
+                if rules.mask_mod:
+                    allowed = masking.all_of([allowed, item_mods.allowed(q_idx, kv_idx)])
+            if rules.structural and cfg.mask.restricts:  # (an unused iota fails layout inference:
                 # with key lengths alone the bounds do not read the rows)
                 rows = row_positions(it.q_start) if cfg.mask.varies_by_row else None
                 lo, hi = masking.key_bounds_per_row(cfg.mask, rows, j * c.block_kv, it.q_len,
@@ -390,9 +464,10 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             plgpu.barrier_wait(schedule)
             return state
 
-        def first(j, carry, masked: bool = True):
+        def first(j, carry, rules: TileRules = TileRules.band(True)):
             """The first key tile this warpgroup attends: S, its softmax, no P V yet (the
-            pipeline's prologue; the mask rule is applied, right for any tile)."""
+            pipeline's prologue; in the band walk the mask rule is applied, right for any
+            tile)."""
             acc, row_max, row_sum, p_prev, step = carry
             slot = lax.rem(step, c.num_stages)
             plgpu.barrier_wait(k_produced.at[slot])
@@ -403,18 +478,18 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 return s_ref[...]
 
             s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
-            rescale, p, row_max, row_sum = softmax_of(s, j, slot, masked, row_max, row_sum)
+            rescale, p, row_max, row_sum = softmax_of(s, j, slot, rules, row_max, row_sum)
             p = dropped(p, j)
             acc = acc * online_softmax.rows_to(rescale, acc)
             acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
             return acc, row_max, row_sum, p, step + 1
 
-        def sequential(j, carry, masked: bool):
+        def sequential(j, carry, rules: TileRules):
             """Key tile ``j`` without the overlap (``Config.overlap=False``): P_{j-1} V_{j-1}
             waited, then S_j and its softmax with no GEMM in flight beside them."""
-            return first(j, last(carry), masked)
+            return first(j, last(carry), rules)
 
-        def attend(j, carry, masked: bool):
+        def attend(j, carry, rules: TileRules):
             """Key tile ``j`` (FA3's intra-warpgroup pipelining): S_j = Q K_j^T and
             O += P_{j-1} V_{j-1} are issued together, tile j's softmax runs once S_j is ready
             while P V may still run on the tensor cores, then O takes tile j's rescale."""
@@ -424,7 +499,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             plgpu.barrier_wait(k_produced.at[slot])
 
             def between(s, row_max=row_max, row_sum=row_sum):
-                return softmax_of(s, j, slot, masked, row_max, row_sum)
+                return softmax_of(s, j, slot, rules, row_max, row_sum)
 
             acc, (rescale, p, row_max, row_sum) = _pipelined_gemms(
                 acc, q_smem, k_smem.at[slot], p_prev, v_smem.at[prev], schedule_sync, between,
@@ -458,19 +533,36 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             schedule_sync()
             return (*carry[:-1], carry[-1] + 1)
 
-        # The stretches (kv_block_split): pass, masked, unmasked, masked, pass. The attended
-        # ones are contiguous: the first of them is the prologue, the others pipelined.
-        b = it.bounds
         p_prev = plgpu.layout_cast(jnp.zeros(tile, geometry.dtype), plgpu.Layout.WGMMA)
-        carry = lax.fori_loop(b[0], b[1], pass_, (acc, row_max, row_sum, p_prev, step))
-        attends = b[1] < b[4]
-        carry = lax.cond(attends, lambda x: first(b[1], x), lambda x: x, carry)
-        after_first = b[1] + 1
-        for start, stop, masked in ((b[1], b[2], True), (b[2], b[3], False), (b[3], b[4], True)):
-            carry = lax.fori_loop(jnp.maximum(start, after_first), stop, functools.partial(
-                attend if c.overlap else sequential, masked=masked), carry)
-        carry = lax.cond(attends, last, lambda x: x, carry)
-        carry = lax.fori_loop(b[4], b[5], pass_, carry)
+        carry = (acc, row_max, row_sum, p_prev, step)
+        body = attend if c.overlap else sequential
+        if refs.tiles is None:
+            # The stretches (kv_block_split): pass, masked, unmasked, masked, pass. The attended
+            # ones are contiguous: the first of them is the prologue, the others pipelined.
+            b = it.bounds
+            carry = lax.fori_loop(b[0], b[1], pass_, carry)
+            attends = b[1] < b[4]
+            carry = lax.cond(attends, lambda x: first(b[1], x), lambda x: x, carry)
+            after_first = b[1] + 1
+            for start, stop, masked in ((b[1], b[2], True), (b[2], b[3], False),
+                                        (b[3], b[4], True)):
+                carry = lax.fori_loop(jnp.maximum(start, after_first), stop, functools.partial(
+                    body, rules=TileRules.band(masked)), carry)
+            carry = lax.cond(attends, last, lambda x: x, carry)
+            carry = lax.fori_loop(b[4], b[5], pass_, carry)
+        else:
+            # The CTA's listed tiles, the partial ones then the full ones, the same for both
+            # warpgroups and the producer (a tile none of a warpgroup's rows may see is computed
+            # masked: its P is 0). The first listed tile is the prologue.
+            done = jnp.int32(0)  # tiles attended so far
+            for count, index_of, rules in listed_tiles(refs.tiles, it.b, head, pair):
+                carry = lax.cond((done == 0) & (count > 0), lambda x, index_of=index_of,
+                                 rules=rules: first(index_of(0), x, rules), lambda x: x, carry)
+                carry = lax.fori_loop(jnp.where(done == 0, 1, 0), count,
+                                      lambda t, x, index_of=index_of, rules=rules: body(
+                                          index_of(t), x, rules), carry)
+                done = done + count
+            carry = lax.cond(done > 0, last, lambda x: x, carry)
         acc, row_max, row_sum, _, step = carry
         pl.when(wg == 0)(schedule_sync)
         _store(geometry, refs, it, acc, row_max * unit, row_sum, q_smem, max_smem, log_sum_smem)
@@ -590,8 +682,8 @@ def _store(geometry: Geometry, refs: _KernelRefs, it: _Item, acc, row_max, row_s
 
 def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_len, offset=None,
                  sinks=None, q_segment_ids=None, kv_segment_ids=None, seeds=None,
-                 dropout_offset=None, bias=None, mask=None, *, num_sms: int | None = None,
-                 interpret=None, pack_query_group: bool = False):
+                 dropout_offset=None, bias=None, mask=None, *, block_mask=None, mod_aux=(),
+                 num_sms: int | None = None, interpret=None, pack_query_group: bool = False):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (16-bit), q_len/kv_len [B] int32, offset [B] int32
     or None, sinks [Bs, Hs] float32 or None, segment ids [B, Lq] and [B, Lk] int32 or None,
     dropout seeds [Bs, Hs] uint32 or None (dropout at ``cfg.dropout_rate``) and its offset [2]
@@ -599,11 +691,15 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
     may attend) or None (Bx in {1, B}, Hx in {1, Hq}; ``geometry`` names the bias's dtype and
     whether a mask is given) -> (out [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32,
     natural log). ``pack_query_group``: each kv head's query heads are packed into the rows of
-    its work items (``config.packs_query_group`` says where it pays)."""
+    its work items (``config.packs_query_group`` says where it pays). With segment ids, a
+    ``block_mask`` or a mod, an unpacked call walks the lists of its CTAs' non-empty key tiles
+    (``common.tile_lists`` on ``2 * block_q`` x ``block_kv`` tiles; a packed one the band)."""
     if pack_query_group and geometry.heads > geometry.kv_heads:
-        if cfg.dropout_rate or bias is not None or mask is not None:
-            raise ValueError("pack_query_group=True: dropout, a bias and a dense mask differ per "
-                             "query head within a packed tile's rows; call it unpacked")
+        if (cfg.dropout_rate or bias is not None or mask is not None or block_mask is not None
+                or cfg.has_mods):
+            raise ValueError("pack_query_group=True: dropout, a bias, a dense mask, a block_mask "
+                             "and the mods differ per query head within a packed tile's rows; "
+                             "call it unpacked")
         q, q_segment_ids, sinks, packed = _packed(q, q_segment_ids, sinks, geometry)
         out, row_max, log_sum = forward_call(
             cfg, packed, q, k, v, q_len, kv_len, offset, sinks, q_segment_ids, kv_segment_ids,
@@ -617,9 +713,14 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
                          f"{geometry.has_mask} must describe the bias and mask given")
     bias = None if bias is None else rows_of_sixteen_bytes(bias)
     mask = None if mask is None else rows_of_sixteen_bytes(mask.astype(jnp.int8))
+    listed = None if geometry.group_rows != 1 else tile_lists(
+        cfg, masking.MaskInputs(q_len, kv_len, q_segment_ids, kv_segment_ids, None, offset,
+                                block_mask), lq, lk, geometry.rows_per_cta, c.block_kv)
     q, k, v, geometry = _rows_of_eight(q, k, v, geometry)
     has_segments = q_segment_ids is not None
-    geometry = dataclasses.replace(geometry, has_segments=has_segments)
+    mod_aux = tuple(mod_aux) if cfg.has_mods else ()
+    geometry = dataclasses.replace(geometry, has_segments=has_segments,
+                                   mod_aux_types=mod_aux_types(mod_aux))
     if has_segments:
         # Whole tiles, so that every row a tile's load reads exists; the padded rows and keys
         # lie past the lengths (the length rule is on there), their ids are never compared.
@@ -642,7 +743,8 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
 
     def entry(*refs):
         kernel_refs = _split_refs(refs, has_offset, has_sinks, has_segments, has_seeds,
-                                  has_dropout_offset, bias is not None, mask is not None)
+                                  has_dropout_offset, bias is not None, mask is not None,
+                                  listed is not None, len(mod_aux))
 
         def body(smem, barriers):
             wg = lax.axis_index("wg")
@@ -660,7 +762,7 @@ def forward_call(cfg: AttentionConfig, geometry: Geometry, q, k, v, q_len, kv_le
         offset, sinks, q_segment_ids, kv_segment_ids,
         None if seeds is None else seeds.astype(jnp.uint32),
         None if dropout_offset is None else dropout_offset.astype(jnp.int32), bias, mask)
-        if x is not None]
+        if x is not None] + list(listed or ()) + [mod_aux_operand(x) for x in mod_aux]
     kernel = plgpu.kernel(
         entry, out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats),
         grid=(order.num_ctas,), grid_names=("cta",), num_threads=CONSUMERS + 1, thread_name="wg",

@@ -22,6 +22,7 @@ import pytest
 from conformance.cases import Case
 from jax_impl import (dropout_sinks, implementations, masking, mosaic_gpu, online_softmax,
                       pallas_triton, recompute_vjp, reference)
+from jax_impl import block_mask as block_mask_lib
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.flash_attention import explain_implementation, flash_attention
 from jax_impl.mosaic_gpu.config import (BackwardConfig, Config, default_config,
@@ -94,6 +95,20 @@ def test_every_feature_it_does_not_take_is_named(monkeypatch, features, reason):
     got = mosaic_gpu.unsupported(head_dim=features.pop("head_dim", 64), cfg=cfg,
                                  dtype=features.pop("dtype", jnp.bfloat16), **features)
     assert (got is None) if reason is None else got.startswith(reason), got
+
+
+def test_the_mods_and_a_block_mask_are_taken_unless_the_query_group_is_packed(monkeypatch):
+    """score_mod, mask_mod and a block_mask run in the kernels (forward and backward); a packed
+    query group would mix query heads in one tile's rows, so Config(pack_query_group=True)
+    refuses them by name."""
+    monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)
+    cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(has_block_mask=True),
+                          score_mod=lambda s, b, h, q_idx, kv_idx: s,
+                          mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    assert mosaic_gpu.unsupported(head_dim=64, cfg=cfg, dtype=jnp.bfloat16) is None
+    packed = dataclasses.replace(cfg, block_sizes=Config(pack_query_group=True))
+    assert "where a block_mask and score_mod and mask_mod would differ per query head" in (
+        mosaic_gpu.unsupported(head_dim=64, cfg=packed, dtype=jnp.bfloat16))
 
 
 def test_unavailable_on_old_jax_says_so(monkeypatch):
@@ -1094,3 +1109,214 @@ def test_fused_dq_gradients_match_the_float64_oracle(monkeypatch, problem, inter
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
                   block_sizes=FUSED_DQ)
     assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+# --- Tile lists, score_mod and mask_mod (forward and backward) -----------------------------
+# The kernels walk the lists of non-empty tiles that segment ids or a block_mask leave (full
+# tiles without the per-pair mask) and trace score_mod / mask_mod on the WGMMA fragment's
+# global indices; judged against torch_ref in float64 with the same rules written as a dense
+# mask or bias here. The gradients: the Mosaic backward's (interpreted only with
+# MOSAIC_BACKWARD_INTERPRET=1: HANG).
+
+# GQA: dK/dV sums the group's heads, each with its own slope.
+MODS_BATCH, MODS_HQ, MODS_HKV, MODS_D = 1, 2, 1, 64
+MODS_TILES = Config(64, 64, 2)  # CTAs of 128 query rows, key tiles of 64
+
+
+def _inputs(seed, length):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((MODS_BATCH, length, MODS_HQ, MODS_D))
+    k, v = (rng.standard_normal((MODS_BATCH, length, MODS_HKV, MODS_D)) for _ in range(2))
+    cotangent = rng.standard_normal((MODS_BATCH, length, MODS_HQ, MODS_D))
+    return tuple(x.astype(np.float16) for x in (q, k, v, cotangent))
+
+
+def _mosaic(q, k, v, cotangent, interpret, gradients: bool, **kwargs):
+    """Out (and dq, dk, dv, and d mod_aux[-1] with ``gradients``: the Mosaic backward's) as
+    float64 numpy."""
+    if gradients and interpret:
+        import os
+        if os.environ.get("MOSAIC_BACKWARD_INTERPRET") != "1":
+            pytest.skip(HANG + "; MOSAIC_BACKWARD_INTERPRET=1 runs it")
+    mod_aux = tuple(kwargs.pop("mod_aux", ()))
+    config = Config(64, 64, 2, backward="mosaic_gpu") if gradients else MODS_TILES
+
+    def attend(q, k, v, mod_aux):
+        return flash_attention(q, k, v, implementation="mosaic_gpu", interpret=interpret,
+                               block_sizes=config, mod_aux=mod_aux, **kwargs)
+
+    q, k, v, cotangent = map(jnp.asarray, (q, k, v, cotangent))
+    if not gradients:
+        return {"out": np.asarray(attend(q, k, v, mod_aux), np.float64)}
+    out, vjp = jax.vjp(attend, q, k, v, mod_aux)
+    dq, dk, dv, d_mod_aux = vjp(cotangent)
+    found = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    if mod_aux:
+        found["d_aux"] = d_mod_aux[-1]
+    return {name: np.asarray(x, np.float64) for name, x in found.items()}
+
+
+def _judge(got, oracle):
+    """Each result within 1% of the largest oracle magnitude (float16 inputs, float32 sums)."""
+    for name, x in got.items():
+        want = oracle[name]
+        assert np.all(np.isfinite(x)), name
+        error = np.max(np.abs(x - want))
+        assert error <= 1e-2 * max(1.0, np.max(np.abs(want))), (name, error)
+
+
+def _positions(length):
+    i = np.arange(length)
+    return i[:, None], i[None, :]  # query rows, key columns
+
+
+# A block_mask of 128 x 128 tiles (every kernel's tiles nest in them: regridded exactly) whose
+# classes are chosen here, not derived from the mask_mod: a full tile admits every pair
+# whatever the mask_mod says there (FlexAttention's rule), an empty one none; the mask_mod
+# decides on the partial ones.
+LENGTH, BLOCK = 256, 128
+CLASSES = np.array([[2, 0],
+                    [1, 1]], np.int8)
+
+
+def _stripes(b, h, q_idx, kv_idx, period, slopes):
+    """A pattern no tile holds whole: keys (q_idx + kv_idx) % period != 0."""
+    return (q_idx + kv_idx) % period[b] != 0
+
+
+def _alibi(score, b, h, q_idx, kv_idx, period, slopes):
+    return score + slopes[h] * (kv_idx - q_idx).astype(jnp.float32)
+
+
+def _block_mask_case():
+    period = np.array([3], np.int32)
+    slopes = np.array([0.05, 0.2], np.float32)
+    classes = jnp.asarray(CLASSES[None, None])
+    mask = block_mask_lib.BlockMask.from_tile_classes(classes, LENGTH, LENGTH, BLOCK, BLOCK)
+    rows, cols = _positions(LENGTH)
+    tile_class = CLASSES[rows // BLOCK, cols // BLOCK]
+    dense = (tile_class == 2) | ((tile_class == 1) & ((rows + cols) % period[0] != 0))
+    bias = slopes[None, :, None, None] * (cols - rows)
+    kwargs = dict(block_mask=mask, mask_mod=_stripes, score_mod=_alibi,
+                  mod_aux=(jnp.asarray(period), jnp.asarray(slopes)))
+    return kwargs, dense, bias
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("gradients", [False, True], ids=["forward", "gradients"])
+def test_a_block_mask_with_mask_mod_and_alibi_score_mod_match_the_oracle(interpret, gradients):
+    """Partial tiles take the mask_mod (its period read from mod_aux by the batch index), full
+    tiles take every pair, empty ones none; ALiBi's slopes are read from mod_aux by the global
+    query head (GQA: the dK/dV kernel's group members). (The slopes' gradient is the xla
+    backward's, whose coarser tiles regrid this block_mask conservatively: the mask_mod decides
+    there inside the chosen full and empty tiles too. The next test judges it.)"""
+    q, k, v, cotangent = _inputs(0, LENGTH)
+    kwargs, dense, bias = _block_mask_case()
+    got = _mosaic(q, k, v, cotangent, interpret, gradients, **kwargs)
+    got.pop("d_aux", None)
+    _judge(got, torch_arrays(q, k, v, cotangent, mask=dense[None, None], bias=bias))
+
+
+def _soft_cap_and_alibi(score, b, h, q_idx, kv_idx, slopes):
+    return 4.0 * jnp.tanh(score / 4.0) + slopes[h] * (kv_idx - q_idx).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("gradients", [False, True], ids=["forward", "gradients"])
+def test_packed_documents_with_soft_cap_and_alibi_score_mod_and_causal_mask_mod_match_the_oracle(
+        interpret, gradients):
+    """Segment ids (packed documents: tiles between documents are empty and skipped, tiles
+    inside one are full) with a mask_mod (causal) evaluated on every partial tile and a
+    score_mod (a soft cap, its derivative reaching dq and dk, plus ALiBi: the slopes' gradient
+    is the oracle's dbias weighted by the distance)."""
+    length = 192
+    q, k, v, cotangent = _inputs(1, length)
+    ids = np.repeat(np.array([[0, 1, 2]], np.int32), [70, 90, 32], axis=1)
+    slopes = np.array([0.05, 0.2], np.float32)
+    got = _mosaic(q, k, v, cotangent, interpret, gradients, q_segment_ids=jnp.asarray(ids),
+                  kv_segment_ids=jnp.asarray(ids), mod_aux=(jnp.asarray(slopes),),
+                  mask_mod=lambda b, h, q_idx, kv_idx, slopes: kv_idx <= q_idx,
+                  score_mod=_soft_cap_and_alibi)
+    rows, cols = _positions(length)
+    bias = slopes[None, :, None, None] * (cols - rows)
+    oracle = torch_arrays(q, k, v, cotangent, is_causal=True, q_segment_ids=ids,
+                          kv_segment_ids=ids, logits_soft_cap=4.0, bias=bias)
+    oracle["d_aux"] = np.sum(oracle["dbias"] * (cols - rows), axis=(0, 2, 3))
+    _judge(got, oracle)
+
+
+def _recorded_kernel_operands(monkeypatch):
+    """Replaces plgpu.kernel by one that records its operands and returns zeros."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    calls = []
+
+    def kernel(entry, out_type, **_):
+        def call(*operands):
+            calls.append(operands)
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out_type)
+        return call
+
+    monkeypatch.setattr(plgpu, "kernel", kernel)
+    return calls
+
+
+def _given(lists):
+    """The tiles listed per (query head, tile) of batch row 0: partial and full ones."""
+    counts, _, full_counts, _ = (np.asarray(x) for x in lists)
+    return np.broadcast_to((counts + full_counts)[0], (MODS_HQ, counts.shape[-1]))
+
+
+def _walked(lists, tile: int):
+    """The tiles a producer walks per query head of its tile ``tile`` (its one loop)."""
+    from jax_impl.mosaic_gpu.forward import streamed_tiles
+    return [int(streamed_tiles(lists, None, 0, h, tile)[1]) for h in range(MODS_HQ)]
+
+
+@needs_mosaic
+def test_only_the_non_empty_tiles_are_given_to_the_kernels(monkeypatch):
+    """Packed documents with causal: the tile counts the forward, dK/dV and dQ kernels are given
+    (their producers' loop counts) are those of the tiles holding an allowed pair, fewer than
+    the band's (the tiles below the diagonal between documents are empty)."""
+    from jax_impl.mosaic_gpu.backward import backward_call
+    from jax_impl.mosaic_gpu.forward import Geometry, forward_call
+    length = 512
+    ids = np.repeat(np.array([[0, 1, 2, 3]], np.int32), [100, 160, 130, 122], axis=1)
+    rows, cols = _positions(length)
+    allowed = (ids[0][:, None] == ids[0][None, :]) & (cols <= rows)
+    non_empty = lambda bq, bk: allowed.reshape(length // bq, bq, length // bk, bk).any((1, 3))
+    band = lambda bq, bk: (cols <= rows).reshape(length // bq, bq, length // bk, bk).any((1, 3))
+    calls = _recorded_kernel_operands(monkeypatch)
+    cfg = AttentionConfig(scale=MODS_D ** -0.5, mask=masking.MaskSpec(is_causal=True))
+    q = jnp.ones((MODS_BATCH, length, MODS_HQ, MODS_D), jnp.float16)
+    k = jnp.ones((MODS_BATCH, length, MODS_HKV, MODS_D), jnp.float16)
+    lengths = jnp.full((MODS_BATCH,), length, jnp.int32)
+    seg = jnp.asarray(ids)
+    geometry = Geometry(MODS_BATCH, length, length, MODS_HQ, MODS_HKV, MODS_D,
+                        jnp.dtype(jnp.float16), MODS_TILES)
+    forward_call(cfg, geometry, q, k, k, lengths, lengths, q_segment_ids=seg, kv_segment_ids=seg)
+    stats = jnp.zeros((MODS_BATCH, MODS_HQ, length), jnp.float32)
+    backward_call(cfg, BackwardConfig(64, 64, 2), q, k, k, q,
+                  online_softmax.RowStats(stats, stats), stats,
+                  lengths, lengths, q_segment_ids=seg, kv_segment_ids=seg)
+    forward, dkdv, dq = calls
+    for operands, (bq, bk), by_keys in ((forward, (128, 64), False), (dkdv, (64, 128), True),
+                                        (dq, (128, 64), False)):
+        lists = operands[-4:]  # the kernels' last operands: no bias, mask, mod_aux or dbias
+        tiles = non_empty(bq, bk).T if by_keys else non_empty(bq, bk)
+        assert tiles.sum() < band(bq, bk).sum()
+        np.testing.assert_array_equal(_given(lists),
+                                      np.broadcast_to(tiles.sum(1), (MODS_HQ, len(tiles))))
+        assert [_walked(lists, t) for t in range(len(tiles))] == [[int(n)] * MODS_HQ
+                                                                 for n in tiles.sum(1)]
+
+
+@needs_mosaic
+def test_a_mod_aux_gathered_by_an_index_array_is_refused_by_name():
+    """The kernels read mod_aux by scalar indices (b, h); an index array would be a gather."""
+    q = jnp.ones((MODS_BATCH, 128, MODS_HQ, MODS_D), jnp.float16)
+    table = jnp.ones((256,), jnp.float32)
+    with pytest.raises(TypeError, match=r"mod_aux\[0\] \(shape \(256,\)\) is indexed with an "
+                                        r"array.*scalar indices only"):
+        flash_attention(q, q[:, :, :1], q[:, :, :1], implementation="mosaic_gpu",
+                        interpret=True, mod_aux=(table,),
+                        score_mod=lambda s, b, h, q_idx, kv_idx, t: s + t[kv_idx - q_idx + 128])
