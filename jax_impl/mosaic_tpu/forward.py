@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_impl import dropout_sinks, masking
+from jax_impl import dropout_sinks, masking, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_tpu import common
 
@@ -166,8 +166,10 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
     stats_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, s, *_: (b, h, 0, i))
     out_specs = [pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, s, *_: (b, h, i, 0)),
                  stats_spec, stats_spec]
-    stats_shape = jax.ShapeDtypeStruct((batch, hq, 1, lq_pad), jnp.float32)
-    out_shape = [jax.ShapeDtypeStruct((batch, hq, lq_pad, head_dim), q.dtype), stats_shape,
+    # Inside shard_map (check_vma) every operand varies like the others, and so do the outputs.
+    prefetch, operands = vma.like((prefetch, operands), vma.axes_of(prefetch, operands))
+    stats_shape = vma.out_struct((batch, hq, 1, lq_pad), jnp.float32, operands[0])
+    out_shape = [vma.out_struct((batch, hq, lq_pad, head_dim), q.dtype, operands[0]), stats_shape,
                  stats_shape]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch), grid=(batch, hq, lq_pad // block_q, lists.steps),

@@ -59,3 +59,15 @@ def test_automatic_axes_warn_on_tpu(implementation):
     lowered.compile()
     messages = [str(w.message) for w in caught if w.category is ShardingWarning]
     assert messages and all("explicit axes" in m and "shard_map" in m for m in messages), messages
+
+
+def test_the_kernels_run_inside_a_users_shard_map_with_vma_checks(implementation):
+    """A user's own jax.shard_map (check_vma=True, the default): the kernels' outputs are typed
+    as varying like their operands, so fwd+grad compile for v5e."""
+    mesh = _mesh(AxisType.Explicit)
+    operand = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+    attend = jax.shard_map(
+        lambda q, k, v: flash_attention(q, k, v, is_causal=True, implementation=implementation),
+        mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"))
+    loss = lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum()
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(operand, operand, operand).compile()
