@@ -40,7 +40,7 @@ from jax_impl.mosaic_tpu import common
 from jax_impl.pallas_triton.common import kernel_mod_aux, mod_aux_operand, mod_aux_types
 
 # Tile edge of both backward kernels when cfg.block_sizes is not a BlockSizes: TPU grid steps
-# cost ~1k cycles each (tpu_findings §3), so tiles are large; a multiple of 128 (lanes).
+# cost ~1k cycles each (libtpu's static estimate of JAX's kernel), so tiles are large; a multiple of 128.
 DEFAULT_BLOCK = 512
 
 
