@@ -19,7 +19,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_impl.config import AttentionConfig
 
 _HINT = "pass the arrays it reads through mod_aux (they arrive after the indices)"
 
@@ -40,7 +39,7 @@ class _AtOffset:
                         *mod_aux)
 
 
-def at_offset(cfg: AttentionConfig) -> AttentionConfig:
+def at_offset(cfg: "AttentionConfig") -> "AttentionConfig":
     """``cfg`` whose mods take one more leading mod_aux entry, ``offset_aux``'s, and see global
     indices (a ring step's chunk pair, an all-to-all device's block of heads)."""
     if not cfg.has_mods:
@@ -60,7 +59,7 @@ def differentiable(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def score(cfg: AttentionConfig, s, b, h, q_idx, kv_idx, mod_aux):
+def score(cfg: "AttentionConfig", s, b, h, q_idx, kv_idx, mod_aux):
     """The logits ``s`` (float32) after ``cfg.score_mod``; ``s`` itself without one."""
     if cfg.score_mod is None:
         return s
@@ -68,14 +67,14 @@ def score(cfg: AttentionConfig, s, b, h, q_idx, kv_idx, mod_aux):
     return jnp.broadcast_to(jnp.asarray(out, s.dtype), s.shape)
 
 
-def allowed(cfg: AttentionConfig, b, h, q_idx, kv_idx, mod_aux):
+def allowed(cfg: "AttentionConfig", b, h, q_idx, kv_idx, mod_aux):
     """``cfg.mask_mod`` on these indices (bool, broadcast as its result is), or None without one."""
     if cfg.mask_mod is None:
         return None
     return jnp.asarray(cfg.mask_mod(b, h, q_idx, kv_idx, *mod_aux))
 
 
-def score_gradient(cfg: AttentionConfig, s, b, h, q_idx, kv_idx, mod_aux, d_score):
+def score_gradient(cfg: "AttentionConfig", s, b, h, q_idx, kv_idx, mod_aux, d_score):
     """(dS with respect to the logits before ``score_mod``, the ``mod_aux`` cotangents) for the
     cotangent ``d_score`` of its output at ``s``. The cotangents are summed to each entry's
     shape; None for an entry that is not floating (or when there is no score_mod)."""

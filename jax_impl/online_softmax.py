@@ -119,6 +119,15 @@ def key_poison(k, v):
     return row_poison(k) + row_poison(v)
 
 
+def operands_poisoned(q, k, v):
+    """q, k, v as a kernel that reads its operands only through copies into on-chip memory
+    (Mosaic GPU, Mosaic TPU) takes them, the non-finite rule applied in one XLA pass: q's rows
+    that hold a non-finite value all NaN, k's rows their key's poison, v's non-finite
+    entries 0 (a key whose V row is non-finite has a poisoned k)."""
+    poison = per_row(key_poison(k, v))  # [B, Lk, Hkv, 1]
+    return poisoned_rows(q), k + poison.astype(k.dtype), finite_or_zero(v)
+
+
 def attended(s, allowed, has_bias: bool):
     """The pairs of a tile that take part in the softmax, or None when every pair does: those
     the mask rule allows (``allowed``, None: all) and, with a bias, whose logit is not -inf (an

@@ -3,8 +3,8 @@ higher one, no backend importing another backend, and a bounded import chain.
 
 jax_impl, bottom to top (docs/design.md, "Layers"):
   core          the mask rule, the per-tile math, config, dropout and sinks, platform facts,
-                score and mask functions, block masks
-  backends      xla, cpu_kernel, pallas_triton, mosaic_gpu, reference, cudnn: each imports the core only
+                score and mask functions, block masks, what the Pallas kernels share of a tile
+  backends      xla, cpu_kernel, pallas_triton, mosaic_gpu, mosaic_tpu, reference, cudnn: each imports the core only
   table         implementations: which backend can run a call
   distribution  the custom VJP, partitioning under jit, the ring: handed the chosen
                 implementation, they never read the table
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 JAX_IMPL_LAYERS = {
     "core": ["masking", "config", "online_softmax", "dropout_sinks", "vma", "platform", "symbolic_zeros",
-             "mods", "block_mask"],
-    "backends": ["xla", "cpu_kernel", "pallas_triton", "mosaic_gpu", "reference", "cudnn"],
+             "mods", "block_mask", "kernel_tiles"],
+    "backends": ["xla", "cpu_kernel", "pallas_triton", "mosaic_gpu", "mosaic_tpu", "reference", "cudnn"],
     "table": ["implementations"],
     "distribution": ["ring", "ulysses", "cp_cost", "partitioned", "recompute_vjp"],
     "arguments": ["arguments"],

@@ -174,7 +174,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     packed = packs_query_group(config, lq, heads // k.shape[2], per_head_pairs=bool(
         cfg.dropout_rate) or bias is not None or masks.mask is not None or cfg.has_mods
         or masks.block_mask is not None)
-    q, k, v = _nonfinite_rule(q, k, v)
+    q, k, v = online_softmax.operands_poisoned(q, k, v)
     out, row_max, log_sum = forward_call(
         cfg, geometry, q, k, v, masks.q_len, masks.kv_len, masks.position_offset,
         None if sinks is None else sinks.astype(jnp.float32), masks.q_segment_ids,
@@ -182,13 +182,6 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
         block_mask=masks.block_mask, mod_aux=mod_aux, num_sms=_num_sms(), interpret=interpret,
         pack_query_group=packed)
     return out, online_softmax.RowStats(row_max, log_sum)
-
-
-def _nonfinite_rule(q, k, v):
-    """The operands as the kernel reads them (the module's docstring): one XLA pass."""
-    poison = online_softmax.per_row(online_softmax.key_poison(k, v))  # [B, Lk, Hkv, 1]
-    return (online_softmax.poisoned_rows(q), k + poison.astype(k.dtype),
-            online_softmax.finite_or_zero(v))
 
 
 def _backward_refuses(cfg: AttentionConfig, has_bias: bool, head_dim: int | None) -> str | None:

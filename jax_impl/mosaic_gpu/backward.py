@@ -73,7 +73,7 @@ from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_gpu.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, BackwardConfig
 from jax_impl.mosaic_gpu.forward import (listed_tiles, pairwise_source, pairwise_tiles,
                                           rows_of_sixteen_bytes, streamed_tiles, tile_mods)
-from jax_impl.pallas_triton.common import TileRules, mod_aux_operand, mod_aux_types, tile_lists
+from jax_impl.kernel_tiles import TileRules, mod_aux_operand, mod_aux_types, tile_lists
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
 
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile

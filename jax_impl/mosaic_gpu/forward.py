@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
-from jax_impl.pallas_triton.common import (FULL_TILE, PARTIAL_TILE, ModAux, TileMods,
+from jax_impl.kernel_tiles import (FULL_TILE, PARTIAL_TILE, ModAux, TileMods,
                                            TileRules, broadcast_index, kernel_mod_aux,
                                            mod_aux_operand, mod_aux_types, tile_lists)
 from jax_impl.mosaic_gpu.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, Config

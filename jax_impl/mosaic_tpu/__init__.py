@@ -7,18 +7,17 @@ kernels do not take (the automatic choice then runs xla); ``unavailable`` says w
 cannot be offered in this installation.
 
 The non-finite rule (online_softmax) costs one XLA pass over q, k and v before the kernel, as
-for the Mosaic GPU kernel (``jax_impl.mosaic_gpu._nonfinite_rule``): q's rows that hold a
+for the Mosaic GPU kernel (``online_softmax.operands_poisoned``): q's rows that hold a
 non-finite value become all NaN, k's rows take their key's poison, v's non-finite entries 0.
 
-A score_mod or mask_mod that reads mod_aux arrays (gathers the kernels do not make) runs as
-``xla.forward`` and ``xla.backward`` (the same contract and RowStats); mods that read only the
-indices are traced into the kernels. The floating mod_aux gradient is xla's in any case.
+Mods that read only the indices are traced into the kernels; the kernels read no mod_aux
+(``implementations`` runs calls with mod_aux on xla: the same contract and RowStats).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_impl import masking, online_softmax, xla
+from jax_impl import masking, online_softmax
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.mosaic_tpu import common
@@ -79,16 +78,16 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from jax_impl.mosaic_gpu import _nonfinite_rule
     extras = extras or SinksAndDropout()
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype)
     if reason:
         raise ValueError(f"implementation='mosaic_tpu' cannot run this call: {reason}")
-    if extras.mod_aux:  # a mod's gathers from mod_aux are not in the kernel (module docstring)
-        return xla.forward(cfg, q, k, v, bias, masks, extras)
+    if extras.mod_aux:
+        raise ValueError("implementation='mosaic_tpu' cannot run this call: its kernels read no "
+                         "mod_aux (the implementation table runs such calls on xla)")
     if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
         bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
-    q, k, v = _nonfinite_rule(q, k, v)
+    q, k, v = online_softmax.operands_poisoned(q, k, v)
     out, row_max, log_sum = _forward_kernel.forward_call(
         cfg, q, k, v, masks, bias, extras.sinks, extras.dropout_seeds,
         interpret=pltpu.InterpretParams() if cfg.interpret else None)
@@ -96,7 +95,5 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
 
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, extras=None):
-    """-> (dq, dk, dv, dbias or None, d_mod_aux): the kernels, or ``xla.backward`` for mods
-    that read mod_aux (their forward is xla's)."""
-    run = xla.backward if extras is not None and extras.mod_aux else _backward_kernels.backward
-    return run(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
+    """-> (dq, dk, dv, dbias or None, d_mod_aux): the kernels (backward.py)."""
+    return _backward_kernels.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)

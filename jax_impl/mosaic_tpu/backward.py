@@ -19,9 +19,8 @@ fail the length rule; their rows get max = +inf); head_dim is taken whole.
 P = exp(S - max - log_sum) is recomputed from the forward's natural-log RowStats (an empty row
 has max = +inf, log_sum = 0, so P = 0); delta = rowsum(O dO) comes from the custom VJP. Q, K
 and V are read with their non-finite entries as 0, and each tile adds the NaN-or-0 poison of
-its query rows and keys (online_softmax's non-finite rule), as pallas_triton does. The gradient
-of a floating mod_aux is taken from the xla backward (the kernels return none), as
-pallas_triton's registration does. Sinks need nothing here: they are in the RowStats, and
+its query rows and keys (online_softmax's non-finite rule), as pallas_triton does. The kernels
+read no mod_aux (the implementation table runs such calls on xla). Sinks need nothing here: they are in the RowStats, and
 their gradient comes from the statistics (recompute_vjp).
 """
 from __future__ import annotations
@@ -34,10 +33,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_impl import dropout_sinks, masking, mods, online_softmax, vma, xla
+from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.mosaic_tpu import common
-from jax_impl.pallas_triton.common import kernel_mod_aux, mod_aux_operand, mod_aux_types
+from jax_impl.kernel_tiles import kernel_mod_aux, mod_aux_operand, mod_aux_types
 
 # Tile edge of both backward kernels when cfg.block_sizes is not a BlockSizes: TPU grid steps
 # cost ~1k cycles each (libtpu's static estimate of JAX's kernel), so tiles are large; a multiple of 128.
@@ -245,10 +244,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     """-> (dq, dk, dv, dbias ``[B, Hq, Lq, Lk]`` float32 | None, d_mod_aux), as xla.backward."""
     extras = extras or dropout_sinks.SinksAndDropout()
     dq, dk, dv, dbias = _backward_kernels(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
-    d_mod_aux = tuple(None for _ in extras.mod_aux)
-    if cfg.score_mod is not None and any(map(mods.differentiable, extras.mod_aux)):
-        d_mod_aux = xla.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)[4]
-    return dq, dk, dv, dbias, d_mod_aux
+    return dq, dk, dv, dbias, tuple(None for _ in extras.mod_aux)  # no mod_aux is read here
 
 
 def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats,
