@@ -25,6 +25,8 @@ VARIANTS = {
     # The Mosaic GPU interpreter (jax >= 0.11) on the CPU; its P V product is a plain dot there
     # (forward._accumulate_values). The backward is pallas_triton's, interpreted too.
     "mosaic_gpu": {"interpret": dict(interpret=True)},
+    # The TPU interpreter on the CPU (forward and backward kernels); slow: a few problems.
+    "mosaic_tpu": {"interpret": dict(interpret=True)},
     "cpu": {
         "default": {},
         "16x64-tiles": dict(block_sizes=BlockSizes(16, 64)),  # many tiles: ranges and edges matter
@@ -37,7 +39,8 @@ VARIANTS = {
 }
 GPU_VARIANTS = {"pallas_triton": {"compiled": {}}, "mosaic_gpu": {"compiled": {}}}
 # Variants too slow to run on every problem (the Pallas interpreter) or whose point is a few.
-SOME_PROBLEMS = {("pallas_triton", "split-dkdv"), ("xla", "16x32-tiles"), ("cpu", "16x64-tiles")}
+SOME_PROBLEMS = {("pallas_triton", "split-dkdv"), ("xla", "16x32-tiles"), ("cpu", "16x64-tiles"),
+                 ("mosaic_tpu", "interpret")}
 
 
 def unavailable(name: str) -> str | None:
@@ -58,7 +61,8 @@ def takes(name: str, case: Case) -> bool:
     features = implementations.CallFeatures(
         cfg, has_bias=case.bias, has_mask=case.mask != "none", has_sinks=case.sinks,
         dtype=case.dtype, has_segment_ids=case.segments)
-    reason = implementations.unsupported(name, head_dim=case.head_dim, platform="cuda",
+    platform = "tpu" if implementations.get(name).needs_tpu else "cuda"
+    reason = implementations.unsupported(name, head_dim=case.head_dim, platform=platform,
                                          features=features)
     return reason is None or reason == unavailable(name)
 
