@@ -25,6 +25,14 @@ def broadcast_index(x, axis: int, index):
     return index if x.shape[axis] > 1 else 0
 
 
+def per_head(ref, b, h):
+    """The entry of (batch b, query head h) of a ``[Bs, Hs]`` sinks/seeds ref (Bs in {1, B},
+    Hs in {1, Hq}), or None without one."""
+    if ref is None:
+        return None
+    return ref[broadcast_index(ref, 0, b), broadcast_index(ref, 1, h)]
+
+
 class TileRules(NamedTuple):
     """Which rules a visited tile evaluates per pair (static)."""
     structural: bool  # rules 1-3 (band and lengths) and the loads' edge masks

@@ -28,6 +28,8 @@ import numpy as np
 from jax import lax
 
 from jax_impl import block_mask, masking, mods, online_softmax
+from jax_impl.kernel_tiles import (  # noqa: F401  (the kernels read them as common.X)
+    FULL_TILE, PARTIAL_TILE, TileRules, per_head)
 from jax_impl.config import AttentionConfig
 
 NUM_LANES = 128
@@ -56,20 +58,6 @@ class TilePositions(NamedTuple):
         rows = q_tile * block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
         cols = kv_tile * block_k + lax.broadcasted_iota(jnp.int32, shape, k_axis)
         return cls(rows, cols)
-
-
-class TileRules(NamedTuple):
-    """Which rules a visited tile evaluates (static per trace of the tile body)."""
-
-    structural: bool  # rules 1-3: band, lengths, padding
-    segments: bool    # rule 4 (only where the call has segment ids)
-    mask_mod: bool    # cfg.mask_mod
-
-
-PARTIAL_TILE = TileRules(True, True, True)
-# block_mask.FULL: every pair passes rules 1-4 and (with a block_mask) the mask_mod; the dense
-# mask and the non-finite rule still apply there.
-FULL_TILE = TileRules(False, False, False)
 
 
 def tile_allowed(cfg: AttentionConfig, pos: TilePositions, rules: TileRules, *, b, h, q_len,
@@ -207,14 +195,6 @@ def recomputed_probs(s, row_max, log_sum, allowed):
     if allowed is not None:
         shifted = jnp.where(allowed, shifted, -jnp.inf)
     return jnp.exp(shifted)
-
-
-def per_head(ref, b, h):
-    """The entry of (batch b, query head h) of a ``[Bs, Hs]`` SMEM ref (sinks, dropout seeds;
-    Bs in {1, B}, Hs in {1, Hq}), or None without one."""
-    if ref is None:
-        return None
-    return ref[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
 
 
 # --- Tile lists (scalar prefetch) ---------------------------------------------------------------

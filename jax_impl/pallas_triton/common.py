@@ -15,7 +15,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax_impl import block_mask, dropout_sinks, masking, mods, online_softmax
 from jax_impl.kernel_tiles import (  # noqa: F401  (the Triton kernels read them as common.X)
     FULL_TILE, PARTIAL_TILE, ModAux, TileMods, TileRules, broadcast_index, kernel_mod_aux,
-    mod_aux_operand, mod_aux_types, tile_lists)
+    mod_aux_operand, mod_aux_types, per_head, tile_lists)
 from jax_impl.pallas_triton.layout import load, within
 
 
@@ -153,13 +153,6 @@ def position_offset(offset_ref, b):
 
 def per_head_spec(x):
     return None if x is None else pl.BlockSpec(x.shape, lambda *_: (0, 0))
-
-
-def per_head(ref, b, h):
-    """The entry of (batch b, query head h) of a [Bs, Hs] sinks/seeds ref, or None."""
-    if ref is None:
-        return None
-    return ref[broadcast_index(ref, 0, b), broadcast_index(ref, 1, h)]
 
 
 def dropout_offset_spec(x):
