@@ -64,10 +64,15 @@ constexpr int W = 16;  // floats per SIMD vector
 constexpr int MR = 6, NV = 4;  // microkernel: MR rows x NV vectors = 24 of 32 registers
 #elif defined(__AVX__)
 constexpr int W = 8;
-constexpr int MR = 3, NV = 4;  // 12 of 16 registers
 #else
 constexpr int W = 4;
-constexpr int MR = 3, NV = 4;
+#endif
+#if !defined(__AVX512F__)
+// 16 registers and no broadcast operand in an FMA: 6 x 2 holds 12 accumulators, 2 B vectors
+// and one broadcast A scalar, 8 loads per 12 FMAs; 3 x 4 would need 17 registers, so that the
+// compiler reads B from memory in every FMA (15 loads per 12 FMAs: load-bound, 0.6x the
+// speed of 6 x 2 on the 2-core AVX2 host).
+constexpr int MR = 6, NV = 2;
 #endif
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
@@ -96,8 +101,8 @@ inline vf fmadd(vf a, vf b, vf c) {
 constexpr float LOG2_E = 1.4426950408889634f;
 constexpr float NEG_INF = -INFINITY;
 
-// 2^x for x <= 0.5 (every use: logits minus a row max): exactly 0 below 2^-125, NaN kept.
-// Cephes exp2f: x = i + f, |f| <= 1/2, 2^f by a degree-6 polynomial (about 2 ulp).
+// 2^x for x <= 0.5 (every use: logits minus a row max): exactly 0 at x <= -127 (so at -inf),
+// NaN kept. Cephes exp2f: x = i + f, |f| <= 1/2, 2^f by a degree-6 polynomial (about 2 ulp).
 inline vf exp2_fraction(vf f) {
   vf p = splat(1.535336188319500e-4f);
   p = p * f + 1.339887440266574e-3f;
@@ -108,12 +113,19 @@ inline vf exp2_fraction(vf f) {
   return p * f + 1.0f;
 }
 inline vf exp2v(vf x) {
-  vf xc = x < -125.0f ? splat(-125.0f) : x;  // a NaN compares false and stays NaN
-  vi i = __builtin_convertvector(xc - 0.5f, vi);  // round to nearest for xc <= 0.5
-  vf p = exp2_fraction(xc - __builtin_convertvector(i, vf));
-  vi bits = (i + 127) << 23;
+  constexpr float SHIFTER = 12582912.0f;  // 1.5 * 2^23: x + it rounds x to an integer, in its low bits
+  const vf lowest = splat(-127.0f);
+  vf xc = lowest > x ? lowest : x;  // a max that keeps a NaN (which compares false)
+  vf y = xc + SHIFTER;
+  vf i = y - SHIFTER;  // round(xc), exact
+  vf p = exp2_fraction(xc - i);
+  // 2^i in the exponent field: i + 127 sits in y's low bits, and the shift drops the rest; at
+  // i = -127 the bits are those of 0, so that the result is exactly 0 there.
+  vi bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  bits = (bits + 127) << 23;
   vf two_i; std::memcpy(&two_i, &bits, sizeof two_i);
-  return x < -125.0f ? splat(0.0f) : p * two_i;
+  return p * two_i;
 }
 inline float exp2s(float x) { return exp2v(splat(x))[0]; }
 
@@ -147,9 +159,12 @@ inline U mix(U x) {
 }
 
 // C[m, nv*W] (+)= sum_k A[r*ar + k*ak] * B[k*ldb + c], m <= MR rows, nv <= NV vectors.
-template <int M, int N>
-void micro(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb,
-           float* C, int64_t ldc, bool accumulate) {
+// A's k stride is a template parameter (1: rows of A, else A^T), so that each instance has one
+// loop and keeps its accumulators in registers (with both loops in one function, GCC passed
+// them through the stack between the loop versions).
+template <int M, int N, bool UnitK>
+void micro_strided(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B,
+                   int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   vf acc[M][N];
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < N; ++c) acc[r][c] = accumulate ? load(C + r * ldc + c * W) : splat(0.0f);
@@ -157,12 +172,18 @@ void micro(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, in
     vf b[N];
     for (int c = 0; c < N; ++c) b[c] = load(B + k * ldb + c * W);
     for (int r = 0; r < M; ++r) {
-      vf a = splat(A[r * ar + k * ak]);
+      vf a = splat(A[r * ar + k * (UnitK ? 1 : ak)]);
       for (int c = 0; c < N; ++c) acc[r][c] = fmadd(a, b[c], acc[r][c]);
     }
   }
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < N; ++c) store(C + r * ldc + c * W, acc[r][c]);
+}
+template <int M, int N>
+void micro(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb,
+           float* C, int64_t ldc, bool accumulate) {
+  if (ak == 1) return micro_strided<M, N, true>(K, A, ar, ak, B, ldb, C, ldc, accumulate);
+  micro_strided<M, N, false>(K, A, ar, ak, B, ldb, C, ldc, accumulate);
 }
 
 // micro<rows, nv> for rows <= M and nv <= N known only at run time (the tiles' edges).
@@ -341,14 +362,18 @@ inline void DropRow(uint32_t seed, uint32_t row_key, int64_t j0, int64_t n, uint
   }
 }
 
-// Whether any of x[0, count) is NaN or inf (x * 0 is NaN exactly for those).
+// Whether any of x[0, count) is NaN or inf (x * 0 is NaN exactly for those). Four chains of
+// adds: one would wait on each add's latency.
 inline bool AnyNonFinite(const float* x, int64_t count) {
-  vf acc = splat(0.0f);
+  vf acc[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
   int64_t i = 0;
-  for (; i + W <= count; i += W) acc += load(x + i) * 0.0f;
+  for (; i + 4 * W <= count; i += 4 * W)
+    for (int u = 0; u < 4; ++u) acc[u] += load(x + i + u * W) * 0.0f;
+  for (; i + W <= count; i += W) acc[0] += load(x + i) * 0.0f;
   float tail = 0.0f;
   for (; i < count; ++i) tail += x[i] * 0.0f;
-  for (int w = 0; w < W; ++w) tail += acc[w];
+  const vf all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  for (int w = 0; w < W; ++w) tail += all[w];
   return tail != tail;
 }
 
@@ -377,6 +402,29 @@ inline void BadColumns(const float* panels, int64_t D, int64_t cols, uint8_t* ba
     bad[c] = b;
   }
 }
+
+// Per tile of an operand, whether it holds a NaN or inf: tile t of head h is floats
+// [t * tile_floats, (t + 1) * tile_floats) of that head's head_floats (the last tile shorter).
+// One pass over the operand per call, so that the tile loops, which meet each tile once per
+// tile of the other side, test a flag instead of the tile.
+struct NonFiniteTiles {
+  std::vector<uint8_t> bad;  // [heads, tiles]
+  int64_t tiles = 0;
+  template <typename Pool>
+  NonFiniteTiles(Pool& pool, const float* x, int64_t heads, int64_t head_floats,
+                 int64_t tile_floats)
+      : bad(heads * ((head_floats + tile_floats - 1) / tile_floats)),
+        tiles((head_floats + tile_floats - 1) / tile_floats) {
+    ParallelFor(pool, heads, [&](int64_t h) {
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t start = t * tile_floats;
+        bad[h * tiles + t] = AnyNonFinite(x + h * head_floats + start,
+                                          std::min(tile_floats, head_floats - start));
+      }
+    });
+  }
+  bool operator()(int64_t head, int64_t tile) const { return bad[head * tiles + tile]; }
+};
 
 // Copies `count` floats with the non-finite ones as 0.
 inline void CopyFinite(const float* src, int64_t count, float* dst) {
@@ -595,6 +643,8 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
   const float unit = P.unit(), mult = unit * LOG2_E;
   const float kept = P.kept_scale();
   const uint32_t threshold = P.keep_threshold();
+  const NonFiniteTiles k_bad_tiles(pool, kt, P.B * P.Hkv, lk_pad * D, bk * D);
+  const NonFiniteTiles v_bad_tiles(pool, v, P.B * P.Hkv, P.Lk * D, bk * D);
   auto run = [&](int64_t item) {
     static thread_local TileScratch s;
     int64_t tile = q_tiles - 1 - item % q_tiles;  // heavy query tiles first (causal)
@@ -623,11 +673,12 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       const int64_t panel_floats = round_up(n, PW) * D;
       // The non-finite rule: clean copies and poisoned pairs, only where something is bad.
       Poison poison;
-      if (AnyNonFinite(k_panels, panel_floats)) {
+      if (k_bad_tiles(b * P.Hkv + hk, j0 / bk) && AnyNonFinite(k_panels, panel_floats)) {
         BadColumns(k_panels, D, n, s.k_bad.data());
         poison.k = s.k_bad.data();
       }
-      poison.v = BadRowFlags(v_rows, D, n, D, s.v_bad.data());
+      if (v_bad_tiles(b * P.Hkv + hk, j0 / bk))
+        poison.v = BadRowFlags(v_rows, D, n, D, s.v_bad.data());
       poison.q = q_bad;
       const bool masked = poison.any() || !P.unmasked(b, i0, i1, j0, j1, cls);
       const float* qa = qa_raw;
@@ -712,6 +763,7 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
   const float kept = P.kept_scale();
   const uint32_t threshold = P.keep_threshold();
   const int64_t dq_size = P.B * P.Hq * P.Lq * D;
+  const NonFiniteTiles q_bad_tiles(pool, q, P.B * P.Hq, P.Lq * D, bq * D);
   auto run = [&](int64_t item) {
     static thread_local TileScratch s;
     int64_t chunk = item % chunks, bh = item / chunks, b = bh / P.Hkv, hk = bh % P.Hkv;
@@ -746,7 +798,8 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
           int64_t i1 = std::min(rows.hi, i0 + bq), m = i1 - i0;
           FLASH_CPU_CHECK(i1 <= P.Lq);
           Poison poison = key_poison;
-          poison.q = BadRowFlags(qh + i0 * D, D, m, D, s.q_bad.data());
+          if (q_bad_tiles(b * P.Hq + h, i0 / bq))
+            poison.q = BadRowFlags(qh + i0 * D, D, m, D, s.q_bad.data());
           const bool clean = poison.any();
           const bool masked = clean || !P.unmasked(b, i0, i1, j0, j1, cls);
           if (packed != static_cast<int>(clean)) {  // K^T, V^T panels of the key tile
@@ -1003,9 +1056,8 @@ void DecodeValuesEdge(int rows, int nv, int64_t n, const float* p, int64_t ldt,
 }
 
 // The decode values' microkernel: rows x vectors. With 16 registers, 4 x 2 (8 accumulators)
-// rather than the GEMM's 3 x 4: a decode tile has G * Lq rows, often 4, which 3 x 4 covers in
-// two passes over the value rows and 4 x 2 in one (measured on the 2-core AVX2 host: 5-7%
-// off a decode call, in-process A/B, random order).
+// rather than the GEMM's 6 x 2: a decode tile has G * Lq rows, often 4, which 4 x 2 covers in
+// one pass over the value rows.
 #if defined(__AVX512F__)
 constexpr int DECODE_MR = MR, DECODE_NV = NV;
 #else

@@ -20,6 +20,7 @@ import pytest
 
 import cpu_fuzz
 import jax
+import jax.numpy as jnp
 from conformance import tolerance
 from conformance.cases import allowed_pairs
 from jax_impl import dropout_mask, dropout_sinks
@@ -295,3 +296,26 @@ def test_decode_on_exact_buffers_matches_the_float64_oracle(harness, tmp_path):
         plain = attention_forward(manual_attention, q, k64.astype(np.float32), v64.astype(np.float32), **kw)
         verdict = tolerance.judge("out", out, reference, plain, "float32")
         assert verdict.passed, (verdict, seed, params)
+
+
+def test_exp2_is_within_two_ulp_and_exactly_zero_at_and_below_minus_127(harness, tmp_path):
+    """The kernels' 2^x (every probability is one) against float64 exp2, on fresh draws over
+    [-130, 0.5] (the logits minus a row max) and the edges: within 2 ulp wherever the result is
+    a normal float, down to 2^-126 (no early flush to 0); exactly 0 at x <= -127 and at -inf
+    (a masked pair adds nothing, an empty row sums to 0); NaN stays NaN; 2^0 is exactly 1."""
+    rng = np.random.default_rng()
+    edges = np.array([-np.inf, np.nan, -130.0, -127.5, -127.0, -126.0, -125.9, -125.0, -100.0,
+                      -0.5, -1e-30, 0.0, 0.25, 0.5], np.float32)
+    x = np.concatenate([edges, rng.uniform(-130.0, 0.5, 20000).astype(np.float32),
+                        rng.uniform(-127.0, -125.0, 2000).astype(np.float32)])
+    x.tofile(tmp_path / "x.bin")
+    result, report = _run(harness, "exp2", str(tmp_path), str(x.size))
+    assert result.returncode == 0, report
+    y = np.fromfile(tmp_path / "exp2.bin", np.float32)
+    exact = np.exp2(x.astype(np.float64))
+    normal = exact >= np.finfo(np.float32).tiny
+    ulps = np.abs(y[normal] - exact[normal]) / np.spacing(exact[normal].astype(np.float32))
+    assert ulps.max() <= 2.0, (ulps.max(), x[normal][ulps.argmax()])
+    assert np.all(y[x <= -127.0] == 0.0)
+    assert np.isnan(y[np.isnan(x)]).all() and (y[x == 0.0] == 1.0).all()
+

@@ -13,9 +13,12 @@
 //                      0 or 1; dense [B, Lk, Hkv, Dk] or pages [num_pages, page_size, Hkv, Dk]
 //                      with table.bin [B, pages]), lengths and band; writes out.bin,
 //                      row_max.bin, log_sum.bin
+//   harness exp2 DIR N the kernels' 2^x (flash_cpu::exp2v) of the N float32 values in
+//                      DIR/x.bin, written to DIR/exp2.bin
 #include "flash_cpu.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -276,6 +279,21 @@ int Spans() {
   return 0;
 }
 
+// exp2v of DIR/x.bin (count floats) into DIR/exp2.bin, W values at a time.
+int Exp2(const std::string& dir, int64_t count) {
+  auto x = Read<float>(dir, "x", count);
+  std::unique_ptr<float[]> y(new float[count]);
+  for (int64_t i = 0; i < count; i += flash_cpu::W) {
+    float lanes[flash_cpu::W] = {};  // the tail padded with zeros, dropped below
+    const int64_t n = std::min<int64_t>(flash_cpu::W, count - i);
+    std::copy(x.get() + i, x.get() + i + n, lanes);
+    flash_cpu::store(lanes, flash_cpu::exp2v(flash_cpu::load(lanes)));
+    std::copy(lanes, lanes + n, y.get() + i);
+  }
+  Write(dir, "exp2", y.get(), count);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -283,5 +301,6 @@ int main(int argc, char** argv) {
   if (mode == "spans") return Spans();
   if (mode == "run" && argc == 3) return Run(argv[2]);
   if (mode == "decode" && argc == 3) return Decode(argv[2]);
-  Fail("usage: harness spans | harness run DIR | harness decode DIR");
+  if (mode == "exp2" && argc == 4) return Exp2(argv[2], std::atoll(argv[3]));
+  Fail("usage: harness spans | harness run DIR | harness decode DIR | harness exp2 DIR N");
 }
