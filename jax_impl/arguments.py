@@ -468,6 +468,8 @@ def _head_dim_unsupported(name: str, head_dim: int) -> str | None:
 def features(cfg, bias, masks, extras, dtype=None) -> implementations.CallFeatures:
     return implementations.CallFeatures(cfg, has_bias=bias is not None, has_mask=masks.mask is not None,
                                         has_sinks=extras.sinks is not None, dtype=dtype,
-                                        has_segment_ids=masks.q_segment_ids is not None)
+                                        has_segment_ids=masks.q_segment_ids is not None,
+                                        mod_aux=tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+                                                      for x in extras.mod_aux))
 
 

@@ -46,6 +46,7 @@ class CallFeatures(NamedTuple):
     has_sinks: bool
     dtype: object = None            # of q (None: not judged)
     has_segment_ids: bool = False
+    mod_aux: tuple = ()             # ShapeDtypeStructs of the mods' arrays (extras.mod_aux)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +172,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, _pallas_triton_backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
-        takes_position_offset=True, takes_dropout_offset=True, decode=pallas_triton.decode,
+        call_unsupported=pallas_triton.unsupported, takes_position_offset=True, takes_dropout_offset=True, decode=pallas_triton.decode,
         decode_takes_mods=True, decode_unsupported=pallas_triton.decode_unsupported,
         pages_unsupported=pallas_triton.pages_unsupported,
         forward_tiles=lambda cfg, q, k, masks: pallas_triton.forward_blocks(cfg, q, k)),

@@ -129,6 +129,33 @@ class ModAux:
     del _name
 
 
+def mods_unsupported(cfg, mod_aux) -> str | None:
+    """Why a Pallas kernel cannot evaluate ``cfg``'s mods on ``mod_aux`` (arrays or
+    ShapeDtypeStructs), or None: each mod traced once on the kernels' ModAux views, on
+    broadcastable index arrays as the kernels call it (a refusal found while lowering would
+    fail the call on every platform: lax.platform_dependent traces each platform's kernel)."""
+    if cfg is None or not cfg.has_mods:
+        return None
+    refs = [jnp.zeros(tuple(x.shape) or (1,), mod_aux_operand(jnp.zeros((), x.dtype)).dtype)
+            for x in mod_aux]
+    index = jnp.zeros((1, 1, 1, 1), jnp.int32)
+
+    def trace():
+        views = kernel_mod_aux(refs, [(x.dtype, tuple(x.shape)) for x in mod_aux])
+        if cfg.score_mod is not None:
+            cfg.score_mod(jnp.zeros((1, 1, 1, 1), jnp.float32), index, index, index, index, *views)
+        if cfg.mask_mod is not None:
+            cfg.mask_mod(index, index, index, index, *views)
+
+    try:
+        jax.eval_shape(trace)
+    except TypeError as error:
+        if _MOD_AUX_RULE.split("{what}")[0] in str(error):
+            return str(error)
+        raise
+    return None
+
+
 def kernel_mod_aux(aux_refs, dtypes):
     """The mods' view of the mod_aux refs: ModAux, or the value itself for a 0-d entry (read
     once, usable as a scalar in any expression)."""

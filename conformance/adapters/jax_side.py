@@ -21,8 +21,14 @@ def _jax_impl_unsupported(implementation: str, case: Case, device: str) -> str |
     cfg = AttentionConfig(scale=1.0, mask=MaskSpec(has_block_mask=bool(case.block_size)),
                           logits_soft_cap=case.soft_cap, dropout_rate=case.dropout,
                           score_mod=score_mod, mask_mod=mask_mod)
+    import jax
+    import numpy as np
+    mod_aux = (tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in
+                     mods_mod.get(case.mods).aux(np.random.default_rng(0), case).values())
+               if case.mods else ())
     features = CallFeatures(cfg, has_bias=case.bias, has_mask=case.mask != "none",
-                            has_sinks=case.sinks, dtype=case.dtype, has_segment_ids=case.segments)
+                            has_sinks=case.sinks, dtype=case.dtype, has_segment_ids=case.segments,
+                            mod_aux=mod_aux)
     return unsupported(implementation, head_dim=case.head_dim, platform=device,
                        interpret=device == "cpu", features=features)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_impl import masking, online_softmax, platform, vma
+from jax_impl import kernel_tiles, masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.mosaic_gpu.config import (SHARED_MEMORY_BUDGET, BackwardConfig, Config,
@@ -70,7 +70,7 @@ def unavailable() -> str | None:
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
                 has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False) -> str | None:
+                has_segment_ids: bool = False, mod_aux: tuple = ()) -> str | None:
     """Why the Mosaic GPU forward cannot run such a call, or None. Every feature it does not
     take yet is named. A bias and a dense mask are taken (``backward_unsupported`` says when
     their backward is pallas_triton's); a chosen ``Config`` and its ``backward_config`` must
@@ -91,6 +91,8 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
             return (f"head_dim={head_dim} with {' and '.join(refused)}: at head_dim 256 a bias "
                     "or mask ring does not fit the shared memory beside K and V (192 KiB), and "
                     "dropout's hash spilled 52 bytes (compiled for sm_90a)")
+    if why := kernel_tiles.mods_unsupported(cfg, mod_aux):
+        return why
     if cfg is not None:
         if cfg.block_sizes is not None and not isinstance(cfg.block_sizes, Config):
             return ("block_sizes is a BlockSizes (the Triton kernels' tiles); this kernel takes "

@@ -41,7 +41,7 @@ def unavailable() -> str | None:
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
                 has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False) -> str | None:
+                has_segment_ids: bool = False, mod_aux: tuple = ()) -> str | None:
     """Why the Mosaic TPU forward cannot run such a call, or None; every feature it does not
     take is named. It takes causal (both alignments), windows, lengths, segment ids, GQA/MQA,
     the soft cap, block_mask, mask_mod and score_mod (without mod_aux), sinks, position
