@@ -361,7 +361,7 @@ def dense_classes(block_mask: BlockMask):
 
 def pairs_outside_empty_tiles(block_mask: BlockMask):
     """``[B|1, H|1, Lq, Lk]`` bool: True where a pair's tile of ``block_mask`` is not empty.
-    Dense: for the reference, and for a kernel whose tiles do not nest in the block_mask's."""
+    Dense: for the reference."""
     visited = dense_classes(block_mask) != EMPTY
     visited = jnp.repeat(jnp.repeat(visited, block_mask.block_q, 2), block_mask.block_kv, 3)
     return visited[:, :, :block_mask.q_len, :block_mask.kv_len]

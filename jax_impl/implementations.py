@@ -200,7 +200,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         forward_tiles=lambda cfg, q, k, masks: mosaic_tpu.block_shape(cfg, q.shape[1], k.shape[1])),
     "cpu": Implementation(
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
-        decode=cpu_kernel.decode, decode_unsupported=cpu_kernel.decode_unsupported,
+        decode=cpu_kernel.decode, decode_takes_mods=True,
+        decode_unsupported=cpu_kernel.decode_unsupported,
         call_unsupported=cpu_kernel.unsupported, takes_position_offset=True,
         forward_tiles=lambda cfg, q, k, masks: cpu_kernel.forward_blocks(cfg, masks)),
     "xla": Implementation(

@@ -2,14 +2,15 @@
 the default on a CPU.
 
 ``forward``/``backward`` keep the contract of ``implementations.py`` and take every call the
-library takes but score_mod and mask_mod (Python functions): any float dtype (computed in
-float32), causal or not, either alignment, local windows, sequence lengths, segment ids, a
-block_mask, GQA/MQA, a bias (with its gradient), a dense mask, the soft cap, dropout (the same
-hash as every implementation), sinks, any head_dim (padded with zeros to a multiple of 16 in the
-copies the kernels read), ring position offsets. With segment ids or a block_mask each kernel is
-given the tile classes of its own grid (``block_mask.tile_classes``): it skips EMPTY tiles and
-masks no pair of a FULL one. ``unsupported`` refuses the mods and what the build or the tiles
-rule out.
+library takes: any float dtype (computed in float32), causal or not, either alignment, local
+windows, sequence lengths, segment ids, a block_mask, score_mod and mask_mod (compiled into row
+programs the kernels run, ``mod_program.py``; the mod_aux gradient summed per backward item),
+GQA/MQA, a bias (with its gradient), a dense mask, the soft cap, dropout (the same hash as every
+implementation), sinks, any head_dim (padded with zeros to a multiple of 16 in the copies the
+kernels read), ring position offsets. With segment ids or a block_mask each kernel is given the
+tile classes of its own grid (``block_mask.tile_classes``): it skips EMPTY tiles and masks no
+pair of a FULL one. ``unsupported`` refuses mods the programs cannot express and what the
+build or the tiles rule out.
 
 ``decode`` (forward only) serves few query rows against a long KV cache, dense or paged, read
 in place (``flash_cpu.h``, "Decode"); ``decode_unsupported`` says which calls it cannot take.
@@ -17,13 +18,15 @@ in place (``flash_cpu.h``, "Decode"); ``decode_unsupported`` says which calls it
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl import block_mask, masking, online_softmax, platform, vma
+from jax_impl import block_mask, dropout_sinks, masking, mods, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
+from jax_impl.cpu_kernel import mod_program
 from jax_impl.cpu_kernel.build import unavailable
 
 __all__ = ["backward", "decode", "decode_splits", "decode_unsupported", "forward", "unavailable",
@@ -37,18 +40,18 @@ BACKWARD_BLOCKS = (64, 128)
 PANEL = 64  # flash_cpu.h's PW: K^T is read in panels of 64 keys
 _UNBOUNDED = 1 << 30  # a band side with no bound (positions stay below 2**30)
 # Bits of the kernels' `flags` attribute (flash_cpu.cc).
-_SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS, _TILES = 1, 2, 4, 8, 16, 32
+_SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS, _TILES, _MODS = 1, 2, 4, 8, 16, 32, 64
 
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
                 has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False) -> str | None:
+                has_segment_ids: bool = False, mod_aux: tuple = ()) -> str | None:
     """Why the CPU kernel cannot run such a call (it then runs on the xla path), or None:
-    only tiles it cannot take, or a kernel that cannot be built."""
+    mods its programs cannot express (``mod_program.unsupported``; ``mod_aux``: arrays or
+    ShapeDtypeStructs), tiles it cannot take, or a kernel that cannot be built."""
     del head_dim, has_bias, has_mask, has_sinks, dtype, has_segment_ids  # all taken
-    if cfg is not None and cfg.has_mods:
-        return ("score_mod and mask_mod are Python functions, which the C++ kernel cannot run "
-                "(xla runs them tile by tile)")
+    if cfg is not None and (why := mod_program.unsupported(cfg, mod_aux)):
+        return why
     if cfg is not None and cfg.block_sizes is not None and cfg.block_sizes.block_k % PANEL:
         return (f"block_sizes.block_k={cfg.block_sizes.block_k} is not a multiple of {PANEL} "
                 "(the kernel reads keys in panels of 64)")
@@ -69,29 +72,43 @@ def _band(cfg: AttentionConfig, masks: masking.MaskInputs):
 
 def _operands(cfg: AttentionConfig, masks: masking.MaskInputs, bias, extras, shape, blocks):
     """The operands after q, k, v (mask rules, dense mask, bias, sinks, dropout seeds, the tile
-    classes of the grid ``blocks`` for ``shape`` = (Lq, Lk); a dummy where absent) and the
-    ``flags`` attribute that says which are present."""
+    classes of the grid ``blocks`` for ``shape`` = (Lq, Lk), the mods' programs and mod_aux; a
+    dummy where absent), the ``flags`` attribute that says which are present, and the mods'
+    ``mod_program.Programs`` (None without mods)."""
     segments = masks.q_segment_ids is not None
     dummy = lambda dtype: jnp.zeros((1, 1), dtype)
     sinks = None if extras is None else extras.sinks
     seeds = None if extras is None or not cfg.dropout_rate else extras.dropout_seeds
     tiles = _tile_classes(cfg, masks, *shape, *blocks)
+    mod_operands, programs = _mod_operands(cfg, extras)
     flags = (_SEGMENTS * segments | _MASK * (masks.mask is not None) | _BIAS * (bias is not None)
-             | _SINKS * (sinks is not None) | _TILES * (tiles is not None))
+             | _SINKS * (sinks is not None) | _TILES * (tiles is not None)
+             | _MODS * (programs is not None))
     present = lambda x, dtype: dummy(dtype) if x is None else x.astype(dtype)
     return ((masks.q_len, masks.kv_len, *_band(cfg, masks),
              masks.q_segment_ids if segments else dummy(jnp.int32),
              masks.kv_segment_ids if segments else dummy(jnp.int32),
              present(masks.mask, jnp.bool_),
              present(bias, jnp.float32), present(sinks, jnp.float32), present(seeds, jnp.uint32),
-             present(tiles, jnp.int8)), flags)
+             present(tiles, jnp.int8), *mod_operands), flags, programs)
+
+
+def _mod_operands(cfg: AttentionConfig, extras):
+    """((the mods' program words, mod_aux packed as float32), their ``mod_program.Programs``),
+    dummies and None without mods."""
+    if not cfg.has_mods:
+        return (jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.float32)), None
+    mod_aux = () if extras is None else extras.mod_aux
+    programs = mod_program.compile_mods(cfg, mod_aux)
+    return (jnp.asarray(programs.words), programs.aux(mod_aux)), programs
 
 
 def _tile_classes(cfg: AttentionConfig, masks: masking.MaskInputs, q_len: int, kv_len: int,
                   block_q: int, block_k: int):
     """int8 ``[Bc, Hc, nq, nk]`` tile classes of the grid (block_q, block_k), or None when only
     the band is known (the kernels' spans skip what lies outside it)."""
-    return block_mask.tile_classes(cfg.mask, masks, q_len, kv_len, block_q, block_k)
+    return block_mask.tile_classes(cfg.mask, masks, q_len, kv_len, block_q, block_k,
+                                   mask_mod=cfg.mask_mod is not None)
 
 
 def _nests(blocks, tiles: block_mask.BlockMask) -> bool:
@@ -99,16 +116,50 @@ def _nests(blocks, tiles: block_mask.BlockMask) -> bool:
     return tiles.block_q % blocks[0] == 0 and tiles.block_kv % blocks[1] == 0
 
 
-def _with_block_mask_pairs(masks: masking.MaskInputs, blocks):
-    """``masks``, where a block_mask's tiles do not nest the kernel's ``blocks``, with the
-    block_mask's EMPTY pairs excluded by the dense mask too (a kernel tile over tiles of several
-    classes is PARTIAL: masked per pair, and the pairs must say it). A block_mask's PARTIAL tile
-    (the API takes one only with a mask_mod, which runs on xla) leaves its pairs to the rules."""
+@dataclasses.dataclass(frozen=True)
+class _PerPairBlockMask:
+    """The mask_mod of a call whose block_mask's tiles do not nest the kernel's (a kernel tile
+    then spans tiles of several classes): FlexAttention's meaning pair by pair, from the
+    block_mask's tile classes, the last mod_aux entry (int32 ``[Bc, Hc, nq, nk]``, O(nq * nk)):
+    EMPTY excluded, FULL allowed, PARTIAL as the call's mask_mod says."""
+
+    mask_mod: Callable | None
+    block_q: int
+    block_kv: int
+
+    def __call__(self, b, h, q_idx, kv_idx, *mod_aux):
+        *mod_aux, classes = mod_aux
+        pick = lambda index, size: index if size > 1 else 0 * index
+        tile = classes[pick(b, classes.shape[0]), pick(h, classes.shape[1]),
+                       q_idx // self.block_q, kv_idx // self.block_kv]
+        allowed = tile == block_mask.FULL
+        if self.mask_mod is not None:
+            allowed = allowed | ((tile == block_mask.PARTIAL) & self.mask_mod(b, h, q_idx, kv_idx, *mod_aux))
+        return allowed
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithoutLastAux:
+    """A score_mod beside _PerPairBlockMask: it does not see the tile classes' mod_aux entry."""
+
+    score_mod: Callable
+
+    def __call__(self, score, b, h, q_idx, kv_idx, *mod_aux):
+        return self.score_mod(score, b, h, q_idx, kv_idx, *mod_aux[:-1])
+
+
+def _with_block_mask_rule(cfg: AttentionConfig, masks: masking.MaskInputs, extras, blocks):
+    """(cfg, extras), where a block_mask's tiles do not nest the kernel's ``blocks``, with
+    its classes as a _PerPairBlockMask (the kernel tiles' own classes, regridded, stay
+    conservative: mixed ones are PARTIAL and evaluate it)."""
     tiles = masks.block_mask
     if tiles is None or _nests(blocks, tiles):
-        return masks
-    pairs = block_mask.pairs_outside_empty_tiles(tiles)
-    return masks._replace(mask=pairs if masks.mask is None else masks.mask & pairs)
+        return cfg, extras
+    extras = extras or dropout_sinks.SinksAndDropout()
+    extras = extras._replace(mod_aux=(*extras.mod_aux, block_mask.dense_classes(tiles).astype(jnp.int32)))
+    return dataclasses.replace(
+        cfg, mask_mod=_PerPairBlockMask(cfg.mask_mod, tiles.block_q, tiles.block_kv),
+        score_mod=None if cfg.score_mod is None else _WithoutLastAux(cfg.score_mod)), extras
 
 
 def _attributes(cfg: AttentionConfig, block_sizes, flags: int) -> dict:
@@ -127,7 +178,7 @@ def _registered():
 def _blocks(cfg: AttentionConfig, default, masks: masking.MaskInputs):
     """The kernel's tiles: cfg.block_sizes, else ``default``, with a block_mask shrunk to the
     largest that nest in its tiles where they can (block_k a multiple of 64), so that its
-    classes carry over exactly (else ``_with_block_mask_pairs``)."""
+    classes carry over exactly (else ``_with_block_mask_rule``)."""
     if cfg.block_sizes is not None:
         return cfg.block_sizes.block_q, cfg.block_sizes.block_k
     tiles = masks.block_mask
@@ -177,8 +228,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     b, lq, hq, d = q.shape
     dp = _padded_head_dim(d)
     blocks = _blocks(cfg, FORWARD_BLOCKS, masks)
-    masks = _with_block_mask_pairs(masks, blocks)
-    operands, flags = _operands(cfg, masks, bias, extras, (lq, k.shape[1]), blocks)
+    cfg, extras = _with_block_mask_rule(cfg, masks, extras, blocks)
+    operands, flags, _ = _operands(cfg, masks, bias, extras, (lq, k.shape[1]), blocks)
     stats = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
     q32, k32, v32 = (_pad_features(x, dp) for x in (q, k, v))
     out, row_max, log_sum = _varying_like_operands(jax.ffi.ffi_call(
@@ -200,16 +251,22 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     lk, hkv = k.shape[1], k.shape[2]
     dp = _padded_head_dim(d)
     block_q, block_k = _blocks(cfg, BACKWARD_BLOCKS, masks)
-    masks = _with_block_mask_pairs(masks, (block_q, block_k))
-    operands, flags = _operands(cfg, masks, bias, extras, (lq, lk), (block_q, block_k))
+    ruled, extras = _with_block_mask_rule(cfg, masks, extras, (block_q, block_k))
+    d_mod_aux_entries = len(extras.mod_aux) if extras is not None else 0
+    if ruled is not cfg:  # the tile classes' entry gets no cotangent
+        d_mod_aux_entries -= 1
+    cfg = ruled
+    operands, flags, programs = _operands(cfg, masks, bias, extras, (lq, lk), (block_q, block_k))
     with_dbias = bias is not None and cfg.bias_gradient
     chunks = max(1, min(-(-platform.host_threads() // (b * hkv)), -(-lk // block_k)))
     kv_shape = jax.ShapeDtypeStruct((b, hkv, lk, dp), jnp.float32)
     dbias_shape = (b, hq, lq, lk) if with_dbias else (1, 1, 1, 1)
-    dq_parts, dk, dv, dbias = _varying_like_operands(jax.ffi.ffi_call(
+    with_d_aux = programs is not None and programs.scatters
+    d_aux_shape = (b * hkv * chunks, programs.aux_floats) if with_d_aux else (1, 1)
+    dq_parts, dk, dv, dbias, d_aux_parts = _varying_like_operands(jax.ffi.ffi_call(
         "jax_flash_attention_cpu_backward",
         (jax.ShapeDtypeStruct((chunks, b, hq, lq, dp), jnp.float32), kv_shape, kv_shape,
-         jax.ShapeDtypeStruct(dbias_shape, jnp.float32)),
+         jax.ShapeDtypeStruct(dbias_shape, jnp.float32), jax.ShapeDtypeStruct(d_aux_shape, jnp.float32)),
         vmap_method="sequential",
     )(*(_head_major(_pad_features(x, dp)) for x in (q, k, v)), *operands,
       _head_major(_pad_features(d_out, dp)), stats.max, stats.log_sum, delta,
@@ -217,7 +274,15 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
       q, k, v, bias, masks, extras, stats, d_out, delta)
     dq = jnp.swapaxes(jnp.sum(dq_parts, axis=0), 1, 2)[..., :d] * cfg.scale
     dk, dv = (jnp.swapaxes(x, 1, 2)[..., :d].astype(y.dtype) for x, y in ((dk, k), (dv, v)))
-    return dq.astype(q.dtype), dk, dv, dbias if with_dbias else None, ()
+    mod_aux = () if extras is None else extras.mod_aux
+    if cfg.score_mod is None:
+        d_mod_aux = ()
+    elif with_d_aux:  # the items' sums, added in item order
+        d_mod_aux = programs.cotangents(jnp.sum(d_aux_parts, axis=0), mod_aux)
+    else:
+        d_mod_aux = tuple(jnp.zeros(jnp.shape(x), jnp.float32) if mods.differentiable(x) else None
+                          for x in mod_aux)
+    return dq.astype(q.dtype), dk, dv, dbias if with_dbias else None, d_mod_aux[:d_mod_aux_entries]
 
 
 DECODE_CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -288,7 +353,8 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
                              f"{page_table.shape} {page_table.dtype}")
         lk, flags, table = page_table.shape[1] * k.shape[1], _PAGED, page_table.astype(jnp.int32)
     sinks = None if extras is None else extras.sinks
-    flags |= _SINKS * (sinks is not None)
+    mod_operands, programs = _mod_operands(cfg, extras)
+    flags |= _SINKS * (sinks is not None) | _MODS * (programs is not None)
     if splits is None:
         splits = decode_splits(b, lk)
     dp = _padded_head_dim(d)
@@ -299,6 +365,6 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
         (jax.ShapeDtypeStruct((b, lq, hq, dp), jnp.float32), stats, stats), vmap_method="sequential",
     )(_pad_features(q, dp), k, v, table, masks.q_len, masks.kv_len, d_lo, d_hi,
       jnp.zeros((1, 1), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
-      scale=np.float32(cfg.scale), soft_cap=np.float32(cfg.logits_soft_cap or 0.0),
+      *mod_operands, scale=np.float32(cfg.scale), soft_cap=np.float32(cfg.logits_soft_cap or 0.0),
       flags=np.int64(flags), splits=np.int64(splits)), q, k, v, masks, extras, page_table)
     return out[..., :d].astype(q.dtype), online_softmax.RowStats(row_max, log_sum)

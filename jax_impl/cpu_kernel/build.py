@@ -27,7 +27,7 @@ import jax
 import jaxlib
 
 SOURCE = Path(__file__).with_name("flash_cpu.cc")  # the FFI binding; it includes the kernel:
-HEADER = Path(__file__).with_name("flash_cpu.h")
+HEADERS = (Path(__file__).with_name("flash_cpu.h"), Path(__file__).with_name("mod_program.h"))
 # -march: the machine's own instruction set unless $JAX_FLASH_ATTENTION_CPU_MARCH names another
 # (the tests build the AVX2 and SSE2 paths this way on an AVX-512 machine).
 MARCH = os.environ.get("JAX_FLASH_ATTENTION_CPU_MARCH", "native")
@@ -73,7 +73,7 @@ def _cache_dir() -> Path:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), HEADER.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+    for part in (SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(FLAGS).encode(), compiler.encode(),
                  jaxlib.__version__.encode(), _cpu_id().encode()):
         key.update(part)
     return _cache_dir() / f"flash_cpu_{key.hexdigest()[:16]}.so"

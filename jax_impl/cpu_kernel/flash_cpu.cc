@@ -21,6 +21,8 @@ struct Features {
   F32 bias, sinks;
   ffi::Buffer<ffi::U32> seeds;
   S8 tiles;
+  S32 mod_words;  // the mods' row programs (mod_program.h), when flags & 64
+  F32 mod_aux;    // their arrays, 32 bits each
 };
 
 template <typename T, ffi::DataType dtype>
@@ -44,19 +46,51 @@ flash_cpu::Problem MakeProblem(int64_t B, int64_t Lq, int64_t Lk, int64_t Hq, in
   P.bias = PerHeadOf<float>(f.bias, flags & 4, Lq * Lk);
   P.sinks = PerHeadOf<float>(f.sinks, flags & 8, 1);
   P.seeds = PerHeadOf<uint32_t>(f.seeds, dropout_rate > 0.0f, 1);
+  if (flags & 64) P.mods = {f.mod_words.typed_data(), f.mod_aux.typed_data()};
   P.scale = scale;
   P.soft_cap = soft_cap;
   P.dropout_rate = dropout_rate;
   return P;
 }
 
+// Whether the mods' programs fit their operands: the header, instructions of kModWidth words
+// inside the buffer, opcodes and registers in range, mod_aux as long as the header says.
+bool ModsFit(const flash_cpu::ModProgram& m, int64_t words, int64_t aux_floats) {
+  using namespace flash_cpu;
+  if (words < kModHeaderSize || m[kRowRegisters] < kModInputRows ||
+      m[kUniformRegisters] < kModInputUniforms || m[kAuxFloats] > aux_floats)
+    return false;
+  const int64_t registers = int64_t{m[kRowRegisters]} + m[kUniformRegisters];
+  const int64_t count = (words - kModHeaderSize) / kModWidth;
+  for (auto [start, length] : {std::pair{kScoreStart, kScoreCount}, {kMaskStart, kMaskCount},
+                               {kGradStart, kGradCount}, {kScatterStart, kScatterCount}})
+    if (m[start] < 0 || m[length] < 0 || m[start] + int64_t{m[length]} > count) return false;
+  for (auto out : {kScoreOut, kMaskOut, kGradOut, kGradSlope})
+    if (m[out] < 0 || m[out] >= registers) return false;
+  for (int64_t k = 0; k < count; ++k) {
+    const int32_t* x = m.words + kModHeaderSize + k * kModWidth;
+    if (x[0] < 0 || x[0] >= kModOpCount || x[1] < 0 || x[1] >= registers) return false;
+    for (int o = 2; o < 5; ++o)
+      if (x[o] < -1 || x[o] >= registers) return false;
+    if ((x[0] == kGather || x[0] == kScatterAdd) &&
+        (x[6] < 1 || x[5] < 0 || x[5] + int64_t{x[6]} > aux_floats))
+      return false;
+  }
+  return true;
+}
+
 // Checks the tiles and, when flags & 32, takes the tile classes [Bc, Hc, nq, nk] of the grid
 // (block_q, block_k), Bc in {1, B}, Hc in {1, Hq}.
-ffi::Error Check(flash_cpu::Problem& P, int64_t bq, int64_t bk, S8& tiles, int64_t flags) {
+ffi::Error Check(flash_cpu::Problem& P, int64_t bq, int64_t bk, Features& f, int64_t flags) {
+  S8& tiles = f.tiles;
+  S32& mod_words = f.mod_words;
+  F32& mod_aux = f.mod_aux;
   if (P.D % flash_cpu::W != 0)
     return ffi::Error::InvalidArgument("head_dim must be a multiple of the SIMD width");
   if (bq < 1 || bk < flash_cpu::PW || bk % flash_cpu::PW != 0)
     return ffi::Error::InvalidArgument("block_q must be >= 1 and block_k a multiple of 64");
+  if ((flags & 64) && !ModsFit(P.mods, mod_words.element_count(), mod_aux.element_count()))
+    return ffi::Error::InvalidArgument("the mods' programs do not fit their operands");
   if (!(flags & 32)) return ffi::Error::Success();
   auto d = tiles.dimensions();
   const int64_t nq = (P.Lq + bq - 1) / bq, nk = (P.Lk + bk - 1) / bk;
@@ -73,15 +107,17 @@ ffi::Error Check(flash_cpu::Problem& P, int64_t bq, int64_t bk, S8& tiles, int64
 // forward's grid.
 ffi::Error ForwardImpl(ffi::ThreadPool pool, F32 q, F32 kt, F32 v, S32 q_len, S32 kv_len,
                        S32 d_lo, S32 d_hi, S32 q_seg, S32 kv_seg, ffi::Buffer<ffi::PRED> mask,
-                       F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, S8 tiles, float scale,
-                       float soft_cap, float dropout_rate, int64_t block_q, int64_t block_k,
-                       int64_t flags, ffi::ResultBuffer<ffi::F32> out,
+                       F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, S8 tiles, S32 mod_words,
+                       F32 mod_aux, float scale, float soft_cap, float dropout_rate,
+                       int64_t block_q, int64_t block_k, int64_t flags,
+                       ffi::ResultBuffer<ffi::F32> out,
                        ffi::ResultBuffer<ffi::F32> row_max, ffi::ResultBuffer<ffi::F32> log_sum) {
   auto qd = q.dimensions(), vd = v.dimensions(), ktd = kt.dimensions();
-  Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds, tiles};
+  Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds, tiles, mod_words,
+             mod_aux};
   auto P = MakeProblem(qd[0], qd[1], vd[2], qd[2], vd[1], qd[3], f, scale, soft_cap,
                        dropout_rate, flags);
-  if (ffi::Error e = Check(P, block_q, block_k, tiles, flags); e.failure()) return e;
+  if (ffi::Error e = Check(P, block_q, block_k, f, flags); e.failure()) return e;
   flash_cpu::Forward(P, q.typed_data(), kt.typed_data(), v.typed_data(), ktd[2] * flash_cpu::PW,
                      out->typed_data(), row_max->typed_data(), log_sum->typed_data(), block_q,
                      block_k, pool);
@@ -92,35 +128,43 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, F32 q, F32 kt, F32 v, S32 q_len, S3
 // dbias [B, Hq, Lq, Lk] when flags & 16 (else a dummy); tile classes of the backward's grid.
 ffi::Error BackwardImpl(ffi::ThreadPool pool, F32 q, F32 k, F32 v, S32 q_len, S32 kv_len,
                         S32 d_lo, S32 d_hi, S32 q_seg, S32 kv_seg, ffi::Buffer<ffi::PRED> mask,
-                        F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, S8 tiles, F32 d_out,
-                        F32 row_max, F32 log_sum, F32 delta, float scale, float soft_cap,
-                        float dropout_rate, int64_t block_q, int64_t block_k, int64_t flags,
-                        int64_t chunks,
+                        F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, S8 tiles,
+                        S32 mod_words, F32 mod_aux, F32 d_out, F32 row_max, F32 log_sum,
+                        F32 delta, float scale, float soft_cap, float dropout_rate,
+                        int64_t block_q, int64_t block_k, int64_t flags, int64_t chunks,
                         ffi::ResultBuffer<ffi::F32> dq_parts, ffi::ResultBuffer<ffi::F32> dk,
-                        ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dbias) {
+                        ffi::ResultBuffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dbias,
+                        ffi::ResultBuffer<ffi::F32> d_mod_aux) {
   auto qd = q.dimensions(), vd = v.dimensions();
-  Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds, tiles};
+  Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds, tiles, mod_words,
+             mod_aux};
   auto P = MakeProblem(qd[0], qd[2], vd[2], qd[1], vd[1], qd[3], f, scale, soft_cap,
                        dropout_rate, flags);
-  if (ffi::Error e = Check(P, block_q, block_k, tiles, flags); e.failure()) return e;
+  if (ffi::Error e = Check(P, block_q, block_k, f, flags); e.failure()) return e;
   const bool with_dbias = flags & 16;
-  for (auto* x : {&dq_parts, &dk, &dv, &dbias})  // keys no query sees; pairs never visited
-    if (x != &dbias || with_dbias)
+  // d_mod_aux [B * Hkv * chunks, aux floats]: an item's cotangent of mod_aux, when it has one
+  const bool with_d_aux = P.mods.scatter();
+  if (with_d_aux && d_mod_aux->element_count() != P.B * P.Hkv * chunks * P.mods.aux_floats())
+    return ffi::Error::InvalidArgument("d_mod_aux must hold B * Hkv * chunks * mod_aux floats");
+  for (auto* x : {&dq_parts, &dk, &dv, &dbias, &d_mod_aux})  // keys no query sees; pairs never visited
+    if ((x != &dbias || with_dbias) && (x != &d_mod_aux || with_d_aux))
       std::fill((*x)->typed_data(), (*x)->typed_data() + (*x)->element_count(), 0.0f);
   flash_cpu::Backward(P, q.typed_data(), k.typed_data(), v.typed_data(), d_out.typed_data(),
                       row_max.typed_data(), log_sum.typed_data(), delta.typed_data(),
                       dq_parts->typed_data(), dk->typed_data(), dv->typed_data(),
-                      with_dbias ? dbias->typed_data() : nullptr, block_q, block_k, chunks, pool);
+                      with_dbias ? dbias->typed_data() : nullptr, block_q, block_k, chunks, pool,
+                      with_d_aux ? d_mod_aux->typed_data() : nullptr);
   return ffi::Error::Success();
 }
 
 // Decode: q [B, Lq, Hq, Dp] float32 (Dp = head_dim padded to the SIMD width); k, v the cache
 // as it lies, float32, bfloat16 or float16: dense [B, Lk, Hkv, Dk], or (flags & 1) pages
 // [num_pages, page_size, Hkv, Dk] with page_table [B, pages_per_sequence] int32 (else a dummy);
-// sinks [Bs, Hs] when flags & 8.
+// sinks [Bs, Hs] when flags & 8; the mods' programs and mod_aux when flags & 64.
 ffi::Error DecodeImpl(ffi::ThreadPool pool, F32 q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       S32 page_table, S32 q_len, S32 kv_len, S32 d_lo, S32 d_hi, F32 sinks,
-                      float scale, float soft_cap, int64_t flags, int64_t splits,
+                      S32 mod_words, F32 mod_aux, float scale, float soft_cap, int64_t flags,
+                      int64_t splits,
                       ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> row_max,
                       ffi::ResultBuffer<ffi::F32> log_sum) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = page_table.dimensions();
@@ -164,6 +208,11 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, F32 q, ffi::AnyBuffer k, ffi::AnyBuf
   P.sinks = PerHeadOf<float>(sinks, flags & 8, 1);
   P.scale = scale;
   P.soft_cap = soft_cap;
+  if (flags & 64) {
+    P.mods = {mod_words.typed_data(), mod_aux.typed_data()};
+    if (!ModsFit(P.mods, mod_words.element_count(), mod_aux.element_count()))
+      return ffi::Error::InvalidArgument("decode: the mods' programs do not fit their operands");
+  }
   flash_cpu::Decode(P, cache, q.typed_data(), out->typed_data(), row_max->typed_data(),
                     log_sum->typed_data(), splits, pool);
   return ffi::Error::Success();
@@ -171,17 +220,18 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, F32 q, ffi::AnyBuffer k, ffi::AnyBuf
 
 // What both handlers take first: XLA's thread pool, q, k (the forward's K^T panels), v, the
 // mask operands q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, and bias, sinks, seeds, and
-// the tile classes of the call's grid.
+// the tile classes of the call's grid, the mods' programs and their mod_aux.
 auto BindAttention() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<F32>().Arg<F32>().Arg<F32>()
       .Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>()
-      .Arg<ffi::Buffer<ffi::PRED>>().Arg<F32>().Arg<F32>().Arg<ffi::Buffer<ffi::U32>>().Arg<S8>();
+      .Arg<ffi::Buffer<ffi::PRED>>().Arg<F32>().Arg<F32>().Arg<ffi::Buffer<ffi::U32>>().Arg<S8>()
+      .Arg<S32>().Arg<F32>();
 }
 
 }  // namespace
 
-// flags: 1 segment ids, 2 mask, 4 bias, 8 sinks, 32 tile classes (16: dbias wanted, backward
-// only).
+// flags: 1 segment ids, 2 mask, 4 bias, 8 sinks, 32 tile classes, 64 mods (16: dbias wanted,
+// backward only).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashForwardCpu, ForwardImpl,
                               BindAttention()
                                   .Attr<float>("scale")
@@ -194,7 +244,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashForwardCpu, ForwardImpl,
                                   .Ret<F32>()
                                   .Ret<F32>());
 
-// After the common operands: d_out, row_max, log_sum, delta.
+// After the common operands: d_out, row_max, log_sum, delta; results dq_parts, dk, dv, dbias,
+// d_mod_aux.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashBackwardCpu, BackwardImpl,
                               BindAttention()
                                   .Arg<F32>()
@@ -211,6 +262,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashBackwardCpu, BackwardImpl,
                                   .Ret<F32>()
                                   .Ret<F32>()
                                   .Ret<F32>()
+                                  .Ret<F32>()
                                   .Ret<F32>());
 
 // flags: 1 paged cache, 8 sinks.
@@ -224,6 +276,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashDecodeCpu, DecodeImpl,
                                   .Arg<S32>()
                                   .Arg<S32>()
                                   .Arg<S32>()
+                                  .Arg<S32>()
+                                  .Arg<F32>()
                                   .Arg<S32>()
                                   .Arg<F32>()
                                   .Attr<float>("scale")

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -158,6 +159,8 @@ inline U mix(U x) {
   return x ^ (x >> 16);
 }
 
+#include "mod_program.h"  // the mods' row programs (inside this namespace: they use the above)
+
 // C[m, nv*W] (+)= sum_k A[r*ar + k*ak] * B[k*ldb + c], m <= MR rows, nv <= NV vectors.
 // A's k stride is a template parameter (1: rows of A, else A^T), so that each instance has one
 // loop and keeps its accumulators in registers (with both loops in one function, GCC passed
@@ -279,6 +282,7 @@ struct Problem {
   // Hc in {1, Hq}; absent: every tile the band reaches is visited (kPartial).
   PerHead<int8_t> tiles;
   int64_t tile_cols = 0;  // nk
+  ModProgram mods;  // score_mod and mask_mod (mod_program.h); empty: none
   float scale = 1.0f;
   float soft_cap = 0.0f;      // 0: none
   float dropout_rate = 0.0f;  // 0: none
@@ -314,7 +318,7 @@ struct Problem {
   }
   // Whether rules 1-5 allow every pair of rows [i0, i1) x keys [j0, j1) (no per-element mask).
   bool whole(int64_t b, int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
-    return q_seg == nullptr && !mask && i1 <= qlen(b) && j1 <= kvlen(b) &&
+    return q_seg == nullptr && !mask && !mods.mask() && i1 <= qlen(b) && j1 <= kvlen(b) &&
            j0 - (i1 - 1) >= d_lo[b] && (j1 - 1) - i0 <= d_hi[b];
   }
   // The class of query tile qi x key tile kj for query head h of batch row b.
@@ -332,7 +336,9 @@ struct Problem {
   // that domain before the multiply by unit * log2(e): the max's own exponent is exactly 0
   // and every other one <= 0 at any magnitude (at |S| ~ 1e9 the two roundings of
   // t * unit * log2(e) - max * log2(e) lie hundreds apart).
-  float unit() const { return bias ? 1.0f : soft_cap > 0.0f ? soft_cap : scale; }
+  float unit() const { return logits_as_s() ? 1.0f : soft_cap > 0.0f ? soft_cap : scale; }
+  // Whether the forward holds S itself: a bias or a score_mod acts on it.
+  bool logits_as_s() const { return bias || mods.score(); }
   float kept_scale() const { return static_cast<float>(1.0 / (1.0 - double{dropout_rate})); }
   uint32_t keep_threshold() const {
     return static_cast<uint32_t>(std::lround(double{dropout_rate} * (1 << 24)));
@@ -458,16 +464,16 @@ struct Poison {
 
 // Logits of one tile row: t holds q.k (unscaled) of query row i against keys [j0, j0 + n);
 // turned in place into S (`scaled`: the backward, whose statistics are S's) or else into the
-// domain Problem::unit describes (the soft cap's tanh, or S with the bias); `capped` (when
+// domain Problem::unit describes (the soft cap's tanh, or S with a bias or a score_mod); `capped` (when
 // not null) receives the tanh for the soft cap's gradient. S is stored here, apart from the
 // max's subtraction, so that no multiply-add fuses the two (S = fl(t * unit) as the forward's
 // max = fl(t_max * unit)).
 inline void RowLogits(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
                       float* t, float* capped, bool scaled) {
-  if (P.soft_cap == 0.0f && !P.bias && !scaled) return;
+  const bool to_s = scaled || P.logits_as_s();
+  if (P.soft_cap == 0.0f && !to_s) return;
   const float* bias = P.bias ? P.bias.at(b, h) + i * P.Lk + j0 : nullptr;
   const float cap = P.soft_cap, inner = cap > 0.0f ? P.scale / cap : 0.0f;
-  const bool to_s = scaled || bias;
   // -> (logit, tanh) of raw products x
   auto logit = [&](vf x, vf bias_v, vf* th) {
     if (cap > 0.0f) {
@@ -490,11 +496,47 @@ inline void RowLogits(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t
   }
 }
 
-// The mask on one tile row of logits (query row i, keys [j0, j0 + n)): -inf where rules 1-5
-// exclude the pair, NaN at an allowed pair that the poison marks (the non-finite rule).
-// Rules 1-3 allow one interval of keys per row, filled without a per-element test.
+// Where register id's value for key c lies (a uniform register repeats one for every key).
+inline const float* RegisterLane(ModRegisters& r, int32_t id, int64_t c) {
+  return r.at(id) + (r.is_row(id) ? c : 0);
+}
+// dst[0, nw) = register id's lanes (a uniform one broadcast).
+inline void CopyRegister(ModRegisters& r, int32_t id, int64_t nw, float* dst) {
+  if (r.is_row(id)) {
+    std::memcpy(dst, r.at(id), nw * sizeof(float));
+  } else {
+    const vf x = load(r.at(id));
+    for (int64_t c = 0; c < nw; c += W) store(dst + c, x);
+  }
+}
+
+// score_mod on one tile row of S (query row i; the tile's keys and the item's b, h are set in
+// r): in place over the row's nw lanes.
+inline void ScoreRow(const ModProgram& mods, ModRegisters& r, int64_t i, float* row, int64_t n,
+                     int64_t nw) {
+  r.SetUniform(kUniformQuery, static_cast<int32_t>(i));
+  std::memcpy(r.at(kRowScore), row, nw * sizeof(float));
+  RunModProgram(mods, mods[kScoreStart], mods[kScoreCount], r, n, nw, nullptr);
+  CopyRegister(r, mods[kScoreOut], nw, row);
+}
+
+// The backward's score_mod on one row of S: S -> score_mod(S) in place, and `slope` (nw lanes)
+// receives d score_mod / dS there; the registers keep the partials for the scatter program.
+inline void ScoreGradientRow(const ModProgram& mods, ModRegisters& r, int64_t i, float* row,
+                             float* slope, int64_t n, int64_t nw) {
+  r.SetUniform(kUniformQuery, static_cast<int32_t>(i));
+  std::memcpy(r.at(kRowScore), row, nw * sizeof(float));
+  RunModProgram(mods, mods[kGradStart], mods[kGradCount], r, n, nw, nullptr);
+  CopyRegister(r, mods[kGradOut], nw, row);
+  CopyRegister(r, mods[kGradSlope], nw, slope);
+}
+
+// The mask on one tile row of logits (query row i, keys [j0, j0 + n)): -inf where rules 1-5 or
+// the mask_mod (run on `mods`, with the tile's keys set) exclude the pair, NaN at an allowed
+// pair that the poison marks (the non-finite rule). Rules 1-3 allow one interval of keys per
+// row, filled without a per-element test.
 inline void MaskRow(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
-                    float* row, bool q_bad, const Poison& poison) {
+                    float* row, bool q_bad, const Poison& poison, ModRegisters* mods) {
   int64_t lo = 0, hi = 0;
   if (i < P.qlen(b)) {
     lo = std::clamp<int64_t>(i + int64_t{P.d_lo[b]} - j0, 0, n);
@@ -505,8 +547,19 @@ inline void MaskRow(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j
   const int32_t* kv_seg = P.q_seg == nullptr ? nullptr : P.kv_seg + b * P.Lk + j0;
   const int32_t q_seg = P.q_seg == nullptr ? 0 : P.q_seg[b * P.Lq + i];
   const bool* mask = P.mask ? P.mask.at(b, h) + i * P.Lk + j0 : nullptr;
-  if (kv_seg == nullptr && mask == nullptr && !poison.any()) return;
-  if (mask == nullptr && !poison.any()) {  // segment ids alone (packed documents): SIMD compares
+  int32_t verdict = -1;  // the mask_mod's result register (int32 0/1 lanes), -1: none
+  if (P.mods.mask() && hi > lo) {
+    mods->SetUniform(kUniformQuery, static_cast<int32_t>(i));
+    RunModProgram(P.mods, P.mods[kMaskStart], P.mods[kMaskCount], *mods, n, round_up(n, W), nullptr);
+    verdict = P.mods[kMaskOut];
+  }
+  auto mod_allows = [&](int64_t c) {
+    int32_t x;
+    std::memcpy(&x, RegisterLane(*mods, verdict, c), sizeof x);
+    return x != 0;
+  };
+  if (kv_seg == nullptr && mask == nullptr && verdict < 0 && !poison.any()) return;
+  if (mask == nullptr && verdict < 0 && !poison.any()) {  // segment ids alone (packed documents): SIMD compares
     int64_t c = lo;
     for (; c + W <= hi; c += W) {
       vi ids;
@@ -518,7 +571,9 @@ inline void MaskRow(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j
     return;
   }
   for (int64_t c = lo; c < hi; ++c) {
-    if ((kv_seg != nullptr && kv_seg[c] != q_seg) || (mask != nullptr && !mask[c])) row[c] = NEG_INF;
+    if ((kv_seg != nullptr && kv_seg[c] != q_seg) || (mask != nullptr && !mask[c]) ||
+        (verdict >= 0 && !mod_allows(c)))
+      row[c] = NEG_INF;
     else if (q_bad || (poison.k && poison.k[c]) || (poison.v && poison.v[c])) row[c] = NAN;
   }
 }
@@ -558,40 +613,52 @@ inline float ExpRow(float* row, int64_t n, int64_t nw, float max, float mult) {
 // from the forward's statistics, 2^((S - max) * log2(e) - log_sum * log2(e)) (the max
 // subtracted first, as the forward did); P and dS = P (dP - delta) are exactly 0 at an
 // excluded pair, whatever the statistics and delta of a NaN row hold (a NaN row reaches only
-// the keys it attends);
+// the keys it attends). With a score_mod, S is its result: `ct` (when not null) receives that
+// dS, and dS becomes the logits' before it, times `slope` (d score_mod / dS).
 // d(q.k) = dS times the soft cap's derivative 1 - tanh^2 (`capped`: the tanh row) when `cap`.
 // Leaves P in t, d(q.k) in dp, dS in dbias (unless null); dp arrives dropped (dropout).
 inline void GradientRow(int64_t n, int64_t nw, float* t, float* dp, const float* capped,
-                        float* dbias, float max, float log_sum, float delta, bool cap) {
+                        float* dbias, float max, float log_sum, float delta, bool cap,
+                        const float* slope, float* ct) {
   const float shift = -log_sum * LOG2_E;
-  auto step = [&](vf x, vf dpv, vf cv, vf* dqk) {
+  auto step = [&](vf x, vf dpv, vf cv, vf sv, vf* dqk, vf* ds_out) {
     vi excluded = x == NEG_INF;
     vf p = select(excluded, splat(0.0f), exp2v((x - max) * LOG2_E + shift));
     vf ds = select(excluded, splat(0.0f), p * (dpv - delta));
+    *ds_out = ds;
+    if (slope != nullptr) ds = select(excluded, splat(0.0f), ds * sv);
     *dqk = cap ? select(excluded, splat(0.0f), ds * (1.0f - cv * cv)) : ds;
     return std::pair<vf, vf>(p, ds);
   };
   int64_t c = 0;
   for (; c + W <= n; c += W) {
-    vf dqk;
-    auto [p, ds] = step(load(t + c), load(dp + c), cap ? load(capped + c) : vf{}, &dqk);
+    vf dqk, ds_out;
+    auto [p, ds] = step(load(t + c), load(dp + c), cap ? load(capped + c) : vf{},
+                        slope != nullptr ? load(slope + c) : vf{}, &dqk, &ds_out);
     store(t + c, p);
     store(dp + c, dqk);
     if (dbias != nullptr) store(dbias + c, ds);
+    if (ct != nullptr) store(ct + c, ds_out);
   }
   for (; c < n; ++c) {  // the tail, in lane 0
-    vf dqk;
-    auto [p, ds] = step(splat(t[c]), splat(dp[c]), splat(cap ? capped[c] : 0.0f), &dqk);
+    vf dqk, ds_out;
+    auto [p, ds] = step(splat(t[c]), splat(dp[c]), splat(cap ? capped[c] : 0.0f),
+                        splat(slope != nullptr ? slope[c] : 0.0f), &dqk, &ds_out);
     t[c] = p[0];
     dp[c] = dqk[0];
     if (dbias != nullptr) dbias[c] = ds[0];
+    if (ct != nullptr) ct[c] = ds_out[0];
   }
-  for (; c < nw; ++c) t[c] = dp[c] = 0.0f;
+  for (; c < nw; ++c) {
+    t[c] = dp[c] = 0.0f;
+    if (ct != nullptr) ct[c] = 0.0f;
+  }
 }
 
 // One thread's buffers (kept between calls: their size depends only on the tiles).
 struct TileScratch {
-  std::vector<float> q, k, v, kt, vt, t, dp, capped, acc;  // q, k, v: finite copies
+  std::vector<float> q, k, v, kt, vt, t, dp, capped, acc, slope;  // q, k, v: finite copies
+  ModRegisters mods;
   std::vector<uint8_t> q_bad, k_bad, v_bad;
   std::vector<int64_t> chunk_tiles;  // the backward's key tiles of its item (ChunkTiles)
 };
@@ -657,6 +724,12 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
     s.q.resize(bq * D); s.kt.resize(D * ldt); s.v.resize(bk * D); s.t.resize(bq * ldt);
     s.acc.assign(bq * D, 0.0f);
     s.q_bad.resize(bq); s.k_bad.resize(ldt); s.v_bad.resize(bk);
+    ModRegisters* mods = P.mods ? &s.mods : nullptr;
+    if (mods != nullptr) {
+      mods->Resize(P.mods, ldt);
+      mods->SetUniform(kUniformBatch, static_cast<int32_t>(b));
+      mods->SetUniform(kUniformHead, static_cast<int32_t>(h));
+    }
     // The online softmax starts from (m, l) = (-inf, 0), its max in the tile's domain (see
     // Problem::unit); the sink joins at the end (FinishRow).
     std::vector<float> mx(m, NEG_INF), l(m, 0.0f);
@@ -691,10 +764,12 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       }
       float* t = s.t.data();
       Gemm(m, nw, D, qa, qa_r, 1, k_panels, PW, D * PW, t, ldt, false);  // t = q k^T
+      if (mods != nullptr) mods->SetKeys(j0, nw);
       for (int64_t r = 0; r < m; ++r) {
         float* tr = t + r * ldt;
         RowLogits(P, b, h, i0 + r, j0, n, tr, nullptr, false);
-        if (masked) MaskRow(P, b, h, i0 + r, j0, n, tr, poison.q && poison.q[r], poison);
+        if (P.mods.score()) ScoreRow(P.mods, *mods, i0 + r, tr, n, nw);
+        if (masked) MaskRow(P, b, h, i0 + r, j0, n, tr, poison.q && poison.q[r], poison, mods);
         // Online softmax in base 2: p = 2^((t - max) * unit * log2(e)).
         float new_max = std::max(mx[r], RowMax(tr, n));
         float safe_max = new_max == NEG_INF ? 0.0f : new_max;  // no finite logit yet
@@ -752,12 +827,14 @@ inline void ChunkTiles(const Problem& P, int64_t b, int64_t hk, int64_t chunk, i
 // head-major ([B, H, L, D]). A key tile's dK, dV stay in the scratch while the query tiles of
 // its query heads pass; dq accumulates into dq_parts[chunk] (one float32 buffer per chunk,
 // summed by the caller), unscaled like dK until the end. dbias [B, Hq, Lq, Lk] (null: not
-// wanted) receives dS of every visited pair; the caller zeroes it first.
+// wanted) receives dS of every visited pair; the caller zeroes it first. d_mod_aux [items,
+// mod_aux floats] (null without a score_mod's mod_aux cotangent): each item's sum, in its own
+// order (so the caller's sum over items repeats bit for bit); the caller zeroes it first.
 template <typename Pool>
 void Backward(const Problem& P, const float* q, const float* k, const float* v, const float* d_out,
               const float* row_max, const float* log_sum, const float* delta, float* dq_parts,
               float* dk, float* dv, float* dbias, int64_t bq, int64_t bk, int64_t chunks,
-              Pool& pool) {
+              Pool& pool, float* d_mod_aux = nullptr) {
   const int64_t D = P.D, G = P.groups(), ldt = round_up(bk, PW);
   const bool cap = P.soft_cap > 0.0f;
   const float kept = P.kept_scale();
@@ -773,6 +850,13 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
     if (cap) s.capped.resize(bq * ldt);
     s.q.resize(bq * D); s.k.resize(bk * D); s.acc.resize(2 * bk * D);
     s.q_bad.resize(bq); s.k_bad.resize(bk); s.v_bad.resize(bk);
+    ModRegisters* mods = P.mods ? &s.mods : nullptr;
+    float* d_aux = P.mods.scatter() ? d_mod_aux + item * P.mods.aux_floats() : nullptr;
+    if (mods != nullptr) {
+      mods->Resize(P.mods, ldt);
+      mods->SetUniform(kUniformBatch, static_cast<int32_t>(b));
+      s.slope.resize(ldt);
+    }
     ChunkTiles(P, b, hk, chunk, chunks, bq, bk, s.chunk_tiles);
     for (const int64_t tile : s.chunk_tiles) {
       int64_t j0 = tile * bk, j1 = std::min(P.Lk, j0 + bk), n = j1 - j0, nw = round_up(n, W);
@@ -792,6 +876,10 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
         const float* doh = d_out + row0 * D;
         float* dqh = dq_parts + chunk * dq_size + row0 * D;
         const uint32_t seed = P.dropout_rate > 0.0f ? *P.seeds.at(b, h) : 0;
+        if (mods != nullptr) {
+          mods->SetUniform(kUniformHead, static_cast<int32_t>(h));
+          mods->SetKeys(j0, nw);
+        }
         for (int64_t i0 = rows.lo; i0 < rows.hi; i0 += bq) {
           const TileClass cls = P.Class(b, h, i0 / bq, tile);
           if (cls == kEmpty) continue;
@@ -824,12 +912,21 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
             float* dpr = dp + r * ldt;
             float* cr = cap ? s.capped.data() + r * ldt : nullptr;  // the soft cap's tanh
             RowLogits(P, b, h, i, j0, n, tr, cr, true);
-            if (masked) MaskRow(P, b, h, i, j0, n, tr, poison.q && poison.q[r], poison);
+            const float* slope = nullptr;  // d score_mod / dS
+            if (P.mods.score()) {
+              ScoreGradientRow(P.mods, *mods, i, tr, s.slope.data(), n, nw);
+              slope = s.slope.data();
+            }
+            if (masked) MaskRow(P, b, h, i, j0, n, tr, poison.q && poison.q[r], poison, mods);
             if (P.dropout_rate > 0.0f)  // dP reaches P through the forward's dropout mask
               DropRow(seed, RowKey(seed, i), j0, n, threshold, kept, dpr);
             float* dbr = dbias == nullptr ? nullptr : dbias + (row0 + i) * P.Lk + j0;
+            float* ct = d_aux != nullptr ? mods->at(kRowCotangent) : nullptr;
             GradientRow(n, nw, tr, dpr, cr, dbr, row_max[row0 + i], log_sum[row0 + i],
-                        delta[row0 + i], cap);
+                        delta[row0 + i], cap, slope, ct);
+            if (ct != nullptr)  // the mod_aux cotangent: ct times the partials of the reads
+              RunModProgram(P.mods, P.mods[kScatterStart], P.mods[kScatterCount], *mods, n, nw,
+                            d_aux);
             if (P.dropout_rate > 0.0f)  // dV = P_dropped^T dO
               DropRow(seed, RowKey(seed, i), j0, n, threshold, kept, tr);
           }
@@ -1112,6 +1209,7 @@ struct DecodeScratch {
   std::vector<int64_t> max_key;  // [Hkv * M] the key of each row's running max, -1: none
   std::vector<const float*> krow, vrow;
   std::vector<uint8_t> q_bad, k_bad, v_bad;
+  ModRegisters mods;
 };
 
 // The key range [lo, hi) of split `split` of `splits` over the keys the rows may attend.
@@ -1131,7 +1229,7 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
   static thread_local DecodeScratch s;
   const int64_t G = P.groups(), M = G * P.Lq, HM = P.Hkv * M, Dp = P.D, Dk = cache.Dk;
   const int64_t bk = DECODE_BLOCK_K, ldt = round_up(bk, W);
-  const float unit = P.unit(), mult = unit * LOG2_E;  // no bias on this path: t unscaled
+  const float unit = P.unit(), mult = unit * LOG2_E;  // t unscaled, or S with a score_mod
   // Rows read in place when they already are float32 rows of Dp floats; else converted.
   const bool in_place = cache.type == CacheType::kF32 && Dk == Dp;
   s.q.resize(HM * Dp); s.t.resize(M * ldt); s.krow.resize(bk); s.vrow.resize(bk);
@@ -1141,6 +1239,11 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
   }
   s.k_clean.resize(bk * Dp); s.v_clean.resize(bk * Dp); s.key_offset.resize(bk); s.next_offset.resize(bk);
   s.q_bad.resize(HM); s.k_bad.resize(bk); s.v_bad.resize(bk); s.max_key.resize(HM);
+  ModRegisters* mods = P.mods ? &s.mods : nullptr;
+  if (mods != nullptr) {
+    mods->Resize(P.mods, ldt);
+    mods->SetUniform(kUniformBatch, static_cast<int32_t>(b));
+  }
   std::fill(part_acc, part_acc + HM * Dp, 0.0f);
   for (int64_t hr = 0; hr < HM; ++hr) {
     const int64_t hk = hr / M, g = (hr % M) / P.Lq, i = hr % P.Lq;
@@ -1194,6 +1297,7 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
     }
     const float checked = HorizontalSum(check[0] + check[1] + check[2] + check[3]);
     const bool tile_bad = checked != checked;
+    if (mods != nullptr) mods->SetKeys(j0, nw);
     for (int64_t hk = 0; hk < P.Hkv; ++hk) {
       for (int64_t c = 0; c < n; ++c) {
         s.krow[c] = in_place ? reinterpret_cast<const float*>(kc) + s.key_offset[c] + hk * Dk
@@ -1227,7 +1331,9 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
         const int64_t g = r / P.Lq, i = r % P.Lq, h = hk * G + g;
         float* tr = t + r * ldt;
         RowLogits(P, b, h, i, j0, n, tr, nullptr, false);
-        if (masked) MaskRow(P, b, h, i, j0, n, tr, head_q_bad != nullptr && head_q_bad[r], poison);
+        if (mods != nullptr) mods->SetUniform(kUniformHead, static_cast<int32_t>(h));
+        if (P.mods.score()) ScoreRow(P.mods, *mods, i, tr, n, nw);
+        if (masked) MaskRow(P, b, h, i, j0, n, tr, head_q_bad != nullptr && head_q_bad[r], poison, mods);
         // The forward's online softmax (its max in the tile's domain until the split's end).
         float& mx = part_max[hk * M + r];
         float& sum = part_sum[hk * M + r];
@@ -1263,6 +1369,11 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
     Gemm(1, W, Dp, s.q.data() + hr * Dp, 0, 1, s.key_panel.data(), W, Dp * W, s.dot.data(), W,
          false);
     RowLogits(P, b, hk * G + g, i, j, 1, s.dot.data(), nullptr, false);
+    if (P.mods.score()) {  // the backward's S at that key is score_mod's
+      mods->SetUniform(kUniformHead, static_cast<int32_t>(hk * G + g));
+      mods->SetKeys(j, W);
+      ScoreRow(P.mods, *mods, i, s.dot.data(), 1, W);
+    }
     part_stats_max[hr] = s.dot[0] * unit;
   }
 }

@@ -109,7 +109,12 @@ def test_case_rules_name_the_field():
 
 JAX_CASES = [("jax_impl.xla", "fp32_mods_t5"), ("jax_impl.xla", "fp32_mods_documents_block16"),
              ("jax_impl.xla", "fp32_mods_empty_rows_block16"), ("jax_impl.xla", "fp32_mods_alibi_documents_window"),
-             ("jax_impl.reference", "fp32_mods_alibi_gqa_causal_br_bias")]
+             ("jax_impl.reference", "fp32_mods_alibi_gqa_causal_br_bias"),
+             # the C++ kernel's row programs
+             ("jax_impl.cpu", "fp32_mods_t5"), ("jax_impl.cpu", "fp32_mods_documents_block16"),
+             ("jax_impl.cpu", "fp32_mods_empty_rows_block16"),
+             ("jax_impl.cpu", "fp32_mods_alibi_documents_window"),
+             ("jax_impl.cpu", "fp32_mods_alibi_gqa_causal_br_bias")]
 
 
 @pytest.mark.parametrize("impl,case_name", JAX_CASES)
@@ -119,11 +124,6 @@ def test_jax_impl_passes_mods_cases_with_aux_gradients(impl, case_name, prepared
     assert result.status == PASS, (result.reason, _verdicts(result))
     assert {f"d{n}" for n, x in inputs.mod_aux.items() if x.dtype.kind == "f"} <= set(_verdicts(result))
     assert {"dq", "dk", "dv"} <= set(_verdicts(result)) and result.unjudged is None
-
-
-def test_jax_impl_cpu_says_why_it_takes_no_mods(prepared):
-    result = run_one(get_adapter("jax_impl.cpu", "cpu"), *prepared("fp32_mods_t5"))
-    assert result.status == NOT_SUPPORTED and "score_mod" in result.reason
 
 
 @pytest.mark.parametrize("case_name", ["fp32_mods_t5", "fp32_mods_alibi_gqa_causal_br_bias",
@@ -189,6 +189,8 @@ WRONG = {"fp32_mods_documents_block16": ("documents", "mask_mod", _documents_not
 
 @pytest.mark.parametrize("impl,case_name", [("jax_impl.xla", "fp32_mods_documents_block16"),
                                             ("jax_impl.xla", "fp32_mods_t5"),
+                                            ("jax_impl.cpu", "fp32_mods_t5"),
+                                            ("jax_impl.cpu", "fp32_mods_soft_cap"),
                                             ("torch.flex.eager", "fp32_mods_documents_block16"),
                                             ("torch.flex.eager", "fp32_mods_t5"),
                                             ("torch.flex.eager", "fp32_mods_soft_cap")])

@@ -64,7 +64,7 @@ CUSTOM_CALLS = ("jax_flash_attention_cpu_forward", "jax_flash_attention_cpu_back
 # only (the dispatcher that routes flash_attention to it is wired elsewhere).
 REFUSAL = "implementation='cpu' cannot run this call"
 # Calls of the features beyond the mask rules (a refusal fails them).
-FEATURE_FAMILIES = ("bias", "mask", "soft_cap", "dropout", "sinks", "head_dim")
+FEATURE_FAMILIES = ("bias", "mask", "soft_cap", "dropout", "sinks", "head_dim", "mods")
 
 
 # --- What one call is -----------------------------------------------------------------------
@@ -98,6 +98,7 @@ class Config:
     poison_allowed: float = 0.0        # probability of non-finite values at an allowed pair
     huge_logits: bool = False          # q, k scaled so that max |q.k * scale| is Call.logit_scale
     decode_route: bool = False         # decode-shaped, differentiated: the regular forward runs
+    mods: str | None = None            # FEATURE: FuzzMods.kind (score_mod / mask_mod)
 
     def describe(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -354,6 +355,71 @@ def config_head_dim(d: Draw, c: int) -> Config:
     return Config(**_feature_base(d, head_dims=ANY_HEAD_DIMS))
 
 
+def config_mods(d: Draw, c: int) -> Config:
+    return Config(**_feature_base(d), mods=d.pick(list(FuzzMods.KINDS)))
+
+
+@dataclasses.dataclass(frozen=True)
+class FuzzMods:
+    """The mods family's score_mod and mask_mod (bound methods: hashable static options) and
+    their tables, drawn from the call's shape and ``seed``; ``dense`` gives the oracle their
+    bias and mask, computed here in numpy."""
+
+    KINDS = ("alibi", "t5", "documents", "alibi_documents")
+    kind: str
+    b: int
+    hq: int
+    lq: int
+    lk: int
+    seed: int
+
+    def _rng(self, part):
+        return np.random.default_rng([self.seed, part])
+
+    def slopes(self):
+        return self._rng(0).uniform(0.02, 0.8, self.hq).astype(np.float32)
+
+    def table(self):  # T5: relative positions clipped to [-4, 4]
+        return self._rng(1).standard_normal((9, self.hq)).astype(np.float32)
+
+    def documents(self):  # ascending document ids per row, queries and keys cut apart
+        rng = self._rng(2)
+        return (np.sort(rng.integers(0, 3, (self.b, self.lq)), 1).astype(np.int32),
+                np.sort(rng.integers(0, 3, (self.b, self.lk)), 1).astype(np.int32))
+
+    def score(self, s, b, h, q_idx, kv_idx):
+        if self.kind == "t5":
+            return s + jnp.asarray(self.table())[jnp.clip(kv_idx - q_idx, -4, 4) + 4, h]
+        return s + jnp.asarray(self.slopes())[h] * (kv_idx - q_idx)
+
+    def mask(self, b, h, q_idx, kv_idx):
+        q_doc, kv_doc = (jnp.asarray(x) for x in self.documents())
+        return q_doc[b, q_idx] == kv_doc[b, kv_idx]
+
+    def options(self) -> dict:
+        return {"score_mod": self.score} if self.kind in ("alibi", "t5") else \
+            {"mask_mod": self.mask} if self.kind == "documents" else \
+            {"score_mod": self.score, "mask_mod": self.mask}
+
+    def dense(self):
+        """(bias [1, Hq, Lq, Lk] float64 or None, allowed [B, 1, Lq, Lk] or None)."""
+        rel = np.arange(self.lk)[None, :] - np.arange(self.lq)[:, None]  # kv - q
+        bias = allowed = None
+        if self.kind == "t5":
+            bias = np.moveaxis(self.table().astype(np.float64)[np.clip(rel, -4, 4) + 4], -1, 0)[None]
+        elif self.kind in ("alibi", "alibi_documents"):
+            bias = self.slopes().astype(np.float64)[None, :, None, None] * rel
+        if self.kind in ("documents", "alibi_documents"):
+            q_doc, kv_doc = self.documents()
+            allowed = (q_doc[:, :, None] == kv_doc[:, None, :])[:, None]
+        return bias, allowed
+
+
+def fuzz_mods(c: Config) -> FuzzMods | None:
+    return None if c.mods is None else FuzzMods(c.mods, c.b, c.hq, c.lq, c.lk,
+                                                 zlib.crc32(repr(c).encode()))
+
+
 def config_regressions(d: Draw, c: int) -> Config:
     """The two crashes first reported against this kernel, as they were found."""
     if c == 0:  # heap-use-after-free in the backward
@@ -494,6 +560,8 @@ FAMILIES = {
     "sinks": Family(config_sinks, 24, "attention_sinks [Hq], dsinks", feature=True),
     "head_dim": Family(config_head_dim, 24, "head_dim not a multiple of 16",
                        feature=True),
+    "mods": Family(config_mods, 24, "score_mod and mask_mod in the kernel's row programs: ALiBi, "
+                   "T5 (its table a constant), documents, ALiBi inside documents", feature=True),
 }
 assert set(FEATURE_FAMILIES) == {n for n, f in FAMILIES.items() if f.feature}
 SAMPLES = ("full", "ci")
@@ -600,6 +668,9 @@ def allowed_pattern(call: Call) -> np.ndarray:
     q_len, kv_len = call.clamped_lengths
     ok = allowed_pairs(c.lq, c.lk, q_len, kv_len, c.causal, c.window, call.offset, call.q_seg,
                        call.kv_seg, call.mask)
+    mods = fuzz_mods(c)
+    if mods is not None and mods.dense()[1] is not None:
+        ok = ok & mods.dense()[1]
     return np.ascontiguousarray(np.broadcast_to(ok, (c.b, c.hq, c.lq, c.lk)))
 
 
@@ -831,6 +902,8 @@ def _static_options(c: Config) -> dict:
         opts["logits_soft_cap"] = c.soft_cap
     if c.dropout is not None:
         opts.update(dropout_rate=c.dropout[0], broadcast_dropout=c.dropout[1], deterministic=False)
+    if c.mods is not None:
+        opts.update(fuzz_mods(c).options())
     return opts
 
 
@@ -855,6 +928,12 @@ def oracle_kwargs(call: Call) -> dict:
         kw["scale"] = c.scale
     if call.bias is not None:
         kw["bias"] = call.bias
+    if c.mods is not None:  # their dense bias and mask (applied after the soft cap, as mods are)
+        bias, allowed = fuzz_mods(c).dense()
+        if bias is not None:
+            kw["bias"] = bias
+        if allowed is not None:
+            kw["mask"] = allowed if kw.get("mask") is None else kw["mask"] & allowed
     if c.soft_cap is not None:
         kw["logits_soft_cap"] = c.soft_cap
     if call.sinks is not None:
@@ -878,6 +957,8 @@ def references(call: Call):
                      torch_arrays(*args, dtype=NP_DTYPES[call.config.dtype], **kw))
     if call.config.decode:  # forward only
         return {"out": oracle["out"]}, {"out": plain["out"]}
+    if call.config.mods is not None:  # the mods' bias is no input of the call (no dbias)
+        oracle.pop("dbias", None), plain.pop("dbias", None)
     return oracle, plain
 
 
@@ -1016,7 +1097,7 @@ def coverage(seed: int, families=None, sample: str = "full") -> dict:
             count("non-finite at allowed positions", poisoned_at["allowed"])
             if call.logit_scale == HUGE_LOGITS[c.dtype][-1]:
                 count(f"logits at the {c.dtype} limit, {huge_logit_path(c)}")
-            for feature in ("bias_shape", "mask_shape", "soft_cap", "dropout", "sinks"):
+            for feature in ("bias_shape", "mask_shape", "soft_cap", "dropout", "sinks", "mods"):
                 count(f"FEATURE {feature}", getattr(c, feature))
     return counts
 

@@ -319,3 +319,211 @@ def test_exp2_is_within_two_ulp_and_exactly_zero_at_and_below_minus_127(harness,
     assert np.all(y[x <= -127.0] == 0.0)
     assert np.isnan(y[np.isnan(x)]).all() and (y[x == 0.0] == 1.0).all()
 
+
+# --- the mods' row programs (mod_program.py compiles, mod_program.h runs) ---------------------
+
+KEYS = 77  # one row of keys: nine SIMD vectors and a tail
+_I32 = np.iinfo(np.int32)
+
+
+def _row_inputs(rng):
+    """Float and int32 arrays over the keys, drawn with the values that decide semantics mixed
+    in: NaN, +-inf, +-0, huge and tiny normals; int32 extremes, zeros, -1, counts past 32."""
+    def floats():
+        x = rng.standard_normal(KEYS).astype(np.float32) * rng.choice([1, 10, 1e4], KEYS)
+        picks = rng.random(KEYS) < 0.3
+        x[picks] = rng.choice(np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30, 1e-30,
+                                        0.5, 1.5, -2.5, 3e9], np.float32), picks.sum())
+        return x.astype(np.float32)
+
+    def ints():
+        x = rng.integers(-1000, 1000, KEYS).astype(np.int32)
+        picks = rng.random(KEYS) < 0.3
+        x[picks] = rng.choice(np.array([0, -1, 1, 31, 32, 33, -33, _I32.min, _I32.max], np.int32),
+                              picks.sum())
+        return x
+
+    return floats(), floats(), ints(), ints()
+
+
+def _bits(x):  # int32 results travel as float32 bits (bitcast_convert_type)
+    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
+
+
+# (name, score_mod(s, b, h, q, kv, fa, fb, ia, ib, table), how results compare: None equal
+# values (NaN to NaN), "bits" equal int32 bits, a number: within that many ulps)
+_F = lambda f: (lambda s, b, h, q, kv, fa, fb, ia, ib, table: f(fa[kv], fb[kv], s))
+_I = lambda f: (lambda s, b, h, q, kv, fa, fb, ia, ib, table: _bits(f(ia[kv], ib[kv])))
+PROGRAM_CASES = [
+    ("add sub mul div", _F(lambda x, y, s: (x + y) * (x - s) / y), None),
+    ("max min with NaN", _F(lambda x, y, s: jnp.maximum(x, y) - jnp.minimum(y, s)), None),
+    ("neg abs sign", _F(lambda x, y, s: -jnp.abs(x) * jnp.sign(y) + jnp.sign(x)), None),
+    ("floor ceil round", _F(lambda x, y, s: jnp.floor(x) + jnp.ceil(y) * 1e-3 + jnp.round(x)
+                            + jax.lax.round(y, jax.lax.RoundingMethod.AWAY_FROM_ZERO)), None),
+    ("is_finite select_n compare", _F(lambda x, y, s: jnp.where(jnp.isfinite(x), x, -s)
+                                      + jnp.where(x < y, 1.0, 0.0) + jnp.where(x >= s, 2.0, 0.5)
+                                      + jax.lax.select_n(jnp.abs(jnp.int32(s) % 3), x, y, s)), None),
+    ("integer_pow square clamp", _F(lambda x, y, s: x ** 3 + y ** -2 + jnp.square(s)
+                                    + jax.lax.clamp(-1.0, x, 2.0) + jnp.clip(y, -3, 3)), None),
+    ("convert float to int", _F(lambda x, y, s: _bits(x.astype(jnp.int32) + (y * 1e9).astype(jnp.int32))), "bits"),
+    ("int add sub mul wrap", _I(lambda a, b: (a + b) * (a - b) * 65599), "bits"),
+    ("int div rem (XLA at 0, -1)", _I(lambda a, b: jax.lax.div(a, b) * 7 + jax.lax.rem(a, b)), "bits"),
+    ("floor_divide mod", _I(lambda a, b: a // jnp.where(b == 0, 3, b) + a % jnp.where(b == 0, 5, b)), "bits"),
+    ("int max min neg abs sign", _I(lambda a, b: jnp.maximum(a, b) - jnp.minimum(-a, jnp.abs(b)) + jnp.sign(a)), "bits"),
+    ("bitwise", _I(lambda a, b: (a & b) ^ (a | 77) ^ ~b), "bits"),
+    ("shifts past 32", _I(lambda a, b: jax.lax.shift_left(a, b) ^ jax.lax.shift_right_arithmetic(a, b)
+                          ^ jax.lax.shift_right_logical(a, b)), "bits"),
+    ("int compare to float", _I(lambda a, b: jnp.where(a < b, a, b) + (a == b).astype(jnp.int32)
+                                 + (a.astype(jnp.float32) * 0.5).astype(jnp.int32)), "bits"),
+    ("gathers: clamped, wrapped and uniform", lambda s, b, h, q, kv, fa, fb, ia, ib, table:
+        table[ia[kv] % 7 - 3, kv % 6] + table[-1, h] * fa[q] + fb[jnp.clip(kv - q, 0, KEYS - 1)], None),
+]
+# (name, jnp function, its float64 numpy oracle, the range x and y are drawn from) of two
+# keys' float32 values: within 4 ulps of the exact value (XLA's own exp2 is 15 ulps off at
+# 2^60, so XLA is no oracle here).
+TRANSCENDENTAL_CASES = [
+    ("pow", lambda x, y: jnp.power(x, y), np.power, (0.01, 50.0), (-8.0, 8.0)),
+    ("rem", jax.lax.rem, np.fmod, (-1e4, 1e4), (-30.0, 30.0)),
+    ("atan2", jnp.arctan2, np.arctan2, (-10.0, 10.0), (-10.0, 10.0)),
+    ("sqrt", lambda x, y: jnp.sqrt(x), lambda x, y: np.sqrt(x), (0.0, 1e6), (0, 1)),
+    ("rsqrt", lambda x, y: jax.lax.rsqrt(x), lambda x, y: 1 / np.sqrt(x), (1e-6, 1e6), (0, 1)),
+    ("exp", lambda x, y: jnp.exp(x), lambda x, y: np.exp(x), (-87.0, 88.0), (0, 1)),
+    ("exp2", lambda x, y: jnp.exp2(x), lambda x, y: np.exp2(x), (-126.0, 127.0), (0, 1)),
+    ("expm1", lambda x, y: jnp.expm1(x), lambda x, y: np.expm1(x), (-5.0, 5.0), (0, 1)),
+    ("log", lambda x, y: jnp.log(x), lambda x, y: np.log(x), (1e-30, 1e30), (0, 1)),
+    ("log1p", lambda x, y: jnp.log1p(x), lambda x, y: np.log1p(x), (-0.999, 1e3), (0, 1)),
+    ("tanh", lambda x, y: jnp.tanh(x), lambda x, y: np.tanh(x), (-12.0, 12.0), (0, 1)),
+    ("logistic", lambda x, y: jax.nn.sigmoid(x), lambda x, y: 1 / (1 + np.exp(-x)), (-80.0, 80.0), (0, 1)),
+    ("sin", lambda x, y: jnp.sin(x), lambda x, y: np.sin(x), (-100.0, 100.0), (0, 1)),
+    ("cos", lambda x, y: jnp.cos(x), lambda x, y: np.cos(x), (-100.0, 100.0), (0, 1)),
+]
+GRADIENT_CASES = [
+    ("ALiBi: a uniform read", lambda s, b, h, q, kv, fa, fb, ia, ib, table: s + fa[h] * (kv - q)),
+    ("T5: a read along the row", lambda s, b, h, q, kv, fa, fb, ia, ib, table:
+        s + table[jnp.clip(kv - q, -2, 2) + 2, h % 5]),
+    ("per-key scale and a leaky relu", lambda s, b, h, q, kv, fa, fb, ia, ib, table:
+        jnp.where(s > 0, s, 0.1 * s) * fb[kv] + fa[kv] ** 2),
+    ("soft cap", lambda s, b, h, q, kv, fa, fb, ia, ib, table: 3.0 * jnp.tanh(s / 3.0)),
+]
+
+
+class _Config:  # what mod_program reads of an AttentionConfig
+    def __init__(self, score_mod=None, mask_mod=None):
+        self.score_mod, self.mask_mod = score_mod, mask_mod
+        self.has_mods = True
+
+
+def _run_programs(harness, tmp_path, cfg, aux, s, kv, ct, b, h, q):
+    from jax_impl.cpu_kernel import mod_program
+    programs = mod_program.compile_mods(cfg, aux)
+    packed = np.asarray(programs.aux(aux))
+    for name, x in (("words", programs.words), ("aux", packed), ("s", s), ("kv", kv), ("ct", ct)):
+        np.ascontiguousarray(x).tofile(tmp_path / f"{name}.bin")
+    (tmp_path / "params.txt").write_text(
+        f"n {KEYS}\nb {b}\nh {h}\nq {q}\nwords {programs.words.size}\naux {packed.size}\n")
+    result, report = _run(harness, "mods", str(tmp_path))
+    assert result.returncode == 0, report
+    read = lambda name, dtype=np.float32: np.fromfile(tmp_path / f"{name}.bin", dtype)
+    return programs, read
+
+
+def _aux_arrays(rng):
+    fa, fb, ia, ib = _row_inputs(rng)
+    table = rng.standard_normal((4, 6)).astype(np.float32)
+    return tuple(jnp.asarray(x) for x in (fa, fb, ia, ib, table))
+
+
+def _within_ulps(got, want, ulps):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    close = np.abs(got.astype(np.float64) - want) <= ulps * np.spacing(np.abs(want)) + 1e-37
+    return same | (np.isfinite(want) & close)
+
+
+@pytest.mark.parametrize("name, mod, ulps", PROGRAM_CASES, ids=[c[0] for c in PROGRAM_CASES])
+def test_mod_programs_compute_what_xla_computes(harness, tmp_path, name, mod, ulps):
+    """Each primitive the programs take, on fresh draws with NaN, infinities, zeros, int32
+    extremes, zero divisors and shift counts past 32 mixed in: the row program (the kernels'
+    interpreter, under the sanitizers) against XLA's own evaluation of the same jnp code, bit
+    for bit (ulps for the transcendental functions, whose libraries differ)."""
+    rng = np.random.default_rng()
+    aux = _aux_arrays(rng)
+    s = _row_inputs(rng)[0]
+    kv = rng.permutation(KEYS).astype(np.int32)
+    b, h, q = (int(x) for x in rng.integers(0, 4, 3))
+    _, read = _run_programs(harness, tmp_path, _Config(score_mod=mod), aux, s, kv,
+                            np.zeros(KEYS, np.float32), b, h, q)
+    want = jax.jit(jax.vmap(mod, in_axes=(0, None, None, None, 0) + (None,) * 5))(
+        s, b, h, q, kv, *aux)
+    got, want = read("score"), np.asarray(want)
+    if ulps == "bits":
+        np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+    elif ulps is None:
+        np.testing.assert_array_equal(got, want)
+    else:
+        ok = _within_ulps(got, want, ulps)
+        assert ok.all(), (got[~ok], want[~ok])
+
+
+@pytest.mark.parametrize("name, f, exact_f, x_range, y_range", TRANSCENDENTAL_CASES,
+                         ids=[c[0] for c in TRANSCENDENTAL_CASES])
+def test_mod_programs_transcendental_functions_are_within_4_ulps(harness, tmp_path, name, f,
+                                                               exact_f, x_range, y_range):
+    rng = np.random.default_rng()
+    aux = list(_aux_arrays(rng))
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
+    for entry, (low, high) in ((0, x_range), (1, y_range)):
+        x = rng.uniform(low, high, KEYS).astype(np.float32)
+        x[:len(specials)] = specials  # what each function does at NaN, infinities, zeros
+        aux[entry] = jnp.asarray(rng.permutation(x))
+    kv = rng.permutation(KEYS).astype(np.int32)
+    mod = lambda s, b, h, q, kv, fa, fb, ia, ib, table: f(fa[kv], fb[kv])
+    _, read = _run_programs(harness, tmp_path, _Config(score_mod=mod), tuple(aux),
+                            np.zeros(KEYS, np.float32), kv, np.zeros(KEYS, np.float32), 0, 0, 0)
+    x, y = (np.asarray(aux[entry], np.float64)[kv] for entry in (0, 1))
+    with np.errstate(all="ignore"):
+        exact = exact_f(x, y)
+    got = read("score")
+    ok = _within_ulps(got, exact.astype(np.float32), 4)
+    assert ok.all(), (x[~ok], y[~ok], got[~ok], exact[~ok])
+
+
+@pytest.mark.parametrize("name, mod", GRADIENT_CASES, ids=[c[0] for c in GRADIENT_CASES])
+def test_mod_programs_backward_matches_jax_grad(harness, tmp_path, name, mod):
+    """The backward's program: score_mod(S), d score_mod / dS and the mod_aux cotangent that
+    the scatter-adds sum (cotangent 0 at some keys: excluded pairs add nothing) against
+    jax.grad of the same mod."""
+    rng = np.random.default_rng()
+    fa, fb = (rng.uniform(-2, 2, KEYS).astype(np.float32) for _ in range(2))
+    ia, ib = (rng.integers(-50, 50, KEYS).astype(np.int32) for _ in range(2))
+    table = rng.standard_normal((5, 6)).astype(np.float32)
+    aux = tuple(jnp.asarray(x) for x in (fa, fb, ia, ib, table))
+    s = rng.standard_normal(KEYS).astype(np.float32) * 3
+    kv = rng.permutation(KEYS).astype(np.int32)
+    ct = rng.standard_normal(KEYS).astype(np.float32) * (rng.random(KEYS) < 0.8)
+    b, h, q = 1, int(rng.integers(0, 6)), int(rng.integers(0, KEYS))
+    programs, read = _run_programs(harness, tmp_path, _Config(score_mod=mod), aux, s, kv, ct, b, h, q)
+    row = jax.vmap(mod, in_axes=(0, None, None, None, 0) + (None,) * 5)
+    value, slope = jax.vmap(jax.value_and_grad(mod), in_axes=(0, None, None, None, 0) + (None,) * 5)(
+        s, b, h, q, kv, *aux)
+    floats = (0, 1, 4)
+    d_aux = jax.grad(lambda *f: jnp.sum(ct * row(s, b, h, q, kv, f[0], f[1], ia, ib, f[2])),
+                     argnums=(0, 1, 2))(fa, fb, table)
+    np.testing.assert_allclose(read("value"), value, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(read("slope"), slope, rtol=2e-6, atol=1e-6)
+    got = programs.cotangents(jnp.asarray(read("d_aux")), aux)
+    for entry, want in zip(floats, d_aux):
+        np.testing.assert_allclose(got[entry], want, rtol=1e-5, atol=1e-5 * max(1, np.abs(want).max()))
+    assert got[2] is None and got[3] is None  # int32 entries
+
+
+def test_mask_mod_program_matches_xla(harness, tmp_path):
+    rng = np.random.default_rng()
+    aux = _aux_arrays(rng)
+    mask = lambda b, h, q, kv, fa, fb, ia, ib, table: ((ia[kv] > ib[kv]) | (kv <= q)) & ~(fa[kv] != fa[kv])
+    kv = rng.permutation(KEYS).astype(np.int32)
+    b, h, q = 0, 1, int(rng.integers(0, KEYS))
+    _, read = _run_programs(harness, tmp_path, _Config(mask_mod=mask), aux, np.zeros(KEYS, np.float32),
+                            kv, np.zeros(KEYS, np.float32), b, h, q)
+    want = jax.vmap(mask, in_axes=(None, None, None, 0) + (None,) * 5)(b, h, q, kv, *aux)
+    np.testing.assert_array_equal(read("mask", np.int32) != 0, want)

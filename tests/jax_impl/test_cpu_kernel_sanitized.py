@@ -17,7 +17,7 @@ only into a process started with ``LD_PRELOAD=build.sanitizer_preload()``, so ea
 in a subprocess with it. A test fails on a crash or a nonzero exit, on any ASan/UBSan report in
 stderr, on a judged failure (a result off the oracle, or a NaN pattern other than the
 oracle's), and on a refusal (the FEATURE families, cpu_fuzz.FEATURE_FAMILIES: bias, dense mask,
-soft cap, dropout, sinks, any head_dim, must run on the kernel). The message gives the last
+soft cap, dropout, sinks, any head_dim, score_mod and mask_mod, must run on the kernel). The message gives the last
 input the family printed (the one that crashed), the sanitizer's report and the command that
 reruns that call alone.
 
@@ -121,7 +121,7 @@ GROUPS = {
     "lengths": ("shapes", "lengths", "traced_lengths", "regressions", "decode", "huge_logits"),
     "bands": ("windows", "segments", "position_offset", "blocks", "packed_tiles", "decode_paged"),
     "values_and_features": ("nonfinite", "bias", "mask", "soft_cap", "dropout", "sinks",
-                            "head_dim"),
+                            "head_dim", "mods"),
 }
 
 
@@ -185,7 +185,7 @@ REQUIRED_COVERAGE = (
     "segment ids", "block sizes", "position offset",
     "non-finite at excluded positions", "non-finite at allowed positions",
     "FEATURE bias_shape", "FEATURE mask_shape", "FEATURE soft_cap", "FEATURE dropout",
-    "FEATURE sinks", "head_dim % 16 != 0",
+    "FEATURE sinks", "FEATURE mods", "head_dim % 16 != 0",
     *(f"logits at the {dtype} limit, {path}" for dtype in cpu_fuzz.DTYPES
       for path in cpu_fuzz.HUGE_LOGIT_PATHS))
 

@@ -1,5 +1,8 @@
 """score_mod, mask_mod, mod_aux and block_mask (FlexAttention's model) through flash_attention:
-judged against a float64 numpy oracle written here (dense, sharing no code with the library)."""
+judged against a float64 numpy oracle written here (dense, sharing no code with the library).
+``cpu`` runs the mods as compiled row programs in the C++ kernel (its tiles: 96 or 64 query
+rows, 128 keys, so that a block_mask of 16 x 16 tiles does not nest in them), ``xla`` traces
+them into its tile loop."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,7 +71,7 @@ def _documents_causal(b, h, q_idx, kv_idx, doc):
     return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "reference"])
+@pytest.mark.parametrize("implementation", ["xla", "reference", "cpu"])
 def test_alibi_and_t5_score_mods_and_their_tables_gradients_match_the_oracle(implementation):
     q, k, v, d_out = _inputs()
     slopes = jax.random.uniform(jax.random.key(5), (H,), minval=0.05, maxval=0.5)
@@ -93,8 +96,9 @@ def test_alibi_and_t5_score_mods_and_their_tables_gradients_match_the_oracle(imp
                                        rtol=1e-4)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "cpu"])
 @pytest.mark.parametrize("how", ["block_mask", "mask_mod", "segment_ids"])
-def test_packed_documents_every_way_match_the_oracle(how):
+def test_packed_documents_every_way_match_the_oracle(how, implementation):
     q, k, v, d_out = _inputs(1)
     doc = _documents(1)
     if how == "segment_ids":
@@ -104,7 +108,8 @@ def test_packed_documents_every_way_match_the_oracle(how):
         if how == "block_mask":
             kwargs["block_mask"] = create_block_mask(_documents_causal, B, None, L, L,
                                                      block_size=16, mod_aux=(jnp.asarray(doc),))
-    f = lambda q, k, v: flash_attention(q, k, v, implementation="xla", block_sizes=SMALL_TILES,
+    f = lambda q, k, v: flash_attention(q, k, v, implementation=implementation,
+                                        block_sizes=SMALL_TILES if implementation == "xla" else None,
                                         **kwargs)
     out, vjp = jax.vjp(f, q, k, v)
     allowed = (doc[:, None, :, None] == doc[:, None, None, :]) & (POSITIONS[None, :] <= POSITIONS[:, None])
@@ -113,9 +118,11 @@ def test_packed_documents_every_way_match_the_oracle(how):
         np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-4)
 
 
-def test_a_full_tile_attends_without_mask_mod_and_an_empty_one_is_skipped():
+@pytest.mark.parametrize("implementation", ["xla", "cpu"])
+def test_a_full_tile_attends_without_mask_mod_and_an_empty_one_is_skipped(implementation):
     """FlexAttention's meaning of a BlockMask: a hand-made one (from_tile_classes) whose empty
-    and full tiles disagree with the mask_mod decides those tiles."""
+    and full tiles disagree with the mask_mod decides those tiles (also inside a kernel tile
+    that spans tiles of all three classes: cpu's)."""
     q, k, v, d_out = _inputs(2)
     nq = nk = L // 16
     rng = np.random.default_rng(2)
@@ -123,8 +130,8 @@ def test_a_full_tile_attends_without_mask_mod_and_an_empty_one_is_skipped():
     classes[..., np.arange(nq), np.arange(nk)] = 1  # every row keeps a partial tile
     bm = BlockMask.from_tile_classes(jnp.asarray(classes), L, L, 16, 16)
     mask_mod = lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0
-    out = flash_attention(q, k, v, mask_mod=mask_mod, block_mask=bm, implementation="xla",
-                          block_sizes=BlockSizes(block_q=16, block_k=16))
+    out = flash_attention(q, k, v, mask_mod=mask_mod, block_mask=bm, implementation=implementation,
+                          block_sizes=BlockSizes(block_q=16, block_k=16) if implementation == "xla" else None)
     per_pair = np.repeat(np.repeat(classes[0, 0], 16, 0), 16, 1)
     allowed = np.where(per_pair == FULL, True,
                        (per_pair == 1) & ((POSITIONS[:, None] + POSITIONS[None, :]) % 3 != 0))
@@ -132,24 +139,27 @@ def test_a_full_tile_attends_without_mask_mod_and_an_empty_one_is_skipped():
     np.testing.assert_allclose(out, want[0], atol=2e-5, rtol=1e-4)
 
 
-def test_soft_cap_as_a_score_mod_equals_the_built_in_soft_cap():
+@pytest.mark.parametrize("implementation", ["xla", "cpu"])
+def test_soft_cap_as_a_score_mod_equals_the_built_in_soft_cap(implementation):
     q, k, v, d_out = (4 * x for x in _inputs(3))
     cap = 2.0
     mod = lambda s, b, h, q_idx, kv_idx: cap * jnp.tanh(s / cap)
-    f = lambda q, k, v, **kw: flash_attention(q, k, v, implementation="xla", is_causal=True, **kw)
+    f = lambda q, k, v, **kw: flash_attention(q, k, v, implementation=implementation, is_causal=True,
+                                              **kw)
     got = jax.vjp(lambda *x: f(*x, score_mod=mod), q, k, v)
     want = jax.vjp(lambda *x: f(*x, logits_soft_cap=cap), q, k, v)
     for a, b in zip((got[0], *got[1](d_out)), (want[0], *want[1](d_out))):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
 
 
-def test_rows_with_no_allowed_key_give_zero_output_and_gradients():
+@pytest.mark.parametrize("implementation", ["xla", "cpu"])
+def test_rows_with_no_allowed_key_give_zero_output_and_gradients(implementation):
     q, k, v, d_out = _inputs(4)
     slopes = jnp.linspace(0.1, 0.4, H)
     blocked = lambda b, h, q_idx, kv_idx, slopes: (q_idx % 5 != 0) & (kv_idx < q_idx + 7)
     f = lambda q, k, v, s: flash_attention(q, k, v, mask_mod=blocked, score_mod=_alibi,
-                                           mod_aux=(s,), implementation="xla",
-                                           block_sizes=SMALL_TILES)
+                                           mod_aux=(s,), implementation=implementation,
+                                           block_sizes=SMALL_TILES if implementation == "xla" else None)
     out, vjp = jax.vjp(f, q, k, v, slopes)
     dq, dk, dv, d_slopes = vjp(d_out)
     for x in (out, dq, dk, dv, d_slopes):
@@ -158,11 +168,13 @@ def test_rows_with_no_allowed_key_give_zero_output_and_gradients():
     np.testing.assert_array_equal(np.asarray(dq)[:, ::5], 0)
 
 
-def test_mod_aux_gradient_is_bitwise_repeatable_under_jit_and_vmap():
+@pytest.mark.parametrize("implementation", ["xla", "cpu"])
+def test_mod_aux_gradient_is_bitwise_repeatable_under_jit_and_vmap(implementation):
     q, k, v, d_out = _inputs(5)
     table = jax.random.normal(jax.random.key(7), (8, H))
+    tiles = SMALL_TILES if implementation == "xla" else None
     loss = lambda q, table: (flash_attention(q, k, v, score_mod=_t5, mod_aux=(table,),
-                                             implementation="xla", block_sizes=SMALL_TILES)
+                                             implementation=implementation, block_sizes=tiles)
                              * d_out).sum()
     grad = jax.jit(jax.grad(loss, argnums=1))
     first, second = grad(q, table), grad(q, table)
@@ -172,10 +184,12 @@ def test_mod_aux_gradient_is_bitwise_repeatable_under_jit_and_vmap():
     np.testing.assert_allclose(batched[0], first, rtol=1e-5, atol=1e-5)
 
 
-def test_three_block_masks_of_one_shape_compile_once():
+@pytest.mark.parametrize("implementation", ["xla", "cpu"])
+def test_three_block_masks_of_one_shape_compile_once(implementation):
     q, k, v, _ = _inputs(6)
     f = jax.jit(lambda q, k, v, doc, bm: flash_attention(
-        q, k, v, mask_mod=_documents_causal, mod_aux=(doc,), block_mask=bm, implementation="xla"))
+        q, k, v, mask_mod=_documents_causal, mod_aux=(doc,), block_mask=bm,
+        implementation=implementation))
     outs = []
     for seed in range(3):
         doc = jnp.asarray(_documents(10 + seed))
@@ -288,3 +302,19 @@ def test_a_mask_mod_without_a_block_mask_still_skips_its_empty_tiles():
                                     implementation="xla", block_sizes=tiles)
     assert choice.tiles.startswith(f"{4 * B * H:,} of {16 * B * H:,} tiles of 128x128 "
                                    f"({4 * B * H:,} partial, 0 full")
+
+
+def test_the_cpu_default_runs_the_mods_in_its_kernel_and_refuses_what_its_programs_lack():
+    """On a CPU the automatic choice runs ALiBi in the C++ kernel; a mod its row programs
+    cannot express (a reduction over a whole mod_aux array) runs on xla, and explain says why."""
+    q, k, v, d_out = _inputs(11)
+    slopes = jax.random.uniform(jax.random.key(12), (H,), minval=0.05, maxval=0.5)
+    assert explain_implementation(q, k, v, score_mod=_alibi, mod_aux=(slopes,)).chosen == "cpu"
+    normalised = lambda s, b, h, q_idx, kv_idx, slopes: s - slopes[h] / slopes.sum() * jnp.abs(q_idx - kv_idx)
+    choice = explain_implementation(q, k, v, score_mod=normalised, mod_aux=(slopes,))
+    assert choice.chosen == "xla"
+    assert "cpu" in choice.reasons and "whole mod_aux array" in choice.reasons["cpu"]
+    out = flash_attention(q, k, v, score_mod=normalised, mod_aux=(slopes,))
+    want = _oracle(q, k, v, d_out, lambda s: s - (np.asarray(slopes, np.float64) / np.asarray(slopes, np.float64).sum())[None, :, None, None] * DISTANCE,
+                   np.ones((B, H, L, L), bool))[0]
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)

@@ -15,6 +15,9 @@
 //                      row_max.bin, log_sum.bin
 //   harness exp2 DIR N the kernels' 2^x (flash_cpu::exp2v) of the N float32 values in
 //                      DIR/x.bin, written to DIR/exp2.bin
+//   harness mods DIR   the mods' row programs (mod_program.h) on one row of n keys: params
+//                      (n, b, h, q, words, aux), words.bin, aux.bin, s.bin, kv.bin, ct.bin;
+//                      writes score.bin, mask.bin (int32), value.bin, slope.bin, d_aux.bin
 #include "flash_cpu.h"
 
 #include <cstdio>
@@ -294,6 +297,46 @@ int Exp2(const std::string& dir, int64_t count) {
   return 0;
 }
 
+// The programs as the kernels run them on a row (flash_cpu.h: ScoreRow, MaskRow's mask_mod,
+// ScoreGradientRow and the scatter), each present one written out.
+int Mods(const std::string& dir) {
+  using namespace flash_cpu;
+  const Params param(dir);
+  const int64_t n = param("n"), nw = round_up(n, W);
+  auto words = Read<int32_t>(dir, "words", param("words"));
+  auto aux = Read<float>(dir, "aux", param("aux"));
+  auto s = Read<float>(dir, "s", n), ct = Read<float>(dir, "ct", n);
+  auto kv = Read<int32_t>(dir, "kv", n);
+  const ModProgram program{words.get(), aux.get()};
+  ModRegisters r;
+  r.Resize(program, nw);
+  r.SetUniform(kUniformBatch, static_cast<int32_t>(param("b")));
+  r.SetUniform(kUniformHead, static_cast<int32_t>(param("h")));
+  std::memcpy(r.at(kRowKey), kv.get(), n * sizeof(int32_t));
+  std::vector<float> row(nw, 0.0f), slope(nw, 0.0f), d_aux(program.aux_floats(), 0.0f);
+  const int64_t i = param("q");
+  if (program.score()) {
+    std::copy(s.get(), s.get() + n, row.begin());
+    ScoreRow(program, r, i, row.data(), n, nw);
+    Write(dir, "score", row.data(), n);
+    std::copy(s.get(), s.get() + n, row.begin());
+    ScoreGradientRow(program, r, i, row.data(), slope.data(), n, nw);
+    Write(dir, "value", row.data(), n);
+    Write(dir, "slope", slope.data(), n);
+    std::copy(ct.get(), ct.get() + n, r.at(kRowCotangent));
+    RunModProgram(program, program[kScatterStart], program[kScatterCount], r, n, nw, d_aux.data());
+    Write(dir, "d_aux", d_aux.data(), program.aux_floats());
+  }
+  if (program.mask()) {
+    r.SetUniform(kUniformQuery, static_cast<int32_t>(i));
+    RunModProgram(program, program[kMaskStart], program[kMaskCount], r, n, nw, nullptr);
+    std::vector<int32_t> verdict(n);
+    for (int64_t c = 0; c < n; ++c) std::memcpy(&verdict[c], RegisterLane(r, program[kMaskOut], c), 4);
+    Write(dir, "mask", verdict.data(), n);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -302,5 +345,7 @@ int main(int argc, char** argv) {
   if (mode == "run" && argc == 3) return Run(argv[2]);
   if (mode == "decode" && argc == 3) return Decode(argv[2]);
   if (mode == "exp2" && argc == 4) return Exp2(argv[2], std::atoll(argv[3]));
-  Fail("usage: harness spans | harness run DIR | harness decode DIR | harness exp2 DIR N");
+  if (mode == "mods" && argc == 3) return Mods(argv[2]);
+  Fail("usage: harness spans | harness run DIR | harness decode DIR | harness exp2 DIR N | "
+       "harness mods DIR");
 }
