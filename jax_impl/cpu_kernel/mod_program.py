@@ -436,6 +436,26 @@ class _Allocator:
         return slot
 
 
+def _single(shape) -> bool:
+    return int(np.prod(shape)) == 1
+
+
+def _reading_singles(mod, aux_avals, takes_score: bool):
+    """``mod`` taking its one-element mod_aux entries as [1] arrays, each read by a
+    dynamic_slice and reshaped to its own shape."""
+    singles = [i for i, (shape, _) in enumerate(aux_avals) if _single(shape)]
+    if not singles:
+        return mod
+
+    def reading(*args):
+        lead = 5 if takes_score else 4
+        aux = list(args[lead:])
+        for i in singles:
+            aux[i] = lax.dynamic_slice(aux[i], (jnp.int32(0),), (1,)).reshape(aux_avals[i][0])
+        return mod(*args[:lead], *aux)
+    return reading
+
+
 @functools.lru_cache(maxsize=256)
 def _compile(score_mod, mask_mod, aux_avals: tuple) -> Programs:
     arrays = []
@@ -443,7 +463,12 @@ def _compile(score_mod, mask_mod, aux_avals: tuple) -> Programs:
     for entry, (shape, dtype) in enumerate(aux_avals):
         arrays.append(_Array(offset, shape, _kind(dtype), entry))
         offset += int(np.prod(shape))
-    aux_structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in aux_avals]
+    # A one-element entry (a 0-d temperature, say) arrives as [1] and is read with a
+    # dynamic_slice, so that its uses are reads like every other (and differentiable).
+    aux_structs = [jax.ShapeDtypeStruct((1,) if _single(shape) else shape, dtype)
+                   for shape, dtype in aux_avals]
+    score_mod, mask_mod = (None if mod is None else _reading_singles(mod, aux_avals, takes_score)
+                           for mod, takes_score in ((score_mod, True), (mask_mod, False)))
     builder = _Builder(arrays)
     inputs = {"s": _Reg(-1, True, "f"), "kv": _Reg(-2, True, "i"), "b": _Reg(-3, False, "i"),
               "h": _Reg(-4, False, "i"), "q": _Reg(-5, False, "i")}

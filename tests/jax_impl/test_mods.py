@@ -318,3 +318,23 @@ def test_the_cpu_default_runs_the_mods_in_its_kernel_and_refuses_what_its_progra
     want = _oracle(q, k, v, d_out, lambda s: s - (np.asarray(slopes, np.float64) / np.asarray(slopes, np.float64).sum())[None, :, None, None] * DISTANCE,
                    np.ones((B, H, L, L), bool))[0]
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "cpu"])
+def test_a_zero_dimensional_mod_aux_is_a_scalar_and_gets_its_gradient(implementation):
+    """A learnable temperature: a 0-d mod_aux entry used as a scalar, its gradient the sum of
+    dS times the logits."""
+    q, k, v, d_out = _inputs(13)
+    temperature = jax.random.uniform(jax.random.key(14), (), minval=0.5, maxval=2.0)
+    mod = lambda s, b, h, q_idx, kv_idx, t: s * t
+    f = lambda q, k, v, t: flash_attention(q, k, v, score_mod=mod, mod_aux=(t,), is_causal=True,
+                                           implementation=implementation)
+    out, vjp = jax.vjp(f, q, k, v, temperature)
+    causal = np.broadcast_to(POSITIONS[None, :] <= POSITIONS[:, None], (B, H, L, L))
+    t64 = float(temperature)
+    want = _oracle(q, k, v, d_out, lambda s: s * t64, causal)
+    scaled = np.einsum("bqhd,bkhd->bhqk", np.asarray(q, np.float64), np.asarray(k, np.float64)) / np.sqrt(D)
+    d_t = (want[4] * np.where(causal, scaled, 0)).sum()
+    # the oracle's dq, dk are of the logits after the mod: times d(s t)/ds = t before it
+    for got, expected in zip((out, *vjp(d_out)), (want[0], want[1] * t64, want[2] * t64, want[3], d_t)):
+        np.testing.assert_allclose(got, expected, atol=2e-5 * max(1, np.abs(expected).max()), rtol=1e-4)
