@@ -15,7 +15,7 @@
 #   3a. the larger shape (python -m benchmarks --suite gpu_large: bf16, B=4, H=16, L=8192,
 #      D=64/128, causal and not, forward and forward+backward; the Mosaic GPU and Triton kernels,
 #      jax.nn's and torch's cuDNN, torch's flash; one input set, 3-5 repeats), LARGE_BUDGET s
-#      (default 75; 0 skips it), taken out of step 3's budget; its tables are
+#      (default 150; 0 skips it), taken out of step 3's budget; its tables are
 #      $OUT/bench_gpu_large.md and $OUT/bench_gpu_large.json (each has a table of every
 #      implementation's time over torch cuDNN's, as step 3's has),
 #   3e. (run right after 3a) programmable block-sparse attention (python -m benchmarks --suite
@@ -45,7 +45,7 @@
 #      own so that a crash there cannot cost step 3's results (skipped when time is short),
 #   5. the decode suite (python -m benchmarks --suite decode: a few query rows against a long dense
 #      or paged KV cache beside torch SDPA, cuDNN and flash_attn_with_kvcache), DECODE_BUDGET s
-#      (default 60; 0 skips it, as does under 40 s left); its table is $OUT/bench_decode.md,
+#      (default 0, skipped: measured; 60 runs it, under 40 s left skips it); its table is $OUT/bench_decode.md,
 # and pack everything under $OUT (default ./out) into few files:
 #   $OUT/gpu_results.tar.gz   every log, table, CSV, JSON and plot
 #   $OUT/bench_summary.md     the benchmark's Markdown report (also in the archive; bench_gpu.json beside it)
@@ -55,25 +55,21 @@
 # Knobs (environment): BENCH_DEVICE (cuda), BENCH_SUITE (gpu), BENCH_ARGS (extra arguments,
 # e.g. "--time-budget 300"), BENCH_TIMEOUT (its --time-budget + 40 s), CONF_SUITE (quick), CONF_IMPLS
 # ("jax_impl.pallas_triton jax_impl.mosaic_gpu jax_impl.cudnn"; the xla path is checked on CPU),
-# CONF_TIMEOUT (120), SKIP_CONFORMANCE (0), PYTHON (python3), GPU_TESTS_TIMEOUT (60; 0 skips the
+# CONF_TIMEOUT (150), SKIP_CONFORMANCE (0), PYTHON (python3), GPU_TESTS_TIMEOUT (0, skipped: 60 s ran 6 tests; N > 0 runs the
 # gpu lane), SKIP_TUNING (1), TUNE_TIMEOUT (110), TUNE_ARGS (extra arguments of
 # benchmarks.tune_blocks), PEER_BUDGET (0 s for step 4: skipped), TILES_BUDGET (45), DQ_BUDGET (20),
-# PACK_BUDGET (20), MASKS_BUDGET (45), DECODE_BUDGET (60), LARGE_BUDGET (75), TOTAL_BUDGET (420 s for
+# PACK_BUDGET (20), MASKS_BUDGET (45), DECODE_BUDGET (0), LARGE_BUDGET (150), TOTAL_BUDGET (420 s for
 # steps 1-3e and 5: the benchmark's --time-budget is what is left after steps 1-2 and the 3a-3e and 5 shares,
-# at least 90),
+# at least 45),
 # DEADLINE (465 s: a step that starts late gets the time left before it, less its start-up and
 # report and the shares of the steps it must leave time for, and is skipped when under 20 s
 # (decode: 40) is left; no step's timeout runs past DEADLINE + 15 s; each step's tables are
-# copied to $OUT as it ends). Typically (conformance about 80 s, the gpu lane its 60, step 3
-# about 105, 3a about 100) the masks step (3e) gets what step 5's share leaves, about 35-45 s,
-# and the script ends in about 7.8 minutes; 3b, 3c and 3d then find under 20 s left and are
-# skipped unless the earlier steps end sooner (MASKS_BUDGET=0 gives them 3e's time); a slow run ends by
-# DEADLINE + 15 s + packing: the device tool's 8 minutes, with the machine's start-up on top.
-# The larger shape (3a) cost 45 s of the earlier defaults: the gpu lane 90 -> 60 s, the tile
-# candidates 75 -> 45 s, step 3's floor 120 -> 90 s. In return a configuration's inputs are now
-# drawn once for all its implementations and both modes (benchmarks.measure.draw_inputs): step 3
-# drew its 3 sets per implementation, 1.5 s (D=64) and 3.4 s (D=128) at L=8192 on the 2-core CPU
-# machine, of the ~2.2 s a measurement took on the H200 host (never timed there since).
+# copied to $OUT as it ends). The defaults put the unmeasured first: conformance (it logs each
+# finished run, so a timeout shows how far it got), step 3 at its 45 s floor (B=1, H=8 is
+# measured), the larger shape (3a, about 165 s), then the masks step (3e) with what is left;
+# 3b-3d and the decode step find under 20 s and are skipped unless earlier steps end sooner.
+# A slow run ends by DEADLINE + 15 s + packing: the device tool's 8 minutes, with the
+# machine's start-up on top.
 set -u
 OUT=${OUT:-./out}
 PYTHON=${PYTHON:-python3}
@@ -128,7 +124,7 @@ if [ "${SKIP_CONFORMANCE:-0}" != "1" ]; then
   impl_args=""
   for i in $CONF_IMPLS; do impl_args="$impl_args --impl $i"; done
   start=$SECONDS
-  timeout "${CONF_TIMEOUT:-120}" "$PYTHON" -m conformance --suite "$CONF_SUITE" --device "$DEVICE" $impl_args \
+  timeout "${CONF_TIMEOUT:-150}" "$PYTHON" -m conformance --suite "$CONF_SUITE" --device "$DEVICE" $impl_args \
     --out "$WORK/conformance" > "$WORK/conformance.log" 2>&1
   conf_rc=$?
   log "conformance exit $conf_rc in $((SECONDS - start)) s (124 = timed out; 1 = a jax_impl failure)"
@@ -136,10 +132,10 @@ if [ "${SKIP_CONFORMANCE:-0}" != "1" ]; then
 fi
 
 tests_rc=skipped
-if [ "${GPU_TESTS_TIMEOUT:-60}" -gt 0 ]; then
+if [ "${GPU_TESTS_TIMEOUT:-0}" -gt 0 ]; then
   start=$SECONDS
   # shellcheck disable=SC2016
-  timeout "${GPU_TESTS_TIMEOUT:-60}" bash -c '"$0" -m pytest -m gpu -q -p no:cacheprovider tests/jax_impl/test_mosaic_gpu.py
+  timeout "${GPU_TESTS_TIMEOUT:-0}" bash -c '"$0" -m pytest -m gpu -q -p no:cacheprovider tests/jax_impl/test_mosaic_gpu.py
     first=$?
     "$0" -m pytest -m gpu -q -p no:cacheprovider tests/jax_impl --ignore=tests/jax_impl/test_mosaic_gpu.py
     rest=$?
@@ -174,8 +170,8 @@ fi
 
 start=$SECONDS
 # steps 3a's, 3b's, 3c's, 3d's, 3e's and 5's shares come out of step 3's
-budget=$(( ${TOTAL_BUDGET:-420} - SECONDS - ${DECODE_BUDGET:-60} - ${TILES_BUDGET:-45} - ${LARGE_BUDGET:-75} - ${DQ_BUDGET:-20} - ${PACK_BUDGET:-20} - ${MASKS_BUDGET:-45} ))
-[ "$budget" -lt 90 ] && budget=90
+budget=$(( ${TOTAL_BUDGET:-420} - SECONDS - ${DECODE_BUDGET:-0} - ${TILES_BUDGET:-45} - ${LARGE_BUDGET:-150} - ${DQ_BUDGET:-20} - ${PACK_BUDGET:-20} - ${MASKS_BUDGET:-45} ))
+[ "$budget" -lt 45 ] && budget=45
 budget=$(fit "$budget" 20)
 [ "$budget" -lt 20 ] && budget=20  # step 3 always runs: the script's exit code is its
 budget_arg=""
@@ -190,35 +186,35 @@ tail -n 60 "$WORK/benchmarks.log" >> "$LOG"
 [ -f "$WORK/benchmarks/bench_$SUITE.json" ] && cp "$WORK/benchmarks/bench_$SUITE.json" "$OUT/bench_$SUITE.json"
 
 large_rc=skipped
-large_budget=$(fit "${LARGE_BUDGET:-75}" 25)
+large_budget=$(fit "${LARGE_BUDGET:-150}" 25)
 if [ "$SUITE" = "gpu" ] && [ "$large_budget" -gt 0 ]; then
   timed_suite gpu_large "$large_budget" 50 "larger shape (B=4, H=16, L=8192)"
   large_rc=$suite_rc
 fi
 
 masks_rc=skipped
-masks_budget=$(fit "${MASKS_BUDGET:-45}" $(( 20 + ${DECODE_BUDGET:-60} )))  # step 5's share kept
+masks_budget=$(fit "${MASKS_BUDGET:-45}" $(( 20 + ${DECODE_BUDGET:-0} )))  # step 5's share kept
 if [ "$SUITE" = "gpu" ] && [ "$masks_budget" -gt 0 ]; then
   timed_suite masks "$masks_budget" 60 "block-sparse masks and score mods"
   masks_rc=$suite_rc
 fi
 
 tiles_rc=skipped
-tiles_budget=$(fit "${TILES_BUDGET:-45}" $(( 20 + ${DECODE_BUDGET:-60} )))  # step 5's share kept: decode first
+tiles_budget=$(fit "${TILES_BUDGET:-45}" $(( 20 + ${DECODE_BUDGET:-0} )))  # step 5's share kept: decode first
 if [ "$SUITE" = "gpu" ] && [ "$tiles_budget" -gt 0 ]; then
   timed_suite mosaic_tiles "$tiles_budget" 40 "Mosaic forward tiles"
   tiles_rc=$suite_rc
 fi
 
 dq_rc=skipped
-dq_budget=$(fit "${DQ_BUDGET:-20}" $(( 20 + ${DECODE_BUDGET:-60} )))  # step 5's share kept
+dq_budget=$(fit "${DQ_BUDGET:-20}" $(( 20 + ${DECODE_BUDGET:-0} )))  # step 5's share kept
 if [ "$SUITE" = "gpu" ] && [ "$dq_budget" -gt 0 ]; then
   timed_suite mosaic_dq "$dq_budget" 40 "Mosaic backward dQ strategies"
   dq_rc=$suite_rc
 fi
 
 pack_rc=skipped
-pack_budget=$(fit "${PACK_BUDGET:-20}" $(( 20 + ${DECODE_BUDGET:-60} )))  # step 5's share kept
+pack_budget=$(fit "${PACK_BUDGET:-20}" $(( 20 + ${DECODE_BUDGET:-0} )))  # step 5's share kept
 if [ "$SUITE" = "gpu" ] && [ "$pack_budget" -gt 0 ]; then
   timed_suite mosaic_pack "$pack_budget" 40 "Mosaic GPU packed query group"
   pack_rc=$suite_rc
@@ -226,7 +222,7 @@ fi
 
 peer_rc=skipped
 peer_budget=${PEER_BUDGET:-0}
-[ "$peer_budget" -gt 0 ] && peer_budget=$(fit "$peer_budget" $(( 30 + ${DECODE_BUDGET:-60} )))
+[ "$peer_budget" -gt 0 ] && peer_budget=$(fit "$peer_budget" $(( 30 + ${DECODE_BUDGET:-0} )))
 if [ "$SUITE" = "gpu" ] && [ "$peer_budget" -gt 0 ]; then
   start=$SECONDS
   timeout "$(cap $((peer_budget + 60)))" "$PYTHON" -m benchmarks --suite gpu --device "$DEVICE" --impl jax.pallas.mgpu \
@@ -238,7 +234,7 @@ if [ "$SUITE" = "gpu" ] && [ "$peer_budget" -gt 0 ]; then
 fi
 
 decode_rc=skipped
-decode_budget=$(fit "${DECODE_BUDGET:-60}" 0)
+decode_budget=$(fit "${DECODE_BUDGET:-0}" 0)
 if [ "$decode_budget" -ge 40 ]; then  # 30 s of it start the process and write the tables
   start=$SECONDS
   DECODE_BUDGET_S=$((decode_budget - 30)) timeout "$(cap $((decode_budget + 40)))" "$PYTHON" -m benchmarks --suite decode \

@@ -105,7 +105,10 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     bar = tqdm(total=len(cases) * len(adapters) + n_probes, unit="run", dynamic_ncols=True,
                disable=os.environ.get("CONFORMANCE_NO_PROGRESS") == "1")
-    step = lambda case, impl: (bar.set_postfix_str(f"{case} / {impl}", refresh=False), bar.update())
+    if bar.disable:  # a log instead of a bar: a run cut short by a timeout still shows how far it got
+        step = lambda case, impl: print(f"[{time.perf_counter() - start:.0f} s] {case} / {impl}", flush=True)
+    else:
+        step = lambda case, impl: (bar.set_postfix_str(f"{case} / {impl}", refresh=False), bar.update())
     results = harness.run_suite(cases, adapters, progress=step)
     probe_rows = probes_mod.run_probes(adapters, progress=step) if with_probes else []
     bar.close()

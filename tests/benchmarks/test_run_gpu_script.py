@@ -55,30 +55,31 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ta
 
 
 def test_the_larger_shape_runs_after_step_3_and_its_tables_land_in_out(tmp_path):
+    """The defaults: conformance, step 3 at its floor, the larger shape with 150 s, the masks,
+    the Mosaic suites; the gpu lane and the decode suite (both measured) are off."""
     run, calls, out = _dry_run(tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     steps = _benchmark_calls(calls)
     assert [s for s, _ in steps] == ["gpu", "gpu_large", "masks", "mosaic_tiles", "mosaic_dq",
-                                     "mosaic_pack", "decode"], calls
+                                     "mosaic_pack"], calls
+    assert not [c for c in calls if "pytest" in c]
+    assert "--time-budget 45" in dict(steps)["gpu"]
+    assert [c for c in calls if c.startswith("timeout")][0] == "timeout 150"  # conformance
     large = dict(steps)["gpu_large"]
-    assert "--device cuda" in large and "--time-budget 75" in large
+    assert "--device cuda" in large and "--time-budget 150" in large
     assert "--time-budget 45" in dict(steps)["mosaic_tiles"]
     assert "--time-budget 45" in dict(steps)["masks"]  # block-sparse masks and score mods, after 3a
     assert "--time-budget 20" in dict(steps)["mosaic_dq"]  # the backward's dQ strategies
     assert "--time-budget 20" in dict(steps)["mosaic_pack"]  # the forward's packed query group
-    assert "DECODE_BUDGET_S=30" in dict(steps)["decode"]
     for name in ("bench_gpu_large.md", "bench_gpu_large.json", "bench_summary.md", "bench_gpu.json",
                  "bench_mosaic_tiles.md", "bench_mosaic_dq.md", "bench_mosaic_pack.md", "bench_masks.md",
-                 "bench_decode.md", "run_gpu.log",
+                 "run_gpu.log",
                  "gpu_results.tar.gz"):
         assert (out / name).is_file(), name
     assert (out / "bench_gpu_large.md").read_text() == "# gpu_large\n"
     log = (out / "run_gpu.log").read_text()
     assert "larger shape (B=4, H=16, L=8192) exit 0" in log and "large=0" in log and "masks=0" in log
-    # The gpu lane: the Mosaic GPU tests first, then the rest.
-    lane = [c for c in calls if "pytest" in c]
-    assert "tests/jax_impl/test_mosaic_gpu.py" in lane[0]
-    assert "--ignore=tests/jax_impl/test_mosaic_gpu.py" in lane[1]
+    assert "decode=skipped" in log and "gpu_tests=skipped" in log
 
 
 def test_a_late_start_shrinks_the_steps_and_skips_what_does_not_fit(tmp_path):
@@ -86,8 +87,8 @@ def test_a_late_start_shrinks_the_steps_and_skips_what_does_not_fit(tmp_path):
     start-up and report, the larger shape what is left less its 25, the tile candidates are
     skipped (step 5's 60 s are kept), the decode suite runs; no later step's limit runs past
     the deadline + 15 s; the dQ strategies (step 3c), the packed query group (3d) and the
-    masks (3e) are skipped as well."""
-    run, calls, out = _dry_run(tmp_path, DEADLINE="60")
+    masks (3e) are skipped as well. The gpu lane and the decode suite are asked for."""
+    run, calls, out = _dry_run(tmp_path, DEADLINE="60", GPU_TESTS_TIMEOUT="60", DECODE_BUDGET="60")
     assert run.returncode == 0, run.stdout + run.stderr
     steps = dict(_benchmark_calls(calls))
     assert set(steps) == {"gpu", "gpu_large", "decode"}
@@ -99,6 +100,11 @@ def test_a_late_start_shrinks_the_steps_and_skips_what_does_not_fit(tmp_path):
     log = (out / "run_gpu.log").read_text()
     assert "tiles=skipped" in log and "dq=skipped" in log and "pack=skipped" in log and "masks=skipped" in log
     assert "large=0" in log and "decode=0" in log
+    assert "DECODE_BUDGET_S=" in steps["decode"]
+    # The gpu lane: the Mosaic GPU tests first, then the rest.
+    lane = [c for c in calls if "pytest" in c]
+    assert "tests/jax_impl/test_mosaic_gpu.py" in lane[0]
+    assert "--ignore=tests/jax_impl/test_mosaic_gpu.py" in lane[1]
 
 
 def test_the_larger_shape_suite_is_the_issues_points():

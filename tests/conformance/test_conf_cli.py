@@ -18,11 +18,14 @@ HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 
 
-def test_exit_code_is_nonzero_when_a_plugin_fails_and_report_is_written(tmp_path, monkeypatch):
+def test_exit_code_is_nonzero_when_a_plugin_fails_and_report_is_written(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CONFORMANCE_NO_PROGRESS", "1")
     code = main(["--impl", f"{PLUGINS}:per_block_softmax", "--impl", "torch.sdpa.math", "--case", "fp32_gqa",
                  "--no-probes", "--device", "cpu", "--out", str(tmp_path)])
     assert code == 1
+    # without the bar, one line per finished run, printed as it ends (a timed-out run shows how far it got)
+    logged = [line.split("] ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert logged == [f"fp32_gqa / {PLUGINS}:per_block_softmax", "fp32_gqa / torch.sdpa.math"]
     data = json.loads((tmp_path / "conformance_quick.json").read_text())
     statuses = {r["impl"]: r["status"] for r in data["results"]}
     assert statuses == {f"{PLUGINS}:per_block_softmax": "FAIL", "torch.sdpa.math": "pass"}
