@@ -140,20 +140,6 @@ def _pallas_triton_backward(cfg: AttentionConfig, *args, **kwargs):
     return _with_mod_aux_gradient(pallas_triton.backward, cfg, *args, **kwargs)
 
 
-def _mosaic_tpu_forward(cfg: AttentionConfig, q, k, v, bias, masks, extras=None):
-    """mosaic_tpu's forward, or xla's for mods that read mod_aux (gathers its kernels do not
-    make; explain_implementation still names mosaic_tpu, docs/limitations.md)."""
-    run = xla.forward if extras is not None and extras.mod_aux else mosaic_tpu.forward
-    return run(cfg, q, k, v, bias, masks, extras)
-
-
-def _mosaic_tpu_backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta,
-                         extras=None):
-    """The backward of ``_mosaic_tpu_forward``'s choice (the same RowStats either way)."""
-    run = xla.backward if extras is not None and extras.mod_aux else mosaic_tpu.backward
-    return run(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
-
-
 def _mosaic_gpu_decode(cfg: AttentionConfig, *args, **kwargs):
     """mosaic_gpu's decode path: pallas_triton's split-K kernel, with its own tiles (a
     mosaic_gpu.Config in cfg.block_sizes sets the training kernels' tiles, not these)."""
@@ -196,7 +182,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         "mosaic_tpu", "FlashAttention in Pallas Mosaic TPU: forward, dK/dV and dQ kernels "
         "walking scalar-prefetched lists of the non-empty tiles (proven in the TPU interpreter "
         "and compiled for v4/v5e/v5p/v6e; speed unmeasured on TPU hardware)",
-        _mosaic_tpu_forward, _mosaic_tpu_backward, needs_tpu=True, takes_position_offset=True,
+        mosaic_tpu.forward, mosaic_tpu.backward, needs_tpu=True, takes_position_offset=True,
         interpreter_has_effects=True,
         call_unsupported=mosaic_tpu.unsupported,
         forward_tiles=lambda cfg, q, k, masks: mosaic_tpu.block_shape(cfg, q.shape[1], k.shape[1])),

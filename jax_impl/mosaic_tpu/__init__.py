@@ -10,8 +10,8 @@ The non-finite rule (online_softmax) costs one XLA pass over q, k and v before t
 for the Mosaic GPU kernel (``online_softmax.operands_poisoned``): q's rows that hold a
 non-finite value become all NaN, k's rows take their key's poison, v's non-finite entries 0.
 
-Mods that read only the indices are traced into the kernels; the kernels read no mod_aux
-(``implementations`` runs calls with mod_aux on xla: the same contract and RowStats).
+Mods that read only the indices are traced into the kernels; a mod with mod_aux is refused
+(``unsupported``), so the automatic choice runs it on xla and says so.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
                 has_segment_ids: bool = False, mod_aux: tuple = ()) -> str | None:
     """Why the Mosaic TPU forward cannot run such a call, or None; every feature it does not
     take is named. It takes causal (both alignments), windows, lengths, segment ids, GQA/MQA,
-    the soft cap, block_mask, mask_mod and score_mod (without mod_aux), sinks, position
+    the soft cap, block_mask, mask_mod and score_mod (refused with mod_aux), sinks, position
     offsets, a dense mask, a bias and dropout (the shared hash: the same pattern as every
     implementation's)."""
     del head_dim, has_bias, has_mask, has_sinks, has_segment_ids  # any head_dim: a full block
@@ -57,6 +57,9 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     reason = common.precision_unsupported(cfg, dtype)
     if reason:
         return reason
+    if cfg.has_mods and mod_aux:
+        return (f"score_mod or mask_mod with mod_aux ({len(mod_aux)} arrays): the Mosaic TPU "
+                "kernels trace mods on tile indices only, and gather from no mod_aux array")
     if cfg.block_sizes is not None:
         if not isinstance(cfg.block_sizes, BlockSizes):
             return (f"block_sizes is a {type(cfg.block_sizes).__name__}; the Mosaic TPU kernel "
@@ -79,12 +82,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     from jax.experimental.pallas import tpu as pltpu
 
     extras = extras or SinksAndDropout()
-    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype)
+    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype, mod_aux=extras.mod_aux)
     if reason:
         raise ValueError(f"implementation='mosaic_tpu' cannot run this call: {reason}")
-    if extras.mod_aux:
-        raise ValueError("implementation='mosaic_tpu' cannot run this call: its kernels read no "
-                         "mod_aux (the implementation table runs such calls on xla)")
     if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
         bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
     q, k, v = online_softmax.operands_poisoned(q, k, v)

@@ -65,6 +65,24 @@ def test_unsupported_names_what_the_kernel_does_not_take(features, reason):
     assert got == reason if reason is None else reason in got
 
 
+def test_mods_with_mod_aux_are_refused_and_the_automatic_choice_says_xla():
+    """The kernels gather from no mod_aux array: such a call is named as refused and runs on
+    xla, and explain_implementation says so (it named mosaic_tpu while xla ran)."""
+    q = jax.random.normal(jax.random.key(3), (1, 128, 2, 64), jnp.float32)
+    slopes = jax.random.uniform(jax.random.key(4), (2,), jnp.float32)
+    alibi = lambda s, b, h, qi, ki, sl: s + sl[h] * (ki - qi)
+    choice = explain_implementation(q, q, q, score_mod=alibi, mod_aux=(slopes,), platform="tpu")
+    assert choice.chosen == "xla"
+    assert "mosaic_tpu" in choice.reasons and "mod_aux" in choice.reasons["mosaic_tpu"]
+    index_only = lambda s, b, h, qi, ki: s + 0.5 * (ki - qi)
+    assert explain_implementation(q, q, q, score_mod=index_only, platform="tpu").chosen == "mosaic_tpu"
+    from jax_impl import flash_attention
+    with pytest.raises(ValueError, match="implementation='mosaic_tpu' cannot run this call: "
+                                         "score_mod or mask_mod with mod_aux"):
+        flash_attention(q, q, q, score_mod=alibi, mod_aux=(slopes,), implementation="mosaic_tpu",
+                        interpret=True)
+
+
 def test_flash_attention_refuses_what_the_kernel_does_not_take_by_name():
     """Judged when the call is made, not where it lowers: the feature is named."""
     from jax_impl import flash_attention
