@@ -153,7 +153,12 @@ def markdown(rows: list[Row], chips) -> str:
              "the API's [B, L, H, D]. MXU fraction: useful FLOPs / (cycles x peak bf16 FLOP per "
              "cycle: " + ", ".join(f"{c} {PEAK_FLOP_PER_CYCLE[c]:,}" for c in chips)
              + "; 4 MXUs x 128² or 256² x 2, from the published 197 and 918 TFLOP/s at 1.5 and "
-             "1.75 GHz). VMEM: not in the estimate nor in memory_analysis.", "",
+             "1.75 GHz). A fraction above 1 is below the MXU's bound: the estimate skipped "
+             "work there (it does not follow those kernels' data-dependent branches), not "
+             "credible. VMEM: not in the estimate nor in memory_analysis."
+             + ("" if {r.chip for r in rows} >= set(chips) and len(rows) == len(chips) * 2 * (
+                 len(OURS_BLOCKS) + len(JAX_FLASH_BLOCKS) + len(SPLASH_BLOCKS))
+                else " Partial: the rows below are those measured so far."), "",
              "| chip | mask | program | blocks | cycles | kernel cycles | vs jax_flash | MXU fraction |",
              "|---|---|---|---|---|---|---|---|"]
     for chip in chips:
@@ -196,6 +201,18 @@ def main(argv=None) -> int:
     dump = Path(tempfile.mkdtemp(prefix="llo_estimate_"))
     os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " "
                                       + report.LLO_FLAGS.format(dump)).strip()
+    out = None if args.out is None else Path(args.out)
+
+    def write(rows):  # after every row: a run cut short leaves what it measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(markdown(rows, args.chips))
+        out.with_suffix(".json").write_text(json.dumps(dict(
+            batch=BATCH, heads=HEADS, seq_len=SEQ_LEN, head_dim=HEAD_DIM, dtype="bfloat16",
+            peak_flop_per_cycle={c: PEAK_FLOP_PER_CYCLE[c] for c in args.chips},
+            schedule_of_ours="index",
+            rows=[dict(dataclasses.asdict(r), useful_flops=r.useful_flops,
+                       mxu_fraction=r.mxu_fraction()) for r in rows]), indent=1) + "\n")
+
     rows = []
     try:
         for chip in args.chips:
@@ -208,23 +225,14 @@ def main(argv=None) -> int:
                     r = rows[-1]
                     print(f"{chip} {'causal' if causal else 'full'} {program} {blocks}: "
                           f"{r.cycles if r.ok else r.error} {r.ops if r.ok else ''}", file=sys.stderr)
+                    if out is not None:
+                        write(rows)
     finally:
         for f in dump.glob("*"):
             f.unlink()
         dump.rmdir()
-    table = markdown(rows, args.chips)
-    if args.out is None:
-        print(table)
-        return 0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(dict(
-        batch=BATCH, heads=HEADS, seq_len=SEQ_LEN, head_dim=HEAD_DIM, dtype="bfloat16",
-        peak_flop_per_cycle={c: PEAK_FLOP_PER_CYCLE[c] for c in args.chips},
-        schedule_of_ours="index",
-        rows=[dict(dataclasses.asdict(r), useful_flops=r.useful_flops,
-                   mxu_fraction=r.mxu_fraction()) for r in rows]), indent=1) + "\n")
+    if out is None:
+        print(markdown(rows, args.chips))
     return 0
 
 
