@@ -236,6 +236,11 @@ class TileLists(NamedTuple):
     def kv_tile(self, refs, b, h, i, step):
         return refs[1][self.entry(b, h, i, step)]
 
+    def visited(self, refs, b, h, i, step):
+        return step < self.count(refs, b, h, i)
+
+    visited_tile = kv_tile  # the tile a visited step reads
+
     def is_full(self, refs, b, h, i, step):
         return refs[2][self.entry(b, h, i, step)] != 0
 
@@ -269,12 +274,24 @@ class IndexSchedule(NamedTuple):
     def kv_tile(self, refs, b, h, i, step):
         return jnp.minimum(step, jnp.maximum(self.count(refs, b, h, i) - 1, 0))
 
+    def visited(self, refs, b, h, i, step):
+        """``step < count`` without a division (what the estimate follows): a static True for
+        whole rows, else whether the step's first key is within the band of the tile's last
+        query."""
+        if self.d_hi is None:
+            return True
+        last_query = jnp.minimum((i + 1) * self.block_q, self.q_len) - 1
+        return (step * self.block_k <= last_query + self.d_hi) & (step < self.kv_tiles)
+
+    def visited_tile(self, refs, b, h, i, step):
+        return step  # a visited step reads tile ``step``
+
     def is_full(self, refs, b, h, i, step):
-        """Whether tile ``step`` is FULL: a static True for whole rows of whole tiles."""
+        """Whether visited step ``step`` is FULL: a static True for whole rows of whole tiles."""
         ragged_q, ragged_k = self.q_len % self.block_q, self.kv_len % self.block_k
         if self.d_hi is None and not ragged_q and not ragged_k:
             return True
-        j = self.kv_tile(refs, b, h, i, step)
+        j = step
         whole = ((i + 1) * self.block_q <= self.q_len) & ((j + 1) * self.block_k <= self.kv_len)
         if self.d_hi is None:
             return whole

@@ -69,7 +69,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
         acc_scratch[...] = jnp.zeros_like(acc_scratch)
 
     def visit(rules: common.TileRules):
-        kv_tile = schedule.kv_tile(lists, b, h, i, step)
+        kv_tile = schedule.visited_tile(lists, b, h, i, step)
         pos = common.TilePositions.create(i, kv_tile, block_q, block_k)
         allowed = common.tile_allowed(
             cfg, pos, rules, b=b, h=h, q_len=q_len_ref[b], kv_len=kv_len_ref[b],
@@ -92,11 +92,10 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
         acc_scratch[...] = acc_scratch[...] * common.lanes(rescale, pv.shape[-1]) + pv
         m_scratch[...], l_scratch[...] = m, l
 
-    count, is_full = schedule.count(lists, b, h, i), schedule.is_full(lists, b, h, i, step)
-    if isinstance(count, int) and count == schedule.steps and is_full is True:
+    visited, is_full = schedule.visited(lists, b, h, i, step), schedule.is_full(lists, b, h, i, step)
+    if visited is True and is_full is True:
         visit(common.FULL_TILE)  # known at trace time (the index schedule's whole rows): no branch
     else:
-        visited = step < count
         pl.when(visited & is_full)(lambda: visit(common.FULL_TILE))
         pl.when(visited & jnp.logical_not(is_full))(lambda: visit(common.PARTIAL_TILE))
 
