@@ -336,13 +336,23 @@ def static_steps(spec: masking.MaskSpec, masks: masking.MaskInputs, q_len: int, 
         spec.bottom_right and (spec.has_q_lengths or spec.has_kv_lengths))
     if moves:
         return n_cols
-    with jax.ensure_compile_time_eval():
-        full = masking.MaskInputs(jnp.full((1,), q_len, jnp.int32), jnp.full((1,), kv_len, jnp.int32),
-                                  None, None, None)
-        classes = np.asarray(block_mask.tile_classes(spec, full, q_len, kv_len, block_q, block_k,
-                                                     band_only=True))
-    nonempty = classes != block_mask.EMPTY
-    return max(1, int(nonempty.sum(axis=-2 if transposed else -1).max()))
+    # numpy on Python ints: no JAX computation runs here (under ``jax.sharding.set_mesh`` one
+    # would be placed on the mesh's devices, which may be compile-only).
+    offset = kv_len - q_len if spec.bottom_right else 0
+    highs = ([offset] if spec.is_causal else []) + (
+        [offset + spec.window_right] if spec.window_right is not None else [])
+    d_hi = min(highs) if highs else None
+    d_lo = offset - spec.window_left if spec.window_left is not None else None
+    q_first = np.arange(0, q_len, block_q)[:, None]
+    q_last = np.minimum(q_first + block_q, q_len) - 1
+    k_first = np.arange(0, kv_len, block_k)[None, :]
+    k_last = np.minimum(k_first + block_k, kv_len) - 1
+    nonempty = np.ones((q_first.size, k_first.size), bool)  # some k - q in [d_lo, d_hi]
+    if d_hi is not None:
+        nonempty &= k_first - q_last <= d_hi
+    if d_lo is not None:
+        nonempty &= k_last - q_first >= d_lo
+    return max(1, int(nonempty.sum(axis=0 if transposed else 1).max()))
 
 
 def tile_lists(cfg: AttentionConfig, masks: masking.MaskInputs, q_len: int, kv_len: int,

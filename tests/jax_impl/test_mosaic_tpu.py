@@ -96,6 +96,26 @@ def test_the_key_axis_extent_is_the_most_non_empty_tiles_of_any_query_tile(spec,
     assert _grid(cfg, q, q, masks) == (1, 2, 4, steps)
 
 
+@pytest.mark.parametrize("spec", [
+    masking.MaskSpec(is_causal=True), masking.MaskSpec(is_causal=True, bottom_right=True),
+    masking.MaskSpec(window_left=100, window_right=30),
+    masking.MaskSpec(is_causal=True, bottom_right=True, window_left=200),
+    masking.MaskSpec(window_left=0, window_right=0, bottom_right=True)])
+@pytest.mark.parametrize("q_len, kv_len, block_q, block_k", [(520, 300, 128, 256), (200, 900, 256, 128)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_static_step_count_is_the_most_non_empty_tiles_of_block_masks_classes(
+        spec, q_len, kv_len, block_q, block_k, transposed):
+    """Computed without JAX (under set_mesh a JAX computation would run on the mesh): the
+    largest non-empty count of any row of block_mask.tile_classes, both orientations."""
+    full = masking.MaskInputs(jnp.full((1,), q_len, jnp.int32), jnp.full((1,), kv_len, jnp.int32),
+                              None, None, None)
+    classes = np.asarray(block_mask.tile_classes(spec, full, q_len, kv_len, block_q, block_k,
+                                                 band_only=True))[0, 0]
+    nonempty = (classes != block_mask.EMPTY).sum(axis=0 if transposed else 1)
+    assert common.static_steps(spec, full, q_len, kv_len, block_q, block_k,
+                               transposed=transposed) == max(1, nonempty.max())
+
+
 def test_segment_ids_leave_a_query_tile_only_the_tiles_of_its_documents():
     """Two documents of 256 keys: every query tile lists 2 of the 4 key tiles, all FULL, and
     the padding repeats the last listed tile (no new copy)."""
