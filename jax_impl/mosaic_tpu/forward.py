@@ -5,8 +5,10 @@ m, l and the fp32 output accumulator live in VMEM scratch across it), the others
 The key axis walks the query tile's non-empty key tiles only (``common.tile_lists``, read
 through scalar prefetch): its extent is a static bound on their count, the K/V index maps read
 the list (entries past the count repeat the last tile: no new DMA) and the compute of those
-steps is skipped. FULL tiles evaluate no mask rule. GQA/MQA: the K/V index maps take the kv
-head ``h // group``, nothing is repeated in memory. O is divided by l once, at the last step,
+steps is skipped; ``schedule="index"`` finds the same tiles by index arithmetic instead (full
+rows or a plain causal band: what libtpu's static estimate can follow). FULL tiles evaluate no
+mask rule. GQA/MQA: the K/V index maps take the kv head ``h // group``, nothing is repeated in
+memory. O is divided by l once, at the last step,
 where the natural-log RowStats are written too.
 
 Precision: bf16 operands multiply natively on the MXU with float32 accumulation (P is rounded
