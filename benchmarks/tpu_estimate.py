@@ -3,6 +3,10 @@ v6e), no TPU: flash_attention(implementation="mosaic_tpu") beside JAX's own Pall
 attention (at its best of a few block sizes) and splash attention.
 
     python -m benchmarks.tpu_estimate [--out benchmarks/results/tpu/estimate] [--chips v5e,v6e]
+        [--append]
+
+One chip a process keeps libtpu's address space small (``--append`` keeps the other chips'
+rows of OUT.json); both chips in one process ran out of a 9 GB address-space cap.
 
 Needs ``jax[tpu]`` (libtpu); run as its own process (the environment is set before jax is
 imported, ``tpu_compile_report.ENVIRONMENT``). Each program is ``jax.jit(f).lower(...).compile()``
@@ -39,7 +43,8 @@ SPLASH_BLOCKS = (512, 1024)
 # v6e 918 TFLOP/s at 1.75 GHz): 4 MXUs of 128x128 (v5e) or 256x256 (v6e), 2 FLOP per MAC.
 PEAK_FLOP_PER_CYCLE = {"v5e": 4 * 128 * 128 * 2, "v6e": 4 * 256 * 256 * 2}
 OURS = "mosaic_tpu"
-REGENERATE = "python -m benchmarks.tpu_estimate --out benchmarks/results/tpu/estimate"
+REGENERATE = ("python -m benchmarks.tpu_estimate --out benchmarks/results/tpu/estimate --chips v5e; "
+              "the same with --chips v6e --append")
 
 
 @dataclasses.dataclass
@@ -192,6 +197,8 @@ def main(argv=None) -> int:
                         type=lambda text: [c for c in text.split(",") if c])
     parser.add_argument("--programs", default=None, type=lambda text: set(text.split(",")),
                         help=f"a subset of {OURS},jax_flash,splash")
+    parser.add_argument("--append", action="store_true",
+                        help="keep OUT.json's rows of the other chips (one chip a process)")
     args = parser.parse_args(argv)
     unknown = set(args.chips) - set(CHIPS)
     if unknown:
@@ -205,15 +212,21 @@ def main(argv=None) -> int:
 
     def write(rows):  # after every row: a run cut short leaves what it measured
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".md").write_text(markdown(rows, args.chips))
+        out.with_suffix(".md").write_text(markdown(rows, chips))
         out.with_suffix(".json").write_text(json.dumps(dict(
             batch=BATCH, heads=HEADS, seq_len=SEQ_LEN, head_dim=HEAD_DIM, dtype="bfloat16",
-            peak_flop_per_cycle={c: PEAK_FLOP_PER_CYCLE[c] for c in args.chips},
+            peak_flop_per_cycle={c: PEAK_FLOP_PER_CYCLE[c] for c in chips},
             schedule_of_ours="index",
             rows=[dict(dataclasses.asdict(r), useful_flops=r.useful_flops,
                        mxu_fraction=r.mxu_fraction()) for r in rows]), indent=1) + "\n")
 
-    rows = []
+    rows, chips = [], list(args.chips)
+    if args.append and out is not None and out.with_suffix(".json").exists():
+        kept = [r for r in json.loads(out.with_suffix(".json").read_text())["rows"]
+                if r["chip"] not in args.chips]
+        fields = {f.name for f in dataclasses.fields(Row)}
+        rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in kept]
+        chips = sorted({r.chip for r in rows} | set(args.chips), key=list(CHIPS).index)
     try:
         for chip in args.chips:
             device = report.chip_device(chip)
