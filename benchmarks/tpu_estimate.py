@@ -39,9 +39,10 @@ CHIPS = ("v5e", "v6e")
 OURS_BLOCKS = (512, 1024)
 JAX_FLASH_BLOCKS = (256, 512, 1024)
 SPLASH_BLOCKS = (512, 1024)
-# bf16 FLOP per cycle of one TensorCore: Google's published peaks (v5e 197 TFLOP/s at 1.5 GHz,
-# v6e 918 TFLOP/s at 1.75 GHz): 4 MXUs of 128x128 (v5e) or 256x256 (v6e), 2 FLOP per MAC.
-PEAK_FLOP_PER_CYCLE = {"v5e": 4 * 128 * 128 * 2, "v6e": 4 * 256 * 256 * 2}
+# bf16 FLOP per cycle of one TensorCore: num_mxus x mxu_column_size^2 x 2 (a MAC is 2 FLOP) from
+# jax's own chip table (jax/_src/pallas/mosaic/tpu_info.py, jax 0.10.2): v5e 4 MXUs of 128x128,
+# v6e 2 of 256x256.
+PEAK_FLOP_PER_CYCLE = {"v5e": 4 * 128 * 128 * 2, "v6e": 2 * 256 * 256 * 2}
 OURS = "mosaic_tpu"
 REGENERATE = ("python -m benchmarks.tpu_estimate --out benchmarks/results/tpu/estimate --chips v5e; "
               "the same with --chips v6e --append")
@@ -157,8 +158,7 @@ def markdown(rows: list[Row], chips) -> str:
              f"{'/'.join(map(str, OURS_BLOCKS))} (block_q = block_k); JAX's kernels on their [B, H, L, D] layout, ours on "
              "the API's [B, L, H, D]. MXU fraction: useful FLOPs / (cycles x peak bf16 FLOP per "
              "cycle: " + ", ".join(f"{c} {PEAK_FLOP_PER_CYCLE[c]:,}" for c in chips)
-             + "; 4 MXUs x 128² or 256² x 2, from the published 197 and 918 TFLOP/s at 1.5 and "
-             "1.75 GHz). A fraction above 1 is below the MXU's bound: the estimate skipped "
+             + ": MXUs x their width² x 2, jax's tpu_info table). A fraction above 1 is below the MXU's bound: the estimate skipped "
              "work there (it does not follow those kernels' data-dependent branches), not "
              "credible. VMEM: not in the estimate nor in memory_analysis."
              + ("" if {r.chip for r in rows} >= set(chips) and len(rows) == len(chips) * 2 * (
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--programs", default=None, type=lambda text: set(text.split(",")),
                         help=f"a subset of {OURS},jax_flash,splash")
     parser.add_argument("--append", action="store_true",
-                        help="keep OUT.json's rows of the other chips (one chip a process)")
+                        help="keep OUT.json's rows of the other chips and programs (one chip a process)")
     args = parser.parse_args(argv)
     unknown = set(args.chips) - set(CHIPS)
     if unknown:
@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     rows, chips = [], list(args.chips)
     if args.append and out is not None and out.with_suffix(".json").exists():
         kept = [r for r in json.loads(out.with_suffix(".json").read_text())["rows"]
-                if r["chip"] not in args.chips]
+                if r["chip"] not in args.chips
+                or (args.programs is not None and r["program"] not in args.programs)]
         fields = {f.name for f in dataclasses.fields(Row)}
         rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in kept]
         chips = sorted({r.chip for r in rows} | set(args.chips), key=list(CHIPS).index)
@@ -234,12 +235,18 @@ def main(argv=None) -> int:
                 for program, blocks, fn, layout in _programs(causal):
                     if args.programs is not None and program not in args.programs:
                         continue
+                    if out is not None:  # what the file says if this process dies in the compile
+                        write(rows + [Row(chip, program, causal, blocks, error=(
+                            "the process died in this compile (libtpu past the address-space "
+                            "cap?); later rows of the chip not run"))])
                     rows.append(estimate_row(chip, device, program, blocks, fn, layout, causal, dump))
                     r = rows[-1]
                     print(f"{chip} {'causal' if causal else 'full'} {program} {blocks}: "
                           f"{r.cycles if r.ok else r.error} {r.ops if r.ok else ''}", file=sys.stderr)
                     if out is not None:
                         write(rows)
+        if out is not None:
+            write(rows)
     finally:
         for f in dump.glob("*"):
             f.unlink()
