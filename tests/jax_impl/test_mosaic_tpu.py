@@ -192,6 +192,7 @@ def test_forward_and_its_gradients_match_the_float64_oracle(problem):
     (None, 300, 200, (2, 1), 128, (128, 256)),           # whole rows, ragged, GQA, in place
     ("top_left", 384, 260, (2, 2), 64, (256, 128)),      # causal, D below the lanes
     ("bottom_right", 200, 456, (2, 1), 128, (128, 128)),  # the band shifted by Lk - Lq
+    ("bottom_right", 456, 200, (1, 1), 64, (128, 128)),   # the first query rows see no key
     ("top_left", 512, 512, (1, 1), 128, (128, 256)),
 ])
 def test_the_index_schedule_gives_the_lists_results_bit_for_bit(causal, lq, lk, heads, head_dim,
