@@ -125,14 +125,22 @@ def _operands(case: Case, device):
     return q, kv, kv, bias, seg, seg, key
 
 
+def llo_estimates(dump: Path) -> dict[str, int]:
+    """{HLO op: estimated cycles} of the static LLO estimates dumped since the last call; the
+    files removed."""
+    ops = {}
+    for f in sorted(dump.glob("*static_llo_profile*.textproto")):
+        for name, cycles in re.findall(r'hlo_op_estimate\s*\{\s*hlo_op_name:\s*"([^"]*)".*?'
+                                       r"estimated_cycles:\s*(\d+)", f.read_text(), re.S):
+            ops[name] = ops.get(name, 0) + int(cycles)
+        f.unlink()
+    return ops
+
+
 def _llo_cycles(dump: Path) -> int | None:
     """The static LLO cycle estimates dumped since the last call, summed; the files removed."""
-    total = None
-    for f in sorted(dump.glob("*static_llo_profile*.textproto")):
-        for cycles in re.findall(r"hlo_op_estimate\s*\{.*?estimated_cycles:\s*(\d+)", f.read_text(), re.S):
-            total = (total or 0) + int(cycles)
-        f.unlink()
-    return total
+    ops = llo_estimates(dump)
+    return sum(ops.values()) if ops else None
 
 
 def compile_row(chip: str, program: str, fn, case: Case, pass_: str, device,

@@ -226,6 +226,102 @@ class TileLists(NamedTuple):
     def operands(self):
         return self.counts, self.indices, self.full
 
+    # The schedule's reads, shared with IndexSchedule: ``refs`` are the three lists' scalar
+    # prefetch refs (``operands()``'s order).
+    num_operands = 3
+
+    def count(self, refs, b, h, i):
+        return refs[0][self.row(b, h, i)]
+
+    def kv_tile(self, refs, b, h, i, step):
+        return refs[1][self.entry(b, h, i, step)]
+
+    def visited(self, refs, b, h, i, step):
+        return step < self.count(refs, b, h, i)
+
+    visited_tile = kv_tile  # the tile a visited step reads
+
+    def is_full(self, refs, b, h, i, step):
+        return refs[2][self.entry(b, h, i, step)] != 0
+
+
+class IndexSchedule(NamedTuple):
+    """The forward's key axis as index arithmetic on (query tile, step) instead of scalar
+    prefetched lists: the same tiles in the same order as ``tile_lists``, for calls whose
+    tiles follow from static values alone (``index_schedule_unsupported``). For libtpu's static
+    LLO estimate (benchmarks/tpu_estimate.py), which reads scalar-prefetched data as 0."""
+
+    d_hi: int | None     # the causal band's bound (key - query <= d_hi), None: whole rows
+    block_q: int
+    block_k: int
+    q_len: int
+    kv_len: int
+    steps: int
+
+    num_operands = 0
+
+    @property
+    def kv_tiles(self) -> int:
+        return -(-self.kv_len // self.block_k)
+
+    def count(self, refs, b, h, i):
+        if self.d_hi is None:
+            return self.kv_tiles  # static: every step is visited
+        last_key = jnp.minimum((i + 1) * self.block_q, self.q_len) - 1 + self.d_hi
+        tiles = lax.div(jnp.maximum(last_key, -1) + self.block_k, self.block_k)
+        return jnp.minimum(tiles, self.kv_tiles)
+
+    def kv_tile(self, refs, b, h, i, step):
+        return jnp.minimum(step, jnp.maximum(self.count(refs, b, h, i) - 1, 0))
+
+    def visited(self, refs, b, h, i, step):
+        """``step < count`` without a division (what the estimate follows): a static True for
+        whole rows, else whether the step's first key is within the band of the tile's last
+        query."""
+        if self.d_hi is None:
+            return True
+        last_query = jnp.minimum((i + 1) * self.block_q, self.q_len) - 1
+        return (step * self.block_k <= last_query + self.d_hi) & (step < self.kv_tiles)
+
+    def visited_tile(self, refs, b, h, i, step):
+        return step  # a visited step reads tile ``step``
+
+    def is_full(self, refs, b, h, i, step):
+        """Whether visited step ``step`` is FULL: a static True for whole rows of whole tiles."""
+        ragged_q, ragged_k = self.q_len % self.block_q, self.kv_len % self.block_k
+        if self.d_hi is None and not ragged_q and not ragged_k:
+            return True
+        j = step
+        whole = ((i + 1) * self.block_q <= self.q_len) & ((j + 1) * self.block_k <= self.kv_len)
+        if self.d_hi is None:
+            return whole
+        return whole & ((j + 1) * self.block_k - 1 <= i * self.block_q + self.d_hi)
+
+
+def index_schedule_unsupported(cfg: AttentionConfig, masks: masking.MaskInputs) -> str | None:
+    """Why the tiles of this call cannot be computed from static values (``IndexSchedule``):
+    anything but full rows or a plain causal band with full lengths."""
+    spec = cfg.mask
+    reasons = [name for name, present in (
+        ("a window", spec.window_left is not None or spec.window_right is not None),
+        ("sequence lengths", spec.has_q_lengths or spec.has_kv_lengths),
+        ("a block_mask", spec.has_block_mask or masks.block_mask is not None),
+        ("segment ids", masks.q_segment_ids is not None),
+        ("a position offset", masks.position_offset is not None),
+        ("a mask_mod", cfg.mask_mod is not None)) if present]
+    return None if not reasons else ("the index schedule takes full rows or a plain causal band; "
+                                     "this call has " + ", ".join(reasons))
+
+
+def index_schedule(cfg: AttentionConfig, masks: masking.MaskInputs, q_len: int, kv_len: int,
+                   block_q: int, block_k: int) -> IndexSchedule:
+    reason = index_schedule_unsupported(cfg, masks)
+    if reason:
+        raise ValueError(f"schedule='index': {reason}")
+    d_hi = ((kv_len - q_len) if cfg.mask.bottom_right else 0) if cfg.mask.is_causal else None
+    steps = static_steps(cfg.mask, masks, q_len, kv_len, block_q, block_k)
+    return IndexSchedule(d_hi, block_q, block_k, q_len, kv_len, steps)
+
 
 def static_steps(spec: masking.MaskSpec, masks: masking.MaskInputs, q_len: int, kv_len: int,
                  block_q: int, block_k: int, *, transposed: bool = False) -> int:
@@ -240,13 +336,23 @@ def static_steps(spec: masking.MaskSpec, masks: masking.MaskInputs, q_len: int, 
         spec.bottom_right and (spec.has_q_lengths or spec.has_kv_lengths))
     if moves:
         return n_cols
-    with jax.ensure_compile_time_eval():
-        full = masking.MaskInputs(jnp.full((1,), q_len, jnp.int32), jnp.full((1,), kv_len, jnp.int32),
-                                  None, None, None)
-        classes = np.asarray(block_mask.tile_classes(spec, full, q_len, kv_len, block_q, block_k,
-                                                     band_only=True))
-    nonempty = classes != block_mask.EMPTY
-    return max(1, int(nonempty.sum(axis=-2 if transposed else -1).max()))
+    # numpy on Python ints: no JAX computation runs here (under ``jax.sharding.set_mesh`` one
+    # would be placed on the mesh's devices, which may be compile-only).
+    offset = kv_len - q_len if spec.bottom_right else 0
+    highs = ([offset] if spec.is_causal else []) + (
+        [offset + spec.window_right] if spec.window_right is not None else [])
+    d_hi = min(highs) if highs else None
+    d_lo = offset - spec.window_left if spec.window_left is not None else None
+    q_first = np.arange(0, q_len, block_q)[:, None]
+    q_last = np.minimum(q_first + block_q, q_len) - 1
+    k_first = np.arange(0, kv_len, block_k)[None, :]
+    k_last = np.minimum(k_first + block_k, kv_len) - 1
+    nonempty = np.ones((q_first.size, k_first.size), bool)  # some k - q in [d_lo, d_hi]
+    if d_hi is not None:
+        nonempty &= k_first - q_last <= d_hi
+    if d_lo is not None:
+        nonempty &= k_last - q_first >= d_lo
+    return max(1, int(nonempty.sum(axis=0 if transposed else 1).max()))
 
 
 def tile_lists(cfg: AttentionConfig, masks: masking.MaskInputs, q_len: int, kv_len: int,
@@ -280,4 +386,5 @@ def cost_estimate(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int
 __all__ = ["NUM_LANES", "TilePositions", "TileRules", "PARTIAL_TILE", "FULL_TILE", "tile_allowed",
            "mxu_precision", "precision_unsupported", "dot_nt", "dot_nn", "dot_tn", "tile_logits",
            "lanes", "online_step", "initial_stats", "per_head", "finalize", "recomputed_probs", "TileLists",
+           "IndexSchedule", "index_schedule", "index_schedule_unsupported",
            "static_steps", "tile_lists", "cost_estimate", "round_up"]

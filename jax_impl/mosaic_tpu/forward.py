@@ -5,8 +5,10 @@ m, l and the fp32 output accumulator live in VMEM scratch across it), the others
 The key axis walks the query tile's non-empty key tiles only (``common.tile_lists``, read
 through scalar prefetch): its extent is a static bound on their count, the K/V index maps read
 the list (entries past the count repeat the last tile: no new DMA) and the compute of those
-steps is skipped. FULL tiles evaluate no mask rule. GQA/MQA: the K/V index maps take the kv
-head ``h // group``, nothing is repeated in memory. O is divided by l once, at the last step,
+steps is skipped; ``schedule="index"`` finds the same tiles by index arithmetic instead (full
+rows or a plain causal band: what libtpu's static estimate can follow). FULL tiles evaluate no
+mask rule. GQA/MQA: the K/V index maps take the kv head ``h // group``, nothing is repeated in
+memory. O is divided by l once, at the last step,
 where the natural-log RowStats are written too.
 
 Precision: bf16 operands multiply natively on the MXU with float32 accumulation (P is rounded
@@ -16,6 +18,8 @@ fp32 in several passes (~5x the MXU time, measured in the static LLO estimate).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -30,16 +34,28 @@ from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_tpu import common
 
 DEFAULT_BLOCK = 512
+_SCHEDULE = contextvars.ContextVar("mosaic_tpu_forward_schedule", default="lists")
 
 
-def _forward_kernel(*refs, cfg: AttentionConfig, lists: common.TileLists, block_q: int,
+@contextlib.contextmanager
+def index_schedule():
+    """Forwards traced inside take ``schedule="index"`` (``forward_call``): for libtpu's static
+    LLO estimate of a whole ``flash_attention`` program (benchmarks/tpu_estimate.py)."""
+    token = _SCHEDULE.set("index")
+    try:
+        yield
+    finally:
+        _SCHEDULE.reset(token)
+
+
+def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
                     block_k: int, has_offset: bool, has_segments: bool, has_mask: bool,
                     has_bias: bool, has_sinks: bool, has_seeds: bool, precision):
     refs = list(refs)
     take = lambda present: refs.pop(0) if present else None
     q_len_ref, kv_len_ref = refs.pop(0), refs.pop(0)
     offset_ref = take(has_offset)
-    counts_ref, indices_ref, full_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    lists = [refs.pop(0) for _ in range(schedule.num_operands)]
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     q_seg_ref, kv_seg_ref = take(has_segments), take(has_segments)
     mask_ref, bias_ref, sinks_ref = take(has_mask), take(has_bias), take(has_sinks)
@@ -47,7 +63,6 @@ def _forward_kernel(*refs, cfg: AttentionConfig, lists: common.TileLists, block_
     o_ref, max_ref, log_sum_ref, m_scratch, l_scratch, acc_scratch = refs
 
     b, h, i, step = (pl.program_id(axis) for axis in range(4))
-    row = lists.row(b, h, i)
 
     @pl.when(step == 0)
     def _init():
@@ -56,7 +71,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, lists: common.TileLists, block_
         acc_scratch[...] = jnp.zeros_like(acc_scratch)
 
     def visit(rules: common.TileRules):
-        kv_tile = indices_ref[row * lists.steps + step]
+        kv_tile = schedule.visited_tile(lists, b, h, i, step)
         pos = common.TilePositions.create(i, kv_tile, block_q, block_k)
         allowed = common.tile_allowed(
             cfg, pos, rules, b=b, h=h, q_len=q_len_ref[b], kv_len=kv_len_ref[b],
@@ -79,12 +94,14 @@ def _forward_kernel(*refs, cfg: AttentionConfig, lists: common.TileLists, block_
         acc_scratch[...] = acc_scratch[...] * common.lanes(rescale, pv.shape[-1]) + pv
         m_scratch[...], l_scratch[...] = m, l
 
-    visited = step < counts_ref[row]
-    is_full = full_ref[row * lists.steps + step] != 0
-    pl.when(visited & is_full)(lambda: visit(common.FULL_TILE))
-    pl.when(visited & ~is_full)(lambda: visit(common.PARTIAL_TILE))
+    visited, is_full = schedule.visited(lists, b, h, i, step), schedule.is_full(lists, b, h, i, step)
+    if visited is True and is_full is True:
+        visit(common.FULL_TILE)  # known at trace time (the index schedule's whole rows): no branch
+    else:
+        pl.when(visited & is_full)(lambda: visit(common.FULL_TILE))
+        pl.when(visited & jnp.logical_not(is_full))(lambda: visit(common.PARTIAL_TILE))
 
-    @pl.when(step == lists.steps - 1)
+    @pl.when(step == schedule.steps - 1)
     def _write():
         out, row_max, log_sum = common.finalize(acc_scratch[...], m_scratch[...], l_scratch[...])
         o_ref[...] = out.astype(o_ref.dtype)
@@ -103,38 +120,56 @@ def block_shape(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
             min(block_k, common.round_up(lk, common.NUM_LANES)))
 
 
+SCHEDULES = ("lists", "index")
+
+
 def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=None,
-                 sinks=None, seeds=None, *, interpret=None):
+                 sinks=None, seeds=None, *, interpret=None, schedule: str | None = None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (already under the non-finite rule) -> (out
     [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32). ``bias`` [Bb, Hb, Lq, Lk] or
     None; ``masks.mask`` the dense mask or None; ``sinks`` [Bs, Hs] float32 or None; ``seeds``
-    the dropout's [Bs, Hs] uint32 head seeds (dropout_sinks.head_seeds) or None."""
+    the dropout's [Bs, Hs] uint32 head seeds (dropout_sinks.head_seeds) or None.
+
+    ``schedule``: how the key axis finds its tiles, "lists" (``common.tile_lists``, scalar
+    prefetch: every call) or "index" (``common.IndexSchedule``: full rows or a plain causal
+    band only, the same tiles in the same order); None: ``index_schedule``'s choice, "lists"
+    unless inside ``with index_schedule():``."""
+    schedule = _SCHEDULE.get() if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
     batch, lq, hq, head_dim = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
     block_q, block_k = block_shape(cfg, lq, lk)
     lq_pad, lk_pad = common.round_up(lq, block_q), common.round_up(lk, block_k)
-    lists = common.tile_lists(cfg, masks, lq, lk, block_q, block_k)
+    if schedule == "index":
+        lists = common.index_schedule(cfg, masks, lq, lk, block_q, block_k)
+        list_operands = []
+    else:
+        lists = common.tile_lists(cfg, masks, lq, lk, block_q, block_k)
+        list_operands = list(lists.operands())
     kernel_cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=lq_pad != lq, keys_padded=lk_pad != lk))
     pad_to = lambda x, axis, n: x if x.shape[axis] == n else jnp.pad(
         x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+    # [B, H, L_pad, D]: the transposes fuse into the non-finite rule's XLA pass. A view of
+    # [B, L, H, D] as [B, L, H * D] read in place costs a relayout copy of its own on TPU (the
+    # (8, 128) tiles of [B, L, H, D] hold the heads): 1.15x the cycles in the static estimate.
     q = pad_to(q.transpose(0, 2, 1, 3), 2, lq_pad)       # [B, Hq, Lq_pad, D]
     k = pad_to(k.transpose(0, 2, 1, 3), 2, lk_pad)       # [B, Hkv, Lk_pad, D]
     v = pad_to(v.transpose(0, 2, 1, 3), 2, lk_pad)
+    tile_spec = lambda block, index: pl.BlockSpec(
+        (None, None, block, head_dim), lambda b, h, i, s, *p: (b, h, index(b, h, i, s, *p), 0))
+    kv_spec = lambda block, index: pl.BlockSpec(
+        (None, None, block, head_dim),
+        lambda b, h, i, s, *p: (b, lax.div(h, groups), index(b, h, i, s, *p), 0))
 
     def kv_tile(b, h, i, step, *prefetch):
-        counts, indices, full = prefetch[-3:]
-        return indices[lists.row(b, h, i) * lists.steps + step]
+        return lists.kv_tile(prefetch[len(prefetch) - lists.num_operands:], b, h, i, step)
 
+    q_tile = lambda b, h, i, s, *_: i
     bcast = lambda x, axis, index: index if x.shape[axis] > 1 else 0
-    in_specs = [
-        pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, s, *_: (b, h, i, 0)),
-        pl.BlockSpec((None, None, block_k, head_dim),
-                     lambda b, h, i, s, *p: (b, lax.div(h, groups), kv_tile(b, h, i, s, *p), 0)),
-        pl.BlockSpec((None, None, block_k, head_dim),
-                     lambda b, h, i, s, *p: (b, lax.div(h, groups), kv_tile(b, h, i, s, *p), 0)),
-    ]
+    in_specs = [tile_spec(block_q, q_tile), kv_spec(block_k, kv_tile), kv_spec(block_k, kv_tile)]
     operands = [q, k, v]
     has_segments = masks.q_segment_ids is not None
     if has_segments:
@@ -161,11 +196,10 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
     prefetch = [masks.q_len, masks.kv_len]
     if masks.position_offset is not None:
         prefetch.append(masks.position_offset.astype(jnp.int32))
-    prefetch += list(lists.operands())
+    prefetch += list_operands
 
     stats_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, s, *_: (b, h, 0, i))
-    out_specs = [pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, s, *_: (b, h, i, 0)),
-                 stats_spec, stats_spec]
+    out_specs = [tile_spec(block_q, q_tile), stats_spec, stats_spec]
     # Inside shard_map (check_vma) every operand varies like the others, and so do the outputs.
     prefetch, operands = vma.like((prefetch, operands), vma.axes_of(prefetch, operands))
     stats_shape = vma.out_struct((batch, hq, 1, lq_pad), jnp.float32, operands[0])
@@ -178,7 +212,7 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
                         pltpu.VMEM((block_q, common.NUM_LANES), jnp.float32),
                         pltpu.VMEM((block_q, head_dim), jnp.float32)])
     kernel = functools.partial(
-        _forward_kernel, cfg=kernel_cfg, lists=lists._replace(
+        _forward_kernel, cfg=kernel_cfg, schedule=lists if schedule == "index" else lists._replace(
             counts=None, indices=None, full=None), block_q=block_q, block_k=block_k,
         has_offset=masks.position_offset is not None, has_segments=has_segments,
         has_mask=masks.mask is not None, has_bias=bias is not None, has_sinks=sinks is not None,

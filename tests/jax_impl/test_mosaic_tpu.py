@@ -114,6 +114,26 @@ def test_the_key_axis_extent_is_the_most_non_empty_tiles_of_any_query_tile(spec,
     assert _grid(cfg, q, q, masks) == (1, 2, 4, steps)
 
 
+@pytest.mark.parametrize("spec", [
+    masking.MaskSpec(is_causal=True), masking.MaskSpec(is_causal=True, bottom_right=True),
+    masking.MaskSpec(window_left=100, window_right=30),
+    masking.MaskSpec(is_causal=True, bottom_right=True, window_left=200),
+    masking.MaskSpec(window_left=0, window_right=0, bottom_right=True)])
+@pytest.mark.parametrize("q_len, kv_len, block_q, block_k", [(520, 300, 128, 256), (200, 900, 256, 128)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_static_step_count_is_the_most_non_empty_tiles_of_block_masks_classes(
+        spec, q_len, kv_len, block_q, block_k, transposed):
+    """Computed without JAX (under set_mesh a JAX computation would run on the mesh): the
+    largest non-empty count of any row of block_mask.tile_classes, both orientations."""
+    full = masking.MaskInputs(jnp.full((1,), q_len, jnp.int32), jnp.full((1,), kv_len, jnp.int32),
+                              None, None, None)
+    classes = np.asarray(block_mask.tile_classes(spec, full, q_len, kv_len, block_q, block_k,
+                                                 band_only=True))[0, 0]
+    nonempty = (classes != block_mask.EMPTY).sum(axis=0 if transposed else 1)
+    assert common.static_steps(spec, full, q_len, kv_len, block_q, block_k,
+                               transposed=transposed) == max(1, nonempty.max())
+
+
 def test_segment_ids_leave_a_query_tile_only_the_tiles_of_its_documents():
     """Two documents of 256 keys: every query tile lists 2 of the 4 key tiles, all FULL, and
     the padding repeats the last listed tile (no new copy)."""
@@ -181,3 +201,50 @@ def test_forward_and_its_gradients_match_the_float64_oracle(problem):
         results = run(problem, DTYPES[problem.dtype], "mosaic_tpu", interpret=True,
                       block_sizes=TILES, **_mods(problem))
     assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+# --- The index schedule (for the static estimate) computes what the lists do ---------------------
+
+@needs_pallas_tpu
+@pytest.mark.parametrize("causal, lq, lk, heads, head_dim, blocks", [
+    (None, 300, 200, (2, 1), 128, (128, 256)),           # whole rows, ragged, GQA, in place
+    ("top_left", 384, 260, (2, 2), 64, (256, 128)),      # causal, D below the lanes
+    ("bottom_right", 200, 456, (2, 1), 128, (128, 128)),  # the band shifted by Lk - Lq
+    ("bottom_right", 456, 200, (1, 1), 64, (128, 128)),   # the first query rows see no key
+    ("top_left", 512, 512, (1, 1), 128, (128, 256)),
+])
+def test_the_index_schedule_gives_the_lists_results_bit_for_bit(causal, lq, lk, heads, head_dim,
+                                                                blocks):
+    seed = int(np.random.SeedSequence().entropy % 2**31)  # fresh inputs every run
+    rng = np.random.default_rng(seed)
+    (hq, hkv), (block_q, block_k) = heads, blocks
+    q = jnp.asarray(rng.standard_normal((1, lq, hq, head_dim)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, lk, hkv, head_dim)), jnp.bfloat16) for _ in "kv")
+    spec = masking.MaskSpec(is_causal=causal is not None, bottom_right=causal == "bottom_right")
+    masks = masking.MaskInputs(jnp.full((1,), lq, jnp.int32), jnp.full((1,), lk, jnp.int32),
+                               None, None, None)
+    cfg = AttentionConfig(scale=head_dim ** -0.5, mask=spec,
+                          block_sizes=BlockSizes(block_q=block_q, block_k=block_k))
+    results = {schedule: jax.jit(lambda q, k, v, schedule=schedule: forward_call(
+        cfg, q, k, v, masks, interpret=pltpu.InterpretParams(), schedule=schedule))(q, k, v)
+        for schedule in ("lists", "index")}
+    for name, lists, index in zip(("out", "max", "log_sum"), results["lists"], results["index"]):
+        np.testing.assert_array_equal(np.asarray(index, np.float32), np.asarray(lists, np.float32),
+                                      err_msg=f"{name}, seed {seed}")
+    out = np.asarray(results["index"][0], np.float64)
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+    # No list is prefetched: the grid reads only the two lengths.
+    jaxpr = jax.make_jaxpr(lambda q, k, v: forward_call(cfg, q, k, v, masks, schedule="index"))(q, k, v)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert eqn.params["grid_mapping"].num_index_operands == 2
+
+
+def test_the_index_schedule_refuses_tiles_it_cannot_compute_by_name():
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    full = jnp.full((1,), 256, jnp.int32)
+    masks = masking.MaskInputs(full, full, None, None, None)
+    cfg = AttentionConfig(scale=0.125, mask=masking.MaskSpec(is_causal=True, window_left=64))
+    with pytest.raises(ValueError, match="schedule='index': .* this call has a window"):
+        forward_call(cfg, q, q, q, masks, schedule="index")
+    with pytest.raises(ValueError, match=r"schedule='rows' is not one of \('lists', 'index'\)"):
+        forward_call(cfg, q, q, q, masks, schedule="rows")

@@ -71,3 +71,17 @@ def test_the_kernels_run_inside_a_users_shard_map_with_vma_checks(implementation
         mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"))
     loss = lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum()
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(operand, operand, operand).compile()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_call_traced_under_set_mesh_compiles_for_tpu(implementation, causal):
+    """Under ``jax.sharding.set_mesh`` (explicit axes) a JAX computation run eagerly while
+    tracing would be placed on the mesh's compile-only devices: the band's static tile count
+    must not run one."""
+    mesh = _mesh(AxisType.Explicit)
+    operand = jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+    attend = jax.jit(lambda q, k, v: flash_attention(q, k, v, is_causal=causal,
+                                                     implementation=implementation))
+    with jax.sharding.set_mesh(mesh):
+        hlo = attend.lower(operand, operand, operand).compile().as_text()
+    assert hlo.count("all-gather") == 0
