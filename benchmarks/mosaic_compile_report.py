@@ -101,7 +101,7 @@ COMBINED = dict(bias="bfloat16", bias_batch=True, mask=True, dropout=0.1, segmen
 # A few query rows of 8 query heads against one kv head (MQA; a prefill chunk or a speculative
 # step): the forward packs the group into its rows (config.packs_query_group), with the per-row
 # rules and per-head sinks. Forward only: the backward does not pack. With segment ids too at
-# D=128 causal: they spill there packed or not (docs/limitations.md).
+# D=128 causal.
 PACKED_Q_LEN = 96
 PACKED_LABEL = f"GQA 8:1 packed, Lq={PACKED_Q_LEN}, lengths, bottom-right, sinks"
 PACKED = dict(kv_heads=1, q_seq_len=PACKED_Q_LEN, lengths=True, bottom_right=True, sinks=True)

@@ -245,8 +245,7 @@ def test_the_fused_dq_backward_compiles_without_spills(tmp_path_factory):
 
 def _assert_packed_rows(rows, head_dims):
     """The packed query group's forward rows (bf16, causal and not, and with segment ids at
-    D=128 causal): packed as the shipped rule decides, 0 spill bytes (with segment ids 4/4
-    under 232 registers), shared memory within its estimate, the softmax pipelined and no
+    D=128 causal): packed as the shipped rule decides, 0 spill bytes, shared memory within its estimate, the softmax pipelined and no
     wgmma serialised."""
     from benchmarks.mosaic_compile_report import PACKED_LABEL
     assert sorted((r["label"], r["head_dim"], r["causal"]) for r in rows) == sorted(
