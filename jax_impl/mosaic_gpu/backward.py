@@ -503,9 +503,9 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             s_t, dp_t = _two_products(tile, k_all.at[mine], q_ring.at[slot], v_all.at[mine],
                                       do_ring.at[slot])
             # With dropout and segment ids (alone beside Q and dO) the positions are read at
-            # ``mine``'s address: D=128 then spills 4 bytes causal, 16 not, instead of 40 and
-            # 20; elsewhere the hoisted address spills less (a mask with dropout: 0 against 24,
-            # every feature at once 76 loaded against 80).
+            # ``mine``'s address (D=128 not causal: 16 bytes spilled, not 20; causal 0 with the
+            # drop order below); elsewhere the hoisted address spills less (a mask with
+            # dropout: 0 against 24, every feature at once 76 loaded against 80).
             at = mine if g.has_segments and cfg.dropout_rate and not g.pairwise_dtypes else None
             allowed = None
             if rules.structural and cfg.mask.restricts:  # two query bounds per key, as the forward's
@@ -535,13 +535,15 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                                         lax.broadcast_in_dim(key_poison, tile, (0,)), score_mod)
             # Dropout: dV from the dropped P^T, dP^T dropped alike. With a tile streamed beside
             # Q and dO (ids, a bias, a mask) P^T is dropped beside dP^T (one hash) and dV's
-            # 16-bit operand made at once; without, after dS^T: each order the one that
-            # spills least (sm_90a, D=128).
+            # 16-bit operand made at once; without, and causal with one streamed tile that is
+            # not a mask, after dS^T: each order the one that spills least (sm_90a, D=128:
+            # causal, segment ids 0 bytes against 4, a bias 4 against 16, a mask 72 against
+            # 16; not causal, segment ids 100 against 16).
             drop = _dropout(cfg, refs, b, kv_head * g.groups + member)
             dv_lhs = None
             if drop is not None:
                 queries, keys = i * c.block_q + query_offsets(at), key_start + key_offsets(at)
-                if g.streamed:
+                if g.streamed and not (cfg.mask.is_causal and g.streamed == 1 and not g.has_mask):
                     dp_t, dv_lhs = drop((dp_t, p_t), queries, keys, 1)
                     dv_lhs = dv_lhs.astype(g.dtype)
                 else:

@@ -83,16 +83,16 @@ def _assert_pairwise_backward_row(r):
 
 
 # Dropout beside a bias, a mask or segment ids: the rows that spill, as docs/limitations.md
-# names them (bytes stored and loaded at most). dK/dV at D=128: with a bias or a mask, values
-# stored before the work-item loop and reloaded outside the tile loops; with every feature at
-# once also a few per tile in the band's edge tiles. With segment ids the tile positions are
-# read at an address formed in the loop (backward._opaque_warpgroup): 16 and 4 bytes, not 20
-# and 40.
+# names them (bytes stored and loaded at most). dK/dV at D=128: values stored before the
+# work-item loop and reloaded outside the tile loops; with every feature at once also a few
+# per tile in the band's edge tiles. With segment ids the tile positions are read at an
+# address formed in the loop (backward._opaque_warpgroup), and causal with segment ids or a
+# bias alone P^T is dropped after dS^T: segment ids 16 bytes (20 before), 0 causal (40), a
+# bias causal 4 (16).
 DROPOUT_STREAMED_SPILLS = {
-    ("dK/dV", "bias float32 [1, H] + dropout 0.1", 128, True): 16,
+    ("dK/dV", "bias float32 [1, H] + dropout 0.1", 128, True): 4,
     ("dK/dV", "mask bool [B, 1] + dropout 0.1", 128, True): 16,
     ("dK/dV", "segment ids + dropout 0.1", 128, False): 16,
-    ("dK/dV", "segment ids + dropout 0.1", 128, True): 4,
     ("dK/dV", "bias bfloat16 [B, H] + mask + dropout 0.1 + segment ids", 128, True): 76,
 }  # every forward row: 0
 

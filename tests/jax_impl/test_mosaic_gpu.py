@@ -1006,6 +1006,11 @@ DROPOUT_STREAMED_PROBLEMS = [
          causal="bottom_right", lengths=True, dropout=0.2, seed=72),
     Case("fp16-dropout-segments-window-d128", q_len=150, kv_len=150, q_heads=2, kv_heads=2,
          head_dim=128, dtype="float16", window=(40, 9), segments=True, dropout=0.3, seed=73),
+    # causal with one streamed tile that is not a mask: dK/dV drops P^T after dS^T
+    Case("bf16-dropout-segments-causal-d128-gqa", q_len=150, kv_len=150, q_heads=2, kv_heads=1,
+         head_dim=128, dtype="bfloat16", causal="top_left", segments=True, dropout=0.2, seed=74),
+    Case("bf16-dropout-bias-causal", q_len=140, kv_len=140, q_heads=2, kv_heads=2,
+         dtype="bfloat16", bias=True, causal="top_left", dropout=0.25, seed=75),
 ]
 
 
@@ -1016,7 +1021,7 @@ def test_dropout_gradients_of_the_backward_kernels_match_the_float64_oracle(monk
                                                                           interpret):
     """dV from the dropped P^T, dP (dQ's tiles) and dP^T (dK/dV's transposed tiles) dropped by
     the same hash, per query head of a GQA group: the oracle's materialised mask. Beside a
-    bias and a mask (dbias too) or segment ids."""
+    bias and a mask (dbias too), segment ids, or causal with segment ids or a bias alone."""
     _mosaic_backward_only(monkeypatch, interpret)
     pairwise = problem.bias or problem.mask
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
