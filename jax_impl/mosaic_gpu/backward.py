@@ -502,11 +502,13 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             mine = _opaque_warpgroup(wg, step)
             s_t, dp_t = _two_products(tile, k_all.at[mine], q_ring.at[slot], v_all.at[mine],
                                       do_ring.at[slot])
-            # With dropout and segment ids (alone beside Q and dO) the positions are read at
-            # ``mine``'s address (D=128 not causal: 16 bytes spilled, not 20; causal 0 with the
-            # drop order below); elsewhere the hoisted address spills less (a mask with
-            # dropout: 0 against 24, every feature at once 76 loaded against 80).
-            at = mine if g.has_segments and cfg.dropout_rate and not g.pairwise_dtypes else None
+            # With dropout beside segment ids alone, or a mask alone causal, the positions are
+            # read at ``mine``'s address (D=128: segment ids 16 bytes spilled, not 20, and
+            # causal 0 with the drop order below; a mask causal 8, not 16); elsewhere the
+            # hoisted address spills less (a mask not causal: 12 against 24, every feature at
+            # once 76 loaded against 80).
+            at = mine if cfg.dropout_rate and g.streamed == 1 and (
+                g.has_segments or (g.has_mask and cfg.mask.is_causal)) else None
             allowed = None
             if rules.structural and cfg.mask.restricts:  # two query bounds per key, as the forward's
                 lo, hi = masking.query_bounds_per_key(cfg.mask, key_start + key_offsets(at),

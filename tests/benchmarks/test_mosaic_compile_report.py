@@ -86,12 +86,13 @@ def _assert_pairwise_backward_row(r):
 # names them (bytes stored and loaded at most). dK/dV at D=128: values stored before the
 # work-item loop and reloaded outside the tile loops; with every feature at once also a few
 # per tile in the band's edge tiles. With segment ids the tile positions are read at an
-# address formed in the loop (backward._opaque_warpgroup), and causal with segment ids or a
-# bias alone P^T is dropped after dS^T: segment ids 16 bytes (20 before), 0 causal (40), a
-# bias causal 4 (16).
+# address formed in the loop (backward._opaque_warpgroup; a mask causal too), and causal with
+# segment ids or a bias alone P^T is dropped after dS^T: segment ids 16 bytes (20 before), 0
+# causal (40), a bias causal 4 (16), a mask causal 8 (16).
 DROPOUT_STREAMED_SPILLS = {
     ("dK/dV", "bias float32 [1, H] + dropout 0.1", 128, True): 4,
-    ("dK/dV", "mask bool [B, 1] + dropout 0.1", 128, True): 16,
+    ("dK/dV", "mask bool [B, 1] + dropout 0.1", 128, False): 12,
+    ("dK/dV", "mask bool [B, 1] + dropout 0.1", 128, True): 8,
     ("dK/dV", "segment ids + dropout 0.1", 128, False): 16,
     ("dK/dV", "bias bfloat16 [B, H] + mask + dropout 0.1 + segment ids", 128, True): 76,
 }  # every forward row: 0
