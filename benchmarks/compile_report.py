@@ -2,7 +2,7 @@
 
     python -m benchmarks.compile_report [--out DIR] [--head-dim 64 ...]
         [--dtype bfloat16 ...] [--block-sizes 128,64,64,128,128,64[,warps,warps_bwd,stages]]
-        [--causal both|yes|no] [--seq-len 4096]
+        [--causal both|yes|no] [--seq-len 4096] [--no-mods | --mods-only] [--decode-only]
 
 For each configuration: lower forward + backward of ``flash_attention`` for CUDA, take each
 Triton kernel's TTIR out of its XLA custom call, compile it with pip ``triton`` (an optional
@@ -12,6 +12,8 @@ instruction the dots became (Hopper's ``wgmma`` or the older ``mma.sync``). A ``
 head dim that is not a whole number of tiles compiles the masked edges (layout.py).
 The split-K decode kernel (dense and paged caches, ``DECODE_SHAPE``) gets the same facts and its
 grid; ``--decode-only`` recompiles only those rows and keeps the others of ``--out``'s JSON.
+The calls with a score_mod (``MODS``: ALiBi, T5's table, beside a window mask_mod and its
+block_mask) at ``MODS_CONFIGS``; ``--mods-only`` recompiles only those rows likewise.
 """
 from __future__ import annotations
 
@@ -71,22 +73,60 @@ class KernelFacts:
     wgmma: int = 0                    # wgmma.mma_async instructions in the PTX
     mma_sync: int = 0                 # mma.sync instructions
     seq_len: int = SEQ_LEN            # Lq = Lk of the lowered call
+    mods: str = ""                    # a key of MODS, or "" (no score_mod or mask_mod)
 
 
 # --- TTIR extraction ------------------------------------------------------------------------
 
-def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal: bool,
-                   seq_len: int = SEQ_LEN) -> list[TritonKernel]:
-    """The three kernels of forward + backward at [1, seq_len, 2, head_dim], lowered for CUDA."""
+# The calls with mods: a score_mod reading mod_aux by the query head (ALiBi: slopes [H]; T5: a
+# table [17, H] read at the distance clipped to +-8) beside a sliding window as a mask_mod with
+# its block_mask (128 x 128 tiles: the kernels walk its tile lists and evaluate the mask_mod on
+# the partial tiles). Block sizes None: the heuristic for a call with a score_mod.
+HEADS = 2
+MODS_WINDOW = 1024
+T5_DISTANCE = 8
 
-    def loss(q, k, v):
+
+def _window(b, h, q_idx, kv_idx, aux):
+    return (q_idx - kv_idx < MODS_WINDOW) & (kv_idx - q_idx < MODS_WINDOW)
+
+
+def _alibi(score, b, h, q_idx, kv_idx, slopes):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+
+def _t5(score, b, h, q_idx, kv_idx, table):
+    return score + table[jnp.clip(kv_idx - q_idx, -T5_DISTANCE, T5_DISTANCE) + T5_DISTANCE, h]
+
+
+MODS = {"alibi + window block_mask": (_alibi, (HEADS,)),
+        "t5 + window block_mask": (_t5, (2 * T5_DISTANCE + 1, HEADS))}
+MODS_CONFIGS = tuple((head_dim, "bfloat16", causal, None, mods) for mods in MODS for head_dim in (64, 128)
+                     for causal in (False, True))
+
+
+def triton_kernels(head_dim: int, dtype, block_sizes: BlockSizes | None, causal: bool,
+                   seq_len: int = SEQ_LEN, mods: str = "") -> list[TritonKernel]:
+    """The three kernels of forward + backward at [1, seq_len, HEADS, head_dim], lowered for
+    CUDA; ``mods``: with those of ``MODS[mods]``."""
+    score_mod, aux_shape = MODS[mods] if mods else (None, None)
+    aux = () if not mods else (jax.ShapeDtypeStruct(aux_shape, jnp.float32),)
+    block_mask = None
+    if mods:
+        from jax_impl import create_block_mask
+        block_mask = create_block_mask(_window, None, None, seq_len, seq_len,
+                                       mod_aux=(jnp.zeros(aux_shape, jnp.float32),))
+
+    def loss(q, k, v, *mod_aux):
         out = flash_attention(q, k, v, is_causal=causal, implementation="pallas_triton",
-                              block_sizes=block_sizes)
+                              block_sizes=block_sizes, score_mod=score_mod,
+                              mask_mod=_window if mods else None, mod_aux=mod_aux,
+                              block_mask=block_mask)
         return jnp.sum(out.astype(jnp.float32))
 
-    shape = jax.ShapeDtypeStruct((1, seq_len, 2, head_dim), jnp.dtype(dtype))
+    shape = jax.ShapeDtypeStruct((1, seq_len, HEADS, head_dim), jnp.dtype(dtype))
     with cuda_target():
-        lowered = jit_for_cuda(jax.grad(loss, argnums=(0, 1, 2))).trace(shape, shape, shape).lower(
+        lowered = jit_for_cuda(jax.grad(loss, argnums=(0, 1, 2))).trace(shape, shape, shape, *aux).lower(
             lowering_platforms=("cuda",))
     found = {kernel.name: kernel for kernel, _ in _triton_calls(lowered)}
     return [found[name] for name in KERNELS if name in found]  # dkdv, or dv and dk (split_dkdv)
@@ -314,17 +354,23 @@ def default_configs(causal_values=(False, True)) -> list[tuple[int, str, bool, B
 
 
 def report(configs, workers: int | None = None, seq_len: int = SEQ_LEN) -> list[KernelFacts]:
-    """Lower every configuration here at ``seq_len``, compile its kernels in a pool of processes."""
+    """Lower every configuration here at ``seq_len``, compile its kernels in a pool of processes.
+    A configuration: (head_dim, dtype, causal, BlockSizes), or (head_dim, dtype, causal,
+    BlockSizes or None, a key of MODS): that call with its mods (None: the heuristic's tiles for
+    a call with a score_mod)."""
     rows, jobs = [], []
     refused = []
-    for head_dim, dtype, causal, blocks in configs:
+    for head_dim, dtype, causal, user_blocks, *rest in configs:
+        mods = rest[0] if rest else ""
+        blocks = user_blocks or heuristics.default_block_sizes(head_dim, dtype, causal,
+                                                               score_mod=bool(mods))
         facts = lambda kernel, **kw: KernelFacts(
             head_dim, str(jnp.dtype(dtype)), causal, dataclasses.astuple(blocks), kernel,
             blocks.num_warps if kernel == "forward" else blocks.num_warps_bwd, blocks.num_stages,
             shared_estimate=heuristics.shared_memory_estimate(kernel, head_dim, dtype, blocks),
-            seq_len=seq_len, **kw)
+            seq_len=seq_len, mods=mods, **kw)
         try:
-            kernels = triton_kernels(head_dim, dtype, blocks, causal, seq_len)
+            kernels = triton_kernels(head_dim, dtype, user_blocks, causal, seq_len, mods)
         except ValueError as e:  # block_sizes over the shared-memory budget: refused before lowering
             refused += [facts(kernel, dots=[], error=f"refused: {e}")
                         for kernel in heuristics.kernels(head_dim, blocks)]
@@ -354,14 +400,32 @@ def markdown(rows: list[KernelFacts], decode_rows: list[DecodeFacts] = ()) -> st
         "| D | dtype | causal | tiles | kernel | dots M | regs | spill st/ld B | smem KiB | est. KiB | wgmma | mma.sync | ptxas |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    plain = [r for r in rows if not r.mods]
+    lines += _kernel_lines(plain)
+    if len(plain) < len(rows):
+        lines += ["", "## Calls with a score_mod", "",
+                  f"ALiBi (`score + slopes[h] * (kv_idx - q_idx)`) or T5 (`score + table[clip(kv_idx - q_idx, "
+                  f"-{T5_DISTANCE}, {T5_DISTANCE}) + {T5_DISTANCE}, h]`), each in `mod_aux`, beside a window "
+                  f"of {MODS_WINDOW} as a mask_mod with its block_mask (128 x 128); the heuristic's tiles "
+                  f"(`default_block_sizes(score_mod=True)`: the forward on at least "
+                  f"{heuristics.SCORE_MOD_FORWARD_WARPS} warps).", "",
+                  "| D | dtype | causal | mods | tiles | kernel | dots M | regs | spill st/ld B | smem KiB | est. KiB | wgmma | mma.sync | ptxas |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += _kernel_lines([r for r in rows if r.mods], mods=True)
+    return "\n".join(lines + decode_markdown(decode_rows)) + "\n"
+
+
+def _kernel_lines(rows: list[KernelFacts], mods: bool = False) -> list[str]:
+    lines = []
     for r in rows:
         tiles = ",".join(map(str, r.block_sizes[:6])) + "/" + "%d,%d/%d" % r.block_sizes[6:]
         spills = "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
         ms = ",".join(sorted({str(d[0]) for d in r.dots}, key=int))
-        lines.append(f"| {r.head_dim} | {r.dtype} | {'yes' if r.causal else 'no'} | {tiles} | {r.kernel} | "
+        lines.append(f"| {r.head_dim} | {r.dtype} | {'yes' if r.causal else 'no'} | "
+                     f"{r.mods + ' | ' if mods else ''}{tiles} | {r.kernel} | "
                      f"{ms} | {r.registers or ''} | {spills} | {_kib(r.shared)} | {_kib(r.shared_estimate)} | "
                      f"{r.wgmma} | {r.mma_sync} | {'ok' if r.ptxas_ok else r.error[:80]} |")
-    return "\n".join(lines + decode_markdown(decode_rows)) + "\n"
+    return lines
 
 
 def decode_markdown(rows: list[DecodeFacts]) -> list[str]:
@@ -438,13 +502,20 @@ def main(argv=None) -> int:
     parser.add_argument("--no-decode", action="store_true", help="leave out the decode kernel's rows")
     parser.add_argument("--decode-only", action="store_true",
                         help="recompile only the decode rows; the other rows come from --out's JSON")
+    parser.add_argument("--no-mods", action="store_true", help="leave out the rows with mods (MODS_CONFIGS)")
+    parser.add_argument("--mods-only", action="store_true",
+                        help="recompile only the rows with mods; the other rows come from --out's JSON")
     args = parser.parse_args(argv)
-    if args.decode_only:
+    if args.decode_only or args.mods_only:
+        flag = "--decode-only" if args.decode_only else "--mods-only"
         if not args.out or not os.path.exists(args.out + ".json"):
-            parser.error("--decode-only keeps the other rows of an existing report: --out DIR with DIR.json")
-        rows, _, _ = load(args.out + ".json")
+            parser.error(f"{flag} keeps the other rows of an existing report: --out DIR with DIR.json")
+        rows, decode_rows, _ = load(args.out + ".json")
         try:
-            return _write(args.out, rows, decode_report(workers=args.workers))
+            if args.decode_only:
+                return _write(args.out, rows, decode_report(workers=args.workers))
+            return _write(args.out, [r for r in rows if not r.mods] + report(MODS_CONFIGS, args.workers),
+                          decode_rows)
         except ImportError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -455,6 +526,8 @@ def main(argv=None) -> int:
             for causal in causal_values:
                 configs.append((head_dim, dtype, causal,
                                 args.block_sizes or heuristics.default_block_sizes(head_dim, dtype, causal)))
+    if not (args.no_defaults or args.no_mods):
+        configs += [c for c in MODS_CONFIGS if c[2] in causal_values]
     try:
         rows = report(configs, args.workers, args.seq_len)
         decode_rows = [] if args.no_decode else decode_report(workers=args.workers)

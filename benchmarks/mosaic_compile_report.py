@@ -3,7 +3,8 @@ measured without a GPU.
 
     python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
         [--only defaults|all|segments|bias_mask|bias_with_mask|fused_dq|packed|d256|edges|mods]
-        [--kernels all|forward|backward] [--seq-len 4096]
+        [--kernels all|forward|backward] [--seq-len 4096] [--head-dims 128] [--dtypes bfloat16]
+        [--labels LABEL,...] [--merge]
 
 Needs jax >= 0.11 with its CUDA plugin (``pip install 'jax[cuda13]==0.11.2'``, Python >= 3.12;
 ptxas comes with the plugin's nvcc package): XLA compiles for the compile-only CUDA device of
@@ -100,7 +101,7 @@ COMBINED = dict(bias="bfloat16", bias_batch=True, mask=True, dropout=0.1, segmen
 # A few query rows of 8 query heads against one kv head (MQA; a prefill chunk or a speculative
 # step): the forward packs the group into its rows (config.packs_query_group), with the per-row
 # rules and per-head sinks. Forward only: the backward does not pack. With segment ids too at
-# D=128 causal: they spill there packed or not (docs/limitations.md).
+# D=128 causal.
 PACKED_Q_LEN = 96
 PACKED_LABEL = f"GQA 8:1 packed, Lq={PACKED_Q_LEN}, lengths, bottom-right, sinks"
 PACKED = dict(kv_heads=1, q_seq_len=PACKED_Q_LEN, lengths=True, bottom_right=True, sinks=True)
@@ -561,21 +562,49 @@ def main(argv=None) -> int:
                         help="only the rows of these head_dims, e.g. 128 (default: every row)")
     parser.add_argument("--dtypes", type=_dtypes,
                         help="only the rows of these dtypes, e.g. bfloat16 (default: every row)")
+    parser.add_argument("--labels", type=lambda text: set(text.split("|")),
+                        help="only the rows of these labels, |-separated (plain: the empty label)")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --out: the rows compiled replace those of OUT.json of the same "
+                             "kernel, call and tiles, the others are kept (a report of --only all)")
     args = parser.parse_args(argv)
+    if args.merge and not (args.out and Path(args.out + ".json").exists()):
+        parser.error("--merge updates an existing report: --out OUT with OUT.json")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     configs = [c for c in configurations(args.only, args.seq_len)
                if (args.head_dims is None or c[2] in args.head_dims)
-               and (args.dtypes is None or c[1] in args.dtypes)]
+               and (args.dtypes is None or c[1] in args.dtypes)
+               and (args.labels is None or c[0] in args.labels)]
     rows = report(configs, args.seq_len) if args.kernels != "backward" else []
     if args.kernels != "forward":
         rows += report_backward(configs, args.seq_len)
-    table = markdown(rows, args.only)
+    ok = all(r.ok for r in rows if not r.label.startswith("candidate"))
+    if args.merge:
+        rows = merged(load(args.out + ".json"), rows)
+    table = markdown(rows, "all" if args.merge else args.only)
     if args.out:
         Path(args.out + ".md").write_text(table)
         Path(args.out + ".json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
     print(table)
     # A candidate that does not fit or compile is a result of the sweep, not a failure.
-    return 0 if all(r.ok for r in rows if not r.label.startswith("candidate")) else 1
+    return 0 if ok else 1
+
+
+def _row_key(r: Facts) -> tuple:
+    return (r.kernel, r.label, r.dtype, r.head_dim, r.causal, r.block_q, r.block_kv,
+            r.num_stages, r.persistent, r.seq_len)
+
+
+def load(path: str) -> list[Facts]:
+    """A report's rows from its JSON."""
+    return [Facts(**row) for row in json.loads(Path(path).read_text())]
+
+
+def merged(old: list[Facts], new: list[Facts]) -> list[Facts]:
+    """``old`` with each row that ``new`` compiled again replaced in place; new rows appended."""
+    fresh = {_row_key(r): r for r in new}
+    rows = [fresh.pop(_row_key(r), r) for r in old]
+    return rows + [r for r in new if _row_key(r) in fresh]
 
 
 if __name__ == "__main__":

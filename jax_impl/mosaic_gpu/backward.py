@@ -353,13 +353,17 @@ def _write_positions(positions, wg, rows: int, cols: int):
     """Writes a tile's row and column offsets (0..n-1) to shared memory once and returns
     loaders of them in the tile's row and column layouts. An edge tile's mask reads them from
     shared memory inside its loop: built from iotas, the compiler hoists every thread's
-    per-element positions out of all loops and keeps them live (D=128: spills)."""
+    per-element positions out of all loops and keeps them live (D=128: spills). A loader's
+    ``mine`` (``_opaque_warpgroup``) reads them at an address formed inside the loop too."""
     row_ref, col_ref = (ref.at[wg] for ref in positions)
     row_ref[...] = plgpu.broadcasted_iota(jnp.int32, row_ref.shape, 0, layout=_ROWS)
     col_ref[...] = plgpu.broadcasted_iota(jnp.int32, col_ref.shape, 0, layout=_COLS)
     plgpu.commit_smem()
-    return (lambda: plgpu.load(row_ref.at[pl.ds(0, rows)], layout=_ROWS),
-            lambda: plgpu.load(col_ref.at[pl.ds(0, cols)], layout=_COLS))
+    at = lambda ref, all_, mine: ref if mine is None else all_.at[mine]
+    return (lambda mine=None: plgpu.load(at(row_ref, positions[0], mine).at[pl.ds(0, rows)],
+                                         layout=_ROWS),
+            lambda mine=None: plgpu.load(at(col_ref, positions[1], mine).at[pl.ds(0, cols)],
+                                         layout=_COLS))
 
 
 # --- Dropout (the forward's hash; dV from the dropped P, dP dropped the same way) ----------
@@ -498,20 +502,27 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             mine = _opaque_warpgroup(wg, step)
             s_t, dp_t = _two_products(tile, k_all.at[mine], q_ring.at[slot], v_all.at[mine],
                                       do_ring.at[slot])
+            # With dropout beside segment ids alone, or a mask alone causal, the positions are
+            # read at ``mine``'s address (D=128: segment ids 16 bytes spilled, not 20, and
+            # causal 0 with the drop order below; a mask causal 8, not 16); elsewhere the
+            # hoisted address spills less (a mask not causal: 12 against 24, every feature at
+            # once 76 loaded against 80).
+            at = mine if cfg.dropout_rate and g.streamed == 1 and (
+                g.has_segments or (g.has_mask and cfg.mask.is_causal)) else None
             allowed = None
             if rules.structural and cfg.mask.restricts:  # two query bounds per key, as the forward's
-                lo, hi = masking.query_bounds_per_key(cfg.mask, key_start + key_offsets(),
+                lo, hi = masking.query_bounds_per_key(cfg.mask, key_start + key_offsets(at),
                                                       i * c.block_q, q_len, kv_len, offset)
                 per_key = lambda x: x if x is None or jnp.ndim(x) == 0 else \
                     lax.broadcast_in_dim(x, tile, (0,))
-                allowed = masking.within_bounds(cols(query_offsets()), per_key(lo), per_key(hi))
+                allowed = masking.within_bounds(cols(query_offsets(at)), per_key(lo), per_key(hi))
             load = lambda ref: plgpu.load(ref.at[slot], layout=_COLS)
             head_mods = tile_mods(cfg, b, kv_head * g.groups + member, refs["mod_aux"],
                                   g.mod_aux_types, gradient=True)
             score_mod = None
             if head_mods is not None:  # on the fragment's global indices (transposed)
-                q_idx = cols(i * c.block_q + query_offsets())
-                kv_idx = lax.broadcast_in_dim(key_start + key_offsets(), tile, (0,))
+                q_idx = cols(i * c.block_q + query_offsets(at))
+                kv_idx = lax.broadcast_in_dim(key_start + key_offsets(at), tile, (0,))
                 score_mod = functools.partial(head_mods.score, rows=q_idx, cols=kv_idx)
                 if rules.mask_mod:
                     allowed = masking.all_of([allowed, head_mods.allowed(q_idx, kv_idx)])
@@ -526,13 +537,15 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
                                         lax.broadcast_in_dim(key_poison, tile, (0,)), score_mod)
             # Dropout: dV from the dropped P^T, dP^T dropped alike. With a tile streamed beside
             # Q and dO (ids, a bias, a mask) P^T is dropped beside dP^T (one hash) and dV's
-            # 16-bit operand made at once; without, after dS^T: each order the one that
-            # spills least (sm_90a, D=128).
+            # 16-bit operand made at once; without, and causal with one streamed tile that is
+            # not a mask, after dS^T: each order the one that spills least (sm_90a, D=128:
+            # causal, segment ids 0 bytes against 4, a bias 4 against 16, a mask 72 against
+            # 16; not causal, segment ids 100 against 16).
             drop = _dropout(cfg, refs, b, kv_head * g.groups + member)
             dv_lhs = None
             if drop is not None:
-                queries, keys = i * c.block_q + query_offsets(), key_start + key_offsets()
-                if g.streamed:
+                queries, keys = i * c.block_q + query_offsets(at), key_start + key_offsets(at)
+                if g.streamed and not (cfg.mask.is_causal and g.streamed == 1 and not g.has_mask):
                     dp_t, dv_lhs = drop((dp_t, p_t), queries, keys, 1)
                     dv_lhs = dv_lhs.astype(g.dtype)
                 else:

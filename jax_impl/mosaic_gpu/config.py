@@ -141,14 +141,14 @@ def default_config(head_dim: int, dtype, *, dropout: bool = False,
     - head_dim 256: 64 x 64 x 2 without the intra-warpgroup overlap (``D256``): the ring fits
       (196 KiB), and O's 64 x 256 fp32 accumulator (128 registers per thread) leaves too few
       registers to keep P_{j-1} and a running P V beside S (the overlap spilled 16-24 bytes in
-      the masked tiles, 0-4 without it).
+      the masked tiles, none without it).
 
     ``Config(64, 128, 2)`` (``PREVIOUS_DEFAULT``) stays selectable at every head_dim.
 
-    With dropout at head_dim 128, 64 keys per stage (``DROPOUT_D128``): the hash's column
-    keys and bits on a 64 x 128 tile spill 20/20 bytes in the masked tiles (causal; 92/152
-    before the band's rule became per-row key bounds), none on 64 x 64
-    (benchmarks/results/mosaic_compile_report_sm90.md, "dropout" rows).
+    With dropout at head_dim 128, 64 keys per stage (``DROPOUT_D128``), taken when 64 x 128
+    spilled 20 bytes in the masked tiles; both compile without spills now
+    (benchmarks/results/mosaic_compile_report_sm90.md, "dropout" rows): a GPU's timing is to
+    choose between them.
 
     With a bias or a dense mask (``pairwise_bytes`` > 0: bytes per pair of their tiles,
     ``Config.shared_memory_bytes``): at head_dim 64 the defaults above (128 x 64 x 2) where

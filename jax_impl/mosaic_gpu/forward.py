@@ -380,7 +380,13 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     q_smem, k_smem, v_smem, max_smem, log_sum_smem = smem[:5]
     key_ids = smem[-1] if geometry.has_segments else None
     q_loaded, k_produced, v_produced, k_consumed, v_consumed, schedule = barriers[:6]
+    q_all = q_smem
     q_smem, max_smem, log_sum_smem = q_smem.at[wg], max_smem.at[wg], log_sum_smem.at[wg]
+    # Q as S = Q K^T reads it, indexed by ``wg`` in a form the compiler cannot prove
+    # loop-invariant (``step`` is never negative): its wgmma descriptor is formed beside each
+    # GEMM instead of hoisted out of the loop over work items and kept live (D=128 causal with
+    # segment ids: 12 bytes spilled); backward._opaque_warpgroup does the same.
+    own_q = lambda step: q_all.at[jnp.where(step >= 0, wg, 0)]
     pairwise = _Pairwise(refs, smem, barriers)
     own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
     tile = (c.block_q, c.block_kv)
@@ -473,7 +479,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             plgpu.barrier_wait(k_produced.at[slot])
 
             def logits(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+                plgpu.wgmma(s_ref, own_q(step), k_smem.at[slot].T)
                 schedule_sync()  # the other warpgroup's GEMMs go next
                 return s_ref[...]
 
@@ -502,7 +508,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                 return softmax_of(s, j, slot, rules, row_max, row_sum)
 
             acc, (rescale, p, row_max, row_sum) = _pipelined_gemms(
-                acc, q_smem, k_smem.at[slot], p_prev, v_smem.at[prev], schedule_sync, between,
+                acc, own_q(step), k_smem.at[slot], p_prev, v_smem.at[prev], schedule_sync, between,
                 interpreted)
             plgpu.barrier_arrive(v_consumed.at[prev])
             # P in 16 bits only now: registers that the next P V reads, written while this

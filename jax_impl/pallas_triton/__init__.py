@@ -50,14 +50,14 @@ def forward_blocks(cfg: AttentionConfig, q, k) -> tuple[int, int]:
     """(block_q, block_k) of the forward kernel for q [B, Lq, Hq, D] and k (arrays or
     ShapeDtypeStructs)."""
     blocks = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
-                           cfg.mask.is_causal).blocks
+                           cfg.mask.is_causal, cfg.score_mod is not None).blocks
     return blocks.block_q, blocks.block_k
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
-                           cfg.mask.is_causal)
+                           cfg.mask.is_causal, cfg.score_mod is not None)
     extras = extras or SinksAndDropout()
     cfg, q, k, v, masks, mask, bias, mod_aux = _kernel_operands(cfg, layout, q, k, v, bias, masks,
                                                                 extras.mod_aux)
@@ -73,7 +73,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, ex
     extras = extras or SinksAndDropout()
     d_mod_aux = tuple(None for _ in extras.mod_aux)
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
-                           cfg.mask.is_causal)
+                           cfg.mask.is_causal, cfg.score_mod is not None)
     cfg, q, k, v, masks, mask, bias, mod_aux = _kernel_operands(cfg, layout, q, k, v, bias, masks,
                                                                 extras.mod_aux)
     axes = vma.axes_of(q, d_out, stats, delta)

@@ -11,6 +11,7 @@ power of two (never below 16, Triton's dot minimum) instead of padding to a full
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -87,11 +88,21 @@ def kernels(head_dim: int, blocks: BlockSizes) -> tuple[str, ...]:
     return ("forward", *(("dv", "dk") if split_dkdv(head_dim, blocks) else ("dkdv",)), "dq")
 
 
-def default_block_sizes(head_dim: int, dtype, causal: bool = False, table: dict | None = None) -> BlockSizes:
-    """The unclipped tiles for one call: the tuned entry if there is one, else the rule."""
+# A score_mod adds its [bq, bk] tile of work to the forward's logits: on the tuned 4 warps of
+# D=64 (128 x 64 tiles, 255 registers) ALiBi spilled 8-12 bytes; on 8 warps none does.
+SCORE_MOD_FORWARD_WARPS = 8
+
+
+def default_block_sizes(head_dim: int, dtype, causal: bool = False, table: dict | None = None, *,
+                        score_mod: bool = False) -> BlockSizes:
+    """The unclipped tiles for one call: the tuned entry if there is one, else the rule; with a
+    ``score_mod`` the forward runs on at least SCORE_MOD_FORWARD_WARPS warps (same tiles)."""
     table = tuned_block_sizes() if table is None else table
     tuned = table.get((head_dim_class(head_dim), np.dtype(dtype).name, bool(causal)))
-    return tuned or rule_block_sizes(head_dim, dtype)
+    blocks = tuned or rule_block_sizes(head_dim, dtype)
+    if score_mod and blocks.num_warps < SCORE_MOD_FORWARD_WARPS:
+        blocks = dataclasses.replace(blocks, num_warps=SCORE_MOD_FORWARD_WARPS)
+    return blocks
 
 
 def read_tuned_table(path) -> dict:

@@ -31,10 +31,11 @@ class Layout:
 
     @classmethod
     def create(cls, lq: int, lk: int, head_dim: int, dtype, blocks: BlockSizes | None,
-               causal: bool = False):
-        """The clipped tiles of one call; user ``blocks`` that overflow shared memory are refused."""
+               causal: bool = False, score_mod: bool = False):
+        """The clipped tiles of one call; user ``blocks`` that overflow shared memory are refused.
+        ``score_mod``: the call has one (heuristics.default_block_sizes)."""
         requested = blocks
-        blocks = blocks or heuristics.default_block_sizes(head_dim, dtype, causal)
+        blocks = blocks or heuristics.default_block_sizes(head_dim, dtype, causal, score_mod=score_mod)
         clip_q = lambda b: heuristics.clip_block(b, lq)
         clip_k = lambda b: heuristics.clip_block(b, lk)
         clipped = dataclasses.replace(

@@ -119,6 +119,45 @@ def test_16bit_tiles_do_not_spill(compiled):
     # fp32 (FMA dots: no TF32) spills are reported, not asserted.
 
 
+def test_calls_with_a_score_mod_do_not_spill():
+    """ALiBi and T5's table (score_mods reading mod_aux) beside a window mask_mod and its
+    block_mask, at D=64 bf16, causal and not, compile forward + backward on the heuristic's
+    tiles with no spills and every dot on wgmma; the forward runs on 8 warps where a plain call
+    keeps the tuned 4 (same tiles)."""
+    configs = [c for c in compile_report.MODS_CONFIGS if c[0] == 64]
+    tuned = heuristics.default_block_sizes(64, "bfloat16", False)
+    # The counter-case: ALiBi on the plain call's tiles and warps.
+    alibi = "alibi + window block_mask"
+    rows = compile_report.report(configs)
+    counter = compile_report.report([(64, "bfloat16", False, tuned, alibi)])
+    assert {(r.mods, r.causal, r.kernel) for r in rows} == {
+        (m, c, k) for m in compile_report.MODS for c in (False, True) for k in ("forward", "dkdv", "dq")}
+    for r in rows:
+        assert r.ptxas_ok, f"{_label(r)} {r.mods}: {r.error}"
+        assert max(r.spill_stores, r.spill_loads) == 0, f"{_label(r)} {r.mods}: {r.spill_stores} bytes spilled"
+        assert _wgmma_only(r), f"{_label(r)} {r.mods}: {r.wgmma} wgmma, {r.mma_sync} mma.sync"
+    for r in rows:
+        plain = heuristics.default_block_sizes(64, "bfloat16", r.causal)
+        assert r.block_sizes == dataclasses.astuple(dataclasses.replace(plain, num_warps=8)), _label(r)
+    assert tuned.num_warps == 4
+    assert {r.kernel: r.spill_stores > 0 for r in counter} == {"forward": True, "dkdv": False, "dq": False}
+
+
+def test_committed_report_holds_the_score_mod_rows():
+    """The committed report has every MODS_CONFIGS row (D=64 and 128), each with 0 spills, and
+    its Markdown table shows them."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "compile_report_sm90"
+    rows, _, _ = compile_report.load(str(path) + ".json")
+    mods = [r for r in rows if r.mods]
+    assert {(r.head_dim, r.dtype, r.causal, r.mods) for r in mods} == {
+        (d, dt, c, m) for d, dt, c, _, m in compile_report.MODS_CONFIGS}
+    table = Path(str(path) + ".md").read_text()
+    for r in mods:
+        assert r.ptxas_ok and r.spill_stores == r.spill_loads == 0, f"{_label(r)} {r.mods}"
+        assert f"| {r.head_dim} | {r.dtype} | {'yes' if r.causal else 'no'} | {r.mods} |" in table
+
+
 def test_masked_edges_compile_like_whole_tiles(compiled):
     """A length and a head dim that are not whole tiles (masked loads and stores at the edges,
     layout.py) compile for sm_90a with the shared memory of the same tiles on whole-tile shapes

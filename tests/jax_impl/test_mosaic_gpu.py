@@ -1006,6 +1006,14 @@ DROPOUT_STREAMED_PROBLEMS = [
          causal="bottom_right", lengths=True, dropout=0.2, seed=72),
     Case("fp16-dropout-segments-window-d128", q_len=150, kv_len=150, q_heads=2, kv_heads=2,
          head_dim=128, dtype="float16", window=(40, 9), segments=True, dropout=0.3, seed=73),
+    # causal with one streamed tile that is not a mask: dK/dV drops P^T after dS^T
+    Case("bf16-dropout-segments-causal-d128-gqa", q_len=150, kv_len=150, q_heads=2, kv_heads=1,
+         head_dim=128, dtype="bfloat16", causal="top_left", segments=True, dropout=0.2, seed=74),
+    Case("bf16-dropout-bias-causal", q_len=140, kv_len=140, q_heads=2, kv_heads=2,
+         dtype="bfloat16", bias=True, causal="top_left", dropout=0.25, seed=75),
+    # causal with a mask alone: dK/dV reads the tile positions at an opaque warpgroup's address
+    Case("bf16-dropout-mask-causal-d128", q_len=140, kv_len=140, q_heads=2, kv_heads=2,
+         head_dim=128, dtype="bfloat16", mask="bool", causal="top_left", dropout=0.2, seed=76),
 ]
 
 
@@ -1016,7 +1024,7 @@ def test_dropout_gradients_of_the_backward_kernels_match_the_float64_oracle(monk
                                                                           interpret):
     """dV from the dropped P^T, dP (dQ's tiles) and dP^T (dK/dV's transposed tiles) dropped by
     the same hash, per query head of a GQA group: the oracle's materialised mask. Beside a
-    bias and a mask (dbias too) or segment ids."""
+    bias and a mask (dbias too), segment ids, or causal with segment ids, a bias or a mask alone."""
     _mosaic_backward_only(monkeypatch, interpret)
     pairwise = problem.bias or problem.mask
     results = run(problem, DTYPES[problem.dtype], "mosaic_gpu", interpret=interpret,
