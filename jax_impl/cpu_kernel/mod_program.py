@@ -561,9 +561,20 @@ def _assemble(builder, streams, outputs, fixed, arrays, aux_avals) -> Programs:
     mask's row program stays apart from the backward's, which it runs between."""
     code = builder.code
     out_regs = {r.serial for r in outputs.values()}
+    # Dead code out (jax.grad's jaxpr recomputes the mod's values it does not use): what the
+    # programs' results and the scatter-adds read, back from them.
+    used = set()
+    for names, results in ((["score"], ["score"]), (["grad", "scatter"], ["grad", "slope"]),
+                           (["mask"], ["mask"])):
+        live = {outputs[r].serial for r in results if r in outputs}
+        for i in reversed([i for name in names if name in streams for i in range(*streams[name])]):
+            op, dst, *operands = code[i]
+            if op == "kScatterAdd" or dst.serial in live:
+                used.add(i)
+                live.update(r.serial for r in operands[:3] if isinstance(r, _Reg))
     parts = {}
     for name, (start, end) in streams.items():
-        ins = code[start:end]
+        ins = [code[i] for i in range(start, end) if i in used]
         tile = name != "scatter"
         parts[name + "_tile"] = [x for x in ins if tile and x[1] is not None and x[1].tile]
         parts[name] = [x for x in ins if not (tile and x[1] is not None and x[1].tile)]
