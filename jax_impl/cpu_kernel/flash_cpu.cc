@@ -58,12 +58,15 @@ flash_cpu::Problem MakeProblem(int64_t B, int64_t Lq, int64_t Lk, int64_t Hq, in
 bool ModsFit(const flash_cpu::ModProgram& m, int64_t words, int64_t aux_floats) {
   using namespace flash_cpu;
   if (words < kModHeaderSize || m[kRowRegisters] < kModInputRows ||
-      m[kUniformRegisters] < kModInputUniforms || m[kAuxFloats] > aux_floats)
+      m[kDiagonalRegisters] < kModInputDiagonals || m[kUniformRegisters] < kModInputUniforms ||
+      m[kAuxFloats] > aux_floats)
     return false;
-  const int64_t registers = int64_t{m[kRowRegisters]} + m[kUniformRegisters];
+  const int64_t registers = int64_t{m[kRowRegisters]} + m[kDiagonalRegisters] + m[kUniformRegisters];
   const int64_t count = (words - kModHeaderSize) / kModWidth;
   for (auto [start, length] : {std::pair{kScoreStart, kScoreCount}, {kMaskStart, kMaskCount},
-                               {kGradStart, kGradCount}, {kScatterStart, kScatterCount}})
+                               {kGradStart, kGradCount}, {kScatterStart, kScatterCount},
+                               {kScoreTileStart, kScoreTileCount}, {kMaskTileStart, kMaskTileCount},
+                               {kGradTileStart, kGradTileCount}})
     if (m[start] < 0 || m[length] < 0 || m[start] + int64_t{m[length]} > count) return false;
   for (auto out : {kScoreOut, kMaskOut, kGradOut, kGradSlope})
     if (m[out] < 0 || m[out] >= registers) return false;
@@ -76,6 +79,15 @@ bool ModsFit(const flash_cpu::ModProgram& m, int64_t words, int64_t aux_floats) 
         (x[6] < 1 || x[5] < 0 || x[5] + int64_t{x[6]} > aux_floats))
       return false;
   }
+  // The tile programs run over a tile's diagonal lanes, more than a row register has: they
+  // touch diagonal and uniform registers only.
+  for (auto [start, length] : {std::pair{kScoreTileStart, kScoreTileCount},
+                               {kMaskTileStart, kMaskTileCount}, {kGradTileStart, kGradTileCount}})
+    for (int64_t k = m[start]; k < m[start] + int64_t{m[length]}; ++k) {
+      const int32_t* x = m.words + kModHeaderSize + k * kModWidth;
+      for (int o = 1; o < 5; ++o)
+        if (x[o] >= 0 && x[o] < m[kRowRegisters]) return false;
+    }
   return true;
 }
 

@@ -159,6 +159,8 @@ inline U mix(U x) {
   return x ^ (x >> 16);
 }
 
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
 #include "mod_program.h"  // the mods' row programs (inside this namespace: they use the above)
 
 // C[m, nv*W] (+)= sum_k A[r*ar + k*ak] * B[k*ldb + c], m <= MR rows, nv <= NV vectors.
@@ -202,7 +204,6 @@ void micro_edge(int rows, int nv, int64_t K, const float* A, int64_t ar, int64_t
   micro<M, N>(K, A, ar, ak, B, ldb, C, ldc, acc);
 }
 
-inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 inline bool finite(float x) { return std::fabs(x) < INFINITY; }
 
 // B operands are read in panels of PW columns: element (k, c) of B is at
@@ -496,14 +497,15 @@ inline void RowLogits(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t
   }
 }
 
-// Where register id's value for key c lies (a uniform register repeats one for every key).
+// Where register id's value for key c of the current row lies (a uniform register repeats one
+// for every key).
 inline const float* RegisterLane(ModRegisters& r, int32_t id, int64_t c) {
-  return r.at(id) + (r.is_row(id) ? c : 0);
+  return r.lanes(id) + (r.varies(id) ? c : 0);
 }
 // dst[0, nw) = register id's lanes (a uniform one broadcast).
 inline void CopyRegister(ModRegisters& r, int32_t id, int64_t nw, float* dst) {
-  if (r.is_row(id)) {
-    std::memcpy(dst, r.at(id), nw * sizeof(float));
+  if (r.varies(id)) {
+    std::memcpy(dst, r.lanes(id), nw * sizeof(float));
   } else {
     const vf x = load(r.at(id));
     for (int64_t c = 0; c < nw; c += W) store(dst + c, x);
@@ -511,10 +513,11 @@ inline void CopyRegister(ModRegisters& r, int32_t id, int64_t nw, float* dst) {
 }
 
 // score_mod on one tile row of S (query row i; the tile's keys and the item's b, h are set in
-// r): in place over the row's nw lanes.
+// r, and its tile programs ran: ModTile): in place over the row's nw lanes.
 inline void ScoreRow(const ModProgram& mods, ModRegisters& r, int64_t i, float* row, int64_t n,
                      int64_t nw) {
   r.SetUniform(kUniformQuery, static_cast<int32_t>(i));
+  r.SetRow(i, nw);
   std::memcpy(r.at(kRowScore), row, nw * sizeof(float));
   RunModProgram(mods, mods[kScoreStart], mods[kScoreCount], r, n, nw, nullptr);
   CopyRegister(r, mods[kScoreOut], nw, row);
@@ -525,6 +528,7 @@ inline void ScoreRow(const ModProgram& mods, ModRegisters& r, int64_t i, float* 
 inline void ScoreGradientRow(const ModProgram& mods, ModRegisters& r, int64_t i, float* row,
                              float* slope, int64_t n, int64_t nw) {
   r.SetUniform(kUniformQuery, static_cast<int32_t>(i));
+  r.SetRow(i, nw);
   std::memcpy(r.at(kRowScore), row, nw * sizeof(float));
   RunModProgram(mods, mods[kGradStart], mods[kGradCount], r, n, nw, nullptr);
   CopyRegister(r, mods[kGradOut], nw, row);
@@ -550,6 +554,7 @@ inline void MaskRow(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t j
   int32_t verdict = -1;  // the mask_mod's result register (int32 0/1 lanes), -1: none
   if (P.mods.mask() && hi > lo) {
     mods->SetUniform(kUniformQuery, static_cast<int32_t>(i));
+    mods->SetRow(i, round_up(n, W));
     RunModProgram(P.mods, P.mods[kMaskStart], P.mods[kMaskCount], *mods, n, round_up(n, W), nullptr);
     verdict = P.mods[kMaskOut];
   }
@@ -726,7 +731,7 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
     s.q_bad.resize(bq); s.k_bad.resize(ldt); s.v_bad.resize(bk);
     ModRegisters* mods = P.mods ? &s.mods : nullptr;
     if (mods != nullptr) {
-      mods->Resize(P.mods, ldt);
+      mods->Resize(P.mods, ldt, bq);
       mods->SetUniform(kUniformBatch, static_cast<int32_t>(b));
       mods->SetUniform(kUniformHead, static_cast<int32_t>(h));
     }
@@ -764,7 +769,10 @@ void Forward(const Problem& P, const float* q, const float* kt, const float* v, 
       }
       float* t = s.t.data();
       Gemm(m, nw, D, qa, qa_r, 1, k_panels, PW, D * PW, t, ldt, false);  // t = q k^T
-      if (mods != nullptr) mods->SetKeys(j0, nw);
+      if (mods != nullptr) {  // the keys, and the values along the tile's diagonals
+        mods->SetKeys(j0, nw);
+        ModTile(P.mods, *mods, false, i0, m, j0, nw);
+      }
       for (int64_t r = 0; r < m; ++r) {
         float* tr = t + r * ldt;
         RowLogits(P, b, h, i0 + r, j0, n, tr, nullptr, false);
@@ -853,7 +861,7 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
     ModRegisters* mods = P.mods ? &s.mods : nullptr;
     float* d_aux = P.mods.scatter() ? d_mod_aux + item * P.mods.aux_floats() : nullptr;
     if (mods != nullptr) {
-      mods->Resize(P.mods, ldt);
+      mods->Resize(P.mods, ldt, bq);
       mods->SetUniform(kUniformBatch, static_cast<int32_t>(b));
       s.slope.resize(ldt);
     }
@@ -904,6 +912,7 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
           const float* do_rows = doh + i0 * D;
           float* t = s.t.data();
           float* dp = s.dp.data();
+          if (mods != nullptr) ModTile(P.mods, *mods, true, i0, m, j0, nw);  // the diagonals
           Gemm(m, nw, D, qa, D, 1, s.kt.data(), PW, D * PW, t, ldt, false);        // q k^T
           Gemm(m, nw, D, do_rows, D, 1, s.vt.data(), PW, D * PW, dp, ldt, false);  // dO v^T
           for (int64_t r = 0; r < m; ++r) {
@@ -1241,7 +1250,7 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
   s.q_bad.resize(HM); s.k_bad.resize(bk); s.v_bad.resize(bk); s.max_key.resize(HM);
   ModRegisters* mods = P.mods ? &s.mods : nullptr;
   if (mods != nullptr) {
-    mods->Resize(P.mods, ldt);
+    mods->Resize(P.mods, ldt, 1);  // rows of several heads: the tile programs run per row
     mods->SetUniform(kUniformBatch, static_cast<int32_t>(b));
   }
   std::fill(part_acc, part_acc + HM * Dp, 0.0f);
@@ -1331,7 +1340,10 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
         const int64_t g = r / P.Lq, i = r % P.Lq, h = hk * G + g;
         float* tr = t + r * ldt;
         RowLogits(P, b, h, i, j0, n, tr, nullptr, false);
-        if (mods != nullptr) mods->SetUniform(kUniformHead, static_cast<int32_t>(h));
+        if (mods != nullptr) {
+          mods->SetUniform(kUniformHead, static_cast<int32_t>(h));
+          ModTile(P.mods, *mods, false, i, 1, j0, nw);
+        }
         if (P.mods.score()) ScoreRow(P.mods, *mods, i, tr, n, nw);
         if (masked) MaskRow(P, b, h, i, j0, n, tr, head_q_bad != nullptr && head_q_bad[r], poison, mods);
         // The forward's online softmax (its max in the tile's domain until the split's end).
@@ -1372,6 +1384,7 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
     if (P.mods.score()) {  // the backward's S at that key is score_mod's
       mods->SetUniform(kUniformHead, static_cast<int32_t>(hk * G + g));
       mods->SetKeys(j, W);
+      ModTile(P.mods, *mods, false, i, 1, j, W);
       ScoreRow(P.mods, *mods, i, s.dot.data(), 1, W);
     }
     part_stats_max[hr] = s.dot[0] * unit;

@@ -9,6 +9,12 @@
 // float32 storage bit for bit (bool as 0/1). Lanes past the row's n keys hold junk that no
 // result reads; indices into mod_aux are clamped, so junk never reads out of bounds.
 //
+// Diagonal registers hold values that depend on q_idx and kv_idx only through
+// d = kv_idx - q_idx (and on b, h, mod_aux): over a tile of rows i0..i0+R-1 and keys
+// j0..j0+N-1 they take R+N-1 values, computed once per tile by the tile programs (lane l:
+// d = j0 - (i0+R-1) + l, with the tile's uniforms of b and h), and row i reads them from lane
+// i0+R-1-i on: the same operations on the same values as per row, R times fewer.
+//
 // Included by flash_cpu.h inside namespace flash_cpu, after its vector helpers.
 
 // The opcodes; mod_program.py reads their values from this enum (its names, in this order).
@@ -37,17 +43,22 @@ constexpr int kModWidth = 7;
 // The header of a call's programs (int32 words before the instructions): the register file,
 // then (first instruction, count) of each program and where its results lie.
 enum ModHeader : int32_t {
-  kRowRegisters, kUniformRegisters,
+  kRowRegisters, kDiagonalRegisters, kUniformRegisters,
   kScoreStart, kScoreCount, kScoreOut,             // forward: S -> score_mod(S)
   kMaskStart, kMaskCount, kMaskOut,                // mask_mod -> bool
   kGradStart, kGradCount, kGradOut, kGradSlope,    // backward: score_mod(S) and d/dS
   kScatterStart, kScatterCount,                    // backward: the mod_aux cotangents
+  kScoreTileStart, kScoreTileCount,                // the tile programs (diagonal registers and
+  kMaskTileStart, kMaskTileCount,                  // uniforms of b, h only) of score, mask
+  kGradTileStart, kGradTileCount,                  // and grad, run before their rows
   kAuxFloats,                                      // floats of mod_aux (and of its cotangent)
   kModHeaderSize
 };
 // Registers the kernel fills: rows (the logits S, the key indices, the cotangent of
-// score_mod's result) and uniforms (b, h, q).
+// score_mod's result), the diagonal d = kv_idx - q_idx and uniforms (b, h, q). Register ids:
+// rows from 0, then diagonals, then uniforms.
 enum ModInput : int32_t { kRowScore = 0, kRowKey = 1, kRowCotangent = 2, kModInputRows = 3 };
+enum ModDiagonalInput : int32_t { kDiagonal = 0, kModInputDiagonals = 1 };
 enum ModUniformInput : int32_t { kUniformBatch = 0, kUniformHead = 1, kUniformQuery = 2,
                                  kModInputUniforms = 3 };
 
@@ -193,26 +204,59 @@ struct ModProgram {
 
   explicit operator bool() const { return words != nullptr; }
   int32_t operator[](ModHeader field) const { return words[field]; }
-  bool score() const { return words && words[kScoreCount] > 0; }
-  bool mask() const { return words && words[kMaskCount] > 0; }
+  // Whether the call has a score_mod (not the identity), a mask_mod: instructions in either part.
+  bool score() const { return words && words[kScoreCount] + words[kScoreTileCount] > 0; }
+  bool mask() const { return words && words[kMaskCount] + words[kMaskTileCount] > 0; }
   bool scatter() const { return words && words[kScatterCount] > 0; }
   int64_t aux_floats() const { return words ? words[kAuxFloats] : 0; }
 };
 
 struct ModRegisters {
   std::vector<float> file;
-  int64_t ldt = 0, rows = 0;
+  int64_t ldt = 0, rows = 0, diagonals = 0, diagonal_ldt = 0;
+  // The tile the diagonal registers hold: its last row, its rows, their lanes; and the lane
+  // the current row reads them from (0 in the tile programs).
+  int64_t tile_last = 0, tile_rows = 0, diagonal_lanes = 0, offset = 0;
 
-  void Resize(const ModProgram& p, int64_t row_width) {
+  // Registers for rows of row_width lanes, tiles of up to max_rows rows.
+  void Resize(const ModProgram& p, int64_t row_width, int64_t max_rows) {
     ldt = row_width;
     rows = p[kRowRegisters];
-    file.resize(rows * ldt + int64_t{p[kUniformRegisters]} * W);
+    diagonals = p[kDiagonalRegisters];
+    diagonal_ldt = round_up(max_rows - 1 + row_width, W);
+    file.resize(rows * ldt + diagonals * diagonal_ldt + int64_t{p[kUniformRegisters]} * W);
   }
   bool is_row(int32_t id) const { return id < rows; }
-  float* at(int32_t id) { return file.data() + (is_row(id) ? id * ldt : rows * ldt + (id - rows) * W); }
+  bool is_diagonal(int32_t id) const { return id >= rows && id < rows + diagonals; }
+  bool varies(int32_t id) const { return id < rows + diagonals; }  // one value per key
+  float* at(int32_t id) {
+    return file.data() + (is_row(id) ? id * ldt
+                          : is_diagonal(id) ? rows * ldt + (id - rows) * diagonal_ldt
+                                            : rows * ldt + diagonals * diagonal_ldt +
+                                                  (id - rows - diagonals) * W);
+  }
+  // Register id's lanes as the current row reads them (a diagonal one from the row's offset).
+  const float* lanes(int32_t id) { return at(id) + (is_diagonal(id) ? offset : 0); }
   void SetUniform(int32_t input, int32_t value) {
     const vi v = vi{} + value;
-    store(at(static_cast<int32_t>(rows) + input), as_float(v));
+    store(at(static_cast<int32_t>(rows + diagonals) + input), as_float(v));
+  }
+  // The diagonal input for the tile of rows [i0, i0 + tile) and keys [j0, j0 + nw).
+  void SetTile(int64_t i0, int64_t tile, int64_t j0, int64_t nw) {
+    FLASH_CPU_CHECK(tile >= 1 && round_up(tile - 1 + nw, W) <= diagonal_ldt);
+    tile_last = i0 + tile - 1;
+    tile_rows = tile;
+    diagonal_lanes = round_up(tile - 1 + nw, W);
+    float* d = at(static_cast<int32_t>(rows) + kDiagonal);
+    for (int64_t l = 0; l < diagonal_lanes; ++l) {
+      const int32_t x = static_cast<int32_t>(j0 - tile_last + l);
+      std::memcpy(d + l, &x, sizeof x);
+    }
+  }
+  // Row i of the tile: where it reads the diagonal registers.
+  void SetRow(int64_t i, int64_t nw) {
+    offset = tile_last - i;
+    FLASH_CPU_CHECK(offset >= 0 && offset < tile_rows && offset + nw <= diagonal_lanes);
   }
   // The key indices j0 + c of a tile's row (the same for every row of the tile).
   void SetKeys(int64_t j0, int64_t nw) {
@@ -232,12 +276,12 @@ inline void RunModProgram(const ModProgram& p, int32_t first, int32_t count, Mod
   for (int32_t k = 0; k < count; ++k, code += kModWidth) {
     const int32_t op = code[0], dst = code[1];
     float* out = r.at(dst);
-    const int64_t lanes = r.is_row(dst) ? nw : W;
+    const int64_t lanes = r.is_row(dst) ? nw : r.is_diagonal(dst) ? r.diagonal_lanes : W;
     const int32_t imm0 = code[5], imm1 = code[6];
     auto operand = [&](int32_t id, int64_t* stride) -> const float* {
       if (id < 0) { *stride = 0; return out; }  // unused: any readable lanes
-      *stride = r.is_row(id) ? 1 : 0;
-      return r.at(id);
+      *stride = r.varies(id) ? 1 : 0;
+      return r.lanes(id);
     };
     int64_t sa, sb, sc;
     const float* a = operand(code[2], &sa);
@@ -277,4 +321,23 @@ inline void RunModProgram(const ModProgram& p, int32_t first, int32_t count, Mod
       kModLoops[op](out, a, sa, b, sb, c, sc, lanes);
     }
   }
+}
+
+// The tile programs (the mask's, then the forward's score or the backward's grad) for the tile
+// whose diagonal input SetTile set.
+inline void RunModTile(const ModProgram& p, ModRegisters& r, bool backward) {
+  r.offset = 0;
+  const int64_t lanes = r.diagonal_lanes;
+  if (p.mask()) RunModProgram(p, p[kMaskTileStart], p[kMaskTileCount], r, lanes, lanes, nullptr);
+  if (p.score()) {
+    const ModHeader start = backward ? kGradTileStart : kScoreTileStart;
+    const ModHeader count = backward ? kGradTileCount : kScoreTileCount;
+    RunModProgram(p, p[start], p[count], r, lanes, lanes, nullptr);
+  }
+}
+// SetTile, then the tile programs: rows [i0, i0 + tile), keys [j0, j0 + nw).
+inline void ModTile(const ModProgram& p, ModRegisters& r, bool backward, int64_t i0, int64_t tile,
+                    int64_t j0, int64_t nw) {
+  r.SetTile(i0, tile, j0, nw);
+  RunModTile(p, r, backward);
 }

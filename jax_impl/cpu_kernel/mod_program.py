@@ -6,7 +6,11 @@ A mod is traced once on scalars (``s`` float32, ``b``, ``h``, ``q_idx``, ``kv_id
 ``mod_aux`` as its shapes): its jaxpr is a chain of elementwise operations and scalar reads of
 ``mod_aux`` (``slopes[h]``, ``table[bucket(kv_idx - q_idx), h]``). Each value is *uniform*
 (it depends on b, h and q_idx only: one SIMD vector per row) or *varies along the row* (it
-depends on the score or kv_idx: a register of the row's keys). The programs:
+depends on the score or kv_idx: a register of the row's keys). A value that depends on q_idx and
+kv_idx only through ``kv_idx - q_idx`` (``table[bucket(kv_idx - q_idx), h]``) is *diagonal*: the
+kernel computes it once per tile over the tile's diagonals, in a tile program with the uniforms
+of b and h only, and each row reads its slice (the same operations on the same values). The
+programs (each a tile program and a row program):
 
 - the forward's: S -> score_mod(S);
 - the mask's: mask_mod -> bool;
@@ -54,6 +58,7 @@ OP = _enum("ModOp")
 FIELD = _enum("ModHeader")
 ROW_INPUT = _enum("ModInput")
 UNIFORM_INPUT = _enum("ModUniformInput")
+DIAGONAL_INPUT = _enum("ModDiagonalInput")
 WIDTH = 7  # kModWidth
 _HEADER_SIZE = FIELD["kModHeaderSize"]
 
@@ -64,11 +69,29 @@ class Unsupported(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class _Reg:
-    """A virtual register: ``row`` (varies along the row) or uniform; ``kind`` 'f', 'i' or
-    'b' (float32, int32, bool as int32 0/1)."""
+    """A virtual register: ``cls`` what its value depends on ('c': b, h and constants only;
+    'q': also q_idx; 'd': also kv_idx - q_idx; 'k': also kv_idx; 'r': anything, the score);
+    ``kind`` 'f', 'i' or 'b' (float32, int32, bool as int32 0/1)."""
     serial: int
-    row: bool
+    cls: str
     kind: str
+
+    @property
+    def pool(self) -> str:
+        """Its register file: 'u' uniform (one vector), 'd' diagonal (a tile's diagonals),
+        'r' row (a row's keys)."""
+        return {"c": "u", "q": "u", "d": "d"}.get(self.cls, "r")
+
+    @property
+    def tile(self) -> bool:
+        """Whether it is the same for every row of a tile (it goes in the tile program)."""
+        return self.cls in "cd"
+
+
+def _join(classes) -> str:
+    """The class of a value computed from values of these classes."""
+    varying = set(classes) - {"c"}
+    return varying.pop() if len(varying) == 1 else "c" if not varying else "r"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +171,8 @@ def _reads_float_aux(closed, float_arrays: set) -> bool:
 class _Builder:
     """Virtual-register code of one program stream, built from jaxprs."""
 
-    def __init__(self, arrays: list[_Array]):
+    def __init__(self, arrays: list[_Array], kv: _Reg, q: _Reg, diagonal: _Reg):
+        self.kv, self.q, self.diagonal = kv, q, diagonal  # the inputs kv_idx, q_idx, kv - q
         self.code: list[tuple] = []   # (op name, dst, a, b, c, imm0, imm1)
         self.serial = 0
         self.arrays = arrays          # mod_aux's, then the constant arrays the mods close over
@@ -162,13 +186,13 @@ class _Builder:
         self.reads = []
         return len(self.code)
 
-    def reg(self, row: bool, kind: str) -> _Reg:
+    def reg(self, cls: str, kind: str) -> _Reg:
         self.serial += 1
-        return _Reg(self.serial, row, kind)
+        return _Reg(self.serial, cls, kind)
 
-    def emit(self, op: str, kind: str, *operands, imm=(0, 0), row=None) -> _Reg:
+    def emit(self, op: str, kind: str, *operands, imm=(0, 0), cls=None) -> _Reg:
         regs = [x for x in operands if x is not None]
-        dst = self.reg(any(r.row for r in regs) if row is None else row, kind)
+        dst = self.reg(_join(r.cls for r in regs) if cls is None else cls, kind)
         self.code.append((op, dst, *(list(operands) + [None] * (3 - len(operands))), *imm))
         return dst
 
@@ -177,7 +201,7 @@ class _Builder:
                    .view(np.int32))
         key = (bits, kind)
         if key not in self.consts:
-            self.consts[key] = self.emit("kConst", kind, imm=(bits, 0), row=False)
+            self.consts[key] = self.emit("kConst", kind, imm=(bits, 0), cls="c")
         return self.consts[key]
 
     # -- values ------------------------------------------------------------------------------
@@ -239,6 +263,11 @@ class _Builder:
             return [self.convert(args[0], out_kind)]
         if name == "bitcast_convert_type" and {args[0].kind, out_kind} <= {"f", "i"}:
             return [dataclasses.replace(args[0], kind=out_kind)]  # the same 32 bits
+        if name == "sub" and {(a.serial, a.kind) for a in args} == {(self.kv.serial, "i"),
+                                                                   (self.q.serial, "i")}:
+            # kv_idx - q_idx: the diagonal input (q_idx - kv_idx its negation, as int32 wraps)
+            return [self.diagonal if args[0].serial == self.kv.serial
+                    else self.emit("kINeg", "i", self.diagonal)]
         if name in _BINARY:
             a, b = args
             op = _BINARY[name][0 if a.kind == "f" else 1]
@@ -404,14 +433,16 @@ def _scalars(*kinds):
 
 
 class _Allocator:
-    """Physical registers for a stream of virtual ones: rows from ``first_row``, uniforms from
-    ``first_uniform``, each freed after its last use."""
+    """Physical registers for a stream of virtual ones, each pool's from ``first[pool]``; each
+    freed after its last use unless kept (or ``keep_all``: a tile program's, which the rows
+    read)."""
 
-    def __init__(self, first_row: int, first_uniform: int):
-        self.free = {True: [], False: []}
-        self.next = {True: first_row, False: first_uniform}
-        self.top = dict(self.next)
-        self.where: dict[int, tuple[bool, int]] = {}
+    def __init__(self, first: dict, keep_all: bool = False):
+        self.free = {pool: [] for pool in first}
+        self.next = dict(first)
+        self.top = dict(first)
+        self.keep_all = keep_all
+        self.where: dict[int, tuple[str, int]] = {}
 
     def assign(self, stream: list, pinned: dict, keep: set):
         last = {}
@@ -421,18 +452,19 @@ class _Allocator:
                     last[r.serial] = position
         for position, (_, dst, *operands) in enumerate(stream):
             if dst is not None and dst.serial not in self.where and dst.serial not in pinned:
-                pool = self.free[dst.row]
-                self.where[dst.serial] = (dst.row, pool.pop() if pool else self._grow(dst.row))
+                pool = self.free[dst.pool]
+                self.where[dst.serial] = (dst.pool, pool.pop() if pool else self._grow(dst.pool))
             for r in {r.serial: r for r in operands[:3] if isinstance(r, _Reg)}.values():
-                if last.get(r.serial) == position and r.serial not in keep and r.serial not in pinned:
-                    row, slot = self.where[r.serial]
-                    self.free[row].append(slot)
-        self.where.update(pinned)
+                # (a register of an earlier stream, a tile program's, is not this one's to free)
+                if (last.get(r.serial) == position and r.serial in self.where
+                        and r.serial not in keep and not self.keep_all):
+                    pool, slot = self.where[r.serial]
+                    self.free[pool].append(slot)
 
-    def _grow(self, row: bool) -> int:
-        slot = self.next[row]
-        self.next[row] += 1
-        self.top[row] = max(self.top[row], self.next[row])
+    def _grow(self, pool: str) -> int:
+        slot = self.next[pool]
+        self.next[pool] += 1
+        self.top[pool] = max(self.top[pool], self.next[pool])
         return slot
 
 
@@ -469,12 +501,12 @@ def _compile(score_mod, mask_mod, aux_avals: tuple) -> Programs:
                    for shape, dtype in aux_avals]
     score_mod, mask_mod = (None if mod is None else _reading_singles(mod, aux_avals, takes_score)
                            for mod, takes_score in ((score_mod, True), (mask_mod, False)))
-    builder = _Builder(arrays)
-    inputs = {"s": _Reg(-1, True, "f"), "kv": _Reg(-2, True, "i"), "b": _Reg(-3, False, "i"),
-              "h": _Reg(-4, False, "i"), "q": _Reg(-5, False, "i")}
-    fixed = {-1: (True, ROW_INPUT["kRowScore"]), -2: (True, ROW_INPUT["kRowKey"]),
-             -3: (False, UNIFORM_INPUT["kUniformBatch"]), -4: (False, UNIFORM_INPUT["kUniformHead"]),
-             -5: (False, UNIFORM_INPUT["kUniformQuery"])}
+    inputs = {"s": _Reg(-1, "r", "f"), "kv": _Reg(-2, "k", "i"), "b": _Reg(-3, "c", "i"),
+              "h": _Reg(-4, "c", "i"), "q": _Reg(-5, "q", "i"), "d": _Reg(-6, "d", "i")}
+    fixed = {-1: ("r", ROW_INPUT["kRowScore"]), -2: ("r", ROW_INPUT["kRowKey"]),
+             -3: ("u", UNIFORM_INPUT["kUniformBatch"]), -4: ("u", UNIFORM_INPUT["kUniformHead"]),
+             -5: ("u", UNIFORM_INPUT["kUniformQuery"]), -6: ("d", DIAGONAL_INPUT["kDiagonal"])}
+    builder = _Builder(arrays, inputs["kv"], inputs["q"], inputs["d"])
     index_inputs = [inputs["b"], inputs["h"], inputs["q"], inputs["kv"]]
     streams = {}
     outputs = {}
@@ -522,50 +554,74 @@ def _compile(score_mod, mask_mod, aux_avals: tuple) -> Programs:
 
 
 def _assemble(builder, streams, outputs, fixed, arrays, aux_avals) -> Programs:
-    """Registers for the streams (the forward's and the backward's may share them; the mask's
-    stay apart from the backward's, which it runs between) and the words of the programs."""
-    first_row = ROW_INPUT["kModInputRows"]
-    first_uniform = UNIFORM_INPUT["kModInputUniforms"]
+    """The streams split into tile programs (the instructions of tile-invariant values, in
+    order: they read nothing else) and row programs, registers for them and the words. Tile
+    programs keep their registers (the rows read them); the mask's tile program runs beside
+    the others', the forward's and the backward's programs may share registers, and the
+    mask's row program stays apart from the backward's, which it runs between."""
     code = builder.code
     out_regs = {r.serial for r in outputs.values()}
-    where: dict[int, tuple[bool, int]] = {}
-    top = {True: first_row, False: first_uniform}
+    # Dead code out (jax.grad's jaxpr recomputes the mod's values it does not use): what the
+    # programs' results and the scatter-adds read, back from them.
+    used = set()
+    for names, results in ((["score"], ["score"]), (["grad", "scatter"], ["grad", "slope"]),
+                           (["mask"], ["mask"])):
+        live = {outputs[r].serial for r in results if r in outputs}
+        for i in reversed([i for name in names if name in streams for i in range(*streams[name])]):
+            op, dst, *operands = code[i]
+            if op == "kScatterAdd" or dst.serial in live:
+                used.add(i)
+                live.update(r.serial for r in operands[:3] if isinstance(r, _Reg))
+    parts = {}
+    for name, (start, end) in streams.items():
+        ins = [code[i] for i in range(start, end) if i in used]
+        tile = name != "scatter"
+        parts[name + "_tile"] = [x for x in ins if tile and x[1] is not None and x[1].tile]
+        parts[name] = [x for x in ins if not (tile and x[1] is not None and x[1].tile)]
+    where: dict[int, tuple[str, int]] = {}
+    top = {"r": ROW_INPUT["kModInputRows"], "d": DIAGONAL_INPUT["kModInputDiagonals"],
+           "u": UNIFORM_INPUT["kModInputUniforms"]}
+    base = dict(top)
 
-    def allocate(names, rows_from, uniforms_from):
-        stream = [code[i] for name in names if name in streams for i in range(*streams[name])]
-        alloc = _Allocator(rows_from, uniforms_from)
+    def allocate(names, first, keep_all=False):
+        stream = [x for name in names for x in parts.get(name, ())]
+        alloc = _Allocator(first, keep_all)
         alloc.assign(stream, fixed, out_regs)
         where.update(alloc.where)
-        for row in (True, False):
-            top[row] = max(top[row], alloc.top[row])
-        return alloc
+        for pool in top:
+            top[pool] = max(top[pool], alloc.top[pool])
+        return alloc.top
 
-    allocate(["score"], first_row, first_uniform)
-    backward = allocate(["grad", "scatter"], first_row, first_uniform)
-    allocate(["mask"], backward.top[True], backward.top[False])
-    rows, uniforms = top[True], top[False]
-    physical = lambda r: -1 if r is None else (lambda row, slot: slot if row else rows + slot)(*where[r.serial])
+    tiles = allocate(["mask_tile"], base, keep_all=True)
+    score_top = allocate(["score"], allocate(["score_tile"], tiles, keep_all=True))
+    grad_top = allocate(["grad", "scatter"], allocate(["grad_tile"], tiles, keep_all=True))
+    allocate(["mask"], {pool: max(score_top[pool], grad_top[pool]) for pool in top})
+    where.update(fixed)
+    rows, diagonals, uniforms = top["r"], top["d"], top["u"]
+    offsets = {"r": 0, "d": rows, "u": rows + diagonals}
+    physical = lambda r: -1 if r is None else (lambda pool, slot: offsets[pool] + slot)(*where[r.serial])
     header = np.zeros(_HEADER_SIZE, np.int32)
-    header[FIELD["kRowRegisters"]], header[FIELD["kUniformRegisters"]] = rows, uniforms
-    for name, (start_field, count_field) in {"score": ("kScoreStart", "kScoreCount"),
-                                             "mask": ("kMaskStart", "kMaskCount"),
-                                             "grad": ("kGradStart", "kGradCount"),
-                                             "scatter": ("kScatterStart", "kScatterCount")}.items():
-        if name in streams:
-            header[FIELD[start_field]], end = streams[name]
-            header[FIELD[count_field]] = end - streams[name][0]
+    header[FIELD["kRowRegisters"]], header[FIELD["kDiagonalRegisters"]] = rows, diagonals
+    header[FIELD["kUniformRegisters"]] = uniforms
+    words = [header]
+    position = 0
+    for name, field in (("score_tile", "kScoreTile"), ("score", "kScore"), ("mask_tile", "kMaskTile"),
+                        ("mask", "kMask"), ("grad_tile", "kGradTile"), ("grad", "kGrad"),
+                        ("scatter", "kScatter")):
+        ins = parts.get(name, [])
+        header[FIELD[field + "Start"]], header[FIELD[field + "Count"]] = position, len(ins)
+        position += len(ins)
+        for op, dst, a, b, c, imm0, imm1 in ins:
+            dst_id = 0 if op == "kScatterAdd" else physical(dst)
+            words.append(np.array([OP[op], dst_id, physical(a), physical(b), physical(c), imm0,
+                                   imm1], np.int32))
     for name, field in (("score", "kScoreOut"), ("mask", "kMaskOut"), ("grad", "kGradOut"),
                         ("slope", "kGradSlope")):
         header[FIELD[field]] = physical(outputs[name]) if name in outputs else 0
-    words = [header]
-    for op, dst, a, b, c, imm0, imm1 in code:
-        dst_id = 0 if op == "kScatterAdd" else physical(dst)
-        words.append(np.array([OP[op], dst_id, physical(a), physical(b), physical(c), imm0, imm1],
-                              np.int32))
     aux_floats = sum(int(np.prod(a.shape)) for a in arrays)
     header[FIELD["kAuxFloats"]] = aux_floats
     return Programs(np.concatenate(words), tuple(arrays), tuple(builder.constant_data), aux_floats,
-                    "scatter" in streams and streams["scatter"][1] > streams["scatter"][0])
+                    bool(parts.get("scatter")))
 
 
 def compile_mods(cfg, mod_aux) -> Programs:

@@ -365,7 +365,9 @@ class FuzzMods:
     their tables, drawn from the call's shape and ``seed``; ``dense`` gives the oracle their
     bias and mask, computed here in numpy."""
 
-    KINDS = ("alibi", "t5", "documents", "alibi_documents")
+    # t5_window: T5 on q - kv in a window mask_mod on kv - q; alibi_query: ALiBi times a
+    # per-query scale (values of kv - q alone, hoisted per tile, mixed with a per-query one).
+    KINDS = ("alibi", "t5", "documents", "alibi_documents", "t5_window", "alibi_query")
     kind: str
     b: int
     hq: int
@@ -382,6 +384,12 @@ class FuzzMods:
     def table(self):  # T5: relative positions clipped to [-4, 4]
         return self._rng(1).standard_normal((9, self.hq)).astype(np.float32)
 
+    def window(self):
+        return 1 + self.seed % 40
+
+    def query_scale(self):
+        return self._rng(3).uniform(0.5, 2.0, self.lq).astype(np.float32)
+
     def documents(self):  # ascending document ids per row, queries and keys cut apart
         rng = self._rng(2)
         return (np.sort(rng.integers(0, 3, (self.b, self.lq)), 1).astype(np.int32),
@@ -390,14 +398,20 @@ class FuzzMods:
     def score(self, s, b, h, q_idx, kv_idx):
         if self.kind == "t5":
             return s + jnp.asarray(self.table())[jnp.clip(kv_idx - q_idx, -4, 4) + 4, h]
+        if self.kind == "t5_window":
+            return s + jnp.asarray(self.table())[jnp.clip(q_idx - kv_idx, -4, 4) + 4, h]
+        if self.kind == "alibi_query":
+            return s + jnp.asarray(self.slopes())[h] * (kv_idx - q_idx) * jnp.asarray(self.query_scale())[q_idx]
         return s + jnp.asarray(self.slopes())[h] * (kv_idx - q_idx)
 
     def mask(self, b, h, q_idx, kv_idx):
+        if self.kind == "t5_window":
+            return jnp.abs(kv_idx - q_idx) <= self.window()
         q_doc, kv_doc = (jnp.asarray(x) for x in self.documents())
         return q_doc[b, q_idx] == kv_doc[b, kv_idx]
 
     def options(self) -> dict:
-        return {"score_mod": self.score} if self.kind in ("alibi", "t5") else \
+        return {"score_mod": self.score} if self.kind in ("alibi", "t5", "alibi_query") else \
             {"mask_mod": self.mask} if self.kind == "documents" else \
             {"score_mod": self.score, "mask_mod": self.mask}
 
@@ -407,8 +421,13 @@ class FuzzMods:
         bias = allowed = None
         if self.kind == "t5":
             bias = np.moveaxis(self.table().astype(np.float64)[np.clip(rel, -4, 4) + 4], -1, 0)[None]
-        elif self.kind in ("alibi", "alibi_documents"):
+        elif self.kind == "t5_window":
+            bias = np.moveaxis(self.table().astype(np.float64)[np.clip(-rel, -4, 4) + 4], -1, 0)[None]
+            allowed = np.broadcast_to(np.abs(rel) <= self.window(), (self.b, 1, self.lq, self.lk))
+        elif self.kind in ("alibi", "alibi_documents", "alibi_query"):
             bias = self.slopes().astype(np.float64)[None, :, None, None] * rel
+            if self.kind == "alibi_query":
+                bias = bias * self.query_scale().astype(np.float64)[:, None]
         if self.kind in ("documents", "alibi_documents"):
             q_doc, kv_doc = self.documents()
             allowed = (q_doc[:, :, None] == kv_doc[:, None, :])[:, None]

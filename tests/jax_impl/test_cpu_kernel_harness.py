@@ -527,3 +527,115 @@ def test_mask_mod_program_matches_xla(harness, tmp_path):
                             kv, np.zeros(KEYS, np.float32), b, h, q)
     want = jax.vmap(mask, in_axes=(None, None, None, 0) + (None,) * 5)(b, h, q, kv, *aux)
     np.testing.assert_array_equal(read("mask", np.int32) != 0, want)
+
+
+# --- diagonal hoisting: values of kv_idx - q_idx computed once per tile ---------------------
+
+_M = 4  # the T5 table's clip
+# score_mods (s, b, h, q, kv, table [2M+1, 6], slopes [6], fq [per query], fk [per key]) and
+# mask_mods (b, h, q, kv, same aux): each with a value of kv_idx - q_idx only, mixed with others.
+TILE_CASES = [
+    ("T5 table", lambda s, b, h, q, kv, table, slopes, fq, fk:
+        s + table[jnp.clip(kv - q, -_M, _M) + _M, h], None),
+    ("ALiBi", lambda s, b, h, q, kv, table, slopes, fq, fk: s + slopes[h] * (kv - q), None),
+    ("q - kv, and no score", lambda s, b, h, q, kv, table, slopes, fq, fk:
+        table[jnp.where(q - kv > 0, jnp.minimum(q - kv, _M), _M + jnp.minimum(kv - q, _M)), h % 6], None),
+    ("diagonal mixed with query-only and key-only values", lambda s, b, h, q, kv, table, slopes, fq, fk:
+        s * fk[kv] + table[jnp.clip(kv - q, -_M, _M) + _M, (h + b) % 6] * fq[q]
+        + (kv - q).astype(jnp.float32) * slopes[h] * 0.5 - fq[kv - q] + (kv + q) * 1e-3, None),
+    ("mask_mod on kv - q (a window)", None, lambda b, h, q, kv, table, slopes, fq, fk:
+        (kv - q <= 0) & (kv - q > -37)),
+    ("mask_mod: a diagonal or a query rule", None, lambda b, h, q, kv, table, slopes, fq, fk:
+        ((q - kv) % 3 != 0) | (q < 9) | (table[jnp.clip(kv - q, -_M, _M) + _M, h] > 0.5)),
+    ("T5 with a diagonal mask_mod", lambda s, b, h, q, kv, table, slopes, fq, fk:
+        s + table[jnp.clip(kv - q, -_M, _M) + _M, h], lambda b, h, q, kv, table, slopes, fq, fk:
+        jnp.abs(kv - q) < 50),
+]
+
+
+def _tile_aux(rng):
+    return (jnp.asarray(rng.standard_normal((2 * _M + 1, 6)).astype(np.float32)),
+            jnp.asarray(rng.uniform(-1, 1, 6).astype(np.float32)),
+            jnp.asarray(rng.standard_normal(400).astype(np.float32)),
+            jnp.asarray(rng.standard_normal(400).astype(np.float32)))
+
+
+@pytest.mark.parametrize("name, score_mod, mask_mod", TILE_CASES, ids=[c[0] for c in TILE_CASES])
+def test_tile_programs_on_ragged_tiles_match_xla_and_jax_grad(harness, tmp_path, name, score_mod,
+                                                             mask_mod):
+    """The programs as the forward and backward run them on a tile (the diagonal values once
+    per tile, each row reading its slice) over tiles of 1 to 70 rows and 1 to 150 keys at any
+    offset (d of both signs, edges not a multiple of the SIMD width): the forward's score and
+    the mask bit for bit against XLA on the grid, the backward's value, slope and the mod_aux
+    cotangent (the sum over the tile's rows of the hoisted reads' scatter) against jax.grad."""
+    from jax_impl.cpu_kernel import mod_program
+    rng = np.random.default_rng()
+    aux = _tile_aux(rng)
+    programs = mod_program.compile_mods(_Config(score_mod=score_mod, mask_mod=mask_mod), aux)
+    packed = np.asarray(programs.aux(aux))
+    for rows, n in ((1, int(rng.integers(1, 150))), (int(rng.integers(2, 70)), int(rng.integers(1, 150))),
+                    (64, 64), (int(rng.integers(2, 70)), 1)):
+        i0, j0 = (int(x) for x in rng.integers(0, 200, 2))
+        b, h = int(rng.integers(0, 3)), int(rng.integers(0, 6))
+        s = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+        ct = (rng.standard_normal((rows, n)) * (rng.random((rows, n)) < 0.8)).astype(np.float32)
+        for key, x in (("words", programs.words), ("aux", packed), ("s", s), ("ct", ct)):
+            np.ascontiguousarray(x).tofile(tmp_path / f"{key}.bin")
+        (tmp_path / "params.txt").write_text(
+            f"rows {rows}\nn {n}\ni0 {i0}\nj0 {j0}\nb {b}\nh {h}\nwords {programs.words.size}\n"
+            f"aux {packed.size}\n")
+        result, report = _run(harness, "mods_tile", str(tmp_path))
+        assert result.returncode == 0, report
+        read = lambda key, dtype=np.float32: np.fromfile(tmp_path / f"{key}.bin", dtype).reshape(rows, n)
+        q = jnp.arange(i0, i0 + rows, dtype=jnp.int32)
+        kv = jnp.arange(j0, j0 + n, dtype=jnp.int32)
+        if mask_mod is not None:
+            grid = jax.vmap(jax.vmap(mask_mod, (None, None, None, 0) + (None,) * 4),
+                            (None, None, 0, None) + (None,) * 4)
+            np.testing.assert_array_equal(read("mask", np.int32) != 0, jax.jit(grid)(b, h, q, kv, *aux))
+        if score_mod is None:
+            continue
+        on_grid = lambda f: jax.vmap(jax.vmap(f, (0, None, None, None, 0) + (None,) * 4),
+                                     (0, None, None, 0, None) + (None,) * 4)
+        np.testing.assert_array_equal(read("score"), jax.jit(on_grid(score_mod))(s, b, h, q, kv, *aux))
+        value, slope = jax.jit(on_grid(jax.value_and_grad(score_mod)))(s, b, h, q, kv, *aux)
+        np.testing.assert_allclose(read("value"), value, rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(read("slope"), slope, rtol=2e-6, atol=1e-6)
+        d_aux = jax.grad(lambda *f: jnp.sum(ct * on_grid(score_mod)(s, b, h, q, kv, *f)),
+                         argnums=(0, 1, 2, 3))(*aux)
+        got = programs.cotangents(jnp.asarray(np.fromfile(tmp_path / "d_aux.bin", np.float32)), aux)
+        for entry, want in enumerate(d_aux):
+            np.testing.assert_allclose(got[entry], want, rtol=1e-5, atol=1e-5 * max(1, np.abs(want).max()))
+
+
+def _program_parts(programs):
+    """{program name: its opcodes' names} of compiled programs (the header's ranges)."""
+    from jax_impl.cpu_kernel import mod_program
+    words, size = programs.words, mod_program._HEADER_SIZE
+    names = {v: k for k, v in mod_program.OP.items()}
+    code = words[size:].reshape(-1, mod_program.WIDTH)
+    field = lambda name: int(words[mod_program.FIELD[name]])
+    return {part: [names[int(op)] for op in code[field(f"k{part}Start"):][:field(f"k{part}Count"), 0]]
+            for part in ("Score", "ScoreTile", "Mask", "MaskTile", "Grad", "GradTile", "Scatter")}
+
+
+def test_t5_and_alibi_reads_and_arithmetic_run_once_per_tile():
+    """The structure: T5's clamp and table read (and ALiBi's slope times kv - q) sit in the
+    tile programs; each row adds one diagonal register to S (its backward: the same add and the
+    scatter of the hoisted read's index); a query-only value keeps its gather in the row."""
+    from jax_impl.cpu_kernel import mod_program
+    rng = np.random.default_rng()
+    aux = _tile_aux(rng)
+    t5, alibi = TILE_CASES[0][1], TILE_CASES[1][1]
+    parts = _program_parts(mod_program.compile_mods(_Config(score_mod=t5), aux))
+    assert parts["Score"] == ["kFAdd"] and "kGather" in parts["ScoreTile"], parts
+    assert "kGather" in parts["GradTile"] and "kGather" not in parts["Grad"], parts
+    assert parts["Scatter"] == ["kScatterAdd"]
+    parts = _program_parts(mod_program.compile_mods(_Config(score_mod=alibi), aux))
+    assert parts["Score"] == ["kFAdd"] and {"kGather", "kFMul", "kI2F"} <= set(parts["ScoreTile"]), parts
+    mixed = lambda s, b, h, q, kv, table, slopes, fq, fk: s + fq[q] * table[jnp.clip(kv - q, -1, 1) + 1, h]
+    parts = _program_parts(mod_program.compile_mods(_Config(score_mod=mixed), aux))
+    assert parts["Score"].count("kGather") == 1 and parts["ScoreTile"].count("kGather") == 1, parts
+    window = TILE_CASES[4][2]
+    parts = _program_parts(mod_program.compile_mods(_Config(mask_mod=window), aux))
+    assert parts["Mask"] == [] and "kILe" in parts["MaskTile"], parts

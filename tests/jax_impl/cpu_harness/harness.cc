@@ -18,6 +18,7 @@
 //   harness mods DIR   the mods' row programs (mod_program.h) on one row of n keys: params
 //                      (n, b, h, q, words, aux), words.bin, aux.bin, s.bin, kv.bin, ct.bin;
 //                      writes score.bin, mask.bin (int32), value.bin, slope.bin, d_aux.bin
+//   harness mods_tile DIR   the same on a tile of rows: ModTile, then each row (ModsTile)
 #include "flash_cpu.h"
 
 #include <cstdio>
@@ -298,7 +299,8 @@ int Exp2(const std::string& dir, int64_t count) {
 }
 
 // The programs as the kernels run them on a row (flash_cpu.h: ScoreRow, MaskRow's mask_mod,
-// ScoreGradientRow and the scatter), each present one written out.
+// ScoreGradientRow and the scatter), each present one written out. The keys kv are any
+// int32s: the row is a tile of one row whose diagonal input is kv - q per key.
 int Mods(const std::string& dir) {
   using namespace flash_cpu;
   const Params param(dir);
@@ -309,16 +311,24 @@ int Mods(const std::string& dir) {
   auto kv = Read<int32_t>(dir, "kv", n);
   const ModProgram program{words.get(), aux.get()};
   ModRegisters r;
-  r.Resize(program, nw);
+  r.Resize(program, nw, 1);
   r.SetUniform(kUniformBatch, static_cast<int32_t>(param("b")));
   r.SetUniform(kUniformHead, static_cast<int32_t>(param("h")));
   std::memcpy(r.at(kRowKey), kv.get(), n * sizeof(int32_t));
-  std::vector<float> row(nw, 0.0f), slope(nw, 0.0f), d_aux(program.aux_floats(), 0.0f);
   const int64_t i = param("q");
+  r.SetTile(i, 1, 0, nw);
+  float* diagonal = r.at(static_cast<int32_t>(r.rows) + kDiagonal);
+  for (int64_t c = 0; c < nw; ++c) {
+    const int32_t d = c < n ? static_cast<int32_t>(static_cast<uint32_t>(kv[c]) - static_cast<uint32_t>(i)) : 0;
+    std::memcpy(diagonal + c, &d, sizeof d);
+  }
+  std::vector<float> row(nw, 0.0f), slope(nw, 0.0f), d_aux(program.aux_floats(), 0.0f);
   if (program.score()) {
+    RunModTile(program, r, false);
     std::copy(s.get(), s.get() + n, row.begin());
     ScoreRow(program, r, i, row.data(), n, nw);
     Write(dir, "score", row.data(), n);
+    RunModTile(program, r, true);
     std::copy(s.get(), s.get() + n, row.begin());
     ScoreGradientRow(program, r, i, row.data(), slope.data(), n, nw);
     Write(dir, "value", row.data(), n);
@@ -328,11 +338,71 @@ int Mods(const std::string& dir) {
     Write(dir, "d_aux", d_aux.data(), program.aux_floats());
   }
   if (program.mask()) {
+    RunModTile(program, r, false);
     r.SetUniform(kUniformQuery, static_cast<int32_t>(i));
+    r.SetRow(i, nw);
     RunModProgram(program, program[kMaskStart], program[kMaskCount], r, n, nw, nullptr);
     std::vector<int32_t> verdict(n);
     for (int64_t c = 0; c < n; ++c) std::memcpy(&verdict[c], RegisterLane(r, program[kMaskOut], c), 4);
     Write(dir, "mask", verdict.data(), n);
+  }
+  return 0;
+}
+
+// The programs on a tile as the forward and the backward run them (ModTile, then each row):
+// params (rows, n, i0, j0, b, h, words, aux), words.bin, aux.bin, s.bin and ct.bin [rows, n];
+// writes score.bin, value.bin, slope.bin, mask.bin (int32) [rows, n] and d_aux.bin (the rows'
+// sum, in row order).
+int ModsTile(const std::string& dir) {
+  using namespace flash_cpu;
+  const Params param(dir);
+  const int64_t rows = param("rows"), n = param("n"), nw = round_up(n, W);
+  const int64_t i0 = param("i0"), j0 = param("j0");
+  auto words = Read<int32_t>(dir, "words", param("words"));
+  auto aux = Read<float>(dir, "aux", param("aux"));
+  auto s = Read<float>(dir, "s", rows * n), ct = Read<float>(dir, "ct", rows * n);
+  const ModProgram program{words.get(), aux.get()};
+  ModRegisters r;
+  r.Resize(program, nw, rows);
+  r.SetUniform(kUniformBatch, static_cast<int32_t>(param("b")));
+  r.SetUniform(kUniformHead, static_cast<int32_t>(param("h")));
+  r.SetKeys(j0, nw);
+  std::vector<float> row(nw, 0.0f), slope(nw, 0.0f), d_aux(program.aux_floats(), 0.0f);
+  std::vector<float> score(rows * n), value(rows * n), slopes(rows * n);
+  std::vector<int32_t> verdict(rows * n);
+  if (program.score()) {
+    ModTile(program, r, false, i0, rows, j0, nw);
+    for (int64_t k = 0; k < rows; ++k) {
+      std::copy(s.get() + k * n, s.get() + (k + 1) * n, row.begin());
+      ScoreRow(program, r, i0 + k, row.data(), n, nw);
+      std::copy(row.begin(), row.begin() + n, score.begin() + k * n);
+    }
+    ModTile(program, r, true, i0, rows, j0, nw);
+    for (int64_t k = 0; k < rows; ++k) {
+      std::copy(s.get() + k * n, s.get() + (k + 1) * n, row.begin());
+      ScoreGradientRow(program, r, i0 + k, row.data(), slope.data(), n, nw);
+      std::copy(row.begin(), row.begin() + n, value.begin() + k * n);
+      std::copy(slope.begin(), slope.begin() + n, slopes.begin() + k * n);
+      float* ctr = r.at(kRowCotangent);
+      std::fill(ctr, ctr + nw, 0.0f);
+      std::copy(ct.get() + k * n, ct.get() + (k + 1) * n, ctr);
+      RunModProgram(program, program[kScatterStart], program[kScatterCount], r, n, nw, d_aux.data());
+    }
+    Write(dir, "score", score.data(), rows * n);
+    Write(dir, "value", value.data(), rows * n);
+    Write(dir, "slope", slopes.data(), rows * n);
+    Write(dir, "d_aux", d_aux.data(), program.aux_floats());
+  }
+  if (program.mask()) {
+    ModTile(program, r, false, i0, rows, j0, nw);
+    for (int64_t k = 0; k < rows; ++k) {
+      r.SetUniform(kUniformQuery, static_cast<int32_t>(i0 + k));
+      r.SetRow(i0 + k, nw);
+      RunModProgram(program, program[kMaskStart], program[kMaskCount], r, n, nw, nullptr);
+      for (int64_t c = 0; c < n; ++c)
+        std::memcpy(&verdict[k * n + c], RegisterLane(r, program[kMaskOut], c), 4);
+    }
+    Write(dir, "mask", verdict.data(), rows * n);
   }
   return 0;
 }
@@ -346,6 +416,7 @@ int main(int argc, char** argv) {
   if (mode == "decode" && argc == 3) return Decode(argv[2]);
   if (mode == "exp2" && argc == 4) return Exp2(argv[2], std::atoll(argv[3]));
   if (mode == "mods" && argc == 3) return Mods(argv[2]);
+  if (mode == "mods_tile" && argc == 3) return ModsTile(argv[2]);
   Fail("usage: harness spans | harness run DIR | harness decode DIR | harness exp2 DIR N | "
-       "harness mods DIR");
+       "harness mods DIR | harness mods_tile DIR");
 }
