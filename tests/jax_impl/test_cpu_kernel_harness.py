@@ -604,8 +604,10 @@ def test_tile_programs_on_ragged_tiles_match_xla_and_jax_grad(harness, tmp_path,
         d_aux = jax.grad(lambda *f: jnp.sum(ct * on_grid(score_mod)(s, b, h, q, kv, *f)),
                          argnums=(0, 1, 2, 3))(*aux)
         got = programs.cotangents(jnp.asarray(np.fromfile(tmp_path / "d_aux.bin", np.float32)), aux)
+        # up to 10^4 float32 products summed into each table entry, in another order than
+        # jax.grad's: about 4e-6 of the largest entry; 4e-5 leaves a tenfold margin
         for entry, want in enumerate(d_aux):
-            np.testing.assert_allclose(got[entry], want, rtol=1e-5, atol=1e-5 * max(1, np.abs(want).max()))
+            np.testing.assert_allclose(got[entry], want, rtol=1e-5, atol=4e-5 * max(1, np.abs(want).max()))
 
 
 def _program_parts(programs):
