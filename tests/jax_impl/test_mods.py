@@ -338,3 +338,23 @@ def test_a_zero_dimensional_mod_aux_is_a_scalar_and_gets_its_gradient(implementa
     # the oracle's dq, dk are of the logits after the mod: times d(s t)/ds = t before it
     for got, expected in zip((out, *vjp(d_out)), (want[0], want[1] * t64, want[2] * t64, want[3], d_t)):
         np.testing.assert_allclose(got, expected, atol=2e-5 * max(1, np.abs(expected).max()), rtol=1e-4)
+
+
+@pytest.mark.parametrize("mod", ["alibi", "t5"])
+def test_score_mods_compile_without_a_score_sized_buffer_at_4096(mod):
+    """ALiBi and a T5 table on the CPU default at L=4096, forward and forward+backward (the
+    table's gradient too): the C++ kernel runs them, and the compiled temporaries (O(L D H):
+    about 8 MiB) stay far below one [L, L] float32 (64 MiB; the scores of both heads: 128)."""
+    n, heads = 4096, 2
+    x = jax.ShapeDtypeStruct((1, n, heads, 64), jnp.float32)
+    score_mod, shape = (_alibi, (heads,)) if mod == "alibi" else (_t5, (8, heads))
+    table = jax.random.uniform(jax.random.key(13), shape, minval=0.05, maxval=0.5)
+    q = jax.random.normal(jax.random.key(14), x.shape, x.dtype)
+    assert explain_implementation(q, q, q, score_mod=score_mod, mod_aux=(table,), is_causal=True,
+                                  platform="cpu").chosen == "cpu"
+    aux = jax.ShapeDtypeStruct(shape, jnp.float32)
+    call = lambda q, k, v, a: flash_attention(q, k, v, score_mod=score_mod, mod_aux=(a,), is_causal=True)
+    loss = lambda q, k, v, a: jnp.sum(call(q, k, v, a))
+    for f in (call, jax.grad(loss, argnums=(0, 1, 2, 3))):
+        compiled = jax.jit(f).lower(x, x, x, aux).compile()
+        assert compiled.memory_analysis().temp_size_in_bytes < 16 * 2**20, mod
