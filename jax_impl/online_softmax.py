@@ -177,7 +177,7 @@ def logsumexp(stats: RowStats):
 def recomputed_probs(s, stats: RowStats, attended, *, base2: bool = False,
                      transposed: bool = False, to_tile=None):
     """Backward: P = exp(S - max - log_sum) from the saved statistics (the forward's S, so the
-    row max cancels exactly), exactly 0 where not ``attended`` (selected after the statistics,
+    row max cancels), at most 1, exactly 0 where not ``attended`` (selected after the statistics,
     which are NaN in a NaN row). ``base2``: as ``online_step``; ``transposed``: s is a
     (key, query) tile; ``to_tile``: how a per-query vector meets the tile, else ``per_row``."""
     row = to_tile or (lambda x: per_row(x, transposed))
@@ -185,6 +185,10 @@ def recomputed_probs(s, stats: RowStats, attended, *, base2: bool = False,
         shifted = (s - row(stats.max)) * LOG2_E - row(stats.log_sum * LOG2_E)
     else:
         shifted = (s - row(stats.max)) - row(stats.log_sum)
+    # P <= 1: a backward whose S^T comes from a dot of another shape (XLA:CPU's, in the
+    # interpreters) may round S a few ulps past the forward's max, which at |S| ~ 1e9 is an
+    # exponent of hundreds and an infinite P; a NaN stays NaN (min propagates it).
+    shifted = jnp.minimum(shifted, 0.0)
     if attended is not None:
         shifted = jnp.where(attended, shifted, -jnp.inf)
     return jnp.exp2(shifted) if base2 else jnp.exp(shifted)
