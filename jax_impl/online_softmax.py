@@ -175,11 +175,12 @@ def logsumexp(stats: RowStats):
 
 
 def recomputed_probs(s, stats: RowStats, attended, *, base2: bool = False,
-                     transposed: bool = False, to_tile=None):
+                     transposed: bool = False, to_tile=None, at_most_one: bool = True):
     """Backward: P = exp(S - max - log_sum) from the saved statistics (the forward's S, so the
     row max cancels), at most 1, exactly 0 where not ``attended`` (selected after the statistics,
     which are NaN in a NaN row). ``base2``: as ``online_step``; ``transposed``: s is a
-    (key, query) tile; ``to_tile``: how a per-query vector meets the tile, else ``per_row``."""
+    (key, query) tile; ``to_tile``: how a per-query vector meets the tile, else ``per_row``;
+    ``at_most_one=False`` leaves P unclamped (a kernel that never runs interpreted)."""
     row = to_tile or (lambda x: per_row(x, transposed))
     if base2:  # the multiply by log2(e) and the log-sum's subtraction: one multiply-add
         shifted = (s - row(stats.max)) * LOG2_E - row(stats.log_sum * LOG2_E)
@@ -188,7 +189,8 @@ def recomputed_probs(s, stats: RowStats, attended, *, base2: bool = False,
     # P <= 1: a backward whose S^T comes from a dot of another shape (XLA:CPU's, in the
     # interpreters) may round S a few ulps past the forward's max, which at |S| ~ 1e9 is an
     # exponent of hundreds and an infinite P; a NaN stays NaN (min propagates it).
-    shifted = jnp.minimum(shifted, 0.0)
+    if at_most_one:
+        shifted = jnp.minimum(shifted, 0.0)
     if attended is not None:
         shifted = jnp.where(attended, shifted, -jnp.inf)
     return jnp.exp2(shifted) if base2 else jnp.exp(shifted)
