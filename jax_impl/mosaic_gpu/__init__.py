@@ -148,12 +148,12 @@ def _num_sms() -> int | None:
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
     from jax_impl.mosaic_gpu.forward import Geometry, forward_call
+    extras = extras or SinksAndDropout()
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
                          has_mask=masks.mask is not None, dtype=q.dtype,
-                         has_segment_ids=masks.q_segment_ids is not None)
+                         has_segment_ids=masks.q_segment_ids is not None, mod_aux=extras.mod_aux)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {reason}")
-    extras = extras or SinksAndDropout()
     operands = (q, k, v, masks, extras.sinks, extras.dropout_seeds, extras.dropout_offset,
                 extras.mod_aux)
     q, k, v, masks, sinks, seeds, dropout_offset, mod_aux = vma.like(operands,
@@ -227,13 +227,13 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     ``cfg.bias_gradient``. Calls they cannot take raise; the table routes those elsewhere
     (``backward_unsupported``)."""
     from jax_impl.mosaic_gpu.backward import backward_call
+    extras = extras or SinksAndDropout()
     reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype,
                          has_bias=bias is not None, has_mask=masks.mask is not None,
-                         has_segment_ids=masks.q_segment_ids is not None)
+                         has_segment_ids=masks.q_segment_ids is not None, mod_aux=extras.mod_aux)
     reason = reason or _backward_refuses(cfg, bias is not None, q.shape[-1])
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
-    extras = extras or SinksAndDropout()
     operands = (q, k, v, masks, d_out, stats, delta, extras.dropout_seeds, extras.dropout_offset,
                 extras.mod_aux)
     (q, k, v, masks, d_out, stats, delta, seeds,
