@@ -3,17 +3,13 @@ writes the tables a step would, a stand-in ``timeout`` records each step's limit
 order, arguments, budgets, deadline and the files it leaves under $OUT are checked."""
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
+from script_dry_run import dry_run
 
 from benchmarks import suites
-
-ROOT = Path(__file__).resolve().parents[2]
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 echo "python $* DECODE_BUDGET_S=${DECODE_BUDGET_S:-}" >> "$CALLS"
@@ -25,25 +21,10 @@ fi
 [ "$2" = "pytest" ] && exit 5
 exit 0
 """
-FAKE_TIMEOUT = r"""#!/usr/bin/env bash
-echo "timeout $1" >> "$CALLS"
-shift
-exec "$@"
-"""
 
 
 def _dry_run(tmp_path, **env):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("python", FAKE_PYTHON), ("timeout", FAKE_TIMEOUT)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    calls, out = tmp_path / "calls.log", tmp_path / "out"
-    environment = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"),
-                       CALLS=str(calls), OUT=str(out), **env)
-    run = subprocess.run(["bash", "benchmarks/run_gpu.sh"], cwd=ROOT, env=environment,
-                         capture_output=True, text=True, timeout=120)
-    return run, calls.read_text().splitlines(), out
+    return dry_run(tmp_path, "benchmarks/run_gpu.sh", FAKE_PYTHON, 120, **env)
 
 
 def _benchmark_calls(calls):

@@ -3,14 +3,10 @@ writes what the step would, a stand-in ``timeout`` records each step's limit; th
 order, arguments, budget and the files it leaves under $OUT are checked."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from script_dry_run import dry_run
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 echo "python $*" >> "$CALLS"
@@ -25,27 +21,12 @@ if [ "$2" = "conformance" ]; then
 fi
 exit 0
 """
-FAKE_TIMEOUT = r"""#!/usr/bin/env bash
-echo "timeout $1" >> "$CALLS"
-shift
-exec "$@"
-"""
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="run_tpu.sh needs bash")
 
 
 def _dry_run(tmp_path, **env):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("python", FAKE_PYTHON), ("timeout", FAKE_TIMEOUT)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    calls, out = tmp_path / "calls.log", tmp_path / "out"
-    environment = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"),
-                       CALLS=str(calls), OUT=str(out), **env)
-    run = subprocess.run(["bash", "benchmarks/run_tpu.sh"], cwd=ROOT, env=environment,
-                         capture_output=True, text=True, timeout=60)
-    return run, calls.read_text().splitlines(), out
+    return dry_run(tmp_path, "benchmarks/run_tpu.sh", FAKE_PYTHON, 60, **env)
 
 
 def test_conformance_then_timing_with_the_budget_and_files_under_out(tmp_path):
