@@ -214,30 +214,43 @@ def structure(implementation: str, chips=tuple(CHIPS), names=None) -> list[tuple
             for pass_ in PASSES]
 
 
+def add_chips_argument(parser, known=tuple(CHIPS)) -> None:
+    """``--chips v4,v5e,...`` (default: every one of ``known``); an unknown name is a usage error."""
+    def chips(text):
+        names = [c for c in text.split(",") if c]
+        unknown = set(names) - set(known)
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{sorted(unknown)} are not among {list(known)}")
+        return names
+    parser.add_argument("--chips", default=",".join(known), type=chips)
+
+
+def use_compile_only_chips(llo_dump: Path | None = None) -> None:
+    """The environment of compile-only TPU chips (ENVIRONMENT, before jax is imported) and,
+    with ``llo_dump``, libtpu's static LLO profile written there."""
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    if llo_dump is not None:
+        os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " "
+                                          + LLO_FLAGS.format(llo_dump)).strip()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--implementation", default="mosaic_tpu")
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
-    parser.add_argument("--chips", default=",".join(CHIPS),
-                        type=lambda text: [c for c in text.split(",") if c])
+    add_chips_argument(parser)
     parser.add_argument("--only", type=lambda text: set(text.split(",")),
                         help="configurations by name (e.g. 'plain d128 causal,bias d128')")
     parser.add_argument("--llo-cycles", action="store_true",
                         help="libtpu's static LLO cycle estimates (slow: minutes per compile)")
     args = parser.parse_args(argv)
-    unknown = set(args.chips) - set(CHIPS)
-    if unknown:
-        parser.error(f"--chips: {sorted(unknown)} are not among {list(CHIPS)}")
     cases = [c for c in configurations() if args.only is None or c.name in args.only]
     if not cases:
         parser.error(f"--only: none of {sorted(args.only)} is a configuration "
                      f"({[c.name for c in configurations()]})")
     dump = Path(tempfile.mkdtemp(prefix="llo_")) if args.llo_cycles else None
-    for name, value in ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    if dump is not None:
-        os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " "
-                                          + LLO_FLAGS.format(dump)).strip()
+    use_compile_only_chips(dump)
     rows = report(args.implementation, args.chips, cases, dump=dump)
     table = markdown(rows, args.implementation)
     if args.out is None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 import time
@@ -193,21 +192,14 @@ def markdown(rows: list[Row], chips) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
-    parser.add_argument("--chips", default=",".join(CHIPS),
-                        type=lambda text: [c for c in text.split(",") if c])
+    report.add_chips_argument(parser, CHIPS)
     parser.add_argument("--programs", default=None, type=lambda text: set(text.split(",")),
                         help=f"a subset of {OURS},jax_flash,splash")
     parser.add_argument("--append", action="store_true",
                         help="keep OUT.json's rows of the other chips and programs (one chip a process)")
     args = parser.parse_args(argv)
-    unknown = set(args.chips) - set(CHIPS)
-    if unknown:
-        parser.error(f"--chips: {sorted(unknown)} are not among {list(CHIPS)}")
-    for name, value in report.ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
     dump = Path(tempfile.mkdtemp(prefix="llo_estimate_"))
-    os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " "
-                                      + report.LLO_FLAGS.format(dump)).strip()
+    report.use_compile_only_chips(dump)
     out = None if args.out is None else Path(args.out)
 
     def write(rows):  # after every row: a run cut short leaves what it measured
