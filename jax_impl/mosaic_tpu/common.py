@@ -152,17 +152,20 @@ def lanes(x, width: int):
     return jnp.tile(x, (1, width // NUM_LANES))
 
 
-def online_step(row_max, row_sum, s, allowed):
+def online_step(row_max, row_sum, s, allowed, unit: float = 1.0):
     """``online_softmax.online_step`` for lane-broadcast state: fold the tile S ``[bq, bk]``
     (bk a multiple of NUM_LANES) into (m, l) ``[bq, NUM_LANES]``. Rows that have seen no
     allowed finite logit keep m = -inf and use 0 as the reference (no inf - inf; P exactly 0).
-    Returns (rescale ``[bq, NUM_LANES]``, P, new m, new l)."""
+    ``unit``: s and m hold S / unit (plain logits as q.k: the scale folds into exp2's
+    multiply, one multiply fewer per logit). Returns (rescale ``[bq, NUM_LANES]``, P, new m,
+    new l)."""
+    exp = lambda x: jnp.exp2(x * (unit * online_softmax.LOG2_E))
     if allowed is not None:
         s = jnp.where(allowed, s, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(s, axis=-1, keepdims=True))   # [bq, 128]
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-    rescale = jnp.exp(row_max - safe_max)
-    p = jnp.exp(s - lanes(safe_max, s.shape[-1]))
+    rescale = exp(row_max - safe_max)
+    p = exp(s - lanes(safe_max, s.shape[-1]))
     new_sum = rescale * row_sum + jnp.sum(p, axis=-1, keepdims=True)
     return rescale, p, new_max, new_sum
 

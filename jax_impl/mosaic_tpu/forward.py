@@ -63,10 +63,14 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
     o_ref, max_ref, log_sum_ref, m_scratch, l_scratch, acc_scratch = refs
 
     b, h, i, step = (pl.program_id(axis) for axis in range(4))
+    # Plain logits stay q.k in the online softmax (its ``unit``): one multiply fewer per logit.
+    unit = 1.0 if has_bias or cfg.logits_soft_cap is not None or cfg.score_mod is not None \
+        else cfg.scale
 
     @pl.when(step == 0)
     def _init():
-        m, l = common.initial_stats(block_q, common.per_head(sinks_ref, b, h))
+        sink = common.per_head(sinks_ref, b, h)
+        m, l = common.initial_stats(block_q, None if sink is None else sink / unit)
         m_scratch[...], l_scratch[...] = m, l
         acc_scratch[...] = jnp.zeros_like(acc_scratch)
 
@@ -80,11 +84,11 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
             kv_segment_ids=None if kv_seg_ref is None else kv_seg_ref[...],
             mask_tile=None if mask_ref is None else mask_ref[...])
         qk = common.dot_nt(q_ref[...], k_ref[...], precision)
-        s, _, _ = common.tile_logits(cfg, qk, pos, b=b, h=h,
-                                     bias_tile=None if bias_ref is None else bias_ref[...])
+        s = qk if unit != 1.0 else common.tile_logits(
+            cfg, qk, pos, b=b, h=h, bias_tile=None if bias_ref is None else bias_ref[...])[0]
         if has_bias:  # an additive -inf bias excludes its pair (online_softmax.attended)
             allowed = masking.all_of([allowed, s != -jnp.inf])
-        rescale, p, m, l = common.online_step(m_scratch[...], l_scratch[...], s, allowed)
+        rescale, p, m, l = common.online_step(m_scratch[...], l_scratch[...], s, allowed, unit)
         v = v_ref[...]
         if seeds_ref is not None:  # on P where it meets V; m and l stay the undropped ones
             keep = dropout_sinks.keep(common.per_head(seeds_ref, b, h), pos.rows, pos.cols,
@@ -103,7 +107,8 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
 
     @pl.when(step == schedule.steps - 1)
     def _write():
-        out, row_max, log_sum = common.finalize(acc_scratch[...], m_scratch[...], l_scratch[...])
+        out, row_max, log_sum = common.finalize(acc_scratch[...], m_scratch[...] * unit,
+                                                l_scratch[...])
         o_ref[...] = out.astype(o_ref.dtype)
         # [bq, lanes] -> [1, bq]: the row statistics as a lane-dense row.
         max_ref[...] = row_max.T[:1, :]

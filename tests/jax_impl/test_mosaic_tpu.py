@@ -248,3 +248,40 @@ def test_the_index_schedule_refuses_tiles_it_cannot_compute_by_name():
         forward_call(cfg, q, q, q, masks, schedule="index")
     with pytest.raises(ValueError, match=r"schedule='rows' is not one of \('lists', 'index'\)"):
         forward_call(cfg, q, q, q, masks, schedule="rows")
+
+
+# --- Plain logits: the scale folded into exp2's multiply ----------------------------------------
+
+def _kernel_eqns(jaxpr):
+    """Every equation of a Pallas kernel's jaxpr, those inside its branches and loops too."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _kernel_eqns(inner)
+
+
+@pytest.mark.parametrize("soft_cap, has_bias, folded", [
+    (None, False, True), (30.0, False, False), (None, True, False)])
+def test_plain_logits_take_their_row_max_on_the_product_itself(soft_cap, has_bias, folded):
+    """Plain logits (no soft cap, bias or score_mod): the row max is taken on q.k as the
+    MXU returns it, the scale applied once inside exp2's argument (one multiply fewer per
+    logit than scaling S first); with a soft cap or a bias S is formed first."""
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    full = jnp.full((1,), 256, jnp.int32)
+    masks = masking.MaskInputs(full, full, None, None, None)
+    cfg = AttentionConfig(scale=128 ** -0.5, mask=masking.MaskSpec(), logits_soft_cap=soft_cap,
+                          block_sizes=BlockSizes(block_q=128, block_k=128))
+    bias = jnp.zeros((1, 2, 256, 256), jnp.float32) if has_bias else None
+    jaxpr = jax.make_jaxpr(lambda q, k, v: forward_call(cfg, q, k, v, masks, bias))(q, q, q)
+    (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    eqns = list(_kernel_eqns(call.params["jaxpr"]))
+    producer = {out: eqn.primitive.name for eqn in eqns for out in eqn.outvars}
+    tile_maxes = [e for e in eqns if e.primitive.name == "reduce_max"
+                  and e.invars[0].aval.shape == (128, 128)]
+    assert tile_maxes
+    assert all((producer.get(e.invars[0]) == "dot_general") == folded for e in tile_maxes)
+    assert any(e.primitive.name == "exp2" for e in eqns)
+    assert not any(e.primitive.name == "exp" for e in eqns)
