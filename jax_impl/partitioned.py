@@ -576,7 +576,8 @@ def paged_forward(implementation, cfg, q, k_pages, v_pages, masks, extras, page_
     (the page table, lengths and sinks follow q's batch), the page pool whole on every device
     but its kv heads (``_pool_spec``)."""
     if _unpartitioned(implementation, cfg, masks, extras):
-        return implementation.decode(cfg, q, k_pages, v_pages, masks, extras, page_table)
+        return _one_program(implementation, implementation.decode,
+                            (cfg, q, k_pages, v_pages, masks, extras, page_table), _forward_like(q))
     named = _named(q, k_pages, v_pages, None, masks, extras, table=page_table)
     names = tuple(named)
     out, row_max, log_sum = _folded(_paged_op, implementation, cfg, names)(*named.values())
@@ -589,8 +590,10 @@ def forward(implementation, cfg, q, k, v, bias, masks, extras=None):
         raise ValueError(f"cfg.decode=True but {implementation.name} has no decode path")
     if _unpartitioned(implementation, cfg, masks, extras):
         if cfg.decode:  # its decode path, interpreted, runs unpartitioned too
-            return implementation.decode(cfg, q, k, v, masks, extras, None)
-        return implementation.forward(cfg, q, k, v, bias, masks, extras)
+            return _one_program(implementation, implementation.decode,
+                                (cfg, q, k, v, masks, extras, None), _forward_like(q))
+        return _one_program(implementation, implementation.forward,
+                            (cfg, q, k, v, bias, masks, extras), _forward_like(q))
     named = _named(q, k, v, bias, masks, extras)
     names = tuple(named)
     out, row_max, log_sum = _folded(_forward_op, implementation, cfg, names)(*named.values())
@@ -602,12 +605,72 @@ def backward(implementation, cfg, q, k, v, bias, masks, stats, d_out, delta, ext
     comes from the row statistics, which include them)."""
     extras = None if extras is None else extras._replace(sinks=None)
     if _unpartitioned(implementation, cfg, masks, extras):
-        return implementation.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
+        like = tuple(_type_sharding(x) for x in (q, k, v))
+        mod_aux = () if extras is None else extras.mod_aux
+        return _one_program(implementation, implementation.backward,
+                            (cfg, q, k, v, bias, masks, stats, d_out, delta, extras),
+                            (*like, None if bias is None else _type_sharding(bias),
+                             tuple(_type_sharding(a) for a in mod_aux)))
     named = _named(q, k, v, bias, masks, extras, max=stats.max, log_sum=stats.log_sum, d_out=d_out,
                    delta=delta)
     names = tuple(named)
     grads = _folded(_backward_op, implementation, cfg, names)(*named.values())
     return tuple(grads) + ((None,) if bias is None or not cfg.bias_gradient else ()) + ((),)
+
+
+def _type_sharding(x) -> NamedSharding | None:
+    """x's sharding where it is part of x's type (a mesh with explicit axes) and splits x."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if (not isinstance(sharding, NamedSharding) or AxisType.Explicit not in mesh.axis_types
+            or all(axes is None for axes in sharding.spec)):
+        return None
+    return sharding
+
+
+def _forward_like(q):
+    """The shardings of a forward's (out, RowStats) given back where q's is in its type."""
+    sharding = _type_sharding(q)
+    if sharding is None:
+        return None, online_softmax.RowStats(None, None)
+    b, l, h = (tuple(sharding.spec) + (None,) * 3)[:3]
+    stats = NamedSharding(sharding.mesh, P(b, h, l))  # [B, Hq, Lq]
+    return sharding, online_softmax.RowStats(stats, stats)
+
+
+def _one_program(implementation, call, operands: tuple, results_like):
+    """``call(*operands)`` as one program over the global arrays. Where an operand's sharding
+    is part of its type (a mesh with explicit axes), the implementation's ops would mix
+    operands of different shardings and fail to trace (a ShardingTypeError), and XLA would
+    partition an interpreter's grid loop: the call runs inside ``jax.shard_map`` on replicated
+    operands instead, every device computing the whole call (as XLA does with an opaque
+    kernel under automatic axes), and each result is given the sharding ``results_like``
+    holds for it (None: replicated). ``operands[0]`` is the call's AttentionConfig."""
+    leaves, tree = jax.tree.flatten(operands)
+    is_array = [isinstance(x, (jax.Array, jax.core.Tracer)) for x in leaves]
+    shardings = [_type_sharding(x) for x, array in zip(leaves, is_array) if array]
+    mesh = next((sharding.mesh for sharding in shardings if sharding is not None), None)
+    if mesh is None:
+        return call(*operands)
+    if operands[0].interpret and implementation.interpreter_has_effects:
+        raise ValueError(
+            f"interpret=True: {implementation.name}'s interpreter cannot run on operands sharded "
+            f"over the {mesh.size} devices of a mesh with explicit axes (replicated on every device, "
+            "its callbacks deadlock); interpret a call on one device, or use "
+            "implementation='xla' on the mesh")
+
+    def whole(*arrays):
+        arrays = iter(arrays)
+        return call(*tree.unflatten([next(arrays) if array else x
+                                     for x, array in zip(leaves, is_array)]))
+
+    replicated = NamedSharding(mesh, P())
+    arrays = [x if sharding is None else jax.sharding.reshard(x, replicated)
+              for x, sharding in zip((x for x, array in zip(leaves, is_array) if array), shardings)]
+    results = jax.shard_map(whole, mesh=mesh, in_specs=tuple(P() for _ in arrays),
+                            out_specs=P(), check_vma=False)(*arrays)
+    return jax.tree.map(lambda r, like: r if like is None else jax.sharding.reshard(r, like),
+                        results, results_like, is_leaf=lambda x: x is None)
 
 
 UNPARTITIONED_MODS = (

@@ -2,12 +2,13 @@
 sequence): the one-device answer, what explain says, and a ring refused by name under plain
 jit; inside shard_map, ring_attention, ulysses_attention and hybrid_attention with the same
 mods give the one-device answer and the gradient of their mod_aux."""
+import contextlib
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_impl import (create_block_mask, explain_implementation, flash_attention, hybrid_attention,
                       ring, ring_attention, ulysses_attention)
@@ -48,6 +49,26 @@ except ValueError as e:
 def compare(got, want):
     return max(float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())
                for a, b in zip(jax.tree.leaves(got), map(np.asarray, jax.tree.leaves(want))))
+
+
+# A mesh with explicit axes: the sharding is in the types, and the call runs as one program
+# on replicated operands (without it, its ops mixed shardings: a ShardingTypeError); the results
+# come back with q's sharding, the gradients with their operands'; the same under set_mesh.
+explicit = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+for name, spec in (("explicit_batch", P("x")), ("explicit_sequence", P(None, "x"))):
+    put = lambda x: jax.device_put(x, NamedSharding(explicit, spec))
+    with jax.sharding.set_mesh(explicit) if name.endswith("sequence") else contextlib.nullcontext():
+        out = jax.jit(call)(put(q), put(k), put(v), slopes)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 3)))(put(q), put(k), put(v), slopes)
+    report[name] = compare((out, grads), want)
+    report[name + "_shardings"] = [str(x.sharding.spec) for x in (out, grads[0])]
+    report[name + "_want"] = str(P(*spec, *(None,) * (4 - len(spec))))
+try:
+    put = lambda x: jax.device_put(x, NamedSharding(explicit, P("x")))
+    flash_attention(put(q), put(k), put(v), implementation="mosaic_tpu", interpret=True)
+    report["explicit_interpreter"] = None
+except ValueError as e:
+    report["explicit_interpreter"] = str(e)
 
 
 # Inside shard_map: the strategies give the mods global indices (zigzag ring over 2 devices,
