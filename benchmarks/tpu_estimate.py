@@ -3,16 +3,18 @@ v6e), no TPU: flash_attention(implementation="mosaic_tpu") beside JAX's own Pall
 attention (at its best of a few block sizes) and splash attention.
 
     python -m benchmarks.tpu_estimate [--out benchmarks/results/tpu/estimate] [--chips v5e,v6e]
-        [--append]
+        [--programs ...] [--blocks 512,1024] [--append]
 
-One chip a process keeps libtpu's address space small (``--append`` keeps the other chips'
-rows of OUT.json); both chips in one process ran out of a 9 GB address-space cap.
+One chip and one block size a process keeps libtpu's memory within this 24 GB machine (the
+estimate of the whole v6e program at 1024 tiles peaks near 23 GB); ``--append`` keeps the
+other rows of OUT.json.
 
 Needs ``jax[tpu]`` (libtpu); run as its own process (the environment is set before jax is
 imported, ``tpu_compile_report.ENVIRONMENT``). Each program is ``jax.jit(f).lower(...).compile()``
 with libtpu's static LLO profile dumped (``tpu_compile_report.LLO_FLAGS``): the cycles of every
 HLO op of the compiled program are summed (layout copies and the non-finite rule's passes
-included). The estimate reads scalar-prefetched data as 0, so ours is traced under
+included); ``mosaic_tpu kernel`` is the same forward kernel called on JAX's [B, H, L, D] layout
+without them, beside JAX's kernel like for like. The estimate reads scalar-prefetched data as 0, so ours is traced under
 ``mosaic_tpu.index_schedule()``: its key tiles found by index arithmetic, the same results as
 its tile lists (tests/jax_impl/test_mosaic_tpu.py). Splash attention's key axis reads
 prefetched block maps: its estimate is affected the same way (shown, not corrected).
@@ -43,8 +45,10 @@ SPLASH_BLOCKS = (512, 1024)
 # v6e 2 of 256x256.
 PEAK_FLOP_PER_CYCLE = {"v5e": 4 * 128 * 128 * 2, "v6e": 2 * 256 * 256 * 2}
 OURS = "mosaic_tpu"
-REGENERATE = ("python -m benchmarks.tpu_estimate --out benchmarks/results/tpu/estimate --chips v5e; "
-              "the same with --chips v6e --append")
+OURS_KERNEL = "mosaic_tpu kernel"  # the kernel alone, on JAX's layout (``_kernel_alone``)
+PROGRAMS = (OURS, OURS_KERNEL, "jax_flash", "splash")
+REGENERATE = ("for chip in v5e v6e; do for blocks in 256 512 1024; do python -m benchmarks.tpu_estimate "
+              "--out benchmarks/results/tpu/estimate --chips $chip --blocks $blocks --append; done; done")
 
 
 @dataclasses.dataclass
@@ -72,6 +76,20 @@ class Row:
         return self.useful_flops / (self.cycles * PEAK_FLOP_PER_CYCLE[self.chip])
 
 
+def _kernel_alone(cfg, q, k, v):
+    """mosaic_tpu's forward kernel on [B, H, L, D] operands: ``forward_call``'s transposes to
+    and from the API layout cancel with these, and no non-finite pass runs (the operands are
+    taken as finite): the kernel as JAX's flash attention is called."""
+    import jax.numpy as jnp
+    from jax_impl import masking
+    from jax_impl.mosaic_tpu.forward import forward_call
+    to_api = lambda x: x.transpose(0, 2, 1, 3)
+    full = jnp.full((q.shape[0],), q.shape[2], jnp.int32)
+    out, _, _ = forward_call(cfg, to_api(q), to_api(k), to_api(v),
+                             masking.MaskInputs(full, full, None, None, None), schedule="index")
+    return to_api(out)
+
+
 def _programs(causal: bool):
     """[(program, blocks, fn(q, k, v) -> out, layout)]: ours on the API layout [B, L, H, D],
     JAX's kernels on theirs, [B, H, L, D] (no transposes charged to them)."""
@@ -79,7 +97,8 @@ def _programs(causal: bool):
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash, splash_attention_mask as splash_mask)
-    from jax_impl.config import BlockSizes
+    from jax_impl import masking
+    from jax_impl.config import AttentionConfig, BlockSizes
     from jax_impl.flash_attention import flash_attention
     scale = HEAD_DIM ** -0.5
     programs = []
@@ -88,6 +107,11 @@ def _programs(causal: bool):
                                             "block_q_dq", "block_k_dq"), block))
         programs.append((OURS, block, lambda q, k, v, sizes=sizes: flash_attention(
             q, k, v, is_causal=causal, implementation=OURS, block_sizes=sizes), "blhd"))
+    for block in OURS_BLOCKS:  # the same kernel on JAX's layout, without the API's passes
+        cfg = AttentionConfig(scale=scale, mask=masking.MaskSpec(is_causal=causal),
+                              block_sizes=BlockSizes(block_q=block, block_k=block))
+        programs.append((OURS_KERNEL, block, lambda q, k, v, cfg=cfg: _kernel_alone(cfg, q, k, v),
+                         "bhld"))
     for block in JAX_FLASH_BLOCKS:
         sizes = fa.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1)
         programs.append(("jax_flash", block, lambda q, k, v, sizes=sizes: fa.flash_attention(
@@ -154,21 +178,22 @@ def markdown(rows: list[Row], chips) -> str:
              "as 0 too. jax_flash: `jax.experimental.pallas.ops.tpu.flash_attention` at its "
              f"best of blocks {'/'.join(map(str, JAX_FLASH_BLOCKS))}; splash at its best of "
              f"{'/'.join(map(str, SPLASH_BLOCKS))}, ours at its best of "
-             f"{'/'.join(map(str, OURS_BLOCKS))} (block_q = block_k); JAX's kernels on their [B, H, L, D] layout, ours on "
-             "the API's [B, L, H, D]. MXU fraction: useful FLOPs / (cycles x peak bf16 FLOP per "
+             f"{'/'.join(map(str, OURS_BLOCKS))} (block_q = block_k); JAX's kernels on their [B, H, L, D] layout, "
+             f"{OURS} on the API's [B, L, H, D] (its layout transposes and the non-finite rule's pass "
+             f"included), `{OURS_KERNEL}` the same forward kernel on JAX's layout without them. MXU fraction: useful FLOPs / (cycles x peak bf16 FLOP per "
              "cycle: " + ", ".join(f"{c} {PEAK_FLOP_PER_CYCLE[c]:,}" for c in chips)
              + ": MXUs x their width² x 2, jax's tpu_info table). A fraction above 1 is below the MXU's bound: the estimate skipped "
              "work there (it does not follow those kernels' data-dependent branches), not "
              "credible. VMEM: not in the estimate nor in memory_analysis."
              + ("" if {r.chip for r in rows} >= set(chips) and len(rows) == len(chips) * 2 * (
-                 len(OURS_BLOCKS) + len(JAX_FLASH_BLOCKS) + len(SPLASH_BLOCKS))
+                 2 * len(OURS_BLOCKS) + len(JAX_FLASH_BLOCKS) + len(SPLASH_BLOCKS))
                 else " Partial: the rows below are those measured so far."), "",
              "| chip | mask | program | blocks | cycles | kernel cycles | vs jax_flash | MXU fraction |",
              "|---|---|---|---|---|---|---|---|"]
     for chip in chips:
         for causal in (False, True):
             reference = best(rows, chip, "jax_flash", causal)
-            for program in (OURS, "jax_flash", "splash"):
+            for program in PROGRAMS:
                 r = best(rows, chip, program, causal)
                 if r is None:
                     errors = [x.error for x in rows if (x.chip, x.program, x.causal) == (chip, program, causal)]
@@ -194,7 +219,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write OUT.md and OUT.json (else print the table)")
     report.add_chips_argument(parser, CHIPS)
     parser.add_argument("--programs", default=None, type=lambda text: set(text.split(",")),
-                        help=f"a subset of {OURS},jax_flash,splash")
+                        help=f"a subset of {','.join(PROGRAMS)}")
+    parser.add_argument("--blocks", default=None, type=lambda text: {int(b) for b in text.split(",")},
+                        help="only these block sizes (one libtpu compile a process keeps its "
+                             "memory below the machine's)")
     parser.add_argument("--append", action="store_true",
                         help="keep OUT.json's rows of the other chips and programs (one chip a process)")
     args = parser.parse_args(argv)
@@ -216,7 +244,8 @@ def main(argv=None) -> int:
     if args.append and out is not None and out.with_suffix(".json").exists():
         kept = [r for r in json.loads(out.with_suffix(".json").read_text())["rows"]
                 if r["chip"] not in args.chips
-                or (args.programs is not None and r["program"] not in args.programs)]
+                or (args.programs is not None and r["program"] not in args.programs)
+                or (args.blocks is not None and r["blocks"] not in args.blocks)]
         fields = {f.name for f in dataclasses.fields(Row)}
         rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in kept]
         chips = sorted({r.chip for r in rows} | set(args.chips), key=list(CHIPS).index)
@@ -225,7 +254,8 @@ def main(argv=None) -> int:
             device = report.chip_device(chip)
             for causal in (False, True):
                 for program, blocks, fn, layout in _programs(causal):
-                    if args.programs is not None and program not in args.programs:
+                    if (args.programs is not None and program not in args.programs) or (
+                            args.blocks is not None and blocks not in args.blocks):
                         continue
                     if out is not None:  # what the file says if this process dies in the compile
                         write(rows + [Row(chip, program, causal, blocks, error=(
