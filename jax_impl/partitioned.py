@@ -669,8 +669,21 @@ def _one_program(implementation, call, operands: tuple, results_like):
               for x, sharding in zip((x for x, array in zip(leaves, is_array) if array), shardings)]
     results = jax.shard_map(whole, mesh=mesh, in_specs=tuple(P() for _ in arrays),
                             out_specs=P(), check_vma=False)(*arrays)
-    return jax.tree.map(lambda r, like: r if like is None else jax.sharding.reshard(r, like),
-                        results, results_like, is_leaf=lambda x: x is None)
+    return _given_back(results, results_like)
+
+
+def _given_back(result, like):
+    """``result`` with each array resharded as ``like`` holds (a NamedSharding, or a tuple of
+    them shaped like the result); where ``like`` is None or shaped otherwise (no dbias, fewer
+    mod_aux cotangents) the array stays replicated."""
+    if result is None or like is None:
+        return result
+    if isinstance(like, NamedSharding):
+        return jax.sharding.reshard(result, like)
+    if isinstance(result, tuple) and isinstance(like, tuple) and len(result) == len(like):
+        parts = [_given_back(r, l) for r, l in zip(result, like)]
+        return result._make(parts) if hasattr(result, "_make") else tuple(parts)
+    return result
 
 
 UNPARTITIONED_MODS = (
