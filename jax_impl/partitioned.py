@@ -641,11 +641,11 @@ def _forward_like(q):
 def _one_program(implementation, call, operands: tuple, results_like):
     """``call(*operands)`` as one program over the global arrays. Where an operand's sharding
     is part of its type (a mesh with explicit axes), the implementation's ops would mix
-    operands of different shardings and fail to trace (a ShardingTypeError), and XLA would
-    partition an interpreter's grid loop: the call runs inside ``jax.shard_map`` on replicated
-    operands instead, every device computing the whole call (as XLA does with an opaque
-    kernel under automatic axes), and each result is given the sharding ``results_like``
-    holds for it (None: replicated). ``operands[0]`` is the call's AttentionConfig."""
+    operands of different shardings and fail to trace (a ShardingTypeError): the call runs
+    inside ``jax.shard_map`` on replicated operands instead, every device computing the whole
+    call (as XLA does with an opaque kernel under automatic axes), and each result is given
+    the sharding ``results_like`` holds for it (None: replicated). ``operands[0]`` is the
+    call's AttentionConfig."""
     leaves, tree = jax.tree.flatten(operands)
     is_array = [isinstance(x, (jax.Array, jax.core.Tracer)) for x in leaves]
     shardings = [_type_sharding(x) for x, array in zip(leaves, is_array) if array]
