@@ -5,16 +5,17 @@ attention (at its best of a few block sizes) and splash attention.
     python -m benchmarks.tpu_estimate [--out benchmarks/results/tpu/estimate] [--chips v5e,v6e]
         [--programs ...] [--blocks 512,1024] [--append]
 
-One chip and one block size a process keeps libtpu's memory within this 24 GB machine (the
-estimate of the whole v6e program at 1024 tiles peaks near 23 GB); ``--append`` keeps the
-other rows of OUT.json.
+One chip and one block size a process keeps libtpu's memory within a 24 GB machine (the whole
+v6e program at 1024 tiles peaks at 15 GB that way, at 23 GB with every block size in one
+process); ``--append`` keeps the other rows of OUT.json.
 
 Needs ``jax[tpu]`` (libtpu); run as its own process (the environment is set before jax is
 imported, ``tpu_compile_report.ENVIRONMENT``). Each program is ``jax.jit(f).lower(...).compile()``
 with libtpu's static LLO profile dumped (``tpu_compile_report.LLO_FLAGS``): the cycles of every
 HLO op of the compiled program are summed (layout copies and the non-finite rule's passes
-included); ``mosaic_tpu kernel`` is the same forward kernel called on JAX's [B, H, L, D] layout
-without them, beside JAX's kernel like for like. The estimate reads scalar-prefetched data as 0, so ours is traced under
+included); ``mosaic_tpu kernel`` is the same forward kernel called on JAX's [B, H, L, D]
+layout without them, beside JAX's kernel like for like. The estimate reads scalar-prefetched
+data as 0, so ours is traced under
 ``mosaic_tpu.index_schedule()``: its key tiles found by index arithmetic, the same results as
 its tile lists (tests/jax_impl/test_mosaic_tpu.py). Splash attention's key axis reads
 prefetched block maps: its estimate is affected the same way (shown, not corrected).

@@ -62,6 +62,14 @@ def logits(qk, cfg: AttentionConfig, bias_tile=None, poison=None):
     return s, capped
 
 
+def logits_unit(cfg: AttentionConfig, has_bias: bool) -> float:
+    """The unit a kernel's online softmax may hold the logits in (``online_step``'s): the
+    scale where S is the scaled product alone (no soft cap, bias or score_mod), so q.k enters
+    as the MXU returns it and the scale folds into the exponential's multiply; else 1."""
+    plain = not has_bias and cfg.logits_soft_cap is None and cfg.score_mod is None
+    return cfg.scale if plain else 1.0
+
+
 def is_finite(x):
     """Elementwise isfinite written with a comparison (lowers in Triton and XLA alike)."""
     return jnp.abs(x) < jnp.inf

@@ -648,7 +648,8 @@ def _one_program(implementation, call, operands: tuple, results_like):
     call's AttentionConfig."""
     leaves, tree = jax.tree.flatten(operands)
     is_array = [isinstance(x, (jax.Array, jax.core.Tracer)) for x in leaves]
-    shardings = [_type_sharding(x) for x, array in zip(leaves, is_array) if array]
+    arrays = [x for x, array in zip(leaves, is_array) if array]
+    shardings = [_type_sharding(x) for x in arrays]
     mesh = next((sharding.mesh for sharding in shardings if sharding is not None), None)
     if mesh is None:
         return call(*operands)
@@ -666,7 +667,7 @@ def _one_program(implementation, call, operands: tuple, results_like):
 
     replicated = NamedSharding(mesh, P())
     arrays = [x if sharding is None else jax.sharding.reshard(x, replicated)
-              for x, sharding in zip((x for x, array in zip(leaves, is_array) if array), shardings)]
+              for x, sharding in zip(arrays, shardings)]
     results = jax.shard_map(whole, mesh=mesh, in_specs=tuple(P() for _ in arrays),
                             out_specs=P(), check_vma=False)(*arrays)
     return _given_back(results, results_like)

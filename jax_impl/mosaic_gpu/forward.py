@@ -390,9 +390,7 @@ def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
     pairwise = _Pairwise(refs, smem, barriers)
     own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
     tile = (c.block_q, c.block_kv)
-    # Plain logits stay q.k in the online softmax (its ``unit``): one multiply fewer per logit.
-    unit = 1.0 if refs.bias is not None or cfg.logits_soft_cap is not None or (
-        cfg.score_mod is not None) else cfg.scale
+    unit = online_softmax.logits_unit(cfg, refs.bias is not None)  # one multiply fewer a logit
     key_iota = lambda: plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
     row_iota = lambda: plgpu.broadcasted_iota(jnp.int32, (c.block_q,), 0, layout=_ROW)
     # The query position of each of the warpgroup's rows (packed: G rows per position).

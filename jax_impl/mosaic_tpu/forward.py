@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_impl import dropout_sinks, masking, vma
+from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_tpu import common
 
@@ -65,9 +65,7 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
     o_ref, max_ref, log_sum_ref, m_scratch, l_scratch, acc_scratch = refs
 
     b, h, i, step = (pl.program_id(axis) for axis in range(4))
-    # Plain logits stay q.k in the online softmax (its ``unit``): one multiply fewer per logit.
-    unit = 1.0 if has_bias or cfg.logits_soft_cap is not None or cfg.score_mod is not None \
-        else cfg.scale
+    unit = online_softmax.logits_unit(cfg, has_bias)  # one multiply fewer per plain logit
 
     @pl.when(step == 0)
     def _init():
