@@ -6,9 +6,10 @@ row has max = +inf and log_sum = 0). ``unsupported`` names every feature of a ca
 kernels do not take (the automatic choice then runs xla); ``unavailable`` says why the kernels
 cannot be offered in this installation.
 
-The non-finite rule (online_softmax) costs one XLA pass over q, k and v before the kernel, as
-for the Mosaic GPU kernel (``online_softmax.operands_poisoned``): q's rows that hold a
-non-finite value become all NaN, k's rows take their key's poison, v's non-finite entries 0.
+The non-finite rule (online_softmax: q's rows that hold a non-finite value all NaN, k's rows
+their key's poison, v's non-finite entries 0) costs the forward one XLA read of k and v (a
+flag, ``forward.all_finite``) and a pass over each q tile in VMEM; only when the flag says K or
+V holds a non-finite value do their tiles take it, in VMEM.
 
 Mods that read only the indices are traced into the kernels; a mod with mod_aux is refused
 (``unsupported``), so the automatic choice runs it on xla and says so.
@@ -95,9 +96,9 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
         raise ValueError(f"implementation='mosaic_tpu' cannot run this call: {reason}")
     if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
         bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
-    q, k, v = online_softmax.operands_poisoned(q, k, v)
     out, row_max, log_sum = _forward_kernel.forward_call(
         cfg, q, k, v, masks, bias, extras.sinks, extras.dropout_seeds,
+        finite=_forward_kernel.all_finite(k, v),
         interpret=pltpu.InterpretParams() if cfg.interpret else None)
     return out, online_softmax.RowStats(row_max, log_sum)
 

@@ -10,9 +10,10 @@ the rescales become plain elementwise ops).
 
 The logits are natural-log, as every backend's (``online_softmax.logits``: S = softcap(scale *
 q.k) + bias, then score_mod): a kernel may recompute them bit for bit from the RowStats
-(natural max and log-sum) the forward writes. The non-finite rule is taken in XLA before the
-kernels (``online_softmax.operands_poisoned``: poisoned q rows, poisoned k rows, finite v),
-so the kernels add no poison; the mask's select keeps a NaN only at the allowed pairs.
+(natural max and log-sum) the forward writes. The non-finite rule: the forward poisons q's
+rows in VMEM, and K's and V's tiles when a flag says they hold a non-finite value
+(forward.py); the backward adds each tile's poison (backward.py). The mask's select keeps a
+NaN only at the allowed pairs.
 
 Padding: Lq, Lk are padded to whole tiles and D to the lanes; the spec the kernels receive has
 ``masking.with_padding`` applied, so the padded positions fail rule 1 (lengths) on the tiles

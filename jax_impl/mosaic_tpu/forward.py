@@ -51,18 +51,19 @@ def index_schedule():
 
 
 def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
-                    block_k: int, has_offset: bool, has_segments: bool, has_mask: bool,
-                    has_bias: bool, has_sinks: bool, has_seeds: bool, precision):
+                    block_k: int, has_offset: bool, has_finite: bool, has_segments: bool,
+                    has_mask: bool, has_bias: bool, has_sinks: bool, has_seeds: bool, precision):
     refs = list(refs)
     take = lambda present: refs.pop(0) if present else None
     q_len_ref, kv_len_ref = refs.pop(0), refs.pop(0)
-    offset_ref = take(has_offset)
+    offset_ref, finite_ref = take(has_offset), take(has_finite)
     lists = [refs.pop(0) for _ in range(schedule.num_operands)]
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     q_seg_ref, kv_seg_ref = take(has_segments), take(has_segments)
     mask_ref, bias_ref, sinks_ref = take(has_mask), take(has_bias), take(has_sinks)
     seeds_ref = take(has_seeds)
-    o_ref, max_ref, log_sum_ref, m_scratch, l_scratch, acc_scratch = refs
+    o_ref, max_ref, log_sum_ref, m_scratch, l_scratch, acc_scratch = refs[:6]
+    q_scratch = refs[6] if has_finite else None  # q under the non-finite rule
 
     b, h, i, step = (pl.program_id(axis) for axis in range(4))
     unit = online_softmax.logits_unit(cfg, has_bias)  # one multiply fewer per plain logit
@@ -73,8 +74,10 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
         m, l = common.initial_stats(block_q, None if sink is None else sink / unit)
         m_scratch[...], l_scratch[...] = m, l
         acc_scratch[...] = jnp.zeros_like(acc_scratch)
+        if q_scratch is not None:  # q's rows under the rule once, read by every step
+            q_scratch[...] = online_softmax.poisoned_rows(q_ref[...])
 
-    def visit(rules: common.TileRules):
+    def visit(rules: common.TileRules, poisoned: bool = False):
         kv_tile = schedule.visited_tile(lists, b, h, i, step)
         pos = common.TilePositions.create(i, kv_tile, block_q, block_k)
         allowed = common.tile_allowed(
@@ -83,13 +86,15 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
             q_segment_ids=None if q_seg_ref is None else q_seg_ref[...],
             kv_segment_ids=None if kv_seg_ref is None else kv_seg_ref[...],
             mask_tile=None if mask_ref is None else mask_ref[...])
-        qk = common.dot_nt(q_ref[...], k_ref[...], precision)
+        q, k, v = (q_ref if q_scratch is None else q_scratch)[...], k_ref[...], v_ref[...]
+        if poisoned:  # (q's rows again: the rule is idempotent)
+            q, k, v = online_softmax.operands_poisoned(q, k, v)
+        qk = common.dot_nt(q, k, precision)
         s = qk if unit != 1.0 else common.tile_logits(
             cfg, qk, pos, b=b, h=h, bias_tile=None if bias_ref is None else bias_ref[...])[0]
         if has_bias:  # an additive -inf bias excludes its pair (online_softmax.attended)
             allowed = masking.all_of([allowed, s != -jnp.inf])
         rescale, p, m, l = common.online_step(m_scratch[...], l_scratch[...], s, allowed, unit)
-        v = v_ref[...]
         if seeds_ref is not None:  # on P where it meets V; m and l stay the undropped ones
             keep = dropout_sinks.keep(common.per_head(seeds_ref, b, h), pos.rows, pos.cols,
                                       cfg.dropout_rate)
@@ -99,11 +104,25 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
         m_scratch[...], l_scratch[...] = m, l
 
     visited, is_full = schedule.visited(lists, b, h, i, step), schedule.is_full(lists, b, h, i, step)
-    if visited is True and is_full is True:
-        visit(common.FULL_TILE)  # known at trace time (the index schedule's whole rows): no branch
+
+    def visit_finite():
+        if visited is True and is_full is True:
+            visit(common.FULL_TILE)  # known at trace time (the index schedule's whole rows)
+        else:
+            pl.when(visited & is_full)(lambda: visit(common.FULL_TILE))
+            pl.when(visited & jnp.logical_not(is_full))(lambda: visit(common.PARTIAL_TILE))
+
+    if finite_ref is None:
+        visit_finite()
     else:
-        pl.when(visited & is_full)(lambda: visit(common.FULL_TILE))
-        pl.when(visited & jnp.logical_not(is_full))(lambda: visit(common.PARTIAL_TILE))
+        # K or V holds a non-finite value: every visited tile takes the rule on its values in
+        # VMEM (and evaluates its mask rule). Finite K and V, the common case, skip it.
+        # 1 = finite: libtpu's static estimate, which does not read the flag, then follows the
+        # finite path (benchmarks/tpu_estimate.py).
+        finite = finite_ref[0] != 0
+        pl.when(finite)(visit_finite)
+        pl.when(jnp.logical_and(jnp.logical_not(finite), visited))(
+            lambda: visit(common.PARTIAL_TILE, poisoned=True))
 
     @pl.when(step == schedule.steps - 1)
     def _write():
@@ -129,11 +148,15 @@ SCHEDULES = ("lists", "index")
 
 
 def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=None,
-                 sinks=None, seeds=None, *, interpret=None, schedule: str | None = None):
-    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] (already under the non-finite rule) -> (out
-    [B, Lq, Hq, D], row max and log-sum [B, Hq, Lq] float32). ``bias`` [Bb, Hb, Lq, Lk] or
-    None; ``masks.mask`` the dense mask or None; ``sinks`` [Bs, Hs] float32 or None; ``seeds``
-    the dropout's [Bs, Hs] uint32 head seeds (dropout_sinks.head_seeds) or None.
+                 sinks=None, seeds=None, *, finite=None, interpret=None,
+                 schedule: str | None = None):
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], row max and log-sum
+    [B, Hq, Lq] float32). ``bias`` [Bb, Hb, Lq, Lk] or None; ``masks.mask`` the dense mask or
+    None; ``sinks`` [Bs, Hs] float32 or None; ``seeds`` the dropout's [Bs, Hs] uint32 head
+    seeds (dropout_sinks.head_seeds) or None. ``finite``: int32 [1], 0 when k or v holds a
+    non-finite value (``all_finite``); given, the kernel takes online_softmax's non-finite
+    rule: on q's rows once per query tile, on K and V tile by tile when the flag is 0. None:
+    the operands are known to be finite (no rule).
 
     ``schedule``: how the key axis finds its tiles, "lists" (``common.tile_lists``, scalar
     prefetch: every call) or "index" (``common.IndexSchedule``: full rows or a plain causal
@@ -157,9 +180,10 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
         cfg.mask, queries_padded=lq_pad != lq, keys_padded=lk_pad != lk))
     pad_to = lambda x, axis, n: x if x.shape[axis] == n else jnp.pad(
         x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
-    # [B, H, L_pad, D]: the transposes fuse into the non-finite rule's XLA pass. A view of
-    # [B, L, H, D] as [B, L, H * D] read in place costs a relayout copy of its own on TPU (the
-    # (8, 128) tiles of [B, L, H, D] hold the heads): 1.15x the cycles in the static estimate.
+    # [B, H, L_pad, D]: an XLA transpose, which cancels under jit with a caller's transpose of
+    # [B, H, L, D] data. A view of [B, L, H, D] as [B, L, H * D] read in place costs a relayout
+    # copy of its own on TPU (the (8, 128) tiles of [B, L, H, D] hold the heads): 1.15x the
+    # cycles in the static estimate.
     q = pad_to(q.transpose(0, 2, 1, 3), 2, lq_pad)       # [B, Hq, Lq_pad, D]
     k = pad_to(k.transpose(0, 2, 1, 3), 2, lk_pad)       # [B, Hkv, Lk_pad, D]
     v = pad_to(v.transpose(0, 2, 1, 3), 2, lk_pad)
@@ -201,6 +225,8 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
     prefetch = [masks.q_len, masks.kv_len]
     if masks.position_offset is not None:
         prefetch.append(masks.position_offset.astype(jnp.int32))
+    if finite is not None:
+        prefetch.append(finite)
     prefetch += list_operands
 
     stats_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, s, *_: (b, h, 0, i))
@@ -215,11 +241,13 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
         in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((block_q, common.NUM_LANES), jnp.float32),
                         pltpu.VMEM((block_q, common.NUM_LANES), jnp.float32),
-                        pltpu.VMEM((block_q, head_dim), jnp.float32)])
+                        pltpu.VMEM((block_q, head_dim), jnp.float32)]
+        + ([] if finite is None else [pltpu.VMEM((block_q, head_dim), q.dtype)]))
     kernel = functools.partial(
         _forward_kernel, cfg=kernel_cfg, schedule=lists if schedule == "index" else lists._replace(
             counts=None, indices=None, full=None), block_q=block_q, block_k=block_k,
-        has_offset=masks.position_offset is not None, has_segments=has_segments,
+        has_offset=masks.position_offset is not None, has_finite=finite is not None,
+        has_segments=has_segments,
         has_mask=masks.mask is not None, has_bias=bias is not None, has_sinks=sinks is not None,
         has_seeds=seeds is not None, precision=common.mxu_precision(cfg, q.dtype))
     nbytes = lambda x: x.size * x.dtype.itemsize
@@ -234,3 +262,12 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
     )(*prefetch, *operands)
     out = out[:, :, :lq].transpose(0, 2, 1, 3)
     return out, row_max[:, :, 0, :lq], log_sum[:, :, 0, :lq]
+
+
+def all_finite(*operands):
+    """int32 [1]: 1 when every operand is finite, else 0 (``forward_call``'s ``finite`` of k
+    and v). One read of each and no write: finite operands, the common case, reach the kernel
+    as they are (a copy under the rule would cost a write of each)."""
+    bad = functools.reduce(jnp.logical_or, [
+        jnp.logical_not(jnp.all(online_softmax.is_finite(x))) for x in operands])
+    return jnp.logical_not(bad).astype(jnp.int32)[None]

@@ -23,7 +23,9 @@ from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.flash_attention import explain_implementation
 from jax_impl.mosaic_tpu import common
 from jax_impl.mosaic_tpu.forward import forward_call
-from _flash_helpers import DTYPES, assert_judged_correct, baseline, oracle, run
+from conformance import tolerance
+from _flash_helpers import (DTYPES, assert_judged_correct, baseline, oracle, run, run_arrays,
+                            torch_arrays)
 
 needs_pallas_tpu = pytest.mark.skipif(mosaic_tpu.unavailable() is not None,
                                       reason=f"mosaic_tpu: {mosaic_tpu.unavailable()}")
@@ -201,6 +203,60 @@ def test_forward_and_its_gradients_match_the_float64_oracle(problem):
         results = run(problem, DTYPES[problem.dtype], "mosaic_tpu", interpret=True,
                       block_sizes=TILES, **_mods(problem))
     assert_judged_correct(results, oracle(problem), baseline(problem), problem.dtype)
+
+
+@needs_pallas_tpu
+@pytest.mark.parametrize("where", ["q", "q, k and v"])
+def test_nonfinite_operands_follow_the_rule_inside_the_kernel(where):
+    """NaN and inf past the lengths and at allowed pairs: q's rows take the rule once per query
+    tile, K and V tile by tile when a flag (read through scalar prefetch) says they hold one, so
+    out and the gradients have the float64 oracle's NaNs exactly and its finite values within
+    tolerance."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)  # fresh inputs every run
+    rng = np.random.default_rng(seed)
+    q, ct = (rng.standard_normal((2, 200, 2, 64)).astype(np.float32) for _ in "qc")
+    k, v = (rng.standard_normal((2, 260, 1, 64)).astype(np.float32) for _ in "kv")
+    kv_len, q_len = np.array([170, 260], np.int32), np.array([200, 150], np.int32)
+    q[1, 150:] = np.nan                         # past batch row 1's queries
+    q[0, 20, 1, 7] = np.inf                     # its own row only (which attends no key)
+    k[0, :, 0, 9] = np.abs(k[0, :, 0, 9]) + 0.1
+    q[0, 180, 1, 9] = -np.inf  # its logits all -inf, which the bias would exclude: NaN, not empty
+    if where != "q":
+        k[0, 170:], v[0, 200:] = np.nan, np.inf  # past batch row 0's keys: never reach
+        v[0, 140, 0, 3] = np.nan                 # reaches the rows that see key 140 (causal)
+        k[1, 30, 0, 5] = -np.inf                 # every row of batch row 1 sees key 30
+    bias = rng.standard_normal((2, 2, 200, 260)).astype(np.float32)
+    kwargs = dict(bias=bias, is_causal=True, causal_alignment="bottom_right",
+                  query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+    with _race_detection():
+        results = run_arrays(q, k, v, ct, "mosaic_tpu", interpret=True, block_sizes=TILES,
+                             **kwargs)
+    reference = torch_arrays(q, k, v, ct, **kwargs)
+    plain = torch_arrays(q, k, v, ct, dtype=np.float32, **kwargs)
+    assert np.isnan(reference["out"]).any() and not np.isnan(reference["out"]).all()
+    for name, got in results.items():
+        nan = np.isnan(reference[name])
+        np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"{name}: NaN pattern, seed {seed}")
+        verdict = tolerance.judge(name, got[~nan], reference[name][~nan], plain[name][~nan],
+                                  "float32")
+        assert verdict.passed and np.isfinite(got[~nan]).all(), (verdict, seed)
+
+
+def test_finite_operands_reach_the_kernel_without_a_copy():
+    """The non-finite rule costs one read of q, k and v before the forward kernel, no write: the
+    kernel's operands are the inputs as laid out for it, and any non-finite value is handled on
+    the tiles in VMEM (what the test above checks)."""
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    full = jnp.full((1,), 256, jnp.int32)
+    cfg = AttentionConfig(scale=128 ** -0.5, mask=masking.MaskSpec(), block_sizes=TILES)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: mosaic_tpu.forward(
+        cfg, q, k, v, None, masking.MaskInputs(full, full, None, None, None)))(q, q, q)
+    producer = {out: eqn for eqn in jaxpr.jaxpr.eqns for out in eqn.outvars}
+    (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    kernel_operands = [x for x in call.invars if x.aval.shape == (1, 2, 256, 128)]
+    assert len(kernel_operands) == 3
+    for x in kernel_operands:  # q, k and v: the inputs transposed, nothing computed on them
+        assert producer[x].primitive.name == "transpose" and producer[x].invars[0] in jaxpr.jaxpr.invars
 
 
 # --- The index schedule (for the static estimate) computes what the lists do ---------------------
