@@ -12,13 +12,16 @@ process); ``--append`` keeps the other rows of OUT.json.
 Needs ``jax[tpu]`` (libtpu); run as its own process (the environment is set before jax is
 imported, ``tpu_compile_report.ENVIRONMENT``). Each program is ``jax.jit(f).lower(...).compile()``
 with libtpu's static LLO profile dumped (``tpu_compile_report.LLO_FLAGS``): the cycles of every
-HLO op of the compiled program are summed (layout copies and the non-finite rule's passes
-included); ``mosaic_tpu kernel`` is the same forward kernel called on JAX's [B, H, L, D]
-layout without them, beside JAX's kernel like for like. The estimate reads scalar-prefetched
-data as 0, so ours is traced under
-``mosaic_tpu.index_schedule()``: its key tiles found by index arithmetic, the same results as
-its tile lists (tests/jax_impl/test_mosaic_tpu.py). Splash attention's key axis reads
-prefetched block maps: its estimate is affected the same way (shown, not corrected).
+HLO op of the compiled program are summed (layout copies and the non-finite check
+included); ``mosaic_tpu heads-first`` is the call on data in JAX's layout (the caller's
+transposes cancel the API's), ``mosaic_tpu kernel`` the forward kernel alone on that layout,
+beside JAX's kernel like for like. The estimate does not read scalar-prefetched data as the
+program would (tile counts come out as 0; a constant non-finite flag of 0 or 1 estimates
+alike), so ours is traced under ``mosaic_tpu.index_schedule()``: its key tiles found by index
+arithmetic, the same results as its tile lists (tests/jax_impl/test_mosaic_tpu.py); its
+non-finite flag, written 1 = finite, is estimated on the finite path, which finite operands
+run. Splash attention's key axis reads prefetched block maps: its estimate is affected (shown,
+not corrected).
 
 MXU fraction: useful FLOPs (4 * B * H * D * attended pairs: L^2, or L(L+1)/2 causal) over
 cycles x the chip's peak bf16 FLOP per cycle (``PEAK_FLOP_PER_CYCLE``). Without ``--out`` the
@@ -46,8 +49,9 @@ SPLASH_BLOCKS = (512, 1024)
 # v6e 2 of 256x256.
 PEAK_FLOP_PER_CYCLE = {"v5e": 4 * 128 * 128 * 2, "v6e": 2 * 256 * 256 * 2}
 OURS = "mosaic_tpu"
+OURS_HEADS_FIRST = "mosaic_tpu heads-first"  # the call on JAX's [B, H, L, D] layout (caller transposes)
 OURS_KERNEL = "mosaic_tpu kernel"  # the kernel alone, on JAX's layout (``_kernel_alone``)
-PROGRAMS = (OURS, OURS_KERNEL, "jax_flash", "splash")
+PROGRAMS = (OURS, OURS_HEADS_FIRST, OURS_KERNEL, "jax_flash", "splash")
 REGENERATE = ("for chip in v5e v6e; do for blocks in 256 512 1024; do python -m benchmarks.tpu_estimate "
               "--out benchmarks/results/tpu/estimate --chips $chip --blocks $blocks --append; done; done")
 
@@ -79,7 +83,7 @@ class Row:
 
 def _kernel_alone(cfg, q, k, v):
     """mosaic_tpu's forward kernel on [B, H, L, D] operands: ``forward_call``'s transposes to
-    and from the API layout cancel with these, and no non-finite pass runs (the operands are
+    and from the API layout cancel with these, and no non-finite check runs (the operands are
     taken as finite): the kernel as JAX's flash attention is called."""
     import jax.numpy as jnp
     from jax_impl import masking
@@ -108,6 +112,13 @@ def _programs(causal: bool):
                                             "block_q_dq", "block_k_dq"), block))
         programs.append((OURS, block, lambda q, k, v, sizes=sizes: flash_attention(
             q, k, v, is_causal=causal, implementation=OURS, block_sizes=sizes), "blhd"))
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, H, L, D] <-> [B, L, H, D]
+    for block in OURS_BLOCKS:  # data on JAX's layout: the two transposes cancel under jit
+        sizes = BlockSizes(**dict.fromkeys(("block_q", "block_k", "block_q_dkv", "block_k_dkv",
+                                            "block_q_dq", "block_k_dq"), block))
+        programs.append((OURS_HEADS_FIRST, block, lambda q, k, v, sizes=sizes: heads_first(
+            flash_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=causal,
+                            implementation=OURS, block_sizes=sizes)), "bhld"))
     for block in OURS_BLOCKS:  # the same kernel on JAX's layout, without the API's passes
         cfg = AttentionConfig(scale=scale, mask=masking.MaskSpec(is_causal=causal),
                               block_sizes=BlockSizes(block_q=block, block_k=block))
@@ -180,14 +191,16 @@ def markdown(rows: list[Row], chips) -> str:
              f"best of blocks {'/'.join(map(str, JAX_FLASH_BLOCKS))}; splash at its best of "
              f"{'/'.join(map(str, SPLASH_BLOCKS))}, ours at its best of "
              f"{'/'.join(map(str, OURS_BLOCKS))} (block_q = block_k); JAX's kernels on their [B, H, L, D] layout, "
-             f"{OURS} on the API's [B, L, H, D] (its layout transposes and the non-finite rule's pass "
-             f"included), `{OURS_KERNEL}` the same forward kernel on JAX's layout without them. MXU fraction: useful FLOPs / (cycles x peak bf16 FLOP per "
+             f"{OURS} on the API's [B, L, H, D] (its layout transposes and the non-finite check "
+             f"included), `{OURS_HEADS_FIRST}` the same call on data in JAX's layout (the caller's "
+             f"transposes cancel the API's: the check remains), `{OURS_KERNEL}` the forward "
+             "kernel alone on JAX's layout. MXU fraction: useful FLOPs / (cycles x peak bf16 FLOP per "
              "cycle: " + ", ".join(f"{c} {PEAK_FLOP_PER_CYCLE[c]:,}" for c in chips)
              + ": MXUs x their width² x 2, jax's tpu_info table). A fraction above 1 is below the MXU's bound: the estimate skipped "
              "work there (it does not follow those kernels' data-dependent branches), not "
              "credible. VMEM: not in the estimate nor in memory_analysis."
              + ("" if {r.chip for r in rows} >= set(chips) and len(rows) == len(chips) * 2 * (
-                 2 * len(OURS_BLOCKS) + len(JAX_FLASH_BLOCKS) + len(SPLASH_BLOCKS))
+                 3 * len(OURS_BLOCKS) + len(JAX_FLASH_BLOCKS) + len(SPLASH_BLOCKS))
                 else " Partial: the rows below are those measured so far."), "",
              "| chip | mask | program | blocks | cycles | kernel cycles | vs jax_flash | MXU fraction |",
              "|---|---|---|---|---|---|---|---|"]
