@@ -82,9 +82,11 @@ def finite_or_zero(x):
 
 def row_poison(x):
     """``[..., n, D] -> [..., n]`` float32: NaN where the row holds a non-finite value, else 0."""
-    # x * 0 is 0 (of either sign) or NaN: a sum, no select of constants (which Mosaic TPU cannot
-    # lay out on a tile) and no reduce_or (which Pallas Triton cannot lower).
-    return jnp.sum(x.astype(jnp.float32) * 0.0, axis=-1)
+    # x - x is 0 or NaN: a sum, with no select of constants (which Mosaic TPU cannot lay out on
+    # a tile), no reduce_or (which Pallas Triton cannot lower) and no product (XLA would rewrite
+    # a sum of x * 0 as a dot with a materialised zero array).
+    x = x.astype(jnp.float32)
+    return jnp.sum(x - x, axis=-1)
 
 
 def per_row(x, transposed: bool = False):
