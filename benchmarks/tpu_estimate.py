@@ -107,18 +107,16 @@ def _programs(causal: bool):
     from jax_impl.flash_attention import flash_attention
     scale = HEAD_DIM ** -0.5
     programs = []
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, H, L, D] <-> [B, L, H, D]
     for block in OURS_BLOCKS:
         sizes = BlockSizes(**dict.fromkeys(("block_q", "block_k", "block_q_dkv", "block_k_dkv",
                                             "block_q_dq", "block_k_dq"), block))
-        programs.append((OURS, block, lambda q, k, v, sizes=sizes: flash_attention(
-            q, k, v, is_causal=causal, implementation=OURS, block_sizes=sizes), "blhd"))
-    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, H, L, D] <-> [B, L, H, D]
-    for block in OURS_BLOCKS:  # data on JAX's layout: the two transposes cancel under jit
-        sizes = BlockSizes(**dict.fromkeys(("block_q", "block_k", "block_q_dkv", "block_k_dkv",
-                                            "block_q_dq", "block_k_dq"), block))
-        programs.append((OURS_HEADS_FIRST, block, lambda q, k, v, sizes=sizes: heads_first(
-            flash_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=causal,
-                            implementation=OURS, block_sizes=sizes)), "bhld"))
+        call = lambda q, k, v, sizes=sizes: flash_attention(
+            q, k, v, is_causal=causal, implementation=OURS, block_sizes=sizes)
+        programs.append((OURS, block, call, "blhd"))
+        # Data on JAX's layout: the caller's transposes cancel the API's under jit.
+        programs.append((OURS_HEADS_FIRST, block, lambda q, k, v, call=call: heads_first(
+            call(heads_first(q), heads_first(k), heads_first(v))), "bhld"))
     for block in OURS_BLOCKS:  # the same kernel on JAX's layout, without the API's passes
         cfg = AttentionConfig(scale=scale, mask=masking.MaskSpec(is_causal=causal),
                               block_sizes=BlockSizes(block_q=block, block_k=block))
