@@ -130,8 +130,10 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
                             window_left=window_left, window_right=window_right,
                             has_q_lengths=query_seq_lengths is not None,
                             has_kv_lengths=key_value_seq_lengths is not None,
-                            has_block_mask=block_mask is not None)
-    mod_aux = _mods(score_mod, mask_mod, mod_aux, block_mask, batch=b, heads=hq, q_len=lq, kv_len=lk)
+                            has_block_mask=block_mask is not None,
+                            block_mask_of_mask_mod=block_mask_lib.made_from(block_mask, mask_mod))
+    score_mod, mask_mod, mod_aux = _mods(score_mod, mask_mod, mod_aux, block_mask, batch=b,
+                                         heads=hq, q_len=lq, kv_len=lk)
     masks = masking.MaskInputs(
         q_len=masking.lengths("query_seq_lengths", query_seq_lengths, batch_shape, lq),
         kv_len=masking.lengths("key_value_seq_lengths", key_value_seq_lengths, batch_shape, lk),
@@ -219,17 +221,24 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
 
 
 def _mods(score_mod, mask_mod, mod_aux, block_mask, *, batch, heads, q_len, kv_len) -> tuple:
-    """Checks score_mod, mask_mod and block_mask (errors name them); -> mod_aux as a tuple of
-    arrays. The mods' indices are flat: b over the flattened batch dims, h the query head."""
+    """Checks score_mod, mask_mod, mod_aux and block_mask (errors name them); -> (score_mod,
+    mask_mod, mod_aux as a tuple of arrays) with the arrays the mods close over moved into
+    mod_aux (``mods.hoisted``). The mods' indices are flat: b over the flattened batch dims, h
+    the query head."""
     if not isinstance(mod_aux, (tuple, list)):
         raise TypeError(f"mod_aux must be a tuple of the arrays score_mod and mask_mod read; got "
                         f"{type(mod_aux).__name__}")
+    for position, x in enumerate(mod_aux):
+        if x is None or not (hasattr(x, "dtype") or isinstance(x, (bool, int, float, list, tuple))):
+            raise TypeError(f"mod_aux[{position}] must be an array (or a number); got "
+                            f"{type(x).__name__}")
     mod_aux = tuple(jnp.asarray(x) for x in mod_aux)
     if mod_aux and score_mod is None and mask_mod is None:
         raise ValueError("mod_aux was given without score_mod or mask_mod: nothing reads it")
-    mods.check(score_mod, mask_mod, mod_aux, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
+    indices = mods.check(score_mod, mask_mod, mod_aux, batch=batch, heads=heads, q_len=q_len,
+                         kv_len=kv_len)
     checked_block_mask(block_mask, mask_mod, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
-    return mod_aux
+    return mods.hoisted(score_mod, mask_mod, mod_aux, indices)
 
 
 def checked_block_mask(block_mask, mask_mod, *, batch: int, heads: int, q_len: int, kv_len: int):
@@ -470,6 +479,8 @@ def features(cfg, bias, masks, extras, dtype=None) -> implementations.CallFeatur
                                         has_sinks=extras.sinks is not None, dtype=dtype,
                                         has_segment_ids=masks.q_segment_ids is not None,
                                         mod_aux=tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-                                                      for x in extras.mod_aux))
+                                                      for x in extras.mod_aux),
+                                        block_mask_tiles=None if masks.block_mask is None else
+                                        (masks.block_mask.block_q, masks.block_mask.block_kv))
 
 

@@ -35,7 +35,7 @@ SLAB_ELEMENTS = 1 << 20
 
 _ARRAY_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-_STATIC_FIELDS = ("q_len", "kv_len", "block_q", "block_kv")
+_STATIC_FIELDS = ("q_len", "kv_len", "block_q", "block_kv", "mask_mod")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=list(_ARRAY_FIELDS),
@@ -60,7 +60,10 @@ class BlockMask:
     tile's index reads a tile it already has: no extra copy, never out of range.
 
     ``q_len``, ``kv_len``: the sequence lengths Lq and Lk it was built for; ``block_q``,
-    ``block_kv``: the tile sizes.
+    ``block_kv``: the tile sizes; ``mask_mod``: the rule it was evaluated from
+    (``create_block_mask``), whose EMPTY tiles it holds nowhere and FULL tiles everywhere, or
+    None (made from tile classes or bounds). A call with the same mask_mod reads the tiles as
+    they are; with another (or none), by the meaning pair by pair (``PairRule``).
     """
 
     kv_num_blocks: Any
@@ -75,14 +78,17 @@ class BlockMask:
     kv_len: int
     block_q: int
     block_kv: int
+    mask_mod: Callable | None = None
 
     @classmethod
-    def from_tile_classes(cls, classes, q_len: int, kv_len: int, block_q: int, block_kv: int):
-        """The BlockMask of ``classes [B, H, nq, nk]`` (``EMPTY``/``PARTIAL``/``FULL`` per tile)."""
+    def from_tile_classes(cls, classes, q_len: int, kv_len: int, block_q: int, block_kv: int,
+                          mask_mod: Callable | None = None):
+        """The BlockMask of ``classes [B, H, nq, nk]`` (``EMPTY``/``PARTIAL``/``FULL`` per tile);
+        ``mask_mod``: the rule they were evaluated from (see the class), if any."""
         transposed = jnp.swapaxes(classes, -1, -2)
         return cls(*index_lists(classes == PARTIAL), *index_lists(classes == FULL),
                    *index_lists(transposed == PARTIAL), *index_lists(transposed == FULL),
-                   q_len, kv_len, block_q, block_kv)
+                   q_len, kv_len, block_q, block_kv, mask_mod)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -124,6 +130,12 @@ def index_lists(selected):
     last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], -1)
     last = jnp.where(counts[..., None] > 0, last, 0)
     return counts, jnp.where(jnp.arange(n) < counts[..., None], order, last)
+
+
+def made_from(block_mask, mask_mod) -> bool:
+    """Whether ``block_mask`` was evaluated from ``mask_mod`` (``BlockMask.mask_mod``)."""
+    return (block_mask is not None and mask_mod is not None
+            and getattr(block_mask, "mask_mod", None) is mask_mod)
 
 
 def check_block_mask(block_mask, *, batch: int, heads: int, q_len: int, kv_len: int,
@@ -188,6 +200,16 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Lq: int,
     if not isinstance(mod_aux, (tuple, list)):
         raise TypeError(f"mod_aux must be a tuple of the arrays mask_mod reads; got "
                         f"{type(mod_aux).__name__}")
+    if B is None or H is None:
+        try:
+            reads = _reads_batch_and_head(mask_mod, batch, heads, tuple(mod_aux))
+        except Exception:  # a mod that does not trace: _create's check names what is wrong
+            reads = (False, False)
+        for name, given, read in (("B", B, reads[0]), ("H", H, reads[1])):
+            if given is None and read:
+                raise ValueError(f"{name}=None (one mask for every {'batch row' if name == 'B' else 'head'}) "
+                                 f"but mask_mod reads {'b' if name == 'B' else 'h'}: its tiles "
+                                 f"would be those of the first only; pass {name}")
     return _create(mask_mod, batch, heads, Lq, Lk, *_block_size(block_size), tuple(mod_aux))
 
 
@@ -195,7 +217,18 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Lq: int,
 def _create(mask_mod, batch, heads, lq, lk, block_q, block_kv, mod_aux):
     return BlockMask.from_tile_classes(
         _evaluated_tile_classes(mask_mod, batch, heads, lq, lk, block_q, block_kv, mod_aux),
-        lq, lk, block_q, block_kv)
+        lq, lk, block_q, block_kv, mask_mod)
+
+
+def _reads_batch_and_head(mask_mod, batch: int, heads: int, mod_aux) -> tuple[bool, bool]:
+    """Whether ``mask_mod``'s result depends on ``b`` and on ``h`` (read from its jaxpr)."""
+    index = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    jaxpr = jax.make_jaxpr(mask_mod)(index(batch, 1, 1, 1), index(1, heads, 1, 1),
+                                     index(1, 1, 1, 1), index(1, 1, 1, 1),
+                                     *(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+                                       for x in mod_aux)).jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    return tuple(id(jaxpr.invars[i]) in used for i in (0, 1))
 
 
 def of_mask_mod(mask_mod, batch: int, heads: int, lq: int, lk: int, mod_aux,
@@ -204,12 +237,7 @@ def of_mask_mod(mask_mod, batch: int, heads: int, lq: int, lk: int, mod_aux,
     ``block_mask`` (so that its empty tiles are skipped): ``create_block_mask``'s evaluation,
     over B and H only where ``mask_mod`` reads ``b`` and ``h`` (else one row or head stands
     for all: a mask that ignores the head costs 1/H of the pairs)."""
-    index = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    jaxpr = jax.make_jaxpr(mask_mod)(index(batch, 1, 1, 1), index(1, heads, 1, 1),
-                                     index(1, 1, 1, 1), index(1, 1, 1, 1),
-                                     *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in mod_aux)).jaxpr
-    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
-    reads_b, reads_h = (id(jaxpr.invars[i]) in used for i in (0, 1))
+    reads_b, reads_h = _reads_batch_and_head(mask_mod, batch, heads, mod_aux)
     return _create(mask_mod, batch if reads_b else 1, heads if reads_h else 1, lq, lk,
                    block_size, block_size, tuple(mod_aux))
 
@@ -343,6 +371,77 @@ def tile_classes(spec: masking.MaskSpec, masks: masking.MaskInputs, q_len: int, 
     return classes
 
 
+@dataclasses.dataclass(frozen=True)
+class PairRule:
+    """The meaning of a block_mask, pair by pair (FlexAttention's): a pair in an EMPTY tile is
+    excluded, one in a FULL tile allowed, one in a PARTIAL tile allowed where ``mask_mod`` says
+    (every pair, without one). A mask_mod over the tile classes, which arrive as the last
+    mod_aux entry (int32 ``[Bc, Hc, nq, nk]``, ``dense_classes``): ``on_grid`` gives it to a
+    kernel whose tiles the block_mask's tiles cannot describe exactly."""
+
+    mask_mod: Callable | None
+    block_q: int
+    block_kv: int
+
+    def __call__(self, b, h, q_idx, kv_idx, *mod_aux):
+        *mod_aux, classes = mod_aux
+        pick = lambda index, size: index if size > 1 else 0 * index
+        # lax.div, not //: indices are never negative, and the C++ mod programs have no floor.
+        tile = classes[pick(b, classes.shape[0]), pick(h, classes.shape[1]),
+                       lax.div(q_idx, jnp.int32(self.block_q)),
+                       lax.div(kv_idx, jnp.int32(self.block_kv))]
+        allowed = tile == FULL
+        if self.mask_mod is None:
+            return allowed | (tile == PARTIAL)
+        return allowed | ((tile == PARTIAL) & self.mask_mod(b, h, q_idx, kv_idx, *mod_aux))
+
+
+@dataclasses.dataclass(frozen=True)
+class _BesidePairRule:
+    """A score_mod beside a PairRule: it does not see the tile classes' mod_aux entry."""
+
+    score_mod: Callable
+
+    def __call__(self, score, b, h, q_idx, kv_idx, *mod_aux):
+        return self.score_mod(score, b, h, q_idx, kv_idx, *mod_aux[:-1])
+
+
+def on_grid(cfg, masks, extras, grids, *, per_row_and_head: bool = True):
+    """(cfg, extras) with which a kernel whose tiles are ``grids`` (``(block_q, block_kv)``
+    each) runs a call with a block_mask exactly, reading its tiles regridded to its own
+    (``tile_classes``: a tile spanning several classes is PARTIAL, and evaluates mask_mod):
+
+    - with the mask_mod the block_mask was made from (``cfg.mask.block_mask_of_mask_mod``): as
+      they are (the mask_mod holds on FULL tiles and nowhere on EMPTY ones);
+    - without a mask_mod (EMPTY and FULL tiles only): as they are where every kernel tile lies
+      inside one block_mask tile and (``per_row_and_head``) the kernel walks each batch row and
+      head's own tiles, or the block_mask is the same for all (xla's steps take the union of
+      their rows' and heads' tiles);
+    - otherwise with ``with_pair_rule``.
+
+    A backward keeps the cotangents of the caller's mod_aux entries only."""
+    tiles = masks.block_mask
+    if tiles is None or (cfg.mask_mod is not None and cfg.mask.block_mask_of_mask_mod):
+        return cfg, extras
+    shared = per_row_and_head or tiles.kv_num_blocks.shape[:2] == (1, 1)
+    if (cfg.mask_mod is None and shared
+            and all(tiles.block_q % bq == 0 and tiles.block_kv % bk == 0 for bq, bk in grids)):
+        return cfg, extras
+    return with_pair_rule(cfg, masks, extras)
+
+
+def with_pair_rule(cfg, masks, extras):
+    """(cfg, extras) whose mask_mod is the block_mask's ``PairRule`` (the caller's mask_mod
+    inside it), with ``dense_classes`` as the last mod_aux entry."""
+    classes = dense_classes(masks.block_mask).astype(jnp.int32)
+    extras = extras._replace(mod_aux=(*extras.mod_aux, classes))
+    score_mod = None if cfg.score_mod is None else _BesidePairRule(cfg.score_mod)
+    aux_gradients = None if cfg.aux_gradients is None else (*cfg.aux_gradients, False)
+    rule = PairRule(cfg.mask_mod, masks.block_mask.block_q, masks.block_mask.block_kv)
+    return dataclasses.replace(cfg, mask_mod=rule, score_mod=score_mod,
+                               aux_gradients=aux_gradients), extras
+
+
 def dense_classes(block_mask: BlockMask):
     """``[B, H, nq, nk]`` int8 tile classes of ``block_mask``, scattered from its query-tile
     lists in ``O(B * H * nq * nk)``."""
@@ -357,14 +456,6 @@ def dense_classes(block_mask: BlockMask):
 
     return jnp.maximum(scatter(block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL),
                        scatter(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL))
-
-
-def pairs_outside_empty_tiles(block_mask: BlockMask):
-    """``[B|1, H|1, Lq, Lk]`` bool: True where a pair's tile of ``block_mask`` is not empty.
-    Dense: for the reference."""
-    visited = dense_classes(block_mask) != EMPTY
-    visited = jnp.repeat(jnp.repeat(visited, block_mask.block_q, 2), block_mask.block_kv, 3)
-    return visited[:, :, :block_mask.q_len, :block_mask.kv_len]
 
 
 def regrid(block_mask: BlockMask, block_q: int, block_kv: int):

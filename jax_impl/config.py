@@ -71,6 +71,9 @@ class AttentionConfig:
     # static arguments: pass the same function object to reuse a compilation.
     score_mod: Callable | None = None
     mask_mod: Callable | None = None
+    # Per mod_aux entry, whether it is differentiated (the custom VJP's symbolic zeros set it);
+    # None: every floating entry is (mods.gradient_entries).
+    aux_gradients: tuple[bool, ...] | None = None
 
     @property
     def has_mods(self) -> bool:

@@ -13,7 +13,7 @@ import dataclasses
 
 from jax import lax
 
-from jax_impl import arguments, implementations, masking, ring, ulysses, vma
+from jax_impl import arguments, implementations, masking, mods, ring, ulysses, vma
 
 
 def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
@@ -117,9 +117,17 @@ def _local_kernel(call, among, run, bias, masks):
     None the one flash_attention chooses automatically, among those the strategy can use
     (``among``), decided where the call is lowered."""
     args = (call.q, call.k, call.v, bias, masks, call.extras)
+    # Judged as the local kernel runs them: a strategy's mods see global indices (mods.at_offset).
+    features = arguments.features(mods.at_offset(call.cfg), bias, masks, call.extras._replace(
+        mod_aux=mods.offset_aux(call.extras.mod_aux) if call.cfg.has_mods else ()), call.q.dtype)
     if call.implementation is not None:
+        chosen = implementations.get(call.implementation)
+        reason = chosen.call_unsupported and chosen.call_unsupported(
+            head_dim=call.q.shape[-1], **features._asdict())
+        if reason:
+            raise ValueError(f"implementation={chosen.name!r} cannot run this call's local "
+                             f"steps: {reason}")
         return run(call.implementation)(*args)
-    features = arguments.features(call.cfg, bias, masks, call.extras, call.q.dtype)
     choose = lambda platform: implementations.automatic(
         implementations.reasons(platform, head_dim=call.q.shape[-1], features=features), among)
     return implementations.on_lowering_platform(choose, run, *args)

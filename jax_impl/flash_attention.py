@@ -80,14 +80,16 @@ def flash_attention(
       key_value_seq_lengths: int ``[...]``; keys at or past the length take no part.
       local_window_size: ``w`` or ``(left, right)`` (None = unbounded side): key j allowed when
         ``i - left <= j <= i + right``, measured from the same diagonal as causal.
-      implementation: "pallas_triton" (the GPU kernel), "mosaic_gpu" (FlashAttention-3's forward
-        for H100/H200, by name only; 16-bit, head_dim 64/128), "cpu" (the fused C++ CPU kernel, built
-        on first use), "xla" (the same blocked algorithm in plain JAX, linear memory, any
-        device), "reference" (dense; for checking), "cudnn" (jax.nn.dot_product_attention's
-        cuDNN kernel, by name only, for the calls whose meaning is this library's: 16-bit, no
-        mask, lengths, window or additions; others are refused with the reason), or None:
-        pallas_triton on a CUDA GPU and cpu on a CPU where eligible, xla elsewhere;
-        ``explain_implementation`` says why.
+      implementation: a name of the implementation table (``jax_impl.implementations``):
+        "pallas_triton" (the Pallas Triton GPU kernels), "mosaic_gpu" (FlashAttention-3's design
+        in Pallas Mosaic GPU for H100/H200, by name only; 16-bit, head_dim 64/128), "mosaic_tpu"
+        (the Pallas Mosaic TPU kernels), "cpu" (the fused C++ CPU kernel), "xla" (the same
+        blocked algorithm in plain JAX, linear memory, any device), "reference" (dense; for
+        checking), "cudnn" (jax.nn.dot_product_attention's cuDNN kernel, by name only, for the
+        calls whose meaning is this library's: 16-bit, no mask, lengths, window or additions;
+        others are refused with the reason), or None: the first of pallas_triton (cuda),
+        mosaic_tpu (tpu), cpu (cpu), xla (any platform) that can run the call, decided where it
+        is lowered; ``explain_implementation`` says why.
       return_residual: also return the logsumexp ``[..., Lq, Hq]`` (float32, natural log,
         ``-inf`` for a row with no allowed key), as jax.nn does; differentiable.
 
@@ -147,14 +149,21 @@ def flash_attention(
       mod_aux: a tuple of the arrays the mods read; floating ones are differentiable (their
         gradient is summed tile by tile in a fixed order: repeatable bit for bit).
       block_mask: a ``BlockMask`` (``create_block_mask``), ``[B|1, Hq|1]`` tiles of the call's
-        (Lq, Lk): its empty tiles are skipped, its full ones attend without evaluating
-        mask_mod, its partial ones evaluate mask_mod. It must keep that promise about the
-        mask_mod (create_block_mask does); any block size works (implementations read it on
-        their own tiles). Without a block_mask mask_mod is evaluated on every tile the other
-        rules leave. Segment ids, causal, windows and lengths need none: their empty tiles are
-        skipped from per-tile bounds. A block_mask with partial tiles needs its mask_mod.
-        On a CPU calls with mods run on xla (the C++ kernel cannot run Python functions)
-        unless only a block_mask without partial tiles is given.
+        (Lq, Lk), per batch row and head: a pair in an empty tile is excluded, in a full tile
+        allowed (mask_mod is not consulted there), in a partial tile as mask_mod says (FlexAttention's
+        meaning). Any tile sizes work on every implementation (each reads the block_mask on its
+        own tiles; mosaic_tpu needs tiles that are multiples of 128 and, with a mask_mod, a
+        block_mask made from it by create_block_mask). Without a block_mask mask_mod is
+        evaluated on every tile the other rules leave. Segment ids, causal, windows and lengths
+        need none: their empty tiles are skipped from per-tile bounds. A block_mask with
+        partial tiles needs its mask_mod.
+
+        Where mods run: in every implementation's kernels. The fused C++ kernel (cpu) runs them
+        as compiled programs and refuses, by name, what those cannot express (the automatic
+        choice then runs xla); mosaic_tpu takes mods without mod_aux. A mod may close over
+        concrete arrays (constants, read as mod_aux is); one that closes over a traced array is
+        refused. Reads of mod_aux past an array's end clamp, forward and gradient alike; the
+        gradient of mod_aux sums the allowed pairs only.
 
     Paged KV cache:
       page_table: int ``[..., pages_per_sequence]`` (inference, forward only); key and value
@@ -190,7 +199,9 @@ def flash_attention(
         _strategy(query, call, call.implementation or implementations.automatic(
             _reasons(jax.default_backend(), call.cfg, call.q, call.k, call.bias, call.masks,
                      call.extras, None)))
-    out, lse = _dispatch(call)
+    refusal = (recompute_vjp.PAGED_GRADIENT_ERROR if call.page_table is not None
+               else recompute_vjp.FORWARD_MODE_ERROR)
+    out, lse = recompute_vjp.naming_forward_mode(_dispatch, refusal)(call)
     return call.to_user(out, lse, return_residual)
 
 
@@ -251,7 +262,8 @@ def with_evaluated_block_mask(implementation: str, cfg, q, k, masks, extras):
         return cfg, masks
     built = block_mask.of_mask_mod(cfg.mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
                                    extras.mod_aux)
-    return (dataclasses.replace(cfg, mask=dataclasses.replace(cfg.mask, has_block_mask=True)),
+    return (dataclasses.replace(cfg, mask=dataclasses.replace(cfg.mask, has_block_mask=True,
+                                                              block_mask_of_mask_mod=True)),
             masks._replace(block_mask=built))
 
 
@@ -343,6 +355,9 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                                     path_reason="jax.nn.dot_product_attention(implementation='cudnn')")
     if call.implementation is not None:
         chosen = call.implementation
+        if reasons[chosen] is not None:  # as flash_attention refuses it
+            raise ValueError(f"implementation={chosen!r} cannot run this call on "
+                             f"platform={platform!r}: {reasons[chosen]}")
         for name in reasons:
             if name != chosen and reasons[name] is None:
                 reasons[name] = f"implementation={chosen!r} was requested"

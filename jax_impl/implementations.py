@@ -47,6 +47,7 @@ class CallFeatures(NamedTuple):
     dtype: object = None            # of q (None: not judged)
     has_segment_ids: bool = False
     mod_aux: tuple = ()             # ShapeDtypeStructs of the mods' arrays (extras.mod_aux)
+    block_mask_tiles: tuple | None = None  # (block_q, block_kv) of the block_mask, if any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +128,7 @@ def _with_mod_aux_gradient(kernel_backward: Callable, cfg: AttentionConfig, q, k
     taken from the xla backward (the kernels return none: summing it there would need atomics
     or a buffer per program)."""
     found = kernel_backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
-    if cfg.score_mod is None or not any(map(mods.differentiable, extras.mod_aux)):
+    if not any(mods.gradient_entries(cfg, extras.mod_aux)):
         return found
     if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
         cfg = dataclasses.replace(cfg, block_sizes=None)  # a mosaic_gpu.Config: not xla's
@@ -185,7 +186,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         mosaic_tpu.forward, mosaic_tpu.backward, needs_tpu=True, takes_position_offset=True,
         interpreter_has_effects=True,
         call_unsupported=mosaic_tpu.unsupported,
-        forward_tiles=lambda cfg, q, k, masks: mosaic_tpu.block_shape(cfg, q.shape[1], k.shape[1])),
+        forward_tiles=lambda cfg, q, k, masks: mosaic_tpu.block_shape(cfg, q.shape[1], k.shape[1], masks)),
     "cpu": Implementation(
         "cpu", "fused C++ kernels for the CPU (XLA FFI, built on first use)", cpu_kernel.forward, cpu_kernel.backward, needs_cpu=True,
         decode=cpu_kernel.decode, decode_takes_mods=True,

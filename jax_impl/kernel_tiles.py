@@ -79,7 +79,7 @@ _MOD_AUX_RULE = ("in the Pallas kernels a mod_aux array is read by indexing ever
                  "{what} is not supported there (implementation='xla' takes any jnp code)")
 
 
-class ModAux:
+class ModAux(mods.AuxView):
     """A mod_aux array inside a kernel: ``aux[i, j]`` with ints or int32 arrays that broadcast
     is one gather load (indices as jnp takes them: negative ones count from the end, the rest
     clamped into the array, so no load leaves it). Nothing else: a use as a whole array raises."""

@@ -44,6 +44,9 @@ class MaskSpec:
     has_q_lengths: bool = False   # query_seq_lengths given (else every query is valid)
     has_kv_lengths: bool = False  # key_value_seq_lengths given
     has_block_mask: bool = False  # MaskInputs.block_mask given (block_mask.tile_classes reads it)
+    # The block_mask was evaluated from the call's mask_mod (BlockMask.mask_mod): its tiles are
+    # exact on any grid (block_mask.on_grid).
+    block_mask_of_mask_mod: bool = False
 
     @property
     def has_band(self) -> bool:

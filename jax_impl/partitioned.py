@@ -652,6 +652,8 @@ def _one_program(implementation, call, operands: tuple, results_like):
     shardings = [_type_sharding(x) for x in arrays]
     mesh = next((sharding.mesh for sharding in shardings if sharding is not None), None)
     if mesh is None:
+        if implementation.needs_tpu:
+            return _one_call_per_example(call, leaves, tree, is_array)(*arrays)
         return call(*operands)
     if operands[0].interpret and implementation.interpreter_has_effects:
         raise ValueError(
@@ -671,6 +673,33 @@ def _one_program(implementation, call, operands: tuple, results_like):
     results = jax.shard_map(whole, mesh=mesh, in_specs=tuple(P() for _ in arrays),
                             out_specs=P(), check_vma=False)(*arrays)
     return _given_back(results, results_like)
+
+
+def _one_call_per_example(call, leaves, tree, is_array):
+    """``call`` on ``tree``'s leaves (the arrays, where ``is_array``, as arguments) that a
+    ``jax.vmap`` runs once per example (``lax.map``): JAX's batching of a Mosaic TPU pallas_call
+    adds a grid axis without its dimension semantics, which Mosaic and the TPU interpreter
+    refuse."""
+    def on_arrays(*arrays):
+        arrays = iter(arrays)
+        return call(*tree.unflatten([next(arrays) if array else x
+                                     for x, array in zip(leaves, is_array)]))
+
+    per_example = jax.custom_batching.custom_vmap(on_arrays)
+
+    @per_example.def_vmap
+    def rule(axis_size, in_batched, *arrays):
+        mapped = [x for x, batched in zip(arrays, in_batched) if batched]
+
+        def one(mapped_slices):
+            slices = iter(mapped_slices)
+            return per_example(*(next(slices) if batched else x
+                                 for x, batched in zip(arrays, in_batched)))
+
+        outs = jax.lax.map(one, mapped)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return per_example
 
 
 def _given_back(result, like):

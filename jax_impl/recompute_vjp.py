@@ -35,8 +35,10 @@ FORWARD_MODE_ERROR = (
 # JAX cannot push tangents forward through a custom VJP and says so without naming a way out,
 # often where the program is lowered, far from this call. So each differentiable input passes
 # through an identity whose tangent is a primitive that raises the given message when it is
-# evaluated, batched (jax.jacfwd) or lowered, all of which only forward mode does: reverse mode
-# stages it and transposes it to the identity.
+# evaluated or lowered, which only forward mode does: reverse mode stages it and transposes it
+# to the identity. Batching passes it on: jax.grad of a jax.vmap batches it before the
+# transpose removes it, and jax.jacfwd's batched tangent then meets the custom VJP, whose
+# refusal ``naming_forward_mode`` words as the others.
 _forward_tangent_p = jax.extend.core.Primitive("flash_attention_forward_mode_tangent")
 _forward_tangent_p.def_abstract_eval(lambda tangent, **params: tangent)
 
@@ -45,9 +47,29 @@ def _raise_message(*args, message, **params):
     raise NotImplementedError(message)
 
 
+def _batch_tangent(args, dims, **params):
+    return _forward_tangent_p.bind(*args, **params), dims[0]
+
+
+_JAX_FORWARD_MODE_REFUSAL = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+
+
+def naming_forward_mode(function, message: str):
+    """``function``, whose custom VJPs' refusal of forward mode (JAX's TypeError, raised where a
+    jitted call is differentiated) says ``message``."""
+    def call(*args):
+        try:
+            return function(*args)
+        except TypeError as error:
+            if _JAX_FORWARD_MODE_REFUSAL in str(error):
+                raise NotImplementedError(message) from error
+            raise
+    return call
+
+
 _forward_tangent_p.def_impl(_raise_message)
 mlir.register_lowering(_forward_tangent_p, _raise_message)
-batching.primitive_batchers[_forward_tangent_p] = _raise_message
+batching.primitive_batchers[_forward_tangent_p] = _batch_tangent
 ad.deflinear(_forward_tangent_p, lambda cotangent, **params: [cotangent])
 
 
@@ -96,7 +118,7 @@ def _attention_fwd(implementation, cfg, q, k, v, bias, masks, extras):
     # same products, so a row's max cancels exactly at any magnitude (a decode path's split
     # products round apart: at |logits| ~1e9, 64 apart, and exp of that is no probability).
     cfg = dataclasses.replace(cfg, decode=False)
-    backward_cfg, (q, k, v, bias, masks, extras) = from_primals(cfg, bias, (q, k, v, bias, masks, extras))
+    backward_cfg, (q, k, v, bias, masks, extras) = from_primals(cfg, bias, (q, k, v, bias, masks, extras), extras.mod_aux)
     out, stats = _forward(implementation, cfg, q, k, v, bias, masks, extras)
     return ((out, online_softmax.logsumexp(stats)),
             Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))

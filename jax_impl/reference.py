@@ -51,17 +51,19 @@ def attention(q, k, v, bias, masks: masking.MaskInputs, cfg: AttentionConfig,
         logits = logits + bias.astype(logits_dtype)
     logits = logits + (q_poison[..., :, None] + kv_poison[..., None, :]).astype(logits_dtype)
     extras = extras or dropout_sinks.SinksAndDropout()
+    if masks.block_mask is not None:  # its meaning pair by pair
+        cfg, extras = block_mask_lib.with_pair_rule(cfg, masks, extras)
     indices = (jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
                jnp.arange(hq, dtype=jnp.int32)[None, :, None, None],
                jnp.arange(lq, dtype=jnp.int32)[None, None, :, None],
                jnp.arange(lk, dtype=jnp.int32)[None, None, None, :])
-    logits = mods.score(cfg, logits, *indices, extras.mod_aux)
     allowed = masking.dense_allowed(cfg.mask, lq, lk, masks.q_len, masks.kv_len,
                                     masks.q_segment_ids, masks.kv_segment_ids, masks.mask)
-    allowed = masking.all_of([allowed, mods.allowed(cfg, *indices, extras.mod_aux),
-                              None if masks.block_mask is None
-                              else block_mask_lib.pairs_outside_empty_tiles(masks.block_mask)])
-    allowed = allowed & (logits != -jnp.inf)  # an additive -inf bias excludes its pair
+    allowed = masking.all_of([allowed, mods.allowed(cfg, *indices, extras.mod_aux)])
+    allowed = jnp.broadcast_to(True if allowed is None else allowed, logits.shape)
+    # An additive -inf bias excludes its pair; so does a score_mod's -inf (after it).
+    logits = mods.score(cfg, logits, *indices, extras.mod_aux, keep=allowed & (logits != -jnp.inf))
+    allowed = allowed & (logits != -jnp.inf)
     row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True)
     sink = None if extras.sinks is None else extras.sinks.astype(logits_dtype)[:, :, None, None]
     if sink is not None:  # one more logit in every row's denominator, with no value

@@ -116,7 +116,7 @@ def pair_block_mask(global_mask, tiles, q_chunk, kv_chunk, cq: int, ck: int):
     bq, bk = global_mask.block_q, global_mask.block_kv
     rows = lax.dynamic_slice_in_dim(tiles, q_chunk * (cq // bq), cq // bq, axis=2)
     pair = lax.dynamic_slice_in_dim(rows, kv_chunk * (ck // bk), ck // bk, axis=3)
-    return block_mask.BlockMask.from_tile_classes(pair, cq, ck, bq, bk)
+    return block_mask.BlockMask.from_tile_classes(pair, cq, ck, bq, bk, global_mask.mask_mod)
 
 
 def block_mask_unfit(global_mask, cq: int, ck: int) -> str | None:
@@ -277,7 +277,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
                 def compute(qa, kc, vc, bp, pm, st, do, dl, ex):
                     dq, dk, dv, db, d_aux = impl.backward(cfg, qa, kc, vc, bp, pm, st, do, dl, ex)
                     db = reduce_to(db, bp.shape).astype(jnp.float32) if with_dbias else None
-                    d_aux = float_cotangents(d_aux[1:] if cfg.has_mods else (), mod_aux)
+                    d_aux = float_cotangents(ring.cfg, d_aux[1:] if cfg.has_mods else (), mod_aux)
                     return (dq.astype(jnp.float32), dk.astype(jnp.float32),
                             dv.astype(jnp.float32), db, d_aux)
 
@@ -285,7 +285,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
                     return vma.like((jnp.zeros(qa.shape, jnp.float32), jnp.zeros(kc.shape, jnp.float32),
                                      jnp.zeros(vc.shape, jnp.float32),
                                      jnp.zeros(bp.shape, jnp.float32) if with_dbias else None,
-                                     mods.zero_cotangents(mod_aux)), axes)
+                                     mods.zero_cotangents(ring.cfg, mod_aux)), axes)
 
                 dq, dk, dv, db, d_aux = lax.cond(pair_active(ring, pm, cq, ck), compute, skip, qs[a], ks[c],
                                           vs[c], bp, pm, row_stats[a], dos[a], deltas[a],
@@ -307,7 +307,7 @@ def ring_backward(ring: Ring, q, k, v, masks, stats, d_out, delta, bias=None, ex
     # dK/dV of the block it visited last, block me+1's: one more send (in k's dtype) takes it home.
     _, dkv, dqs, dbias, d_mod_aux = lax.fori_loop(
         0, ring.num_devices, step,
-        (kv, (zeros(k), zeros(v)), dqs, dbias, vma.like(mods.zero_cotangents(mod_aux), axes)))
+        (kv, (zeros(k), zeros(v)), dqs, dbias, vma.like(mods.zero_cotangents(ring.cfg, mod_aux), axes)))
     dk, dv = _rotate((dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)), ring)
     return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk, dv, dbias, d_mod_aux
 
@@ -317,18 +317,20 @@ def _global_tiles(masks: masking.MaskInputs):
     return None if masks.block_mask is None else block_mask.dense_classes(masks.block_mask)
 
 
-def float_cotangents(d_aux: tuple, mod_aux: tuple) -> tuple:
-    """A local kernel's mod_aux cotangents as ``mods.zero_cotangents`` lays them out (float32; zeros
-    where the implementation gave None for a floating entry the mods did not differentiate)."""
-    return tuple(None if not mods.differentiable(x) else
+def float_cotangents(cfg, d_aux: tuple, mod_aux: tuple) -> tuple:
+    """A local kernel's mod_aux cotangents as ``mods.zero_cotangents(cfg, ...)`` lays them out
+    (float32; zeros where the implementation gave None for an entry that gets a gradient)."""
+    if not d_aux:
+        return mods.zero_cotangents(cfg, mod_aux)
+    return tuple(None if not wanted else
                  jnp.zeros(jnp.shape(x), jnp.float32) if d is None else d.astype(jnp.float32)
-                 for d, x in zip(d_aux, mod_aux)) if d_aux else mods.zero_cotangents(mod_aux)
+                 for d, x, wanted in zip(d_aux, mod_aux, mods.gradient_entries(cfg, mod_aux)))
 
 
 def _ring_fwd(ring, q, k, v, bias, masks, extras):
     # symbolic_zeros=True: every array arrives as a CustomVJPPrimal(value, perturbed).
     backward_cfg, (q, k, v, bias, masks, extras) = from_primals(ring.cfg, bias,
-                                                                (q, k, v, bias, masks, extras))
+                                                                (q, k, v, bias, masks, extras), extras.mod_aux)
     out, stats = ring_forward(ring, q, k, v, masks, bias, extras)
     return ((out, online_softmax.logsumexp(stats)),
             Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))

@@ -26,11 +26,13 @@ class Residuals:
     cfg: AttentionConfig
 
 
-def from_primals(cfg: AttentionConfig, bias, args):
+def from_primals(cfg: AttentionConfig, bias, args, mod_aux=()):
     """In a forward rule: (cfg with ``bias_gradient`` = whether ``bias`` (a CustomVJPPrimal or
-    None) is differentiated, ``args`` with every CustomVJPPrimal replaced by its value). A
-    constant bias (an additive mask, ALiBi) then costs the backward no dS."""
-    cfg = dataclasses.replace(cfg, bias_gradient=bias is not None and bias.perturbed)
+    None) is differentiated and ``aux_gradients`` = which ``mod_aux`` entries (CustomVJPPrimals)
+    are, ``args`` with every CustomVJPPrimal replaced by its value). A constant bias (an additive
+    mask, ALiBi) then costs the backward no dS, a constant mod_aux entry no cotangent."""
+    cfg = dataclasses.replace(cfg, bias_gradient=bias is not None and bias.perturbed,
+                              aux_gradients=tuple(bool(x.perturbed) for x in mod_aux))
     return cfg, custom_vjp_primal_tree_values(args)
 
 

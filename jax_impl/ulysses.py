@@ -127,7 +127,7 @@ def backward(u: Ulysses, q, k, v, masks, stats, d_out, delta, extras=None, bias=
         mods.at_offset(u.cfg), heads(q), heads(k), heads(v), bias_heads, masks, stats,
         heads(d_out), heads(delta, 2, 1), extras)
     grads = tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv))
-    d_aux = ring.float_cotangents(d_aux[1:] if u.cfg.has_mods else (), user_aux)
+    d_aux = ring.float_cotangents(u.cfg, d_aux[1:] if u.cfg.has_mods else (), user_aux)
     if bias is None or not u.cfg.bias_gradient:
         return grads + (None, d_aux)
     dbias = reduce_to(dbias, bias_heads.shape)
@@ -168,7 +168,7 @@ def _backward_of(d, q, k, v, bias, masks, stats, d_out, delta, extras):
 
 def _fwd(u, q, k, v, bias, masks, extras):
     backward_cfg, (q, k, v, bias, masks, extras) = from_primals(u.cfg, bias,
-                                                                (q, k, v, bias, masks, extras))
+                                                                (q, k, v, bias, masks, extras), extras.mod_aux)
     out, stats = _forward_of(u, q, k, v, bias, masks, extras)
     return ((out, online_softmax.logsumexp(stats)),
             Residuals((q, k, v, bias, masks, extras, out, stats), backward_cfg))
@@ -228,7 +228,7 @@ def hybrid_backward(u: Ulysses, ring_description, q, k, v, masks, stats, d_out, 
     dq, dk, dv, _, d_aux = ring.contiguous_backward(
         _after_all_to_all(u, ring_description), heads(q), heads(k), heads(v), masks, stats,
         heads(d_out), heads(delta, 2, 1), None, extras)
-    d_aux = ring.float_cotangents(d_aux[1:] if u.cfg.has_mods else (), user_aux)
+    d_aux = ring.float_cotangents(u.cfg, d_aux[1:] if u.cfg.has_mods else (), user_aux)
     return tuple(to_sequence(g, u.axis_name) for g in (dq, dk, dv)) + (None, d_aux)
 
 

@@ -323,9 +323,17 @@ def _tile_plan(cfg: AttentionConfig, q, k, masks: masking.MaskInputs):
     return masks._replace(block_mask=None), classes, jnp.arange(q.shape[2], dtype=jnp.int32)
 
 
+def _exact_on_tiles(cfg: AttentionConfig, q, k, masks: masking.MaskInputs, extras):
+    """(cfg, extras) for these chunks (``block_mask.on_grid``: a step walks every batch row and
+    the query heads of one kv head at once, through the union of their tiles)."""
+    extras = extras or dropout_sinks.SinksAndDropout()
+    return block_mask_lib.on_grid(cfg, masks, extras, [chunk_sizes(cfg, q.shape[1], k.shape[1], masks)],
+                                  per_row_and_head=False)
+
+
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
     """-> (out ``[B, Lq, Hq, D]`` in q's dtype, RowStats of ``[B, Hq, Lq]`` float32)."""
-    extras = extras or dropout_sinks.SinksAndDropout()
+    cfg, extras = _exact_on_tiles(cfg, q, k, masks, extras)
     masks, classes, heads = _tile_plan(cfg, q, k, masks)
     stacked = _over_head_blocks(functools.partial(_forward, cfg), q, k,
                                 (q, k, v, bias, masks, extras, classes, heads),
@@ -377,7 +385,8 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
              extras=None):
     """-> (dq, dk, dv, dbias ``[B, Hq, Lq, Lk]`` float32 | None, d_mod_aux), one block of
     heads at a time; the blocks' d_mod_aux summed in block order."""
-    extras = extras or dropout_sinks.SinksAndDropout()
+    entries = 0 if extras is None else len(extras.mod_aux)  # the caller's
+    cfg, extras = _exact_on_tiles(cfg, q, k, masks, extras)
     masks, classes, heads = _tile_plan(cfg, q, k, masks)
     stacked = _over_head_blocks(
         functools.partial(_backward, cfg), q, k,
@@ -385,11 +394,13 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
         (2, 2, 2, 1, _MASK_HEAD_AXES, online_softmax.RowStats(1, 1), 2, 1,
          _extras_head_axes(extras), 1, 0))
     if stacked is None:
-        return _backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras, classes, heads)
+        dq, dk, dv, dbias, d_mod_aux = _backward(cfg, q, k, v, bias, masks, stats, d_out, delta,
+                                                 extras, classes, heads)
+        return dq, dk, dv, dbias, d_mod_aux[:entries]
     dq, dk, dv, dbias, d_mod_aux = stacked
     return (*(_merge_heads(x, 2) for x in (dq, dk, dv)),
             None if dbias is None else _merge_heads(dbias, 1),
-            tuple(None if x is None else jnp.sum(x, axis=0) for x in d_mod_aux))
+            tuple(None if x is None else jnp.sum(x, axis=0) for x in d_mod_aux[:entries]))
 
 
 def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out, delta,
@@ -429,8 +440,9 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
             # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask.
             keep = t.keep(i, j)
             drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
+            # Excluded pairs (attended False) reach neither dS nor a mod_aux cotangent.
             score_gradient = lambda ds: mods.score_gradient(cfg, unmodded, *t.mod_indices(i, j),
-                                                            t.mod_aux, ds)
+                                                            t.mod_aux, ds, keep=attended)
             ds, dqk = online_softmax.logits_gradient(
                 p, drop(dp), stats_tile(delta, i), capped, cfg, exclusions=attended is not None,
                 score_vjp=None if cfg.score_mod is None else lambda ds: score_gradient(ds)[0])
@@ -461,8 +473,7 @@ def _backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, st
                       jnp.zeros(t.v_t.shape, v.dtype),
                       None if bias is None or not cfg.bias_gradient
                       else jnp.zeros((b, hq, t.lq_pad, t.lk_pad), jnp.float32),
-                      mods.zero_cotangents(extras.mod_aux) if cfg.score_mod is not None
-                      else tuple(None for _ in extras.mod_aux)),
+                      mods.zero_cotangents(cfg, extras.mod_aux)),
                      axes)
     dq, dk, dv, dbias, d_mod_aux = lax.fori_loop(0, t.lk_pad // block_k, key_tile, grads)
     dq = t.from_heads(dq)[:, :lq].astype(q.dtype)

@@ -45,7 +45,8 @@ _SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS, _TILES, _MODS = 1, 2, 4, 8, 16, 32, 64
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
                 has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False, mod_aux: tuple = ()) -> str | None:
+                has_segment_ids: bool = False, mod_aux: tuple = (),
+                block_mask_tiles: tuple[int, int] | None = None) -> str | None:
     """Why the CPU kernel cannot run such a call (it then runs on the xla path), or None:
     mods its programs cannot express (``mod_program.unsupported``; ``mod_aux``: arrays or
     ShapeDtypeStructs), tiles it cannot take, or a kernel that cannot be built."""
@@ -111,57 +112,6 @@ def _tile_classes(cfg: AttentionConfig, masks: masking.MaskInputs, q_len: int, k
                                    mask_mod=cfg.mask_mod is not None)
 
 
-def _nests(blocks, tiles: block_mask.BlockMask) -> bool:
-    """Whether every kernel tile of ``blocks`` lies inside one tile of the block_mask."""
-    return tiles.block_q % blocks[0] == 0 and tiles.block_kv % blocks[1] == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _PerPairBlockMask:
-    """The mask_mod of a call whose block_mask's tiles do not nest the kernel's (a kernel tile
-    then spans tiles of several classes): FlexAttention's meaning pair by pair, from the
-    block_mask's tile classes, the last mod_aux entry (int32 ``[Bc, Hc, nq, nk]``, O(nq * nk)):
-    EMPTY excluded, FULL allowed, PARTIAL as the call's mask_mod says."""
-
-    mask_mod: Callable | None
-    block_q: int
-    block_kv: int
-
-    def __call__(self, b, h, q_idx, kv_idx, *mod_aux):
-        *mod_aux, classes = mod_aux
-        pick = lambda index, size: index if size > 1 else 0 * index
-        tile = classes[pick(b, classes.shape[0]), pick(h, classes.shape[1]),
-                       q_idx // self.block_q, kv_idx // self.block_kv]
-        allowed = tile == block_mask.FULL
-        if self.mask_mod is not None:
-            allowed = allowed | ((tile == block_mask.PARTIAL) & self.mask_mod(b, h, q_idx, kv_idx, *mod_aux))
-        return allowed
-
-
-@dataclasses.dataclass(frozen=True)
-class _WithoutLastAux:
-    """A score_mod beside _PerPairBlockMask: it does not see the tile classes' mod_aux entry."""
-
-    score_mod: Callable
-
-    def __call__(self, score, b, h, q_idx, kv_idx, *mod_aux):
-        return self.score_mod(score, b, h, q_idx, kv_idx, *mod_aux[:-1])
-
-
-def _with_block_mask_rule(cfg: AttentionConfig, masks: masking.MaskInputs, extras, blocks):
-    """(cfg, extras), where a block_mask's tiles do not nest the kernel's ``blocks``, with
-    its classes as a _PerPairBlockMask (the kernel tiles' own classes, regridded, stay
-    conservative: mixed ones are PARTIAL and evaluate it)."""
-    tiles = masks.block_mask
-    if tiles is None or _nests(blocks, tiles):
-        return cfg, extras
-    extras = extras or dropout_sinks.SinksAndDropout()
-    extras = extras._replace(mod_aux=(*extras.mod_aux, block_mask.dense_classes(tiles).astype(jnp.int32)))
-    return dataclasses.replace(
-        cfg, mask_mod=_PerPairBlockMask(cfg.mask_mod, tiles.block_q, tiles.block_kv),
-        score_mod=None if cfg.score_mod is None else _WithoutLastAux(cfg.score_mod)), extras
-
-
 def _attributes(cfg: AttentionConfig, block_sizes, flags: int) -> dict:
     return dict(scale=np.float32(cfg.scale),
                 soft_cap=np.float32(cfg.logits_soft_cap or 0.0),
@@ -178,7 +128,7 @@ def _registered():
 def _blocks(cfg: AttentionConfig, default, masks: masking.MaskInputs):
     """The kernel's tiles: cfg.block_sizes, else ``default``, with a block_mask shrunk to the
     largest that nest in its tiles where they can (block_k a multiple of 64), so that its
-    classes carry over exactly (else ``_with_block_mask_rule``)."""
+    classes carry over exactly (else ``block_mask.on_grid`` gives the kernel its pair rule)."""
     if cfg.block_sizes is not None:
         return cfg.block_sizes.block_q, cfg.block_sizes.block_k
     tiles = masks.block_mask
@@ -228,7 +178,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     b, lq, hq, d = q.shape
     dp = _padded_head_dim(d)
     blocks = _blocks(cfg, FORWARD_BLOCKS, masks)
-    cfg, extras = _with_block_mask_rule(cfg, masks, extras, blocks)
+    cfg, extras = block_mask.on_grid(cfg, masks, extras or dropout_sinks.SinksAndDropout(), [blocks])
     operands, flags, _ = _operands(cfg, masks, bias, extras, (lq, k.shape[1]), blocks)
     stats = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
     q32, k32, v32 = (_pad_features(x, dp) for x in (q, k, v))
@@ -251,11 +201,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     lk, hkv = k.shape[1], k.shape[2]
     dp = _padded_head_dim(d)
     block_q, block_k = _blocks(cfg, BACKWARD_BLOCKS, masks)
-    ruled, extras = _with_block_mask_rule(cfg, masks, extras, (block_q, block_k))
-    d_mod_aux_entries = len(extras.mod_aux) if extras is not None else 0
-    if ruled is not cfg:  # the tile classes' entry gets no cotangent
-        d_mod_aux_entries -= 1
-    cfg = ruled
+    extras = extras or dropout_sinks.SinksAndDropout()
+    d_mod_aux_entries = len(extras.mod_aux)  # the caller's (on_grid may add the tile classes)
+    cfg, extras = block_mask.on_grid(cfg, masks, extras, [(block_q, block_k)])
     operands, flags, programs = _operands(cfg, masks, bias, extras, (lq, lk), (block_q, block_k))
     with_dbias = bias is not None and cfg.bias_gradient
     chunks = max(1, min(-(-platform.host_threads() // (b * hkv)), -(-lk // block_k)))
@@ -278,10 +226,10 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     if cfg.score_mod is None:
         d_mod_aux = ()
     elif with_d_aux:  # the items' sums, added in item order
-        d_mod_aux = programs.cotangents(jnp.sum(d_aux_parts, axis=0), mod_aux)
+        d_mod_aux = programs.cotangents(jnp.sum(d_aux_parts, axis=0), mod_aux,
+                                        mods.gradient_entries(cfg, mod_aux))
     else:
-        d_mod_aux = tuple(jnp.zeros(jnp.shape(x), jnp.float32) if mods.differentiable(x) else None
-                          for x in mod_aux)
+        d_mod_aux = mods.zero_cotangents(cfg, mod_aux)
     return dq.astype(q.dtype), dk, dv, dbias if with_dbias else None, d_mod_aux[:d_mod_aux_entries]
 
 

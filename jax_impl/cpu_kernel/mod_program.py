@@ -36,6 +36,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jax_core
 
+from jax_impl import mods
+
 HEADER = Path(__file__).with_name("mod_program.h")
 
 
@@ -126,6 +128,7 @@ _UNARY = {"neg": ("kFNeg", "kINeg"), "abs": ("kFAbs", "kIAbs"), "sign": ("kFSign
           "log": ("kFLog", None), "log1p": ("kFLog1p", None), "expm1": ("kFExpm1", None),
           "tanh": ("kFTanh", None), "logistic": ("kFLogistic", None), "sin": ("kFSin", None),
           "cos": ("kFCos", None), "not": (None, "kINot")}
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "pvary"}
 _SHAPE_ONLY = {"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p"}
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
@@ -171,8 +174,10 @@ def _reads_float_aux(closed, float_arrays: set) -> bool:
 class _Builder:
     """Virtual-register code of one program stream, built from jaxprs."""
 
-    def __init__(self, arrays: list[_Array], kv: _Reg, q: _Reg, diagonal: _Reg):
+    def __init__(self, arrays: list[_Array], kv: _Reg, q: _Reg, diagonal: _Reg,
+                 gradients: tuple = ()):
         self.kv, self.q, self.diagonal = kv, q, diagonal  # the inputs kv_idx, q_idx, kv - q
+        self.gradients = gradients    # per mod_aux entry: whether its reads get a cotangent
         self.code: list[tuple] = []   # (op name, dst, a, b, c, imm0, imm1)
         self.serial = 0
         self.arrays = arrays          # mod_aux's, then the constant arrays the mods close over
@@ -248,15 +253,22 @@ class _Builder:
         if sub is not None:
             return self.run(sub, [env[id(v)] if not isinstance(v, jax_core.Literal)
                                   else self.scalar(env, v) for v in eqn.invars][:len(sub.jaxpr.invars)])
+        if not eqn.outvars or eqn.effects:
+            raise Unsupported(f"{name} (an effect: the C++ kernel's programs cannot call back "
+                              "into Python; jax.debug.print runs on implementation='xla')")
         for var in eqn.outvars:
             if int(np.prod(var.aval.shape)) != 1:
                 raise Unsupported(f"{name} gives an array of shape {var.aval.shape} (a mod must "
                                   "work on one element at a time)")
         if name == "dynamic_slice":
             return [self.read(env, eqn)]
+        if name == "slice" and isinstance(env.get(id(eqn.invars[0])), _Array):  # a[0]: a static read
+            return [self.read(env, eqn, [self.const(i, "i") for i in eqn.params["start_indices"]])]
         args = [self.scalar(env, v) for v in eqn.invars]
         out_kind = _kind(eqn.outvars[0].aval.dtype)
-        if name in _SHAPE_ONLY or name == "reduce_precision" and (
+        # A reduction of one element (jax.grad's inside shard_map sums a scalar cotangent over
+        # no axes) is the element itself.
+        if name in _SHAPE_ONLY or name in _REDUCTIONS or name == "reduce_precision" and (
                 eqn.params.get("exponent_bits"), eqn.params.get("mantissa_bits")) == (8, 23):
             return [args[0]]
         if name == "convert_element_type":
@@ -339,17 +351,23 @@ class _Builder:
             out = self.emit("kSelect", case.kind, pick, out, case)
         return out
 
-    def read(self, env, eqn) -> _Reg:
+    def read(self, env, eqn, starts=None) -> _Reg:
+        """One element of a mod_aux array: a dynamic_slice's, or (``starts``, registers) a
+        static slice's, its index clamped into the array."""
         array = env[id(eqn.invars[0])] if not isinstance(eqn.invars[0], jax_core.Literal) else None
         if not isinstance(array, _Array):
-            raise Unsupported("dynamic_slice of a computed value")
-        if any(size != 1 for size in eqn.params["slice_sizes"]):
-            raise Unsupported(f"a slice of shape {eqn.params['slice_sizes']} of mod_aux")
+            raise Unsupported(f"{eqn.primitive.name} of a computed value")
+        sizes = eqn.params.get("slice_sizes") or tuple(
+            hi - lo for lo, hi in zip(eqn.params["start_indices"], eqn.params["limit_indices"]))
+        if any(size != 1 for size in sizes):
+            raise Unsupported(f"a slice of shape {tuple(sizes)} of mod_aux")
+        if starts is None:
+            starts = [self.scalar(env, var) for var in eqn.invars[1:]]
         flat = None
         stride = int(np.prod(array.shape))
-        for dim, var in zip(array.shape, eqn.invars[1:]):
+        for dim, start in zip(array.shape, starts):
             stride //= dim
-            index = self.convert(self.scalar(env, var), "i")
+            index = self.convert(start, "i")
             index = self.emit("kIMin", "i", self.emit("kIMax", "i", index, self.const(0, "i")),
                               self.const(dim - 1, "i"))  # dynamic_slice's clamp
             if stride != 1:
@@ -359,7 +377,7 @@ class _Builder:
             flat = self.const(0, "i")
         size = int(np.prod(array.shape))
         value = self.emit("kGather", array.kind, flat, imm=(array.offset, size))
-        if array.kind == "f" and array.entry is not None:
+        if array.kind == "f" and array.entry is not None and self.gradients[array.entry]:
             self.reads.append(_Read(array, flat, value))
         return value
 
@@ -417,14 +435,14 @@ class Programs:
             flat.append(x.reshape(-1))
         return jnp.concatenate(flat) if flat else jnp.zeros((1,), jnp.float32)
 
-    def cotangents(self, d_aux, mod_aux) -> tuple:
+    def cotangents(self, d_aux, mod_aux, gradients: tuple) -> tuple:
         """The per-entry cotangents of mod_aux from the summed ``d_aux`` [aux floats] (None
-        where an entry is not floating)."""
+        where an entry gets none: ``gradients``)."""
         out = []
-        for array, x in zip(self.arrays, mod_aux):
+        for array, x, wanted in zip(self.arrays, mod_aux, gradients):
             size = int(np.prod(array.shape))
             out.append(d_aux[array.offset:array.offset + size].reshape(array.shape)
-                       if array.kind == "f" else None)
+                       if wanted else None)
         return tuple(out)
 
 
@@ -489,7 +507,7 @@ def _reading_singles(mod, aux_avals, takes_score: bool):
 
 
 @functools.lru_cache(maxsize=256)
-def _compile(score_mod, mask_mod, aux_avals: tuple) -> Programs:
+def _compile(score_mod, mask_mod, aux_avals: tuple, gradients: tuple) -> Programs:
     arrays = []
     offset = 0
     for entry, (shape, dtype) in enumerate(aux_avals):
@@ -506,7 +524,7 @@ def _compile(score_mod, mask_mod, aux_avals: tuple) -> Programs:
     fixed = {-1: ("r", ROW_INPUT["kRowScore"]), -2: ("r", ROW_INPUT["kRowKey"]),
              -3: ("u", UNIFORM_INPUT["kUniformBatch"]), -4: ("u", UNIFORM_INPUT["kUniformHead"]),
              -5: ("u", UNIFORM_INPUT["kUniformQuery"]), -6: ("d", DIAGONAL_INPUT["kDiagonal"])}
-    builder = _Builder(arrays, inputs["kv"], inputs["q"], inputs["d"])
+    builder = _Builder(arrays, inputs["kv"], inputs["q"], inputs["d"], gradients)
     index_inputs = [inputs["b"], inputs["h"], inputs["q"], inputs["kv"]]
     streams = {}
     outputs = {}
@@ -523,7 +541,7 @@ def _compile(score_mod, mask_mod, aux_avals: tuple) -> Programs:
         (value,) = builder.run(closed, [inputs["s"], *index_inputs, *arrays])
         outputs["grad"] = as_float(value)
         reads = list(builder.reads)
-        floats = {5 + a.entry for a in arrays[:len(aux_avals)] if a.kind == "f"}
+        floats = {5 + a.entry for a in arrays[:len(aux_avals)] if a.kind == "f" and gradients[a.entry]}
 
         def gradient(s, read_values, b, h, q, kv, *aux):
             mod = lambda s, r: jnp.asarray(_substituted(closed, floats, r)(s, b, h, q, kv, *aux),
@@ -628,8 +646,9 @@ def compile_mods(cfg, mod_aux) -> Programs:
     """The programs of ``cfg``'s score_mod and mask_mod for mod_aux of these shapes and dtypes
     (arrays or ShapeDtypeStructs); raises Unsupported with the reason."""
     avals = tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in mod_aux)
+    gradients = mods.gradient_entries(cfg, mod_aux)
     try:
-        return _compile(cfg.score_mod, cfg.mask_mod, avals)
+        return _compile(cfg.score_mod, cfg.mask_mod, avals, gradients)
     except Unsupported:
         raise
     except Exception as error:  # a mod that does not trace on scalars

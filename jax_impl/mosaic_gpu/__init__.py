@@ -28,10 +28,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_impl import kernel_tiles, masking, online_softmax, platform, vma
+from jax_impl import block_mask, kernel_tiles, masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
-from jax_impl.mosaic_gpu.config import (SHARED_MEMORY_BUDGET, BackwardConfig, Config,
+from jax_impl.mosaic_gpu.config import (CONSUMERS, SHARED_MEMORY_BUDGET, BackwardConfig, Config,
                                         default_backward_config, default_config,
                                         packs_query_group)
 
@@ -70,7 +70,8 @@ def unavailable() -> str | None:
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
                 has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False, mod_aux: tuple = ()) -> str | None:
+                has_segment_ids: bool = False, mod_aux: tuple = (),
+                block_mask_tiles: tuple[int, int] | None = None) -> str | None:
     """Why the Mosaic GPU forward cannot run such a call, or None. Every feature it does not
     take yet is named. A bias and a dense mask are taken (``backward_unsupported`` says when
     their backward is pallas_triton's); a chosen ``Config`` and its ``backward_config`` must
@@ -154,6 +155,13 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
                          has_segment_ids=masks.q_segment_ids is not None, mod_aux=extras.mod_aux)
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {reason}")
+    if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
+        bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
+    bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
+    config = cfg.block_sizes if isinstance(cfg.block_sizes, Config) else default_config(
+        q.shape[-1], q.dtype, dropout=bool(cfg.dropout_rate), pairwise_bytes=_pairwise_bytes(
+            bias is not None, masks.mask is not None, bias_dtype or jnp.float32))
+    cfg, extras = block_mask.on_grid(cfg, masks, extras, [(config.rows_per_cta, config.block_kv)])
     operands = (q, k, v, masks, extras.sinks, extras.dropout_seeds, extras.dropout_offset,
                 extras.mod_aux)
     q, k, v, masks, sinks, seeds, dropout_offset, mod_aux = vma.like(operands,
@@ -164,12 +172,6 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
         interpret = plgpu.InterpretGPUParams()
     else:
         q = platform.requires_cuda(q, PLATFORM_ERROR)
-    if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
-        bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
-    bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
-    config = cfg.block_sizes if isinstance(cfg.block_sizes, Config) else default_config(
-        q.shape[-1], q.dtype, dropout=bool(cfg.dropout_rate), pairwise_bytes=_pairwise_bytes(
-            bias is not None, masks.mask is not None, bias_dtype or jnp.float32))
     batch, lq, heads, head_dim = q.shape
     geometry = Geometry(batch, lq, k.shape[1], heads, k.shape[2], head_dim, jnp.dtype(q.dtype),
                         config, bias_dtype, masks.mask is not None)
@@ -234,6 +236,11 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     reason = reason or _backward_refuses(cfg, bias is not None, q.shape[-1])
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
+    chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
+    chosen = chosen or default_backward_config(q.shape[-1], q.dtype)
+    entries = len(extras.mod_aux)  # the caller's (on_grid may add the tile classes)
+    cfg, extras = block_mask.on_grid(cfg, masks, extras, [
+        (CONSUMERS * chosen.block_q, chosen.block_kv), (chosen.block_q, CONSUMERS * chosen.block_kv)])
     operands = (q, k, v, masks, d_out, stats, delta, extras.dropout_seeds, extras.dropout_offset,
                 extras.mod_aux)
     (q, k, v, masks, d_out, stats, delta, seeds,
@@ -244,12 +251,11 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
         interpret = plgpu.InterpretGPUParams()
     else:
         q = platform.requires_cuda(q, PLATFORM_ERROR)
-    chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
     dq, dk, dv, dbias = backward_call(
-        cfg, chosen or default_backward_config(q.shape[-1], q.dtype), q, k, v, d_out, stats, delta,
+        cfg, chosen, q, k, v, d_out, stats, delta,
         masks.q_len, masks.kv_len, masks.position_offset, masks.q_segment_ids,
         masks.kv_segment_ids, seeds, dropout_offset, bias, masks.mask,
         block_mask=masks.block_mask, mod_aux=mod_aux, num_sms=_num_sms(), interpret=interpret)
     # The mod_aux cotangents are not summed in the kernels (implementations.py takes them
     # from the xla backward, as for pallas_triton's).
-    return dq, dk, dv, dbias, tuple(None for _ in mod_aux)
+    return dq, dk, dv, dbias, tuple(None for _ in mod_aux[:entries])

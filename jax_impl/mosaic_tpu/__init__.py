@@ -50,13 +50,26 @@ def unavailable() -> str | None:
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
                 has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False, mod_aux: tuple = ()) -> str | None:
+                has_segment_ids: bool = False, mod_aux: tuple = (),
+                block_mask_tiles: tuple[int, int] | None = None) -> str | None:
     """Why the Mosaic TPU forward cannot run such a call, or None; every feature it does not
     take is named. It takes causal (both alignments), windows, lengths, segment ids, GQA/MQA,
     the soft cap, block_mask, mask_mod and score_mod (refused with mod_aux), sinks, position
     offsets, a dense mask, a bias and dropout (the shared hash: the same pattern as every
     implementation's)."""
     del head_dim, has_bias, has_mask, has_sinks, has_segment_ids  # any head_dim: a full block
+    given = cfg is not None and isinstance(cfg.block_sizes, BlockSizes)
+    if block_mask_tiles is not None and any(
+            tile % (block if given else common.NUM_LANES)
+            for block, tile in zip(_tiles_wanted(cfg), block_mask_tiles * 3)):
+        return (f"a block_mask of {block_mask_tiles[0]}x{block_mask_tiles[1]} tiles: the kernels "
+                "read a block_mask on tiles inside its own (multiples of 128 that divide them, "
+                "those of block_sizes where given), and cannot evaluate it pair by pair")
+    if (block_mask_tiles is not None and cfg is not None and cfg.mask_mod is not None
+            and not cfg.mask.block_mask_of_mask_mod):
+        return ("a block_mask not made from the call's mask_mod (create_block_mask): its FULL "
+                "tiles then need its meaning pair by pair (block_mask.PairRule), which the "
+                "kernels cannot evaluate")
     if _UNAVAILABLE:
         return _UNAVAILABLE
     if dtype is not None and jnp.dtype(dtype) not in DTYPES:
@@ -81,9 +94,28 @@ def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: 
     return _backward_kernels.blocks_unsupported(cfg)
 
 
-def block_shape(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
-    """The forward's (block_q, block_k) for sequences of Lq and Lk."""
-    return _forward_kernel.block_shape(cfg, lq, lk)
+def _tiles_wanted(cfg: AttentionConfig | None) -> tuple[int, ...]:
+    """The (block_q, block_k) of the forward, dK/dV and dQ kernels before any clipping."""
+    sizes = cfg.block_sizes if cfg is not None and isinstance(cfg.block_sizes, BlockSizes) else None
+    if sizes is None:
+        return (_forward_kernel.DEFAULT_BLOCK,) * 2 + (_backward_kernels.DEFAULT_BLOCK,) * 4
+    return (sizes.block_q, sizes.block_k, sizes.block_q_dkv, sizes.block_k_dkv, sizes.block_q_dq,
+            sizes.block_k_dq)
+
+
+def _no_tiles_inside(cfg: AttentionConfig, masks) -> str:
+    return (unsupported(head_dim=0, cfg=cfg, block_mask_tiles=common.mask_tiles(masks))
+            or "its block_sizes, clipped to these sequences, do not divide the block_mask's tiles")
+
+
+def block_shape(cfg: AttentionConfig, lq: int, lk: int, masks=None) -> tuple[int, int]:
+    """The forward's (block_q, block_k) for sequences of Lq and Lk (and the call's mask inputs:
+    a block_mask's tiles)."""
+    shape = _forward_kernel.block_shape(cfg, lq, lk, None if masks is None else common.mask_tiles(masks))
+    if shape is None:
+        raise ValueError("implementation='mosaic_tpu' cannot run this call: "
+                         + _no_tiles_inside(cfg, masks))
+    return shape
 
 
 def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extras=None):
@@ -91,9 +123,11 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     from jax.experimental.pallas import tpu as pltpu
 
     extras = extras or SinksAndDropout()
-    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype, mod_aux=extras.mod_aux)
+    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype, mod_aux=extras.mod_aux,
+                         block_mask_tiles=common.mask_tiles(masks))
     if reason:
         raise ValueError(f"implementation='mosaic_tpu' cannot run this call: {reason}")
+    block_shape(cfg, q.shape[1], k.shape[1], masks)  # raises where no tiles fit a block_mask
     if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
         bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
     out, row_max, log_sum = _forward_kernel.forward_call(
@@ -105,4 +139,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
 
 def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, extras=None):
     """-> (dq, dk, dv, dbias or None, d_mod_aux): the kernels (backward.py)."""
+    if _backward_kernels.blocks(cfg, q.shape[1], k.shape[1], common.mask_tiles(masks)) is None:
+        raise ValueError("implementation='mosaic_tpu' backward cannot run this call: "
+                         + _no_tiles_inside(cfg, masks))
     return _backward_kernels.backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)

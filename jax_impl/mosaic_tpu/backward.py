@@ -67,16 +67,22 @@ def blocks_unsupported(cfg: AttentionConfig) -> str | None:
     return None
 
 
-def blocks(cfg: AttentionConfig, lq: int, lk: int) -> Blocks:
+def blocks(cfg: AttentionConfig, lq: int, lk: int, mask_tiles=None) -> Blocks | None:
     """The backward tiles: cfg.block_sizes' dkv/dq fields, else DEFAULT_BLOCK, at most the
-    sequence rounded up to 128 (``blocks_unsupported`` refuses the rest)."""
+    sequence rounded up to 128 (``blocks_unsupported`` refuses the rest), and with a block_mask
+    of ``mask_tiles`` inside its tiles (``common.tile_inside``); None where no such tiles exist
+    (given sizes that do not nest are not changed: None too)."""
     reason = blocks_unsupported(cfg)
     if reason:
         raise ValueError(f"implementation='mosaic_tpu' backward: {reason}")
     sizes = cfg.block_sizes if isinstance(cfg.block_sizes, BlockSizes) else None
-    return Blocks(*(min(DEFAULT_BLOCK if sizes is None else getattr(sizes, name),
-                        common.round_up(length, common.NUM_LANES))
-                    for name, length in zip(_BLOCK_FIELDS, (lq, lk, lq, lk))))
+    wanted = [DEFAULT_BLOCK if sizes is None else getattr(sizes, name) for name in _BLOCK_FIELDS]
+    lengths, tiles = (lq, lk, lq, lk), (mask_tiles or (None, None)) * 2
+    found = [common.tile_inside(b, n, t) for b, n, t in zip(wanted, lengths, tiles)]
+    plain = [common.tile_inside(b, n, None) for b, n in zip(wanted, lengths)]
+    if None in found or (sizes is not None and found != plain):
+        return None
+    return Blocks(*found)
 
 
 def _pad(x, axis: int, size: int, value=0):
@@ -252,7 +258,7 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
     batch, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
-    tiles = blocks(cfg, lq, lk)
+    tiles = blocks(cfg, lq, lk, common.mask_tiles(masks))
     # Sequences padded to whole tiles of both kernels: the padded positions lie at or past the
     # lengths (the length rules are on: ``spec``), their rows have max = +inf (P = 0), and the
     # tile lists (built for Lq, Lk) never call their tiles full.

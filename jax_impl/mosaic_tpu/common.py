@@ -36,6 +36,24 @@ from jax_impl.config import AttentionConfig
 NUM_LANES = 128
 
 
+def tile_inside(block: int, length: int, mask_tile: int | None) -> int | None:
+    """The kernel's tile along one axis: ``block`` at most the sequence rounded up to the lanes,
+    or with a block_mask of ``mask_tile`` the largest such multiple of 128 that divides it (its
+    tiles then carry over exactly: the kernels evaluate no block_mask pair by pair); None where
+    there is none."""
+    block = min(block, round_up(length, NUM_LANES))
+    if mask_tile is None:
+        return block
+    fits = [b for b in range(NUM_LANES, block + 1, NUM_LANES) if mask_tile % b == 0]
+    return max(fits) if fits else None
+
+
+def mask_tiles(masks) -> tuple[int, int] | None:
+    """The (block_q, block_kv) of the call's block_mask, or None."""
+    tiles = masks.block_mask
+    return None if tiles is None else (tiles.block_q, tiles.block_kv)
+
+
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 

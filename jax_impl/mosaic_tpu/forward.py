@@ -135,14 +135,21 @@ def _forward_kernel(*refs, cfg: AttentionConfig, schedule, block_q: int,
         log_sum_ref[...] = log_sum.T[:1, :]
 
 
-def block_shape(cfg: AttentionConfig, lq: int, lk: int) -> tuple[int, int]:
+def block_shape(cfg: AttentionConfig, lq: int, lk: int, mask_tiles=None) -> tuple[int, int] | None:
     """(block_q, block_k): ``cfg.block_sizes``' where given, else DEFAULT_BLOCK; clipped to
-    the sequences rounded up to the lanes (multiples of 128 both)."""
+    the sequences rounded up to the lanes (multiples of 128 both), and with a block_mask of
+    ``mask_tiles`` (block_q, block_kv) inside its tiles (``common.tile_inside``); None where no
+    such tiles exist."""
     given = cfg.block_sizes
-    block_q = given.block_q if given is not None else DEFAULT_BLOCK
-    block_k = given.block_k if given is not None else DEFAULT_BLOCK
-    return (min(block_q, common.round_up(lq, common.NUM_LANES)),
-            min(block_k, common.round_up(lk, common.NUM_LANES)))
+    wanted = ((given.block_q, given.block_k) if given is not None
+              else (DEFAULT_BLOCK, DEFAULT_BLOCK))
+    mask_tiles = mask_tiles or (None, None)
+    shape = tuple(common.tile_inside(block, length, tile)
+                  for block, length, tile in zip(wanted, (lq, lk), mask_tiles))
+    if None in shape or (given is not None and shape != tuple(
+            min(b, common.round_up(n, common.NUM_LANES)) for b, n in zip(wanted, (lq, lk)))):
+        return None
+    return shape
 
 
 SCHEDULES = ("lists", "index")
@@ -169,7 +176,7 @@ def forward_call(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, bias=
     batch, lq, hq, head_dim = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     groups = hq // hkv
-    block_q, block_k = block_shape(cfg, lq, lk)
+    block_q, block_k = block_shape(cfg, lq, lk, common.mask_tiles(masks))
     lq_pad, lk_pad = common.round_up(lq, block_q), common.round_up(lk, block_k)
     if schedule == "index":
         lists = common.index_schedule(cfg, masks, lq, lk, block_q, block_k)

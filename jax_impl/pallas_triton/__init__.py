@@ -5,7 +5,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_impl import kernel_tiles, masking, online_softmax, platform, vma
+from jax_impl import block_mask, kernel_tiles, masking, online_softmax, platform, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.pallas_triton import common
@@ -39,7 +39,8 @@ def _dropout_offset(extras: SinksAndDropout, q):
 
 def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
                 has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False, mod_aux: tuple = ()) -> str | None:
+                has_segment_ids: bool = False, mod_aux: tuple = (),
+                block_mask_tiles: tuple[int, int] | None = None) -> str | None:
     """Why the Triton kernels cannot run such a call, or None: mods that read mod_aux other than
     by indexing (kernel_tiles.ModAux); head_dim is judged by the table's max_head_dim."""
     del head_dim, has_bias, has_mask, has_sinks, dtype, has_segment_ids  # all taken
@@ -59,6 +60,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
                            cfg.mask.is_causal, cfg.score_mod is not None)
     extras = extras or SinksAndDropout()
+    cfg, extras = block_mask.on_grid(cfg, masks, extras, [(layout.blocks.block_q, layout.blocks.block_k)])
     cfg, q, k, v, masks, mask, bias, mod_aux = _kernel_operands(cfg, layout, q, k, v, bias, masks,
                                                                 extras.mod_aux)
     out, row_max, log_sum = forward_call(cfg, layout, q, k, v, masks, mask, bias, extras.sinks,
@@ -74,6 +76,9 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks, stats, d_out, delta, ex
     d_mod_aux = tuple(None for _ in extras.mod_aux)
     layout = Layout.create(q.shape[1], k.shape[1], q.shape[3], q.dtype, cfg.block_sizes,
                            cfg.mask.is_causal, cfg.score_mod is not None)
+    blocks = layout.blocks
+    cfg, extras = block_mask.on_grid(cfg, masks, extras, [(blocks.block_q_dkv, blocks.block_k_dkv),
+                                                          (blocks.block_q_dq, blocks.block_k_dq)])
     cfg, q, k, v, masks, mask, bias, mod_aux = _kernel_operands(cfg, layout, q, k, v, bias, masks,
                                                                 extras.mod_aux)
     axes = vma.axes_of(q, d_out, stats, delta)

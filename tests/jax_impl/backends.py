@@ -81,3 +81,13 @@ def params(only=None):
                     found.append(pytest.param(name, dict(options, implementation=name),
                                               id=f"{name}-{variant}", marks=marks + skip))
     return found
+
+
+def grid(tiles: bool = False):
+    """pytest params (implementation, options) of the behaviour grid: ``flash_attention``'s
+    automatic choice (``implementation=None``) and every implementation this host can run, with
+    ``tiles`` their tile variants too (where a behaviour's point is the tiles); a behaviour of
+    the programmable surface (block masks, mods, mod_aux gradients, transformations) is a test
+    over this grid, never a test of one backend."""
+    first = lambda name, variant: tiles or variant == next(iter(VARIANTS[name]))
+    return [pytest.param(None, {}, id="default")] + params(first)

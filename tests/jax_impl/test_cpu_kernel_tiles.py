@@ -10,9 +10,9 @@ import pytest
 
 import cpu_fuzz
 from conformance import tolerance
-from jax_impl import block_mask, cpu_kernel, explain_implementation, masking
+from jax_impl import cpu_kernel, masking
 from jax_impl.config import AttentionConfig, BlockSizes
-from _flash_helpers import run_arrays, torch_arrays
+from _flash_helpers import torch_arrays
 
 EMPTY, PARTIAL, FULL = cpu_fuzz.EMPTY, cpu_fuzz.PARTIAL, cpu_fuzz.FULL
 
@@ -92,24 +92,3 @@ def test_the_kernels_act_on_the_tile_classes_they_are_given(monkeypatch):
         assert verdict.passed, (name, verdict)
 
 
-@pytest.mark.parametrize("tiles", [(64, 128), (48, 80)], ids=["nesting", "not_nesting"])
-def test_a_block_mask_runs_on_the_kernel_and_excludes_its_empty_tiles(tiles):
-    """A block_mask of EMPTY and FULL tiles (with causal, segment ids, GQA): the call runs on the
-    kernel and matches the oracle given the block_mask's pairs as a dense mask, whether the
-    kernel's tiles nest in the block_mask's (64 x 128) or not (48 x 80: its pairs then masked)."""
-    b, length, hq, hkv, d = 2, 260, 4, 2, 16
-    rng = np.random.default_rng(9)
-    q, k, v, d_out = _normal(rng, (b, length, hq, d), (b, length, hkv, d), (b, length, hq, d))
-    segments = _documents(length, [100, 170], [30])
-    nq, nk = -(-length // tiles[0]), -(-length // tiles[1])
-    classes = np.where(rng.random((b, hq, nq, nk)) < 0.35, EMPTY, FULL).astype(np.int8)
-    pairs = classes.repeat(tiles[0], 2).repeat(tiles[1], 3)[:, :, :length, :length] == FULL
-    block = block_mask.BlockMask.from_tile_classes(jnp.asarray(classes), length, length, *tiles)
-    kw = dict(is_causal=True, q_segment_ids=segments, kv_segment_ids=segments)
-    assert explain_implementation(q, k, v, platform="cpu", block_mask=block, **kw).chosen == "cpu"
-    got = run_arrays(q, k, v, d_out, "cpu", block_mask=block, **kw)
-    reference = torch_arrays(q, k, v, d_out, mask=pairs, **kw)
-    plain = torch_arrays(q, k, v, d_out, dtype=np.float32, mask=pairs, **kw)
-    for name in ("out", "dq", "dk", "dv"):
-        verdict = tolerance.judge(name, got[name], reference[name], plain[name], "float32")
-        assert verdict.passed, (name, verdict)

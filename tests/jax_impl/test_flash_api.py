@@ -293,3 +293,41 @@ def test_the_argument_checks_default_as_the_function_does():
     checks = inspect.signature(arguments.validate).parameters
     assert list(public) == list(checks)
     assert {n: p.default for n, p in public.items()} == {n: p.default for n, p in checks.items()}
+
+
+def _argument_entry(name: str) -> str:
+    """The text of argument ``name``'s entry in flash_attention's docstring."""
+    import re
+    doc = flash_attention.__doc__
+    match = re.search(rf"\n      {name}: (.*?)(?=\n      \w+: |\n\n  \w)", doc, re.S)
+    assert match, name
+    return " ".join(match.group(1).split())
+
+
+def test_the_docstring_names_every_implementation_and_the_automatic_choice_the_table_makes():
+    """The API reference (this docstring) against the implementation table: every
+    implementation named, and the automatic choice it states per platform is the one
+    explain_implementation makes there; where mods run is what the table does."""
+    import re
+    from jax_impl import explain_implementation, implementations
+    entry = _argument_entry("implementation")
+    for name in (*implementations.IMPLEMENTATIONS, "cudnn"):
+        assert f'"{name}"' in entry, name
+    stated = re.search(r"the first of (.*?) that can run the call", entry).group(1)
+    order = re.findall(r"(\w+) \((\w+)(?: platform)?\)", stated)
+    assert [name for name, _ in order] == [
+        name for name, impl in implementations.IMPLEMENTATIONS.items() if impl.automatic]
+    q = jnp.zeros((1, 128, 2, 64), jnp.float32) + 1.0
+    for name, platform in order:
+        platform = "rocm" if platform == "any" else platform
+        assert explain_implementation(q, q, q, platform=platform).chosen == name, (name, platform)
+    mods = _argument_entry("block_mask")
+    assert "in every implementation's kernels" in mods and "mosaic_tpu takes mods without mod_aux" in mods
+    slopes = jnp.linspace(0.1, 0.5, 2)
+    alibi = lambda s, b, h, i, j, w: s - w[h] * jnp.abs(i - j)
+    index_only = lambda s, b, h, i, j: s - 0.1 * jnp.abs(i - j)
+    choice = lambda platform, **kw: explain_implementation(q, q, q, platform=platform, **kw).chosen
+    assert choice("cpu", score_mod=alibi, mod_aux=(slopes,)) == "cpu"
+    assert choice("cuda", score_mod=alibi, mod_aux=(slopes,)) == "pallas_triton"
+    assert choice("tpu", score_mod=index_only) == "mosaic_tpu"
+    assert choice("tpu", score_mod=alibi, mod_aux=(slopes,)) == "xla"

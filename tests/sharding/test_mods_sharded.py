@@ -15,6 +15,11 @@ def test_mods_on_sharded_inputs_give_the_one_device_answer(report):
     assert s["ring"].startswith("context_parallel_strategy='ring' cannot run a call with score_mod")
     # Inside shard_map the strategies give the mods global indices: out, dq and d(slopes).
     assert max(s[f] for f in ("ring_attention", "ulysses_attention", "hybrid_attention")) < 1e-5
+    # The C++ kernel as the local step, by name and automatically: its programs run the mods
+    # as the strategies wrap them (global indices).
+    for strategy in ("ring_attention", "ulysses_attention"):
+        for implementation in ("None", "cpu"):
+            assert s[f"alibi_{strategy}_{implementation}"] < 1e-5, (strategy, implementation, s)
 
 
 def test_mods_on_a_mesh_with_explicit_axes_run_as_one_program_with_the_shardings_kept(report):

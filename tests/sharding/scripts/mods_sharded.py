@@ -93,4 +93,26 @@ for name, (submesh, spec, zigzag, local) in strategies.items():
     out = back(jax.jit(sharded)(zq, zk, zv, slopes))
     dq, ds = jax.jit(jax.grad(strategy_loss, argnums=(0, 3)))(zq, zk, zv, slopes)
     report[name] = compare((out, (back(dq), ds)), want)
+
+# The C++ kernel as the local step: a plain ALiBi with causal masking. The strategies wrap the
+# mods so that they see global indices; the choice judges them as wrapped, and the C++ mod
+# programs run the wrapper (chosen automatically on the CPU, or by name).
+alibi_only = lambda s, b, h, qi, ki, slopes: s - slopes[h] * jnp.abs(qi - ki)
+causal = lambda q, k, v, slopes: flash_attention(q, k, v, is_causal=True, score_mod=alibi_only,
+                                                 mod_aux=(slopes,), implementation="xla")
+want = causal(q, k, v, slopes), jax.grad(lambda *a: (causal(*a) ** 2).sum(), argnums=(0, 3))(q, k, v, slopes)
+for implementation in (None, "cpu"):
+    for name, function, zigzag in (("ring_attention", ring_attention, 2),
+                                   ("ulysses_attention", ulysses_attention, 0)):
+        local = lambda q, k, v, s, function=function: function(
+            q, k, v, axis_name="x", is_causal=True, score_mod=alibi_only, mod_aux=(s,),
+            implementation=implementation)
+        submesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+        sharded = jax.shard_map(local, mesh=submesh, in_specs=(seq,) * 3 + (rep,), out_specs=seq)
+        order = (lambda x: ring.to_zigzag(x, zigzag, 1)) if zigzag else (lambda x: x)
+        back = (lambda x: ring.from_zigzag(x, zigzag, 1)) if zigzag else (lambda x: x)
+        zq, zk, zv = map(order, (q, k, v))
+        out = back(jax.jit(sharded)(zq, zk, zv, slopes))
+        dq, ds = jax.jit(jax.grad(lambda *a: (sharded(*a) ** 2).sum(), argnums=(0, 3)))(zq, zk, zv, slopes)
+        report[f"alibi_{name}_{implementation}"] = compare((out, (back(dq), ds)), want)
 print(json.dumps(report))
