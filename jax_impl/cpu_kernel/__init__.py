@@ -13,7 +13,7 @@ pair of a FULL one. ``unsupported`` refuses mods the programs cannot express and
 build or the tiles rule out.
 
 ``decode`` (forward only) serves few query rows against a long KV cache, dense or paged, read
-in place (``flash_cpu.h``, "Decode"); ``decode_unsupported`` says which calls it cannot take.
+in place (``decode.h``); ``decode_unsupported`` says which calls it cannot take.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ HEAD_DIM_MULTIPLE = 16  # the kernels' products run in rows of SIMD vectors of u
 # (benchmarks/README.md, "CPU: the fused kernel").
 FORWARD_BLOCKS = (96, 128)   # block_k: a multiple of 64 (the K^T panels)
 BACKWARD_BLOCKS = (64, 128)
-PANEL = 64  # flash_cpu.h's PW: K^T is read in panels of 64 keys
+PANEL = 64  # gemm.h's PW: K^T is read in panels of 64 keys
 _UNBOUNDED = 1 << 30  # a band side with no bound (positions stay below 2**30)
 # Bits of the kernels' `flags` attribute (flash_cpu.cc).
 _SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS, _TILES, _MODS = 1, 2, 4, 8, 16, 32, 64

@@ -27,7 +27,7 @@ import jax
 import jaxlib
 
 SOURCE = Path(__file__).with_name("flash_cpu.cc")  # the FFI binding; it includes the kernel:
-HEADERS = (Path(__file__).with_name("flash_cpu.h"), Path(__file__).with_name("mod_program.h"))
+HEADERS = tuple(sorted(SOURCE.parent.glob("*.h")))  # flash_cpu.h and the parts it includes
 # -march: the machine's own instruction set unless $JAX_FLASH_ATTENTION_CPU_MARCH names another
 # (the tests build the AVX2 and SSE2 paths this way on an AVX-512 machine).
 MARCH = os.environ.get("JAX_FLASH_ATTENTION_CPU_MARCH", "native")

@@ -14,8 +14,21 @@
 // j0..j0+N-1 they take R+N-1 values, computed once per tile by the tile programs (lane l:
 // d = j0 - (i0+R-1) + l, with the tile's uniforms of b and h), and row i reads them from lane
 // i0+R-1-i on: the same operations on the same values as per row, R times fewer.
-//
-// Included by flash_cpu.h inside namespace flash_cpu, after its vector helpers.
+#ifndef JAX_FLASH_CPU_MOD_PROGRAM_H_
+#define JAX_FLASH_CPU_MOD_PROGRAM_H_
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "check.h"
+#include "simd.h"
+
+namespace flash_cpu {
 
 // The opcodes; mod_program.py reads their values from this enum (its names, in this order).
 enum ModOp : int32_t {
@@ -341,3 +354,7 @@ inline void ModTile(const ModProgram& p, ModRegisters& r, bool backward, int64_t
   r.SetTile(i0, tile, j0, nw);
   RunModTile(p, r, backward);
 }
+
+}  // namespace flash_cpu
+
+#endif  // JAX_FLASH_CPU_MOD_PROGRAM_H_

@@ -219,7 +219,7 @@ def test_without_the_kernel_calls_run_on_xla(tmp_path, env, reason):
 
 
 def _native_build_is_avx2() -> bool:
-    """Whether this machine's own build (-march=native) compiles the AVX2 paths (flash_cpu.h
+    """Whether this machine's own build (-march=native) compiles the AVX2 paths (simd.h
     chooses by __AVX512F__ / __AVX__), from the compiler's predefined macros."""
     from jax_impl.cpu_kernel import build
     compiler = build._compiler()

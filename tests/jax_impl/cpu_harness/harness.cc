@@ -298,7 +298,7 @@ int Exp2(const std::string& dir, int64_t count) {
   return 0;
 }
 
-// The programs as the kernels run them on a row (flash_cpu.h: ScoreRow, MaskRow's mask_mod,
+// The programs as the kernels run them on a row (tile_rows.h: ScoreRow, MaskRow's mask_mod,
 // ScoreGradientRow and the scatter), each present one written out. The keys kv are any
 // int32s: the row is a tile of one row whose diagonal input is kv - q per key.
 int Mods(const std::string& dir) {
