@@ -54,3 +54,34 @@ def test_the_tests_install_conformance_the_peers_and_their_tools():
 def test_extra_requirements_follows_references_to_other_extras():
     extras = {"a": ["torch>=2", "dist[b]"], "b": ["flax; python_version < '4'", "dist[c, d]"], "c": ["x"], "d": []}
     assert extra_requirements("a", extras, "dist") == {"torch", "flax", "x"}
+
+
+def installed_modules() -> dict[str, Path]:
+    """Dotted name -> file of every module ``pip install .`` puts in site-packages, found as
+    setuptools finds them from pyproject's ``packages.find``."""
+    from setuptools import find_namespace_packages, find_packages
+    find = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
+    finder = find_namespace_packages if find.get("namespaces", True) else find_packages
+    packages = finder(where=str(ROOT), include=find.get("include", ["*"]), exclude=find.get("exclude", ()))
+    return {f"{package}.{path.stem}".removesuffix(".__init__"): path
+            for package in packages for path in (ROOT / package.replace(".", "/")).glob("*.py")}
+
+
+def test_the_distribution_installs_no_compile_report_or_estimator():
+    modules = installed_modules()
+    assert {"jax_impl.flash_attention", "conformance.harness", "benchmarks.measure", "torch_ref"} <= set(modules)
+    tools = {path.stem for path in (ROOT / "tools").glob("*.py")} - {"__init__"}
+    assert {"compile_report", "mosaic_compile_report", "tpu_compile_report", "tpu_estimate"} <= tools
+    installed_tools = [name for name in modules if name.split(".")[0] == "tools" or name.split(".")[-1] in tools]
+    assert installed_tools == []
+
+
+def test_no_installed_module_imports_the_tools():
+    import ast
+    importers = []
+    for name, path in installed_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            imported = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                        else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            importers += [f"{name}: {module}" for module in imported if module.split(".")[0] == "tools"]
+    assert importers == []
