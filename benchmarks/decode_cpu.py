@@ -166,7 +166,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="the issue's shape only")
-    parser.add_argument("--out", help="write OUT.json and OUT.md (e.g. benchmarks/results/cpu/decode_cpu_run1)")
+    parser.add_argument("--out", help="write OUT.json and OUT.md (e.g. benchmarks/results/cpu/decode_cpu)")
     args = parser.parse_args(argv)
     results = []
     for shape in grid(args.quick):

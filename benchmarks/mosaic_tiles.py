@@ -5,7 +5,7 @@ query-group packing, as benchmark plug-ins (``--impl module:function``).
     python -m benchmarks --suite mosaic_dq --device cuda        # run_gpu.sh's step 3c
     python -m benchmarks --suite mosaic_pack --device cuda      # run_gpu.sh's step 3d
 
-``TILE_CANDIDATES`` is the sweep of ``benchmarks.mosaic_compile_report --only candidates``
+``TILE_CANDIDATES`` is the sweep of ``tools.mosaic_compile_report --only candidates``
 (query rows per consumer warpgroup, keys per stage, stages); each candidate is a function
 ``q{block_q}_kv{block_kv}_s{stages}`` with flash_attention's signature that runs
 ``implementation="mosaic_gpu"`` with those tiles. A candidate whose K/V ring does not fit the

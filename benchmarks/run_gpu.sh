@@ -5,7 +5,7 @@
 #      test suite's gpu lane: pytest -m gpu, the same tests as on the CPU with the kernels
 #      compiled, bit-identity of repeated calls included; test_mosaic_gpu.py first, then the
 #      other files: the lane rarely finishes within GPU_TESTS_TIMEOUT),
-#   2. (off unless SKIP_TUNING=0: it ran on 2026-11-30) the Triton tile sweep (python -m benchmarks.tune_blocks: a few candidate BlockSizes per head dim
+#   2. (off unless SKIP_TUNING=0: it ran on 2026-11-30) the Triton tile sweep (python -m tools.tune_blocks: a few candidate BlockSizes per head dim
 #      64/128 x causal, bf16, L=8192, fwd+bwd); its winners replace
 #      jax_impl/pallas_triton/tuned_blocks.json while step 3 runs (the tracked file is restored
 #      on exit; the winners stay in $OUT/tuned_blocks.json),
@@ -57,7 +57,7 @@
 # ("jax_impl.pallas_triton jax_impl.mosaic_gpu jax_impl.cudnn"; the xla path is checked on CPU),
 # CONF_TIMEOUT (150), SKIP_CONFORMANCE (0), PYTHON (python3), GPU_TESTS_TIMEOUT (0, skipped: 60 s ran 6 tests; N > 0 runs the
 # gpu lane), SKIP_TUNING (1), TUNE_TIMEOUT (110), TUNE_ARGS (extra arguments of
-# benchmarks.tune_blocks), PEER_BUDGET (0 s for step 4: skipped), TILES_BUDGET (45), DQ_BUDGET (20),
+# tools.tune_blocks), PEER_BUDGET (0 s for step 4: skipped), TILES_BUDGET (45), DQ_BUDGET (20),
 # PACK_BUDGET (20), MASKS_BUDGET (45), DECODE_BUDGET (0), LARGE_BUDGET (150), TOTAL_BUDGET (420 s for
 # steps 1-3e and 5: the benchmark's --time-budget is what is left after steps 1-2 and the 3a-3e and 5 shares,
 # at least 45),
@@ -152,7 +152,7 @@ if [ "${SKIP_TUNING:-1}" != "1" ]; then
   mkdir -p "$WORK/tuning"
   # shellcheck disable=SC2086
   # compiled facts come from the compile report here (pip triton) after the run: tuning.json keeps every row
-  timeout "${TUNE_TIMEOUT:-110}" "$PYTHON" -m benchmarks.tune_blocks --out "$WORK/tuning/tuned_blocks.json" \
+  timeout "${TUNE_TIMEOUT:-110}" "$PYTHON" -m tools.tune_blocks --out "$WORK/tuning/tuned_blocks.json" \
     --report "$WORK/tuning/tuning.md" --time-budget 70 --no-compile-facts ${TUNE_ARGS:-} > "$WORK/tuning.log" 2>&1
   tune_rc=$?
   log "tile sweep exit $tune_rc in $((SECONDS - start)) s (124 = timed out)"

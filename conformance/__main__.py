@@ -2,8 +2,8 @@
 [--case TEXT ...] [--out DIR | --update-reference] [--device cpu|cuda] [--no-probes]
 
 Runs every case of the suite through every implementation, judges outputs and gradients
-against the float64 oracle, runs the semantic probes, prints a table and writes Markdown and
-JSON to --out (default ./flash_attention_results/conformance/<device>/). Exit code 1 when a
+against the float64 oracle, runs the semantic probes, prints a table and writes Markdown, JSON
+and a heat map (with matplotlib) to --out (default ./flash_attention_results/conformance/<device>/). Exit code 1 when a
 jax_impl.* implementation or a --impl module:function plug-in fails or errors on a case it
 supports, or a jax_impl.* probe contradicts docs/semantics.md; 2 for a bad command line.
 """
@@ -72,13 +72,6 @@ def must_pass_failures(results, probe_rows) -> list[tuple[str, str]]:
     return failed + sorted({(p.impl, p.probe) for p in probe_rows if harness.is_own(p.impl) and p.conforms is False})
 
 
-def print_probes(probe_rows) -> None:
-    print("\nprobes (compared with docs/semantics.md; only jax_impl.* probes set the exit code):")
-    for p in probe_rows:
-        flag = "" if p.conforms is not False else f"  <-- {report.probe_verdict(p)}"
-        print(report.wrapped(f"{p.probe} {p.impl}: {p.observation}{flag}", "  ", "      "))
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:  # every check of the command line before any work starts
@@ -116,15 +109,18 @@ def main(argv=None) -> int:
 
     failed = must_pass_failures(results, probe_rows)
     exit_code = 1 if failed else 0
-    if cases:
-        print(report.terminal_table(results, cases, impls))
-    if probe_rows:
-        print_probes(probe_rows)
     command = shlex.join(["python", "-m", "conformance"] + list(sys.argv[1:] if argv is None else argv))
     env = report.environment(device, command)
-    md, js = report.write(out_dir, results, probe_rows, cases, impls, env, args.suite, seconds, skipped, exit_code)
+    md, js, picture = report.write(out_dir, results, probe_rows, cases, impls, env, args.suite, seconds, skipped,
+                                   exit_code)
+    # the summary last: the probes and the reasons of n.s. cells above it
+    if probe_rows:
+        print(report.probe_summary(probe_rows) + "\n")
+    if cases:
+        print(report.terminal_table(results, cases, impls))
     print("\n" + report.wrapped(f"{len(cases)} cases x {len(impls)} implementations in {seconds:.0f} s; "
-                               f"report {md}, numbers {js}"))
+                               f"report {md}, numbers {js}; " + (f"heat map {picture}" if isinstance(picture, Path)
+                                                                  else picture)))
     if failed:
         print(report.wrapped("must-pass failures: " + ", ".join(f"{i} on {c}" for i, c in failed)), file=sys.stderr)
     return exit_code

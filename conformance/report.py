@@ -10,7 +10,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from conformance import tolerance
+from conformance import heatmap, tolerance
 from conformance.cases import Case
 from conformance.outputs import REPO_ROOT
 from conformance.harness import ERROR, FAIL, NOT_SUPPORTED, PASS, Result
@@ -69,6 +69,16 @@ def short_reason(r: Result) -> str:
     return r.reason.splitlines()[0] if r.reason else ""
 
 
+def failure_reason(r: Result) -> str:
+    """Why a cell is FAIL (each output past its tolerance; where, when only in rows with no
+    allowed key) or error (the first line of the error)."""
+    if r.status != FAIL:
+        return short_reason(r)
+    parts = ", ".join(f"{v.name}: err {v.error:.3g} / tol {v.tolerance:.3g} (baseline {v.baseline_error:.3g}, "
+                      f"rel {v.relative_norm:.2g})" for v in r.verdicts if not v.passed)
+    return parts + (f". {r.note}" if r.note else "")
+
+
 def footnotes(results: list[Result]) -> dict[tuple[str, str], int]:
     """(impl, reason) -> footnote number, for every error and n.s. cell."""
     numbers: dict[tuple[str, str], int] = {}
@@ -113,23 +123,38 @@ def _summary_rows(results: list[Result], impls: list[str]) -> list[list[str]]:
 
 
 def terminal_table(results, cases, impls) -> str:
-    """What a terminal of 120 columns shows: the grid of cases by implementations where it fits,
-    else one row per implementation (the grid is in the Markdown report); then each failure,
-    the legend, and why each error or n.s. cell is one."""
+    """What a terminal of 120 columns shows, ending with the summary: the legend and why each
+    error or n.s. cell is one; then the grid of cases by implementations where it fits, else one
+    row per implementation (the grid is in the Markdown report); then each FAIL and error with
+    its reason."""
     notes = footnotes(results)
-    grid = _table(_grid(results, cases, impls, notes))
-    if max(map(len, grid.splitlines())) <= TERMINAL_WIDTH:
-        lines = [grid]
-    else:
-        lines = [_table(_summary_rows(results, impls)), "",
-                 wrapped("The grid of cases by implementations, and every reason in full: the report below.")]
-        lines += [wrapped(f"{r.status} {r.impl} on {r.case}: " + (f"{r.worst_ratio:.3g}" if r.status == FAIL
-                                                                  else short_reason(r)), "  ", "      ")
-                  for r in results if r.status in (FAIL, ERROR)]
-    lines += ["", wrapped(RATIO_LEGEND)]
+    lines = [wrapped(RATIO_LEGEND)]
     lines += [wrapped(reason if reason.startswith(impl) else f"{impl}: {reason}", f"  [{n}] ", "      ")
               for (impl, reason), n in notes.items()]
+    grid = _table(_grid(results, cases, impls, notes))
+    if max(map(len, grid.splitlines())) <= TERMINAL_WIDTH:
+        lines += ["", grid]
+    else:
+        lines += ["", wrapped("The grid of cases by implementations: the report below."),
+                  "", _table(_summary_rows(results, impls))]
+    bad = [r for r in results if r.status in (FAIL, ERROR)]
+    if bad:
+        lines += [""] + [wrapped(f"{r.status} {r.impl} on {r.case}: {failure_reason(r)}", "  ", "      ")
+                         for r in bad]
     return "\n".join(lines)
+
+
+def probe_summary(probes: list[ProbeRow]) -> str:
+    """The probes in a few lines: how many observations follow docs/semantics.md, and each that
+    does not (a jax_impl.* one violates it; the others are only observed). The report has them all."""
+    observed = [p for p in probes if not p.observation.startswith(("n.s.", "n/a"))]
+    differ = [p for p in observed if p.conforms is False
+              or (p.conforms is None and not p.observation.startswith(EXPECTED.get(p.probe, "")))]
+    head = (f"probes: {len(observed) - len(differ)} of {len(observed)} observations as docs/semantics.md says"
+            f"{', the others below' if differ else ''}; {len(probes) - len(observed)} not run. The report has "
+            "each one; only jax_impl.* probes set the exit code.")
+    return "\n".join([wrapped(head)] + [wrapped(f"{p.probe} {p.impl}: {p.observation}  <-- {probe_verdict(p)}",
+                                               "  ", "      ") for p in differ])
 
 
 def summary(results: list[Result], impls: list[str]) -> dict:
@@ -153,7 +178,8 @@ def _fmt(x):
 
 
 def markdown(results, probes: list[ProbeRow], cases, impls, env: dict, suite: str, seconds: float,
-             skipped: dict[str, str]) -> str:
+             skipped: dict[str, str], heatmap_file: str | None = None) -> str:
+    """The report; ``heatmap_file``: the heat map's file name beside it, shown under the grid."""
     lines = [f"# Conformance report: suite `{suite}` on {env['device']}", ""]
     policy = " ".join((tolerance.__doc__ or "").split())
     lines += ["## Tolerance policy", "",
@@ -179,6 +205,8 @@ def markdown(results, probes: list[ProbeRow], cases, impls, env: dict, suite: st
     lines += ["", "## Results (worst error / tolerance)", "",
               "| " + " | ".join(grid[0]) + " |", "|" + " --- |" * len(grid[0])]
     lines += ["| " + " | ".join(row) + " |" for row in grid[1:]]
+    if heatmap_file:
+        lines += ["", f"![worst error / tolerance per case and implementation]({heatmap_file})"]
     lines += ["", "## Cases", "", "| case | shape and features | SDPA auto ran |", "| --- | --- | --- |"]
     by = {(r.case, r.impl): r for r in results}
     for c in cases:
@@ -188,13 +216,7 @@ def markdown(results, probes: list[ProbeRow], cases, impls, env: dict, suite: st
     bad = [r for r in results if r.status in (FAIL, ERROR)]
     if bad:
         lines += ["", "## Failures and errors", ""]
-        for r in bad:
-            if r.status == FAIL:
-                parts = ", ".join(f"{v.name}: err {v.error:.3g} / tol {v.tolerance:.3g} (baseline {v.baseline_error:.3g}, "
-                                  f"rel {v.relative_norm:.2g})" for v in r.verdicts if not v.passed)
-                lines.append(f"- `{r.impl}` on `{r.case}`: {parts}" + (f". {r.note}" if r.note else ""))
-            else:
-                lines.append(f"- `{r.impl}` on `{r.case}`: {short_reason(r)}")
+        lines += [f"- `{r.impl}` on `{r.case}`: {failure_reason(r)}" for r in bad]
     partial = [r for r in results if r.unjudged]
     if partial:
         lines += ["", "## Gradients not judged (°)", ""]
@@ -239,7 +261,10 @@ def probe_verdict(p: ProbeRow) -> str:
     return "differs from docs/semantics.md; reported, not judged"
 
 
-def write(out_dir: Path, results, probes, cases, impls, env, suite, seconds, skipped, exit_code) -> tuple[Path, Path]:
+def write(out_dir: Path, results, probes, cases, impls, env, suite, seconds, skipped,
+          exit_code) -> tuple[Path, Path, Path | str]:
+    """Write the JSON, the heat map (where matplotlib is installed) and the Markdown report;
+    return their paths, the heat map's or why there is none."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {"suite": suite, "environment": env, "seconds": seconds, "exit_code": exit_code,
             "tolerance": {"output_factor": tolerance.OUTPUT_FACTOR, "gradient_factor": tolerance.GRADIENT_FACTOR,
@@ -252,5 +277,15 @@ def write(out_dir: Path, results, probes, cases, impls, env, suite, seconds, ski
     json_path = out_dir / f"conformance_{suite}.json"
     md_path = out_dir / f"conformance_{suite}.md"
     json_path.write_text(without_machine_paths(json.dumps(data, indent=1, default=str)) + "\n")
-    md_path.write_text(without_machine_paths(markdown(results, probes, cases, impls, env, suite, seconds, skipped)))
-    return md_path, json_path
+    picture: Path | str = out_dir / f"conformance_{suite}_heatmap.png"
+    if not cases:
+        picture = "no heat map: no cases"
+    elif not heatmap.can_draw():
+        picture = heatmap.MISSING_MATPLOTLIB
+    if isinstance(picture, str):
+        (out_dir / f"conformance_{suite}_heatmap.png").unlink(missing_ok=True)  # not an older run's
+    else:
+        heatmap.write(picture, results, [c.name for c in cases], impls, f"suite {suite} on {env['device']}")
+    md_path.write_text(without_machine_paths(markdown(results, probes, cases, impls, env, suite, seconds, skipped,
+                                                      None if isinstance(picture, str) else picture.name)))
+    return md_path, json_path, picture

@@ -731,8 +731,43 @@ def _unpartitioned(implementation, cfg, masks, extras) -> bool:
             or masks.block_mask is not None)
 
 
+class Strategy(str):
+    """How sharded inputs run: the description (this string) and the plan as attributes.
+
+    Attributes:
+      kind: "local" (batch and heads split, no collective), "replicated", "ring", "all_to_all",
+        "hybrid" (all-to-all over the inner axis, a ring over the outer) or "one_program" (mods).
+      batch_axes, head_axes, sequence_axes: the mesh axes each dimension is split over.
+      gathered: q's dimensions whose sharding is not honoured ("batch", "sequence", "heads",
+        "head_dim"): all-gathered or replicated.
+      ring_steps: the ring's steps (the hybrid's outer axis size), 0 without a ring.
+      local_kernel: the implementation each device runs in a ring or all-to-all, else None.
+      pairwise: how a bias or dense mask travels: "query_rows" (the ring), "by_head" (the
+        all-to-all), None.
+      requested: the strategy was asked for (context_parallel_strategy), not chosen by cost.
+      bytes_per_device: strategy -> the cost model's estimated bytes sent per device.
+      unavailable: strategy -> why it cannot run this call.
+    """
+
+    def __new__(cls, text: str, kind: str, plan: ShardingPlan | None = None, spec=None, **fields):
+        self = super().__new__(cls, text)
+        axes = (lambda i: list(_axes(spec[i]))) if spec is not None else (lambda i: [])
+        choice = plan.choice if plan is not None else None
+        kept = ({"batch": plan.batch, "sequence": plan.sequence, "heads": plan.heads, "head_dim": ()}
+                if plan is not None else {})
+        self.__dict__.update(
+            kind=kind, batch_axes=list(plan.batch) if plan else [], head_axes=list(plan.heads) if plan else [],
+            sequence_axes=list(plan.sequence) if plan else [],
+            gathered=[dim for i, dim in enumerate(kept) if axes(i) and not kept[dim]],
+            ring_steps=0, local_kernel=None, pairwise=None, requested=bool(choice and choice.requested),
+            bytes_per_device=dict(choice.bytes_per_device) if choice else {},
+            unavailable=dict(choice.unavailable) if choice else {})
+        self.__dict__.update(fields)
+        return self
+
+
 def explain(implementation, q, q_shape, k_shape, pairwise: dict, cfg=None,
-            extras=None) -> str | None:
+            extras=None) -> Strategy | None:
     """The strategy for ``q`` (an array or ShapeDtypeStruct with a NamedSharding), or None when
     it carries no multi-device NamedSharding. ``pairwise``: {"bias"|"mask": ``[Bx, Hx, Lq,
     Lk]``} of the call. A sequence-sharded call names cp_cost's choice with its estimated bytes
@@ -744,40 +779,48 @@ def explain(implementation, q, q_shape, k_shape, pairwise: dict, cfg=None,
                 f"with score_mod, mask_mod or block_mask: {UNPARTITIONED_MODS}")
         sharding = getattr(q, "sharding", None)
         multi = isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
-        return f"one program: {UNPARTITIONED_MODS}" if multi else None
+        return Strategy(f"one program: {UNPARTITIONED_MODS}", "one_program") if multi else None
     has_bias_or_mask = bool(pairwise)
     sharding = _known_sharding(q)
     if sharding is None:
         return None
     names = ("q", "k", "v") + (("bias",) if has_bias_or_mask else ()) + tuple(
         short for field, short in _EXTRA_FIELDS if extras is not None and getattr(extras, field) is not None)
-    plan = sharding_plan(sharding.mesh, _canonical_spec(sharding.spec, len(q.shape)), q_shape, k_shape,
+    spec = _canonical_spec(sharding.spec, len(q.shape))
+    plan = sharding_plan(sharding.mesh, spec, q_shape, k_shape,
                          ring_unavailable=ring_unavailable(implementation, names),
                          call=sequence_call(cfg, names, q.dtype, pairwise, q_shape[2]))
+    strategy = functools.partial(Strategy, plan=plan, spec=spec)
     if plan.sequence and plan.strategy == "hybrid":
         outer, inner = plan.sequence
-        return (f"hybrid over {plan.sequence} (context parallelism: all-to-all over {inner!r}, "
-                f"then a ring over {outer!r} in {sharding.mesh.shape[outer]} steps, local kernel "
-                f"{implementation.name}); cost model: "
-                f"{plan.choice.describe(_size(sharding.mesh, plan.sequence), plan.sequence)}"
-                + "".join(f"; {note}" for note in plan.notes))
+        steps = sharding.mesh.shape[outer]
+        return strategy(f"hybrid over {plan.sequence} (context parallelism: all-to-all over {inner!r}, "
+                        f"then a ring over {outer!r} in {steps} steps, local kernel "
+                        f"{implementation.name}); cost model: "
+                        f"{plan.choice.describe(_size(sharding.mesh, plan.sequence), plan.sequence)}"
+                        + "".join(f"; {note}" for note in plan.notes),
+                        "hybrid", ring_steps=steps, local_kernel=implementation.name)
     if plan.sequence:
         (axis,) = plan.sequence
         n = sharding.mesh.shape[axis]
         if plan.strategy == "ring":
-            pairwise = ("; bias/mask: query rows sharded over the same axis, every key column, "
-                        "sliced per step" if has_bias_or_mask else "")
+            travels = ("; bias/mask: query rows sharded over the same axis, every key column, "
+                       "sliced per step" if has_bias_or_mask else "")
             how = (f"ring over {axis!r} in {n} steps (context parallelism, zigzag layout, local "
-                   f"kernel {implementation.name}){pairwise}")
+                   f"kernel {implementation.name}){travels}")
         else:
-            pairwise = ("; bias/mask: resharded by head with the operands, dbias back along the "
-                        "query rows" if has_bias_or_mask else "")
+            travels = ("; bias/mask: resharded by head with the operands, dbias back along the "
+                       "query rows" if has_bias_or_mask else "")
             how = (f"all_to_all over {axis!r} (context parallelism, Ulysses: whole sequences for "
-                   f"1/{n} of the heads per device, local kernel {implementation.name}){pairwise}")
-        return (how + f"; cost model: {plan.choice.describe(n, axis)}"
-                + "".join(f"; {note}" for note in plan.notes))
-    return plan.describe() + ("" if plan.choice is None else
-                              f"; cost model: {plan.choice.describe(_size(sharding.mesh, _axes(_canonical_spec(sharding.spec, len(q.shape))[1])), 'sequence')}")
+                   f"1/{n} of the heads per device, local kernel {implementation.name}){travels}")
+        return strategy(how + f"; cost model: {plan.choice.describe(n, axis)}"
+                        + "".join(f"; {note}" for note in plan.notes),
+                        plan.strategy, ring_steps=n if plan.strategy == "ring" else 0,
+                        local_kernel=implementation.name, pairwise=None if not has_bias_or_mask else
+                        "query_rows" if plan.strategy == "ring" else "by_head")
+    return strategy(plan.describe() + ("" if plan.choice is None else
+                                       f"; cost model: {plan.choice.describe(_size(sharding.mesh, _axes(spec[1])), 'sequence')}"),
+                    "local" if plan.batch or plan.heads else "replicated")
 
 
 def _canonical_spec(spec, ndim: int):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA compile lane: tests that compile for compile-only H100s under jax 0.11.2 with its
 # CUDA 13 plugin (Python >= 3.12), no GPU: the Mosaic GPU kernels' sm_90a compile report
-# (tests/benchmarks/test_mosaic_compile_report.py: 0 spills, shared memory, TMA, wgmma,
+# (tests/tools/test_mosaic_compile_report.py: 0 spills, shared memory, TMA, wgmma,
 # setmaxnreg; the machine's ptxas, CUDA 13, assembles) and the ring's send/compute overlap in
 # XLA:GPU's schedule on 8 devices (tests/sharding/test_ring_overlap.py), and the kernels' outputs
 # and gradients typed as varying inside shard_map (tests/jax_impl/test_mosaic_gpu_shard_map.py);
@@ -44,7 +44,7 @@ echo "cuda compile lane: jax $JAX_VERSION from the venv $VENV"
   2>/dev/null || "$VENV/bin/python" -m pip install -q "pytest-xdist>=3.2"
 if ! command -v ptxas >/dev/null; then echo "cuda compile lane skipped: no ptxas on PATH (CUDA 13)"; exit 0; fi
 CUDA_COMPILE_LANE=1 PYTHONPATH=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist worksteal "$@" \
-  tests/benchmarks/test_mosaic_compile_report.py tests/sharding/test_ring_overlap.py \
+  tests/tools/test_mosaic_compile_report.py tests/sharding/test_ring_overlap.py \
   tests/jax_impl/test_mosaic_gpu_shard_map.py -k "compile or mosaic_gpu_shard_map"
 # The Mosaic GPU kernels' numbers in the Mosaic GPU interpreter (tests/jax_impl/test_mosaic_gpu.py:
 # jax 0.11, no GPU), judged by the float64 oracle (torch_ref) in the Python that has torch:

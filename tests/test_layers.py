@@ -44,7 +44,7 @@ CONFORMANCE_LAYERS = {
     "adapters": ["adapters"],
     "harness": ["harness", "plugins"],
     "registry": ["registry", "probes"],
-    "report": ["report"],
+    "report": ["report", "heatmap"],
     "face": ["", "__main__"],
 }
 LONGEST_CHAIN = 11  # modules, the first and last counted

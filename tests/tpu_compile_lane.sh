@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The TPU compile lane: tests/tpu/ compiled for compile-only TPU chips (libtpu from jax[tpu], no
 # TPU): flash_attention sharded over a 4-chip v5e mesh (batch, heads, a ring over the sequence)
-# under plain jit, and a configuration of benchmarks/tpu_compile_report.py with the committed
+# under plain jit, and a configuration of tools/tpu_compile_report.py with the committed
 # report's rows checked against the code's configurations.
 # The lane's environment is a venv of its own (default .venv-tpu-compile, about 1.3 GB: jax[tpu]
 # at the suite's jax version, pytest), made on first use; TPU_COMPILE_LANE_VENV=DIR puts it

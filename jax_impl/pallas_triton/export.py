@@ -1,6 +1,6 @@
 """Lowering the Pallas kernels for CUDA on a host without a GPU: ``jax.export`` (and
 ``.lower(lowering_platforms=("cuda",))``) of functions that call them, for the tests that read
-their Triton IR and for ``benchmarks/compile_report.py``, which compiles it for sm_90a."""
+their Triton IR and for ``tools/compile_report.py``, which compiles it for sm_90a."""
 from __future__ import annotations
 
 import contextlib

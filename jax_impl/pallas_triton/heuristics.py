@@ -1,10 +1,10 @@
 """Default tile sizes of the Pallas kernels, per head dim, dtype and causality, and their
 shared-memory footprint.
 
-The tiles come from ``tuned_blocks.json`` (the winners of ``benchmarks/tune_blocks.py``, timed
+The tiles come from ``tuned_blocks.json`` (the winners of ``tools/tune_blocks.py``, timed
 on a GPU) when it has an entry for the (head-dim class, dtype, causal) of a call, else from
 ``rule_block_sizes``. The rule was chosen with the compile report (``python -m
-benchmarks.compile_report``, table in benchmarks/results/compile_report_sm90.md):
+tools.compile_report``, table in benchmarks/results/compile_report_sm90.md):
 16-bit tiles whose every dot has M >= 64, so that Hopper runs it with ``wgmma``, that compile with
 no register spills and fit the shared-memory budget. Short sequences clip the tiles to the next
 power of two (never below 16, Triton's dot minimum) instead of padding to a full tile.
@@ -133,7 +133,7 @@ def all_default_configs():
 
 # --- shared memory ---------------------------------------------------------------------------
 # Fitted to what Triton 3.8 allocates for these kernels on sm_90a (the compile report's
-# `shared`), as an upper bound: tests/jax_impl/test_compile_report.py checks it against every
+# `shared`), as an upper bound: tests/tools/test_compile_report.py checks it against every
 # default configuration and a few user ones. Per kernel, in elements of the input dtype: the
 # tiles loaded once (their buffers are reused by the output's epilogue), and `num_stages`
 # copies of the tiles the key or query loop streams.

@@ -24,8 +24,14 @@ def test_exit_code_is_nonzero_when_a_plugin_fails_and_report_is_written(tmp_path
                  "--no-probes", "--device", "cpu", "--out", str(tmp_path)])
     assert code == 1
     # without the bar, one line per finished run, printed as it ends (a timed-out run shows how far it got)
-    logged = [line.split("] ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    printed = capsys.readouterr().out
+    logged = [line.split("] ")[1] for line in printed.splitlines() if line.startswith("[")]
     assert logged == [f"fp32_gqa / {PLUGINS}:per_block_softmax", "fp32_gqa / torch.sdpa.math"]
+    # the console ends with the grid, the failure with its reason, and where the report went
+    grid = printed[printed.index("\ncase "):]
+    assert " ".join(grid.split()).startswith(f"case {PLUGINS}:per_block_softmax torch.sdpa.math")
+    assert f"FAIL {PLUGINS}:per_block_softmax on fp32_gqa: out: err " in " ".join(grid.split())
+    assert grid.index(f"FAIL {PLUGINS}") < grid.index("1 cases x 2 implementations") < grid.index("heat map")
     data = json.loads((tmp_path / "conformance_quick.json").read_text())
     statuses = {r["impl"]: r["status"] for r in data["results"]}
     assert statuses == {f"{PLUGINS}:per_block_softmax": "FAIL", "torch.sdpa.math": "pass"}

@@ -72,7 +72,7 @@ def test_decode_kernel_fills_an_h100():
 @pytest.mark.parametrize("page_size", [None, 16, 64], ids=["dense", "pages16", "pages64"])
 def test_decode_kernel_compiles_for_sm90a_without_spills(page_size):
     pytest.importorskip("triton", reason="pip triton (the `test` extra) compiles the kernel for sm_90a")
-    from benchmarks import compile_report
+    from tools import compile_report
     kernel, grid = compile_report.decode_kernel(page_size=page_size)
     assert grid[0] * grid[1] * grid[2] >= 132, grid
     facts = compile_report.compile_kernel(kernel)

@@ -1,9 +1,9 @@
-"""benchmarks/tpu_compile_report.py: one configuration compiles for one v5e chip with its
+"""tools/tpu_compile_report.py: one configuration compiles for one v5e chip with its
 memory figures, and the committed report lists exactly the code's configurations."""
 import json
 from pathlib import Path
 
-from benchmarks import tpu_compile_report as report
+from tools import tpu_compile_report as report
 
 COMMITTED = Path(__file__).resolve().parents[2] / "benchmarks/results/tpu/compile_report.json"
 

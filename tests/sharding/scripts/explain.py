@@ -1,4 +1,5 @@
-"""explain_implementation(...).strategy for sharded inputs on 8 devices."""
+"""explain_implementation(...).strategy for sharded inputs on 8 devices: its plan as data
+(partitioned.Strategy's attributes), None for unsharded inputs."""
 import json
 
 import jax
@@ -12,8 +13,8 @@ line = Mesh(np.array(jax.devices()), ("seq",))
 rng = np.random.default_rng()
 put = lambda mesh, spec: jax.device_put(rng.standard_normal((2, 64, 8, 16)).astype(np.float32),
                                         NamedSharding(mesh, spec))
-explain = lambda mesh, spec, **kw: explain_implementation(
-    put(mesh, spec), put(mesh, spec), put(mesh, spec), **kw).strategy
+explain = lambda mesh, spec, **kw: vars(explain_implementation(
+    put(mesh, spec), put(mesh, spec), put(mesh, spec), **kw).strategy)
 print(json.dumps({
     "batch_heads": explain(grid, P("data", None, "model"), implementation="xla"),
     "sequence": explain(line, P(None, "seq"), implementation="xla"),

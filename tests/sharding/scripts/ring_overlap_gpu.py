@@ -1,7 +1,7 @@
 """Does XLA:GPU overlap the ring's sends with each step's compute? Compile for 8 H100s without a GPU.
 
 Needs jax >= 0.11 with its CUDA plugin: ``jax.experimental.topologies.get_topology_desc`` with
-``benchmarks/gpu_targets/h100_sxm.txtpb`` gives compile-only devices (a 1x1x8 topology); the
+``tools/gpu_targets/h100_sxm.txtpb`` gives compile-only devices (a 1x1x8 topology); the
 ring (bf16, causal, local kernel ``xla``), forward+backward, is compiled for them and the
 scheduled HLO read. argv: "shard_map" (ring_attention) or "jit" (flash_attention on
 P(None, "seq") inputs). Prints {bodies: [{name, starts, dones, compute, sync_permutes}]}: for
@@ -27,7 +27,7 @@ from ring_overlap import computations  # noqa: E402
 from jax_impl.context_parallel import ring_attention  # noqa: E402
 from jax_impl.flash_attention import flash_attention  # noqa: E402
 
-TARGET = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_targets" / "h100_sxm.txtpb"
+TARGET = Path(__file__).resolve().parents[3] / "tools" / "gpu_targets" / "h100_sxm.txtpb"
 
 
 def compiled_hlo(mode: str, length: int = 4096) -> str:

@@ -1,7 +1,7 @@
 """What the Mosaic GPU kernels (jax_impl/mosaic_gpu: the forward, dK/dV and dQ) compile to for an H100/H200 (sm_90a),
 measured without a GPU.
 
-    python -m benchmarks.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
+    python -m tools.mosaic_compile_report [--out benchmarks/results/mosaic_compile_report_sm90]
         [--only defaults|all|segments|bias_mask|bias_with_mask|fused_dq|packed|d256|edges|mods]
         [--kernels all|forward|backward] [--seq-len 4096] [--head-dims 128] [--dtypes bfloat16]
         [--labels LABEL,...] [--merge]
@@ -32,8 +32,8 @@ from pathlib import Path
 TARGET = Path(__file__).resolve().parent / "gpu_targets" / "h100_sxm.txtpb"
 SEQ_LEN = 4096
 BATCH, HEADS, KV_HEADS = 1, 8, 8
-REGENERATE = "python -m benchmarks.mosaic_compile_report --out benchmarks/results/mosaic_compile_report_sm90"
-CANDIDATES = "python -m benchmarks.mosaic_compile_report --out benchmarks/results/mosaic_forward_tiles_sm90"
+REGENERATE = "python -m tools.mosaic_compile_report --out benchmarks/results/mosaic_compile_report_sm90"
+CANDIDATES = "python -m tools.mosaic_compile_report --out benchmarks/results/mosaic_forward_tiles_sm90"
 
 
 @dataclasses.dataclass

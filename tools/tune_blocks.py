@@ -1,9 +1,9 @@
 """Tile tuning sweep of the Pallas kernels on a GPU: time a few candidate BlockSizes per
 (head dim, dtype, causal), write the winners to the table the heuristics read.
 
-    python -m benchmarks.tune_blocks [--out jax_impl/pallas_triton/tuned_blocks.json]
+    python -m tools.tune_blocks [--out jax_impl/pallas_triton/tuned_blocks.json]
         [--report tuning.md] [--seq-len 8192] [--dry-run]
-    python -m benchmarks.tune_blocks --from-rows tuning.json --report tuning.md   # add compiled facts
+    python -m tools.tune_blocks --from-rows tuning.json --report tuning.md   # add compiled facts
 
 Each candidate is forward + backward of ``flash_attention(implementation="pallas_triton",
 block_sizes=...)`` at B=1, H=8, L=8192, bf16 (at L=4096 the 256 query tiles underfill an H200's 132
@@ -12,7 +12,7 @@ against the float64 oracle first: a WRONG candidate cannot win; median of the ti
 The winner per (head dim, dtype, causal) is the fastest correct candidate; the rule's own tiles
 are always a candidate, so a table entry is never slower than the rule at the tuned length.
 The report puts each candidate's TFLOP/s beside its compiled facts (registers, spills, shared
-memory, wgmma: ``benchmarks.compile_report``, when pip triton is installed); a GPU
+memory, wgmma: ``tools.compile_report``, when pip triton is installed); a GPU
 machine without it writes every row to ``<report>.json``, and ``--from-rows`` renders the report
 from that file where triton is installed.
 
@@ -119,7 +119,7 @@ def write_table(path, rows: list[dict], seq_len: int, heads: int, device_name: s
                     candidates=sum((o["head_dim"], o["dtype"], o["causal"]) == (r["head_dim"], r["dtype"], r["causal"])
                                    for o in rows))
                for r in winners(rows)]
-    table = dict(about=f"Tile sizes timed by benchmarks/tune_blocks.py (forward+backward, B=1, H={heads}, L={seq_len}) "
+    table = dict(about=f"Tile sizes timed by tools/tune_blocks.py (forward+backward, B=1, H={heads}, L={seq_len}) "
                        f"on {device_name}, {datetime.date.today()}; jax_impl.pallas_triton.heuristics reads an "
                        "entry per (head_dim class, dtype, causal) and falls back to its rule for the rest.",
                  entries=entries)
@@ -131,7 +131,7 @@ def write_table(path, rows: list[dict], seq_len: int, heads: int, device_name: s
 def compile_facts(rows: list[dict]) -> dict:
     """tiles -> {kernel: KernelFacts} from the compile report, or {} without triton."""
     try:
-        from benchmarks import compile_report
+        from tools import compile_report
         compile_report._triton()
     except ImportError as e:
         print(f"no compiled facts: {e}", file=sys.stderr)
@@ -168,7 +168,7 @@ def markdown(rows: list[dict], facts: dict, seq_len: int, heads: int, device_nam
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tune_blocks", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.tune_blocks", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(heuristics.TUNED_BLOCKS_FILE), help="the table the heuristics read")
     p.add_argument("--report", help="Markdown table of every candidate")
     p.add_argument("--seq-len", type=int)

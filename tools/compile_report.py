@@ -1,6 +1,6 @@
 """What the Pallas kernels compile to on an H100/H200 (sm_90a), measured without a GPU.
 
-    python -m benchmarks.compile_report [--out DIR] [--head-dim 64 ...]
+    python -m tools.compile_report [--out DIR] [--head-dim 64 ...]
         [--dtype bfloat16 ...] [--block-sizes 128,64,64,128,128,64[,warps,warps_bwd,stages]]
         [--causal both|yes|no] [--seq-len 4096] [--no-mods | --mods-only] [--decode-only]
 
@@ -42,7 +42,7 @@ KERNELS = tuple(SHORT_NAMES)
 SEQ_LEN = 4096  # long enough that no default tile is clipped; the benchmarks' length
 MISSING_TRITON = ("the compile report needs pip `triton` (its NVIDIA backend compiles the kernels "
                   "without a GPU): pip install 'triton==3.8.0' or the package's `test` extra")
-REGENERATE = "python -m benchmarks.compile_report --out benchmarks/results/compile_report_sm90"
+REGENERATE = "python -m tools.compile_report --out benchmarks/results/compile_report_sm90"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,7 +487,7 @@ def parse_block_sizes(text: str) -> BlockSizes:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_report",
+    parser = argparse.ArgumentParser(prog="python -m tools.compile_report",
                                      description=__doc__.split("\n\n")[-1])
     parser.add_argument("--head-dim", type=int, action="append", help="adds configurations (with --dtype)")
     parser.add_argument("--dtype", action="append", help="bfloat16, float16 or float32")

@@ -1,7 +1,7 @@
 """What flash_attention's TPU configurations compile to on single TPU chips (v4, v5e, v5p, v6e),
 measured without a TPU, beside JAX's own Pallas TPU flash attention.
 
-    python -m benchmarks.tpu_compile_report [--implementation mosaic_tpu] [--out OUT]
+    python -m tools.tpu_compile_report [--implementation mosaic_tpu] [--out OUT]
         [--chips v4,v5e,v5p,v6e] [--only LABEL,...] [--llo-cycles]
 
 Needs ``jax[tpu]`` (libtpu): XLA compiles for the compile-only chip of
@@ -36,7 +36,7 @@ BATCH, HEADS, SEQ_LEN = 1, 8, 2048
 PASSES = ("fwd", "fwd+bwd")
 JAX_FLASH = "jax_flash"  # jax.experimental.pallas.ops.tpu.flash_attention, blocks of 512
 LLO_FLAGS = "--xla_jf_dump_static_llo_profile_to={} --xla_vf_vmem_memory_space_assignment=false"
-REGENERATE = "python -m benchmarks.tpu_compile_report --out benchmarks/results/tpu/compile_report"
+REGENERATE = "python -m tools.tpu_compile_report --out benchmarks/results/tpu/compile_report"
 
 
 @dataclasses.dataclass(frozen=True)

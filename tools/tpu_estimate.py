@@ -2,7 +2,7 @@
 v6e), no TPU: flash_attention(implementation="mosaic_tpu") beside JAX's own Pallas TPU flash
 attention (at its best of a few block sizes) and splash attention.
 
-    python -m benchmarks.tpu_estimate [--out benchmarks/results/tpu/estimate] [--chips v5e,v6e]
+    python -m tools.tpu_estimate [--out benchmarks/results/tpu/estimate] [--chips v5e,v6e]
         [--programs ...] [--blocks 512,1024] [--append]
 
 One chip and one block size a process keeps libtpu's memory within a 24 GB machine (the whole
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import tpu_compile_report as report
+from tools import tpu_compile_report as report
 
 BATCH, HEADS, SEQ_LEN, HEAD_DIM = 1, 8, 4096, 128
 CHIPS = ("v5e", "v6e")
@@ -52,7 +52,7 @@ OURS = "mosaic_tpu"
 OURS_HEADS_FIRST = "mosaic_tpu heads-first"  # the call on JAX's [B, H, L, D] layout (caller transposes)
 OURS_KERNEL = "mosaic_tpu kernel"  # the kernel alone, on JAX's layout (``_kernel_alone``)
 PROGRAMS = (OURS, OURS_HEADS_FIRST, OURS_KERNEL, "jax_flash", "splash")
-REGENERATE = ("for chip in v5e v6e; do for blocks in 256 512 1024; do python -m benchmarks.tpu_estimate "
+REGENERATE = ("for chip in v5e v6e; do for blocks in 256 512 1024; do python -m tools.tpu_estimate "
               "--out benchmarks/results/tpu/estimate --chips $chip --blocks $blocks --append; done; done")
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import tune_blocks
+from tools import tune_blocks
 from jax_impl.config import BlockSizes
 from jax_impl.pallas_triton import heuristics
 from jax_impl.pallas_triton.layout import Layout

@@ -1,5 +1,5 @@
 """The Mosaic GPU kernels' (forward, dK/dV, dQ) shipped configurations compiled for sm_90a without a GPU
-(benchmarks/mosaic_compile_report.py): each compiles, with 0 spill bytes, shared memory within
+(tools/mosaic_compile_report.py): each compiles, with 0 spill bytes, shared memory within
 227 KiB and no more than Config.shared_memory_bytes (plus 4 KiB for the backward's), TMA loads
 and stores, wgmma dots, and setmaxnreg giving the consumers 240 registers and the producer 24;
 the forward's softmax runs between a partial and a full wgmma wait, unserialised by ptxas.
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_to
 
 def _report(tmp_path_factory, *options):
     out = tmp_path_factory.mktemp("report") / "report"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.mosaic_compile_report", "--out", str(out),
+    run = subprocess.run([sys.executable, "-m", "tools.mosaic_compile_report", "--out", str(out),
                           *options], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -105,7 +105,7 @@ def test_the_committed_dropout_rows_beside_a_streamed_tile_spill_no_more_than_na
     DROPOUT_STREAMED_SPILLS (else 0). Before, dK/dV spilled 96/96 bytes with a mask and
     128-140 with segment ids at D=128 (and a bias or mask with dropout there took
     pallas_triton's backward)."""
-    from benchmarks.mosaic_compile_report import COMBINED_LABEL, DROPOUT_STREAMED
+    from tools.mosaic_compile_report import COMBINED_LABEL, DROPOUT_STREAMED
     committed = _committed_report()
     labels = {label for label, _ in DROPOUT_STREAMED}
     found = {(r["kernel"], r["label"], r["head_dim"], r["causal"]): r for r in committed
@@ -128,7 +128,7 @@ def test_the_committed_bias_and_mask_rows_are_the_tiles_shipped_at_zero_spills()
     where the ring fits, else 64 x 64) with 0 spill bytes, and the backward's dK/dV and dQ (a
     constant bias) on 64 x 64 x 2 at 0: a change of the choice without a new report fails
     here."""
-    from benchmarks.mosaic_compile_report import _pairwise, configurations
+    from tools.mosaic_compile_report import _pairwise, configurations
     from jax_impl.mosaic_gpu.config import default_config
     committed = _committed_report()
     wanted = {(label, d, causal): options for label, _, d, causal, _, options
@@ -197,7 +197,7 @@ def test_a_bias_with_a_mask_compiles_without_spills_forward_and_backward(tmp_pat
     227 KiB and its estimate (their rings counted), one more TMA load per bias or mask beside
     the 7 (dK/dV) or 8 (dQ) streamed and resident operands, and with dbias dQ's TMA stores of
     dS."""
-    from benchmarks.mosaic_compile_report import DBIAS_LABEL
+    from tools.mosaic_compile_report import DBIAS_LABEL
     found = _report(tmp_path_factory, "--only", "bias_with_mask", "--head-dims", "128", "--kernels", kernels)
     labels = ("bias float32 [1, H] + mask", DBIAS_LABEL)
     assert sorted((r["kernel"], r["label"], r["causal"]) for r in found) == sorted(
@@ -229,7 +229,7 @@ def test_the_fused_dq_backward_compiles_without_spills(tmp_path_factory):
     also with segment ids, dropout, and GQA with lengths, window and soft cap): one kernel
     (dK/dV, no dQ kernel) with 0 spill bytes, shared memory within 227 KiB and its estimate
     (dS^T and the fp32 dQ tile counted), and dQ's TMA reduce-add in the PTX."""
-    from benchmarks.mosaic_compile_report import FUSED_DQ_LABEL, FUSED_DQ_MASKS
+    from tools.mosaic_compile_report import FUSED_DQ_LABEL, FUSED_DQ_MASKS
     found = _report(tmp_path_factory, "--only", "fused_dq", "--kernels", "backward", "--head-dims", "128")
     assert sorted((r["kernel"], r["label"], r["head_dim"], r["causal"]) for r in found) == sorted(
         [("dK/dV", FUSED_DQ_LABEL, 128, c) for c in (False, True)]
@@ -248,7 +248,7 @@ def _assert_packed_rows(rows, head_dims):
     """The packed query group's forward rows (bf16, causal and not, and with segment ids at
     D=128 causal): packed as the shipped rule decides, 0 spill bytes, shared memory within its estimate, the softmax pipelined and no
     wgmma serialised."""
-    from benchmarks.mosaic_compile_report import PACKED_LABEL
+    from tools.mosaic_compile_report import PACKED_LABEL
     assert sorted((r["label"], r["head_dim"], r["causal"]) for r in rows) == sorted(
         [(PACKED_LABEL, d, c) for d in head_dims for c in (False, True)]
         + [(f"{PACKED_LABEL}, segment ids", 128, True)] * (128 in head_dims))
@@ -270,7 +270,7 @@ def test_a_packed_query_group_compiles_without_spills(tmp_path_factory):
 
 def test_the_committed_packed_rows_are_packed_at_zero_spills():
     """benchmarks/results/mosaic_compile_report_sm90.json's packed rows, D=64 and 128."""
-    from benchmarks.mosaic_compile_report import PACKED_LABEL
+    from tools.mosaic_compile_report import PACKED_LABEL
     _assert_packed_rows([r for r in _committed_report() if r["label"].startswith(PACKED_LABEL)],
                         (64, 128))
 
@@ -281,7 +281,7 @@ def test_the_committed_mods_rows_walk_tile_lists_at_the_plain_calls_cost():
     and not, forward and backward): compiled, the shared memory of the plain call of the same
     head_dim (the tile lists are scalars read from global memory), 0 spill bytes. Read from the
     committed report, not compiled here: the lane's budget."""
-    from benchmarks.mosaic_compile_report import MODS_LABEL
+    from tools.mosaic_compile_report import MODS_LABEL
     committed = _committed_report()
     mods = [r for r in committed if r["label"] == MODS_LABEL]
     assert {(r["kernel"], r["head_dim"], r["causal"]) for r in mods} == {
@@ -348,7 +348,7 @@ def _assert_dropout_rows_shipped(rows):
     """The forward, dK/dV and dQ with dropout (the hash on each tile; the forward's default
     tiles at D=128 are then 64 x 64) at D=64/128, causal and not: held to 0 spills by
     ``_assert_within_budget``."""
-    from benchmarks.mosaic_compile_report import DROPOUT_LABEL
+    from tools.mosaic_compile_report import DROPOUT_LABEL
     found = {(r["kernel"], r["head_dim"], r["causal"]): r for r in rows
              if r["label"] == DROPOUT_LABEL}
     assert set(found) == {(k, d, c) for k in ("forward", "dK/dV", "dQ") for d in (64, 128)
@@ -381,7 +381,7 @@ def _assert_design_in_ptx(rows):
 
 @pytest.mark.parametrize("option, value", [("--dtypes", "float32"), ("--head-dims", "128,wide")])
 def test_row_filters_refuse_what_they_cannot_select(option, value, capsys):
-    from benchmarks.mosaic_compile_report import main
+    from tools.mosaic_compile_report import main
     with pytest.raises(SystemExit) as exit_:
         main([option, value])
     assert exit_.value.code == 2 and option in capsys.readouterr().err

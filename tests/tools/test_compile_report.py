@@ -18,7 +18,7 @@ from jax_impl.flash_attention import flash_attention
 from jax_impl.pallas_triton import heuristics
 
 pytest.importorskip("triton", reason="pip triton (the `test` extra) compiles the kernels for sm_90a")
-from benchmarks import compile_report  # noqa: E402
+from tools import compile_report  # noqa: E402
 
 # Tiles whose dK/dV dots have M = 32 (block_k_dkv = 32: S^T = K Q^T is [block_k_dkv, block_q_dkv]):
 # the counter-case of the checks.
