@@ -14,13 +14,14 @@ import numpy as np
 from jax import lax
 
 from jax_impl import block_mask as block_mask_lib
-from jax_impl import cp_cost, cudnn, dropout_sinks, implementations, masking, mods, platform
+from jax_impl import cp_cost, dropout_sinks, implementations, masking, mods, platform
+from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.mosaic_gpu.config import Config as MosaicConfig
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
-# What implementation= takes: the table's names, and jax.nn's cuDNN kernel by name (cudnn.py).
-IMPLEMENTATION_NAMES = tuple(implementations.IMPLEMENTATIONS) + (cudnn.NAME,)
+# What implementation= takes: the table's names (cuDNN included).
+IMPLEMENTATION_NAMES = tuple(implementations.IMPLEMENTATIONS)
 
 # ``precision=`` may also be one of these jax.lax.DotAlgorithmPresets (float32 inputs only): each
 # accumulates in float32 and lowers in Pallas Triton (TF32_TF32_F32_X3 as its tf32x3 dot) and
@@ -53,6 +54,15 @@ class Call(NamedTuple):
     extras: dropout_sinks.SinksAndDropout = dropout_sinks.SinksAndDropout()
     # [B, P] int32 with k/v pages [num_pages, page_size, Hkv, D]; None: a dense cache.
     page_table: Any = None
+    return_residual: bool = False
+
+    def features(self) -> CallFeatures:
+        """The call as the implementation table's rules judge it."""
+        paged = self.page_table is not None
+        lk = self.page_table.shape[1] * self.k.shape[1] if paged else self.k.shape[1]
+        return CallFeatures.of(self.cfg, self.q, self.k, self.bias, self.masks, self.extras,
+                               lk=lk, batch_dims=len(self.batch_shape), paged=paged,
+                               return_residual=self.return_residual)
 
     def to_user(self, out, lse, return_residual: bool):
         """out [B, Lq, Hq, D] and lse [B, Hq, Lq] back in the caller's batch dims: out, or
@@ -162,14 +172,6 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         raise TypeError(f"block_sizes must be a jax_impl.BlockSizes (or, with "
                         f"implementation='mosaic_gpu', a jax_impl.mosaic_gpu.Config); got "
                         f"{type(block_sizes).__name__}")
-    if interpret and implementation not in (None, "pallas_triton", "mosaic_gpu", "mosaic_tpu"):
-        raise ValueError(f"interpret=True runs a Pallas kernel in its interpreter; it does not "
-                         f"apply to {implementation=}")
-    if implementation == "pallas_triton" or (interpret and implementation is None):
-        reason = _head_dim_unsupported("pallas_triton", head_dim)
-        if reason:
-            raise ValueError(f"implementation='pallas_triton' cannot run this call: {reason}")
-        implementation = "pallas_triton"
     rate = float(dropout_rate) if dropout_rate and not deterministic else 0.0
     seeds = None
     if rate:
@@ -186,38 +188,12 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
                           precision=_precision(precision, query.dtype), dropout_rate=rate,
                           context_parallel_strategy=context_parallel_strategy,
                           score_mod=score_mod, mask_mod=mask_mod)
-    if implementation in ("cpu", "mosaic_gpu"):  # the platform is judged where the call is lowered
-        reason = implementations.unsupported(
-            implementation, head_dim=head_dim, platform="cpu" if implementation == "cpu" else "cuda",
-            interpret=bool(interpret), features=features(cfg, bias, masks, extras, query.dtype))
-        if reason:
-            raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
-    if implementation == cudnn.NAME and (cfg.has_mods or block_mask is not None):
-        raise ValueError(f"implementation={cudnn.NAME!r} cannot run this call: jax.nn's cuDNN "
-                         "kernel takes no score_mod, mask_mod or block_mask")
-    if implementation == cudnn.NAME:
-        reason = cudnn.unsupported(
-            dtype=query.dtype, batch_dims=len(batch_shape), lq=lq, lk=lk, is_causal=spec.is_causal,
-            bottom_right=spec.bottom_right, has_window=window_left is not None or window_right is not None,
-            has_lengths=spec.has_q_lengths or spec.has_kv_lengths, has_mask=mask is not None,
-            has_segment_ids=q_segment_ids is not None, has_sinks=attention_sinks is not None,
-            soft_cap=logits_soft_cap, dropout=bool(rate), page_table=page_table is not None,
-            block_sizes=block_sizes is not None, precision=precision is not None,
-            return_residual=bool(return_residual), strategy=context_parallel_strategy is not None)
-        if reason:
-            raise ValueError(f"implementation={cudnn.NAME!r} cannot run this call: {reason}")
-    if page_table is not None and implementation is not None:
-        reason = implementations.paged_unsupported(
-            implementations.get(implementation), lq=query.shape[-3], dtype=key.dtype,
-            page_size=key.shape[1], head_dim=head_dim)
-        if reason:
-            raise ValueError(f"implementation={implementation!r} cannot take page_table: {reason}")
     flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])
     if page_table is not None:  # the pages have no batch axis
         return Call(implementation, cfg, flat(query), key, value, bias, masks, batch_shape, extras,
-                    page_table)
+                    page_table, bool(return_residual))
     return Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape,
-                 extras)
+                extras, None, bool(return_residual))
 
 
 def _mods(score_mod, mask_mod, mod_aux, block_mask, *, batch, heads, q_len, kv_len) -> tuple:
@@ -467,20 +443,3 @@ def gpu_only_precision_guard(implementation, cfg, q):
     if cfg.precision not in GPU_ONLY_PRESETS or (implementation == "pallas_triton" and not cfg.interpret):
         return q
     return platform.requires_cuda(q, GPU_ONLY_PRECISION_ERROR.format(precision=cfg.precision.name))
-
-
-def _head_dim_unsupported(name: str, head_dim: int) -> str | None:
-    """What rules ``name`` out for this head_dim on a CUDA GPU (the platform is decided later)."""
-    return implementations.unsupported(name, head_dim=head_dim, platform="cuda")
-
-
-def features(cfg, bias, masks, extras, dtype=None) -> implementations.CallFeatures:
-    return implementations.CallFeatures(cfg, has_bias=bias is not None, has_mask=masks.mask is not None,
-                                        has_sinks=extras.sinks is not None, dtype=dtype,
-                                        has_segment_ids=masks.q_segment_ids is not None,
-                                        mod_aux=tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-                                                      for x in extras.mod_aux),
-                                        block_mask_tiles=None if masks.block_mask is None else
-                                        (masks.block_mask.block_q, masks.block_mask.block_kv))
-
-

@@ -14,6 +14,7 @@ import dataclasses
 from jax import lax
 
 from jax_impl import arguments, implementations, masking, mods, ring, ulysses, vma
+from jax_impl.call_features import CallFeatures
 
 
 def ring_attention(query, key, value, bias=None, mask=None, *, axis_name,
@@ -118,18 +119,17 @@ def _local_kernel(call, among, run, bias, masks):
     (``among``), decided where the call is lowered."""
     args = (call.q, call.k, call.v, bias, masks, call.extras)
     # Judged as the local kernel runs them: a strategy's mods see global indices (mods.at_offset).
-    features = arguments.features(mods.at_offset(call.cfg), bias, masks, call.extras._replace(
-        mod_aux=mods.offset_aux(call.extras.mod_aux) if call.cfg.has_mods else ()), call.q.dtype)
+    features = CallFeatures.of(mods.at_offset(call.cfg), call.q, call.k, bias, masks,
+                               call.extras._replace(mod_aux=mods.offset_aux(call.extras.mod_aux)
+                                                    if call.cfg.has_mods else ()))
     if call.implementation is not None:
-        chosen = implementations.get(call.implementation)
-        reason = chosen.call_unsupported and chosen.call_unsupported(
-            head_dim=call.q.shape[-1], **features._asdict())
+        reason = implementations.unsupported(call.implementation, features)
         if reason:
-            raise ValueError(f"implementation={chosen.name!r} cannot run this call's local "
-                             f"steps: {reason}")
+            raise ValueError(f"implementation={call.implementation!r} cannot run this call's "
+                             f"local steps: {reason}")
         return run(call.implementation)(*args)
     choose = lambda platform: implementations.automatic(
-        implementations.reasons(platform, head_dim=call.q.shape[-1], features=features), among)
+        implementations.reasons(platform, features), among)
     return implementations.on_lowering_platform(choose, run, *args)
 
 
@@ -142,10 +142,9 @@ def _refuse_local_dropout(chosen, cfg, where):
 
 def _refuse_pairwise(chosen, call, bias, masks, what):
     """arguments.validate saw no bias or mask (they are per-device here): the kernel must take them."""
-    if chosen.call_unsupported is None or (bias is None and masks.mask is None):
+    if bias is None and masks.mask is None:
         return
-    reason = chosen.call_unsupported(head_dim=call.q.shape[-1], **arguments.features(
-        call.cfg, bias, masks, call.extras)._asdict())
+    reason = chosen.unsupported(CallFeatures.of(call.cfg, call.q, call.k, bias, masks, call.extras))
     if reason:
         raise ValueError(f"implementation={chosen.name!r} cannot run {what}: {reason}")
 

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jax_impl import arguments, block_mask, cudnn, implementations, partitioned, recompute_vjp, reference
+from jax_impl import arguments, block_mask, implementations, partitioned, recompute_vjp
+from jax_impl.call_features import CallFeatures
 from jax_impl.config import BlockSizes
 from jax_impl.implementations import IMPLEMENTATIONS
 
@@ -189,16 +190,12 @@ def flash_attention(
     and higher orders run with implementation="reference" only, and elsewhere raise saying so.
     """
     call = arguments.validate(**locals())
-    if call.implementation == cudnn.NAME:  # jax.nn's kernel, by name (cudnn.py)
-        out = cudnn.attention(call.q, call.k, call.v, call.bias, scale=call.cfg.scale,
-                              is_causal=call.cfg.mask.is_causal)
-        return call.to_user(out, None, False)
+    _refuse_requested(call)
     if call.cfg.context_parallel_strategy is not None and call.page_table is None:
         # A refused strategy raises here where q's sharding is known (a sharded array, a mesh
         # with explicit axes), not from inside XLA's partitioner when the program compiles.
         _strategy(query, call, call.implementation or implementations.automatic(
-            _reasons(jax.default_backend(), call.cfg, call.q, call.k, call.bias, call.masks,
-                     call.extras, None)))
+            _reasons(jax.default_backend(), call.features(), call.page_table, call.k)))
     refusal = (recompute_vjp.PAGED_GRADIENT_ERROR if call.page_table is not None
                else recompute_vjp.FORWARD_MODE_ERROR)
     out, lse = recompute_vjp.naming_forward_mode(_dispatch, refusal)(call)
@@ -215,34 +212,51 @@ def _dispatch(call: arguments.Call):
                       implementation=call.implementation, cfg=call.cfg)
 
 
+def _refuse_requested(call: arguments.Call) -> None:
+    """A named implementation that cannot run the call raises here, with the table's reason
+    (the platform is judged where the call is lowered)."""
+    if call.implementation is None:
+        return
+    implementation = implementations.get(call.implementation)
+    reason = implementation.unsupported(call.features())
+    if reason:
+        raise ValueError(f"implementation={call.implementation!r} cannot run this call: {reason}")
+    if call.page_table is not None:
+        reason = implementations.paged_unsupported(implementation, **_paged(call.features(), call.k))
+        if reason:
+            raise ValueError(f"implementation={call.implementation!r} cannot take page_table: "
+                             f"{reason}")
+
+
 # Jitted so that an eager call compiles once per shape and configuration, not on every call.
 @functools.partial(jax.jit, static_argnames=("implementation", "cfg"))
 def _attention(q, k, v, bias, masks, extras, page_table, *, implementation, cfg):
     paged = page_table is not None
-    features = arguments.features(cfg, bias, masks, extras, q.dtype)
     lk = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
+    features = CallFeatures.of(cfg, q, k, bias, masks, extras, lk=lk, paged=paged)
 
     def run(name):
-        impl = implementations.get(name)
-        decode = name != "reference" and implementations.decode_path(
-            impl, lq=q.shape[1], lk=lk, features=features, paged=paged) is None
+        decode = implementations.decode_path(implementations.get(name), lq=q.shape[1], lk=lk,
+                                             features=features, paged=paged) is None
         return lambda *args: _run(name, dataclasses.replace(cfg, decode=decode), *args)
 
     if implementation is not None:
         return run(implementation)(q, k, v, bias, masks, extras, page_table)
-    choose = lambda platform: implementations.automatic(
-        _reasons(platform, cfg, q, k, bias, masks, extras, page_table))
+    choose = lambda platform: implementations.automatic(_reasons(platform, features, page_table, k))
     return implementations.on_lowering_platform(choose, run, q, k, v, bias, masks, extras,
                                                 page_table)
 
 
-def _reasons(platform, cfg, q, k, bias, masks, extras, page_table) -> dict:
-    """implementations.reasons for a call (q, k as ``_attention`` takes them)."""
-    return implementations.reasons(
-        platform, head_dim=q.shape[-1], interpret=cfg.interpret,
-        features=arguments.features(cfg, bias, masks, extras, q.dtype),
-        paged=None if page_table is None else dict(lq=q.shape[1], dtype=k.dtype,
-                                                   page_size=k.shape[1], head_dim=q.shape[-1]))
+def _paged(features: CallFeatures, pages) -> dict:
+    """``implementations.paged_unsupported``'s arguments for a paged call."""
+    return dict(lq=features.lq, dtype=pages.dtype, page_size=pages.shape[1],
+                head_dim=features.head_dim)
+
+
+def _reasons(platform, features: CallFeatures, page_table, k) -> dict:
+    """implementations.reasons for a call (``k`` the pages of a paged call)."""
+    return implementations.reasons(platform, features,
+                                   paged=None if page_table is None else _paged(features, k))
 
 
 def _strategy(query, call, chosen: str) -> str | None:
@@ -258,7 +272,7 @@ def with_evaluated_block_mask(implementation: str, cfg, q, k, masks, extras):
     BlockMask of the mask_mod evaluated chunk-wise (``block_mask.of_mask_mod``), so that its
     empty tiles are skipped. Other calls unchanged."""
     if (cfg.mask_mod is None or masks.block_mask is not None or cfg.decode
-            or implementation == "reference"):
+            or implementations.get(implementation).forward is None):
         return cfg, masks
     built = block_mask.of_mask_mod(cfg.mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
                                    extras.mod_aux)
@@ -271,15 +285,12 @@ def _run(implementation, cfg, q, k, v, bias, masks, extras, page_table):
     q = arguments.gpu_only_precision_guard(implementation, cfg, q)
     if page_table is None:
         cfg, masks = with_evaluated_block_mask(implementation, cfg, q, k, masks, extras)
+    chosen = implementations.get(implementation)
     if page_table is not None:
-        return recompute_vjp.paged_attention(implementations.get(implementation), cfg, q, k, v,
-                                             masks, extras, page_table)
-    if implementation == "reference":
-        return reference.attention(q, k, v, bias, masks, cfg,
-                                   logits_dtype=jnp.promote_types(q.dtype, jnp.float32),
-                                   extras=extras)
-    return recompute_vjp.attention(implementations.get(implementation), cfg, q, k, v, bias, masks,
-                                   extras)
+        return recompute_vjp.paged_attention(chosen, cfg, q, k, v, masks, extras, page_table)
+    if chosen.dense is not None:  # differentiated by autodiff
+        return chosen.dense(cfg, q, k, v, bias, masks, extras)
+    return recompute_vjp.attention(chosen, cfg, q, k, v, bias, masks, extras)
 
 
 class ImplementationChoice(NamedTuple):
@@ -325,17 +336,14 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     call = arguments.validate(query, key, value, bias, mask, implementation=implementation,
                               interpret=interpret, **kwargs)
     platform = platform or jax.default_backend()
-    features = arguments.features(call.cfg, call.bias, call.masks, call.extras, call.q.dtype)
+    features = call.features()
     paged = call.page_table is not None
-    reasons = _reasons(platform, call.cfg, call.q, call.k, call.bias, call.masks, call.extras,
-                       call.page_table)
-    lk = call.page_table.shape[1] * call.k.shape[1] if paged else call.k.shape[1]
+    reasons = _reasons(platform, features, call.page_table, call.k)
 
     def choice(chosen):
         impl = implementations.get(chosen)
-        why_not = (f"{chosen} has no decode path" if chosen == "reference" else
-                   implementations.decode_path(impl, lq=call.q.shape[1], lk=lk, features=features,
-                                               paged=paged))
+        why_not = implementations.decode_path(impl, lq=features.lq, lk=features.lk,
+                                              features=features, paged=paged)
         if why_not is not None:
             cfg, masks = with_evaluated_block_mask(chosen, call.cfg, call.q, call.k, call.masks,
                                                    call.extras)
@@ -343,16 +351,13 @@ def explain_implementation(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                                         why_not, implementations.tiles_visited(
                                             impl, cfg, call.q, call.k, masks))
         why = ("a paged KV cache runs on the decode path" if paged else
-               f"{call.q.shape[1]} query rows against {lk} keys, no bias, mask, segment ids or dropout")
+               f"{features.lq} query rows against {features.lk} keys, no bias, mask, segment ids "
+               "or dropout")
         if impl.decode_note:
             why += f"; {impl.decode_note}"
         return ImplementationChoice(chosen, reasons, None if paged else _strategy(query, call, chosen),
                                     "decode", why)
 
-    if call.implementation == cudnn.NAME:
-        return ImplementationChoice(cudnn.NAME, {name: f"implementation={cudnn.NAME!r} was requested"
-                                                 for name in reasons} | {cudnn.NAME: None},
-                                    path_reason="jax.nn.dot_product_attention(implementation='cudnn')")
     if call.implementation is not None:
         chosen = call.implementation
         if reasons[chosen] is not None:  # as flash_attention refuses it

@@ -1,8 +1,10 @@
-"""The one table of implementations: name -> forward, backward, and when it can run.
+"""The one table of implementations: name -> how it runs, and when it can run.
 
-``flash_attention`` (dispatch and ``explain_implementation``), the custom VJP and the
-conformance registry all read this table; nothing else restates which implementation can run
-a call.
+Every implementation, cuDNN included, is an entry whose own rule (``Implementation.unsupported``:
+head_dim, platform, interpreter, then the entry's ``call_unsupported``) says why it cannot run a
+call (``CallFeatures``). ``flash_attention`` (its dispatch, the automatic choice and
+``explain_implementation``), the custom VJP and the conformance registry all read this table;
+nothing else restates which implementation can run a call.
 
 A blocked implementation provides
   ``forward(cfg, q, k, v, bias, masks) -> (out, RowStats)`` and
@@ -12,7 +14,9 @@ with q ``[B, Lq, Hq, D]``, k/v ``[B, Lk, Hkv, D]``, bias ``[Bb, Hb, Lq, Lk]`` or
 ``delta = rowsum(dO * O) - d(lse)`` ``[B, Hq, Lq]`` float32; ``d_mod_aux`` the cotangents of
 ``extras.mod_aux`` (a tuple aligned with it, None where not floating; ``()`` when it takes no
 score_mod); ``recompute_vjp`` wires them into
-one custom VJP. The dense reference has neither: plain autodiff differentiates it.
+one custom VJP. A dense implementation (the reference, jax.nn's cuDNN kernel) has neither: it
+provides ``dense(cfg, q, k, v, bias, masks, extras) -> (out, lse or None)``, differentiated by
+autodiff.
 An implementation may also provide a decode path, forward only, for a few query rows against a
 long (dense or paged) KV cache:
   ``decode(cfg, q, k, v, masks, extras, page_table) -> (out, RowStats)``
@@ -26,40 +30,34 @@ only the API (flash_attention, context_parallel, arguments) reads this table.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import numpy as np
 from jax import lax
 
-from jax_impl import block_mask, cpu_kernel, mods, mosaic_gpu, mosaic_tpu, pallas_triton, xla
+import jax.numpy as jnp
+
+from jax_impl import (block_mask, cpu_kernel, cudnn, mods, mosaic_gpu, mosaic_tpu, pallas_triton,
+                      reference, xla)
+from jax_impl.call_features import CallFeatures
 from jax_impl.platform import CUDA_PLATFORMS
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.pallas_triton.heuristics import MAX_HEAD_DIM
-
-class CallFeatures(NamedTuple):
-    """What of a call, beyond head_dim and platform, an implementation may not take."""
-
-    cfg: AttentionConfig
-    has_bias: bool
-    has_mask: bool
-    has_sinks: bool
-    dtype: object = None            # of q (None: not judged)
-    has_segment_ids: bool = False
-    mod_aux: tuple = ()             # ShapeDtypeStructs of the mods' arrays (extras.mod_aux)
-    block_mask_tiles: tuple | None = None  # (block_q, block_kv) of the block_mask, if any
-
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     name: str
     summary: str
-    forward: Callable | None = None   # None: dense, differentiated by autodiff
+    forward: Callable | None = None   # None: dense (``dense``), differentiated by autodiff
     backward: Callable | None = None
+    # A dense implementation: ``dense(cfg, q, k, v, bias, masks, extras) -> (out, lse or None)``.
+    dense: Callable | None = None
     max_head_dim: int | None = None
     needs_cuda: bool = False          # unless interpret=True (the Pallas interpreter)
     needs_cpu: bool = False
     needs_tpu: bool = False           # unless interpret=True (the TPU interpreter)
+    has_interpreter: bool = False     # interpret=True runs its Pallas kernels interpreted
     automatic: bool = True            # may be chosen by implementation=None
     # Why it is never chosen by implementation=None (explain_implementation says it).
     manual_because: str = "it materialises the [Lq, Lk] logits"
@@ -70,8 +68,8 @@ class Implementation:
     # Its interpreter (interpret=True) runs ordered io callbacks, which custom_partitioning cannot
     # lower: interpreted calls run unpartitioned (partitioned.py), on one device.
     interpreter_has_effects: bool = False
-    # Why it cannot take a call's features (bias, mask, dropout ...), or None; None: takes all.
-    call_unsupported: Callable[..., str | None] | None = None
+    # Its own rule: why it cannot take a call's features (CallFeatures), or None: it takes them.
+    call_unsupported: Callable[[CallFeatures], str | None] | None = None
     # Few query rows against a long or paged cache (decode_path); None: dense calls run
     # `forward`, paged calls cannot run here.
     decode: Callable | None = None
@@ -87,24 +85,34 @@ class Implementation:
     # ShapeDtypeStructs: tiles_visited reads its tile classes there. None: not reported.
     forward_tiles: Callable | None = None
 
-    def unsupported(self, *, head_dim: int, platform: str, interpret: bool = False,
-                    features: CallFeatures | None = None) -> str | None:
-        """Why this implementation cannot run such a call, or None if it can. Without
-        ``features`` only head_dim and the platform are judged."""
-        if self.max_head_dim is not None and head_dim > self.max_head_dim:
-            return f"head_dim={head_dim} exceeds the kernel's maximum of {self.max_head_dim}"
-        if self.needs_cuda and not interpret and platform not in CUDA_PLATFORMS:
-            return (f"the {self.name} kernel needs a CUDA GPU; platform is {platform!r} "
-                    "(interpret=True runs it anywhere)")
-        if self.needs_tpu and not interpret and platform != "tpu":
-            return (f"the {self.name} kernel needs a TPU; platform is {platform!r} "
-                    "(interpret=True runs it in the TPU interpreter)")
-        if self.needs_cpu and platform != "cpu":
-            return f"the fused C++ kernel runs on the CPU; platform is {platform!r}"
+    def unsupported(self, features: CallFeatures, platform: str | None = None) -> str | None:
+        """Why this implementation cannot run the call ``features`` describes on ``platform``,
+        or None if it can. ``platform`` None: the platform is not judged (a call whose
+        implementation is named is judged where it is lowered)."""
+        if self.max_head_dim is not None and features.head_dim > self.max_head_dim:
+            return f"head_dim={features.head_dim} exceeds the kernel's maximum of {self.max_head_dim}"
+        interpret = features.cfg.interpret
+        if interpret and not self.has_interpreter:
+            return (f"interpret=True runs a Pallas kernel in its interpreter; {self.name} has "
+                    "none (pallas_triton, mosaic_gpu and mosaic_tpu do)")
+        if platform is not None:
+            if self.needs_cuda and not interpret and platform not in CUDA_PLATFORMS:
+                how = " (interpret=True runs it anywhere)" if self.has_interpreter else ""
+                return f"the {self.name} kernel needs a CUDA GPU; platform is {platform!r}{how}"
+            if self.needs_tpu and not interpret and platform != "tpu":
+                return (f"the {self.name} kernel needs a TPU; platform is {platform!r} "
+                        "(interpret=True runs it in the TPU interpreter)")
+            if self.needs_cpu and platform != "cpu":
+                return f"the fused C++ kernel runs on the CPU; platform is {platform!r}"
         if self.call_unsupported is not None:
-            return self.call_unsupported(head_dim=head_dim,
-                                         **({} if features is None else features._asdict()))
+            return self.call_unsupported(features)
         return None
+
+
+def _reference(cfg: AttentionConfig, q, k, v, bias, masks, extras):
+    """The dense reference at float32 logits (float64 for float64 inputs): (out, lse)."""
+    return reference.attention(q, k, v, bias, masks, cfg,
+                               logits_dtype=jnp.promote_types(q.dtype, jnp.float32), extras=extras)
 
 
 def _mosaic_gpu_backward(cfg: AttentionConfig, q, k, v, bias, masks, *args, **kwargs):
@@ -159,6 +167,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
     "pallas_triton": Implementation(
         "pallas_triton", "the Pallas Triton GPU kernels (forward, dK/dV, dQ)",
         pallas_triton.forward, _pallas_triton_backward, max_head_dim=MAX_HEAD_DIM, needs_cuda=True,
+        has_interpreter=True,
         call_unsupported=pallas_triton.unsupported, takes_position_offset=True, takes_dropout_offset=True, decode=pallas_triton.decode,
         decode_takes_mods=True, decode_unsupported=pallas_triton.decode_unsupported,
         pages_unsupported=pallas_triton.pages_unsupported,
@@ -169,7 +178,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         "and dQ (no atomics); pallas_triton's backward when interpreted, at head_dim 256, for "
         "dbias with the fused dQ, or by Config(backward='pallas_triton'); decode: "
         "pallas_triton's split-K kernel",
-        mosaic_gpu.forward, _mosaic_gpu_backward, needs_cuda=True, automatic=False,
+        mosaic_gpu.forward, _mosaic_gpu_backward, needs_cuda=True, has_interpreter=True,
+        automatic=False,
         manual_because="on an H200 (bf16, B=4, H=16, L=8192, D=128) it runs 1.3x "
                        "pallas_triton's throughput forward and 1.7x forward+backward, but the "
                        "quick conformance suite has not completed on a GPU and a choice made "
@@ -183,7 +193,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         "mosaic_tpu", "FlashAttention in Pallas Mosaic TPU: forward, dK/dV and dQ kernels "
         "walking scalar-prefetched lists of the non-empty tiles (proven in the TPU interpreter "
         "and compiled for v4/v5e/v5p/v6e; speed unmeasured on TPU hardware)",
-        mosaic_tpu.forward, mosaic_tpu.backward, needs_tpu=True, takes_position_offset=True,
+        mosaic_tpu.forward, mosaic_tpu.backward, needs_tpu=True, has_interpreter=True,
+        takes_position_offset=True,
         interpreter_has_effects=True,
         call_unsupported=mosaic_tpu.unsupported,
         forward_tiles=lambda cfg, q, k, masks: mosaic_tpu.block_shape(cfg, q.shape[1], k.shape[1], masks)),
@@ -200,7 +211,13 @@ IMPLEMENTATIONS: dict[str, Implementation] = {  # in order of preference
         forward_tiles=lambda cfg, q, k, masks: xla.chunk_sizes(cfg, q.shape[1], k.shape[1], masks)),
     "reference": Implementation(
         "reference", "dense attention (materialises [Lq, Lk]); the oracle of the tests",
-        automatic=False),
+        dense=_reference, automatic=False),
+    "cudnn": Implementation(
+        "cudnn", "jax.nn.dot_product_attention's cuDNN kernel, for the calls whose meaning is "
+        "this library's (cudnn.py)", dense=cudnn.attention, needs_cuda=True, automatic=False,
+        manual_because="no conformance run on a GPU has passed it and no committed table says "
+                       "it is faster (docs/limitations.md)",
+        call_unsupported=cudnn.unsupported),
 }
 
 
@@ -289,17 +306,14 @@ def get(name: str) -> Implementation:
     try:
         return IMPLEMENTATIONS[name]
     except KeyError:
-        hint = " (that is jax.nn.dot_product_attention's cuDNN path)" if name == "cudnn" else ""
-        raise ValueError(f"implementation={name!r}{hint} must be one of "
+        raise ValueError(f"implementation={name!r} must be one of "
                          f"{tuple(IMPLEMENTATIONS)} or None") from None
 
 
-def reasons(platform: str, *, head_dim: int, interpret: bool = False,
-            features: CallFeatures | None = None, paged: dict | None = None) -> dict:
+def reasons(platform: str, features: CallFeatures, *, paged: dict | None = None) -> dict:
     """Why each implementation cannot run a call on ``platform``: {name: reason, or None if it
     can}. ``paged``: the paged call's ``paged_unsupported`` arguments (None: a dense call)."""
-    return {name: impl.unsupported(head_dim=head_dim, platform=platform, interpret=interpret,
-                                   features=features)
+    return {name: impl.unsupported(features, platform)
                   or (paged_unsupported(impl, **paged) if paged is not None else None)
             for name, impl in IMPLEMENTATIONS.items()}
 
@@ -341,9 +355,7 @@ def ring_dropout_capable() -> tuple[str, ...]:
     return tuple(name for name in ring_capable() if IMPLEMENTATIONS[name].takes_dropout_offset)
 
 
-def unsupported(name: str, *, head_dim: int, platform: str, interpret: bool = False,
-                features: CallFeatures | None = None) -> str | None:
-    """Why implementation ``name`` cannot run a call with this head_dim on ``platform`` (and
-    these ``features``, if given), or None."""
-    return get(name).unsupported(head_dim=head_dim, platform=platform, interpret=interpret,
-                                 features=features)
+def unsupported(name: str, features: CallFeatures, platform: str | None = None) -> str | None:
+    """Why implementation ``name`` cannot run the call ``features`` describes (on ``platform``,
+    where given), or None."""
+    return get(name).unsupported(features, platform)

@@ -2,7 +2,7 @@
 higher one, no backend importing another backend, and a bounded import chain.
 
 jax_impl, bottom to top (docs/design.md, "Layers"):
-  core          the mask rule, the per-tile math, config, dropout and sinks, platform facts,
+  core          the mask rule, the per-tile math, config, dropout and sinks, platform facts, a call's features,
                 score and mask functions, block masks, what the Pallas kernels share of a tile
   backends      xla, cpu_kernel, pallas_triton, mosaic_gpu, mosaic_tpu, reference, cudnn: each imports the core only
   table         implementations: which backend can run a call
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 JAX_IMPL_LAYERS = {
     "core": ["masking", "config", "online_softmax", "dropout_sinks", "vma", "platform", "symbolic_zeros",
-             "mods", "block_mask", "kernel_tiles"],
+             "mods", "block_mask", "kernel_tiles", "call_features"],
     "backends": ["xla", "cpu_kernel", "pallas_triton", "mosaic_gpu", "mosaic_tpu", "reference", "cudnn"],
     "table": ["implementations"],
     "distribution": ["ring", "ulysses", "cp_cost", "partitioned", "recompute_vjp"],

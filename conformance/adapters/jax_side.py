@@ -11,38 +11,33 @@ from conformance.cases import Case
 from conformance.runs import JaxPrepared, NotSupported
 
 
-def _jax_impl_unsupported(implementation: str, case: Case, device: str) -> str | None:
-    """jax_impl's own eligibility rule (its implementation table) for the case's features, on
-    the harness's device; on CPU the harness runs the Pallas kernel in the interpreter."""
-    from jax_impl.config import AttentionConfig
-    from jax_impl.implementations import CallFeatures, unsupported
-    from jax_impl.masking import MaskSpec
-    score_mod, mask_mod = jax_mods(mods_mod.get(case.mods)) if case.mods else (None, None)
-    cfg = AttentionConfig(scale=1.0, mask=MaskSpec(has_block_mask=bool(case.block_size)),
-                          logits_soft_cap=case.soft_cap, dropout_rate=case.dropout,
-                          score_mod=score_mod, mask_mod=mask_mod)
+def _jax_impl_unsupported(implementation: str, case: Case, device: str,
+                          interpret: bool) -> str | None:
+    """jax_impl's own eligibility rule (its implementation table, cuDNN included) for the
+    case's features, on the harness's device (``interpret``: the Pallas kernel interpreted)."""
     import jax
     import numpy as np
+    from jax_impl.call_features import CallFeatures
+    from jax_impl.config import AttentionConfig
+    from jax_impl.implementations import unsupported
+    from jax_impl.masking import MaskSpec
+    score_mod, mask_mod = jax_mods(mods_mod.get(case.mods)) if case.mods else (None, None)
+    window = case.window or (None, None)
+    spec = MaskSpec(is_causal=case.causal is not None, bottom_right=case.causal == "bottom_right",
+                    window_left=window[0], window_right=window[1], has_q_lengths=case.lengths,
+                    has_kv_lengths=case.lengths, has_block_mask=bool(case.block_size),
+                    block_mask_of_mask_mod=bool(case.block_size))
+    cfg = AttentionConfig(scale=1.0, mask=spec, logits_soft_cap=case.soft_cap,
+                          dropout_rate=case.dropout, interpret=interpret, score_mod=score_mod,
+                          mask_mod=mask_mod)
     mod_aux = (tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in
                      mods_mod.get(case.mods).aux(np.random.default_rng(0), case).values())
                if case.mods else ())
-    features = CallFeatures(cfg, has_bias=case.bias, has_mask=case.mask != "none",
-                            has_sinks=case.sinks, dtype=case.dtype, has_segment_ids=case.segments,
-                            mod_aux=mod_aux)
-    return unsupported(implementation, head_dim=case.head_dim, platform=device,
-                       interpret=device == "cpu", features=features)
-
-
-def _cudnn_unsupported(case: Case) -> str | None:
-    """jax_impl's rule for implementation="cudnn" (jax_impl/cudnn.py) for the case's features."""
-    from jax_impl import cudnn
-    return cudnn.unsupported(
-        dtype=case.dtype, batch_dims=1, lq=case.q_len, lk=case.kv_len, is_causal=case.causal is not None,
-        bottom_right=case.causal == "bottom_right", has_window=case.window is not None,
-        has_lengths=case.lengths, has_mask=case.mask != "none", has_segment_ids=case.segments,
-        has_sinks=case.sinks, soft_cap=case.soft_cap, dropout=bool(case.dropout),
-        page_table=bool(case.page_size), block_sizes=False, precision=False, return_residual=False,
-        strategy=False)
+    block = (case.block_size, case.block_size) if case.block_size else None
+    features = CallFeatures(cfg, case.head_dim, np.dtype(case.np_dtype), 1, case.q_len,
+                            case.kv_len, case.bias, case.mask != "none", case.sinks,
+                            case.segments, mod_aux, block, bool(case.page_size))
+    return unsupported(implementation, features, device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,18 +51,17 @@ class JaxImplAdapter(Adapter):
 
     @property
     def interpret(self) -> bool:
-        return self.implementation in ("pallas_triton", "mosaic_gpu", "mosaic_tpu") and self.device == "cpu"
+        from jax_impl.implementations import get
+        return get(self.implementation).has_interpreter and self.device == "cpu"
 
     def _reason(self, case):
-        if self.implementation == "cudnn":
-            return _cudnn_unsupported(case)
         if case.page_size:
             from jax_impl.implementations import get, paged_unsupported
             reason = paged_unsupported(get(self.implementation), lq=case.q_len, dtype=case.dtype,
                                        page_size=case.page_size, head_dim=case.head_dim)
             if reason:
                 return reason
-        reason = _jax_impl_unsupported(self.implementation, case, self.device)
+        reason = _jax_impl_unsupported(self.implementation, case, self.device, self.interpret)
         if reason is None and self.interpret and not case.interpret_ok:
             reason = "too large for the Pallas interpreter on CPU (runs on a GPU)"
         return reason

@@ -18,13 +18,13 @@ in place (``decode.h``); ``decode_unsupported`` says which calls it cannot take.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_impl import block_mask, dropout_sinks, masking, mods, online_softmax, platform, vma
+from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig
 from jax_impl.cpu_kernel import mod_program
 from jax_impl.cpu_kernel.build import unavailable
@@ -43,17 +43,14 @@ _UNBOUNDED = 1 << 30  # a band side with no bound (positions stay below 2**30)
 _SEGMENTS, _MASK, _BIAS, _SINKS, _DBIAS, _TILES, _MODS = 1, 2, 4, 8, 16, 32, 64
 
 
-def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
-                has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False, mod_aux: tuple = (),
-                block_mask_tiles: tuple[int, int] | None = None) -> str | None:
+def unsupported(features: CallFeatures) -> str | None:
     """Why the CPU kernel cannot run such a call (it then runs on the xla path), or None:
-    mods its programs cannot express (``mod_program.unsupported``; ``mod_aux``: arrays or
-    ShapeDtypeStructs), tiles it cannot take, or a kernel that cannot be built."""
-    del head_dim, has_bias, has_mask, has_sinks, dtype, has_segment_ids  # all taken
-    if cfg is not None and (why := mod_program.unsupported(cfg, mod_aux)):
+    mods its programs cannot express (``mod_program.unsupported``), tiles it cannot take, or a
+    kernel that cannot be built. Every other feature is taken."""
+    cfg = features.cfg
+    if why := mod_program.unsupported(cfg, features.mod_aux):
         return why
-    if cfg is not None and cfg.block_sizes is not None and cfg.block_sizes.block_k % PANEL:
+    if cfg.block_sizes is not None and cfg.block_sizes.block_k % PANEL:
         return (f"block_sizes.block_k={cfg.block_sizes.block_k} is not a multiple of {PANEL} "
                 "(the kernel reads keys in panels of 64)")
     return unavailable()

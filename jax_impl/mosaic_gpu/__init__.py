@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_impl import block_mask, kernel_tiles, masking, online_softmax, platform, vma
+from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.mosaic_gpu.config import (CONSUMERS, SHARED_MEMORY_BUDGET, BackwardConfig, Config,
@@ -68,16 +69,15 @@ def unavailable() -> str | None:
     return _UNAVAILABLE
 
 
-def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
-                has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False, mod_aux: tuple = (),
-                block_mask_tiles: tuple[int, int] | None = None) -> str | None:
+def unsupported(features: CallFeatures) -> str | None:
     """Why the Mosaic GPU forward cannot run such a call, or None. Every feature it does not
     take yet is named. A bias and a dense mask are taken (``backward_unsupported`` says when
     their backward is pallas_triton's); a chosen ``Config`` and its ``backward_config`` must
     fit them in shared memory beside their tiles (judged for a float32 bias, the widest the
-    kernels read)."""
-    del has_sinks  # taken, forward and backward; segment ids too
+    kernels read). Sinks and segment ids are taken, forward and backward."""
+    cfg, head_dim, dtype, mod_aux = features.cfg, features.head_dim, features.dtype, features.mod_aux
+    has_bias, has_mask = features.has_bias, features.has_mask
+    has_segment_ids = features.has_segment_ids
     if _UNAVAILABLE:
         return _UNAVAILABLE
     if head_dim not in HEAD_DIMS:
@@ -150,9 +150,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq] f32)."""
     from jax_impl.mosaic_gpu.forward import Geometry, forward_call
     extras = extras or SinksAndDropout()
-    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, has_bias=bias is not None,
-                         has_mask=masks.mask is not None, dtype=q.dtype,
-                         has_segment_ids=masks.q_segment_ids is not None, mod_aux=extras.mod_aux)
+    reason = unsupported(CallFeatures.of(cfg, q, k, bias, masks, extras))
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {reason}")
     if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
@@ -230,9 +228,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     (``backward_unsupported``)."""
     from jax_impl.mosaic_gpu.backward import backward_call
     extras = extras or SinksAndDropout()
-    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype,
-                         has_bias=bias is not None, has_mask=masks.mask is not None,
-                         has_segment_ids=masks.q_segment_ids is not None, mod_aux=extras.mod_aux)
+    reason = unsupported(CallFeatures.of(cfg, q, k, bias, masks, extras))
     reason = reason or _backward_refuses(cfg, bias is not None, q.shape[-1])
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")

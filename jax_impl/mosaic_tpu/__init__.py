@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_impl import masking, online_softmax
+from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.mosaic_tpu import common
@@ -48,34 +49,30 @@ def unavailable() -> str | None:
     return _UNAVAILABLE
 
 
-def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
-                has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False, mod_aux: tuple = (),
-                block_mask_tiles: tuple[int, int] | None = None) -> str | None:
+def unsupported(features: CallFeatures) -> str | None:
     """Why the Mosaic TPU forward cannot run such a call, or None; every feature it does not
     take is named. It takes causal (both alignments), windows, lengths, segment ids, GQA/MQA,
-    the soft cap, block_mask, mask_mod and score_mod (refused with mod_aux), sinks, position
-    offsets, a dense mask, a bias and dropout (the shared hash: the same pattern as every
-    implementation's)."""
-    del head_dim, has_bias, has_mask, has_sinks, has_segment_ids  # any head_dim: a full block
-    given = cfg is not None and isinstance(cfg.block_sizes, BlockSizes)
+    the soft cap, block_mask (on tiles inside its own), mask_mod and score_mod (refused with
+    mod_aux), sinks, position offsets, a dense mask, a bias and dropout (the shared hash: the
+    same pattern as every implementation's), any head_dim (a full block)."""
+    cfg, dtype, block_mask_tiles = features.cfg, features.dtype, features.block_mask_tiles
+    mod_aux = features.mod_aux
+    if _UNAVAILABLE:
+        return _UNAVAILABLE
+    if dtype is not None and jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float32"
+    given = isinstance(cfg.block_sizes, BlockSizes)
     if block_mask_tiles is not None and any(
             tile % (block if given else common.NUM_LANES)
             for block, tile in zip(_tiles_wanted(cfg), block_mask_tiles * 3)):
         return (f"a block_mask of {block_mask_tiles[0]}x{block_mask_tiles[1]} tiles: the kernels "
                 "read a block_mask on tiles inside its own (multiples of 128 that divide them, "
                 "those of block_sizes where given), and cannot evaluate it pair by pair")
-    if (block_mask_tiles is not None and cfg is not None and cfg.mask_mod is not None
+    if (block_mask_tiles is not None and cfg.mask_mod is not None
             and not cfg.mask.block_mask_of_mask_mod):
         return ("a block_mask not made from the call's mask_mod (create_block_mask): its FULL "
                 "tiles then need its meaning pair by pair (block_mask.PairRule), which the "
                 "kernels cannot evaluate")
-    if _UNAVAILABLE:
-        return _UNAVAILABLE
-    if dtype is not None and jnp.dtype(dtype) not in DTYPES:
-        return f"dtype {jnp.dtype(dtype)} is not bfloat16 or float32"
-    if cfg is None:
-        return None
     reason = common.precision_unsupported(cfg, dtype)
     if reason:
         return reason
@@ -104,7 +101,7 @@ def _tiles_wanted(cfg: AttentionConfig | None) -> tuple[int, ...]:
 
 
 def _no_tiles_inside(cfg: AttentionConfig, masks) -> str:
-    return (unsupported(head_dim=0, cfg=cfg, block_mask_tiles=common.mask_tiles(masks))
+    return (unsupported(CallFeatures(cfg, 0, block_mask_tiles=common.mask_tiles(masks)))
             or "its block_sizes, clipped to these sequences, do not divide the block_mask's tiles")
 
 
@@ -123,8 +120,7 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     from jax.experimental.pallas import tpu as pltpu
 
     extras = extras or SinksAndDropout()
-    reason = unsupported(head_dim=q.shape[-1], cfg=cfg, dtype=q.dtype, mod_aux=extras.mod_aux,
-                         block_mask_tiles=common.mask_tiles(masks))
+    reason = unsupported(CallFeatures.of(cfg, q, k, bias, masks, extras))
     if reason:
         raise ValueError(f"implementation='mosaic_tpu' cannot run this call: {reason}")
     block_shape(cfg, q.shape[1], k.shape[1], masks)  # raises where no tiles fit a block_mask

@@ -6,6 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_impl import block_mask, kernel_tiles, masking, online_softmax, platform, vma
+from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.pallas_triton import common
@@ -37,14 +38,10 @@ def _dropout_offset(extras: SinksAndDropout, q):
     return vma.like(jnp.asarray(extras.dropout_offset, jnp.int32), vma.axes_of(q))
 
 
-def unsupported(*, head_dim: int, cfg: AttentionConfig | None = None, has_bias: bool = False,
-                has_mask: bool = False, has_sinks: bool = False, dtype=None,
-                has_segment_ids: bool = False, mod_aux: tuple = (),
-                block_mask_tiles: tuple[int, int] | None = None) -> str | None:
+def unsupported(features: CallFeatures) -> str | None:
     """Why the Triton kernels cannot run such a call, or None: mods that read mod_aux other than
     by indexing (kernel_tiles.ModAux); head_dim is judged by the table's max_head_dim."""
-    del head_dim, has_bias, has_mask, has_sinks, dtype, has_segment_ids  # all taken
-    return kernel_tiles.mods_unsupported(cfg, mod_aux)
+    return kernel_tiles.mods_unsupported(features.cfg, features.mod_aux)
 
 
 def forward_blocks(cfg: AttentionConfig, q, k) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import pytest
 
 from conformance.cases import Case
 from jax_impl import BlockSizes, implementations
+from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig
 from jax_impl.masking import MaskSpec
 
@@ -49,7 +50,7 @@ def unavailable(name: str) -> str | None:
     impl = implementations.get(name)
     if impl.call_unsupported is None:
         return None
-    reason = impl.call_unsupported(head_dim=64)
+    reason = impl.call_unsupported(CallFeatures(AttentionConfig(scale=1.0, mask=MaskSpec()), 64))
     return reason if reason and "jax" in reason else None
 
 
@@ -58,12 +59,11 @@ def takes(name: str, case: Case) -> bool:
     platform aside): a problem it refuses by design is not in its grid."""
     cfg = AttentionConfig(scale=1.0, mask=MaskSpec(), logits_soft_cap=case.soft_cap,
                           dropout_rate=case.dropout)
-    features = implementations.CallFeatures(
-        cfg, has_bias=case.bias, has_mask=case.mask != "none", has_sinks=case.sinks,
-        dtype=case.dtype, has_segment_ids=case.segments)
+    features = CallFeatures(cfg, case.head_dim, dtype=case.dtype, has_bias=case.bias,
+                            has_mask=case.mask != "none", has_sinks=case.sinks,
+                            has_segment_ids=case.segments)
     platform = "tpu" if implementations.get(name).needs_tpu else "cuda"
-    reason = implementations.unsupported(name, head_dim=case.head_dim, platform=platform,
-                                         features=features)
+    reason = implementations.unsupported(name, features, platform)
     return reason is None or reason == unavailable(name)
 
 

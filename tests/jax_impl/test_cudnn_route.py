@@ -51,10 +51,17 @@ def test_refuses_float32_and_runs_on_cuda_only():
         flash_attention(*_qkv(), implementation="cudnn", is_causal=True)
 
 
-def test_explain_names_the_route():
-    choice = explain_implementation(*_qkv(), implementation="cudnn")
+def test_explain_names_the_route_from_the_table():
+    """cuDNN is an entry of the table like the others: named, it is the choice on a CUDA GPU;
+    on a CPU explain refuses it with the table's reason, as the automatic choice lists it."""
+    choice = explain_implementation(*_qkv(), implementation="cudnn", platform="cuda")
     assert choice.chosen == "cudnn" and choice.reasons["cudnn"] is None
-    assert all("was requested" in why for name, why in choice.reasons.items() if name != "cudnn")
+    assert choice.reasons["xla"] == "implementation='cudnn' was requested"
+    assert "runs on the CPU" in choice.reasons["cpu"]
+    with pytest.raises(ValueError, match="cudnn kernel needs a CUDA GPU; platform is 'cpu'"):
+        explain_implementation(*_qkv(), implementation="cudnn", platform="cpu")
+    automatic = explain_implementation(*_qkv(), platform="cuda")
+    assert automatic.reasons["cudnn"].startswith("never chosen automatically")
 
 
 @pytest.mark.parametrize("causal", [None, "top_left"])

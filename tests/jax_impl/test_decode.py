@@ -151,10 +151,10 @@ def test_dispatch_keeps_the_regular_path_where_decode_does_not_apply(change, rea
 def test_implementation_without_decode_runs_its_regular_forward():
     import dataclasses
     from jax_impl import implementations
-    from jax_impl.implementations import CallFeatures
+    from jax_impl.call_features import CallFeatures
     from jax_impl.config import AttentionConfig
     from jax_impl.masking import MaskSpec
-    features = CallFeatures(AttentionConfig(scale=0.5, mask=MaskSpec()), False, False, False, jnp.float32)
+    features = CallFeatures(AttentionConfig(scale=0.5, mask=MaskSpec()), 64, dtype=jnp.float32)
     no_decode = dataclasses.replace(implementations.get("xla"), decode=None)
     assert "no decode path" in implementations.decode_path(no_decode, lq=1, lk=1024, features=features)
     # The cpu entry's decode (the C++ kernel) runs such a call; its result equals xla's.

@@ -331,3 +331,23 @@ def test_the_docstring_names_every_implementation_and_the_automatic_choice_the_t
     assert choice("cuda", score_mod=alibi, mod_aux=(slopes,)) == "pallas_triton"
     assert choice("tpu", score_mod=index_only) == "mosaic_tpu"
     assert choice("tpu", score_mod=alibi, mod_aux=(slopes,)) == "xla"
+
+
+def test_one_entry_of_the_table_decides_for_flash_attention_and_explain(monkeypatch):
+    """Eligibility is read from the table only: a changed rule of one entry moves the
+    automatic choice, explain_implementation's reasons and a named call's refusal together."""
+    import dataclasses
+    from jax_impl import explain_implementation, implementations
+    q = jnp.asarray(np.random.default_rng().standard_normal((1, 40, 2, 48)), jnp.float32)
+    lowered = lambda: jax.jit(lambda q: flash_attention(q, q, q)).lower(q).as_text()
+    assert "jax_flash_attention_cpu_forward" in lowered()  # the C++ kernel, as the table says
+    rule = lambda features: "head_dim=48 refused by this test" if features.head_dim == 48 else None
+    entry = dataclasses.replace(implementations.IMPLEMENTATIONS["cpu"], call_unsupported=rule)
+    monkeypatch.setitem(implementations.IMPLEMENTATIONS, "cpu", entry)
+    choice = explain_implementation(q, q, q, platform="cpu")
+    assert choice.chosen == "xla" and choice.reasons["cpu"] == "head_dim=48 refused by this test"
+    with pytest.raises(ValueError, match="implementation='cpu' cannot run this call: head_dim=48"):
+        flash_attention(q, q, q, implementation="cpu")
+    from jax_impl import flash_attention as api
+    api._attention.clear_cache()  # the automatic choice is made where the call is traced
+    assert "jax_flash_attention_cpu_forward" not in lowered()

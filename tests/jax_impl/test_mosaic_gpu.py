@@ -23,6 +23,7 @@ from conformance.cases import Case
 from jax_impl import (dropout_sinks, implementations, masking, mosaic_gpu, online_softmax,
                       pallas_triton, recompute_vjp, reference)
 from jax_impl import block_mask as block_mask_lib
+from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.flash_attention import explain_implementation, flash_attention
 from jax_impl.mosaic_gpu.config import (BackwardConfig, Config, default_config,
@@ -92,8 +93,8 @@ def test_every_feature_it_does_not_take_is_named(monkeypatch, features, reason):
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(), logits_soft_cap=features.pop("soft_cap", None),
                           dropout_rate=features.pop("dropout_rate", 0.0),
                           block_sizes=features.pop("block_sizes", None))
-    got = mosaic_gpu.unsupported(head_dim=features.pop("head_dim", 64), cfg=cfg,
-                                 dtype=features.pop("dtype", jnp.bfloat16), **features)
+    got = mosaic_gpu.unsupported(CallFeatures(cfg, features.pop("head_dim", 64),
+                                              dtype=features.pop("dtype", jnp.bfloat16), **features))
     assert (got is None) if reason is None else got.startswith(reason), got
 
 
@@ -105,10 +106,10 @@ def test_the_mods_and_a_block_mask_are_taken_unless_the_query_group_is_packed(mo
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(has_block_mask=True),
                           score_mod=lambda s, b, h, q_idx, kv_idx: s,
                           mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
-    assert mosaic_gpu.unsupported(head_dim=64, cfg=cfg, dtype=jnp.bfloat16) is None
+    assert mosaic_gpu.unsupported(CallFeatures(cfg, 64, dtype=jnp.bfloat16)) is None
     packed = dataclasses.replace(cfg, block_sizes=Config(pack_query_group=True))
     assert "where a block_mask and score_mod and mask_mod would differ per query head" in (
-        mosaic_gpu.unsupported(head_dim=64, cfg=packed, dtype=jnp.bfloat16))
+        mosaic_gpu.unsupported(CallFeatures(packed, 64, dtype=jnp.bfloat16)))
 
 
 def test_unavailable_on_old_jax_says_so(monkeypatch):
@@ -210,9 +211,9 @@ def test_default_tiles_are_the_sweeps_clean_candidates():
             assert not r["serialized"] and r["partial_waits"] >= 1, r
             assert r["shared"] <= min(r["shared_estimate"], 227 * 1024), r
     for head_dim in (64, 128):
-        assert mosaic_gpu.unsupported(head_dim=head_dim, dtype=jnp.bfloat16, cfg=AttentionConfig(
-            scale=1.0, mask=masking.MaskSpec(), block_sizes=PREVIOUS_DEFAULT)) in (
-                None, mosaic_gpu.unavailable())
+        assert mosaic_gpu.unsupported(CallFeatures(AttentionConfig(
+            scale=1.0, mask=masking.MaskSpec(), block_sizes=PREVIOUS_DEFAULT), head_dim,
+            dtype=jnp.bfloat16)) in (None, mosaic_gpu.unavailable())
 
 
 def test_tile_candidates_are_benchmark_plugins_that_pass_their_tiles(monkeypatch):
@@ -852,10 +853,10 @@ def test_the_backward_counts_the_bias_and_mask_rings_in_its_shared_memory(monkey
     monkeypatch.setattr(mosaic_gpu, "_UNAVAILABLE", None)  # judged as on jax >= 0.11
     cfg = AttentionConfig(scale=1.0, mask=masking.MaskSpec(),
                           block_sizes=Config(64, 64, 2, backward_config=fused))
-    reason = mosaic_gpu.unsupported(head_dim=128, cfg=cfg, has_bias=True, has_mask=True,
-                                    dtype=jnp.bfloat16)
+    reason = mosaic_gpu.unsupported(CallFeatures(cfg, 128, dtype=jnp.bfloat16, has_bias=True,
+                                                 has_mask=True))
     assert reason and reason.startswith("backward_config=") and "a bias and a mask" in reason
-    assert mosaic_gpu.unsupported(head_dim=128, cfg=cfg, dtype=jnp.bfloat16) is None
+    assert mosaic_gpu.unsupported(CallFeatures(cfg, 128, dtype=jnp.bfloat16)) is None
 
 
 def test_a_bias_or_mask_takes_the_tiles_the_compile_report_found_clean():

@@ -15,14 +15,14 @@ import torch_ref
 from jax_impl import implementations, kv_cache, mosaic_gpu, pallas_triton
 from jax_impl.config import AttentionConfig
 from jax_impl.flash_attention import explain_implementation, flash_attention
-from jax_impl.implementations import CallFeatures
+from jax_impl.call_features import CallFeatures
 from jax_impl.masking import MaskSpec
 from jax_impl.mosaic_gpu.config import Config
 
 needs_mosaic = pytest.mark.skipif(mosaic_gpu.unavailable() is not None,
                                   reason=f"mosaic_gpu: {mosaic_gpu.unavailable()}")
 BF16_DECODE = CallFeatures(AttentionConfig(scale=0.1, mask=MaskSpec(is_causal=True, bottom_right=True)),
-                           False, False, False, jnp.bfloat16)
+                           64, dtype=jnp.bfloat16)
 
 
 def _draw(seed, *shapes, dtype=jnp.bfloat16):

@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from conformance import mods as conformance_mods
 from conformance.cases import Case
 from jax_impl import block_mask, implementations, masking, mosaic_tpu
+from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.flash_attention import explain_implementation
 from jax_impl.mosaic_tpu import common
@@ -40,9 +41,11 @@ def test_table_entry_needs_a_tpu_unless_interpreted_and_is_chosen_on_tpu():
     assert impl.automatic and impl.needs_tpu and "unmeasured" in impl.summary
     assert list(implementations.IMPLEMENTATIONS).index("mosaic_tpu") < list(
         implementations.IMPLEMENTATIONS).index("xla")
-    reason = impl.unsupported(head_dim=64, platform="cpu")
+    features = lambda interpret: CallFeatures(AttentionConfig(
+        scale=0.125, mask=masking.MaskSpec(), interpret=interpret), 64)
+    reason = impl.unsupported(features(False), "cpu")
     assert "needs a TPU" in reason and "'cpu'" in reason and "interpret=True" in reason
-    assert impl.unsupported(head_dim=64, platform="cpu", interpret=True) is None
+    assert impl.unsupported(features(True), "cpu") is None
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     assert explain_implementation(q, q, q, platform="tpu").chosen == "mosaic_tpu"
     assert explain_implementation(q, q, q, platform="cpu").chosen != "mosaic_tpu"
@@ -63,7 +66,7 @@ def test_unsupported_names_what_the_kernel_does_not_take(features, reason):
                           dropout_rate=features.pop("dropout_rate", 0.0),
                           precision=features.pop("precision", lax.Precision.HIGHEST),
                           block_sizes=features.pop("block_sizes", None))
-    got = mosaic_tpu.unsupported(head_dim=64, cfg=cfg, **features)
+    got = mosaic_tpu.unsupported(CallFeatures(cfg, 64, **features))
     assert got == reason if reason is None else reason in got
 
 
