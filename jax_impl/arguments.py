@@ -98,38 +98,14 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     mask = _validate_flax_keywords(dropout_rate, deterministic, module, qk_attn_weights_einsum,
                                    attn_weights_value_einsum, mask)
     del force_fp32_for_softmax  # the softmax is always fp32
-    query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    if dtype is not None:
-        query, key, value = (x.astype(dtype) for x in (query, key, value))
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.ndim < 3:
-            raise ValueError(f"{name} must have shape [batch..., seq_len, heads, head_dim]; got {x.shape=}")
-        oracle = x.dtype == jnp.float64 and implementation == "reference"
-        if x.dtype not in SUPPORTED_DTYPES and not oracle:
-            raise TypeError(f"{name}.dtype={x.dtype} must be float32, float16 or bfloat16 "
-                            "(float64 only with implementation='reference', the test oracle)")
-    if not query.dtype == key.dtype == value.dtype:
-        raise TypeError(f"query, key and value must share a dtype; got {query.dtype=}, "
-                        f"{key.dtype=}, {value.dtype=}")
-    if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape; got {key.shape=} {value.shape=}")
-    batch_shape = query.shape[:-3]
-    lq, hq, head_dim = query.shape[-3:]
-    lk, hkv, key_head_dim = key.shape[-3:]
+    query, key, value, page_table, lk = _tensors(query, key, value, dtype, implementation,
+                                                 page_table)
     if page_table is not None:
-        page_table, lk = _page_table(page_table, key, batch_shape)
         _refuse_with_pages(bias=bias, mask=mask, q_segment_ids=q_segment_ids,
                            dropout=dropout_rate and not deterministic,
                            block_mask=block_mask is not None)
-    elif key.shape[:-3] != batch_shape:
-        raise ValueError(f"query and key must share batch dims; got {query.shape=} {key.shape=}")
-    if head_dim != key_head_dim:
-        raise ValueError(f"query head_dim={head_dim} must equal key/value head_dim={key_head_dim}")
-    if min(lq, lk, hq, hkv, head_dim) < 1:
-        raise ValueError(f"sequence lengths, heads and head_dim must be >= 1; got "
-                         f"{query.shape=} {key.shape=}")
-    if hq % hkv:
-        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    batch_shape = query.shape[:-3]
+    lq, hq, head_dim = query.shape[-3:]
     b = math.prod(batch_shape)
     full_shape = batch_shape + (hq, lq, lk)
 
@@ -154,6 +130,68 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     )
     bias = pairwise("bias", bias, full_shape, is_mask=False)
 
+    scale, logits_soft_cap = _static_numbers(scale, logits_soft_cap, block_sizes, implementation,
+                                             head_dim)
+    rate = float(dropout_rate) if dropout_rate and not deterministic else 0.0
+    seeds = None
+    if rate:
+        if dropout_rng is None:
+            raise ValueError(f"dropout_rng must be a PRNG key when {dropout_rate=} and "
+                             f"{deterministic=} (dropout is active)")
+        words = dropout_sinks.key_words(dropout_rng, "dropout_rng")
+        seeds = dropout_sinks.head_seeds(words, b, hq, bool(broadcast_dropout))
+    extras = dropout_sinks.SinksAndDropout(sinks=_sinks(attention_sinks, batch_shape, hq),
+                                           dropout_seeds=seeds, mod_aux=mod_aux)
+    cfg = AttentionConfig(scale=scale, mask=spec, logits_soft_cap=logits_soft_cap,
+                          block_sizes=block_sizes, interpret=bool(interpret),
+                          precision=_precision(precision, query.dtype), dropout_rate=rate,
+                          context_parallel_strategy=context_parallel_strategy,
+                          score_mod=score_mod, mask_mod=mask_mod)
+    flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])
+    if page_table is not None:  # the pages have no batch axis
+        return Call(implementation, cfg, flat(query), key, value, bias, masks, batch_shape, extras,
+                    page_table, bool(return_residual))
+    return Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape,
+                extras, None, bool(return_residual))
+
+
+def _tensors(query, key, value, dtype, implementation, page_table):
+    """query, key and value as arrays (cast to ``dtype`` where given) with their shapes and
+    dtypes checked, and (page_table checked, or None; the logical key length)."""
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    if dtype is not None:
+        query, key, value = (x.astype(dtype) for x in (query, key, value))
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim < 3:
+            raise ValueError(f"{name} must have shape [batch..., seq_len, heads, head_dim]; got {x.shape=}")
+        oracle = x.dtype == jnp.float64 and implementation == "reference"
+        if x.dtype not in SUPPORTED_DTYPES and not oracle:
+            raise TypeError(f"{name}.dtype={x.dtype} must be float32, float16 or bfloat16 "
+                            "(float64 only with implementation='reference', the test oracle)")
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"query, key and value must share a dtype; got {query.dtype=}, "
+                        f"{key.dtype=}, {value.dtype=}")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape; got {key.shape=} {value.shape=}")
+    batch_shape = query.shape[:-3]
+    lq, hq, head_dim = query.shape[-3:]
+    lk, hkv, key_head_dim = key.shape[-3:]
+    if page_table is not None:
+        page_table, lk = _page_table(page_table, key, batch_shape)
+    elif key.shape[:-3] != batch_shape:
+        raise ValueError(f"query and key must share batch dims; got {query.shape=} {key.shape=}")
+    if head_dim != key_head_dim:
+        raise ValueError(f"query head_dim={head_dim} must equal key/value head_dim={key_head_dim}")
+    if min(lq, lk, hq, hkv, head_dim) < 1:
+        raise ValueError(f"sequence lengths, heads and head_dim must be >= 1; got "
+                         f"{query.shape=} {key.shape=}")
+    if hq % hkv:
+        raise ValueError(f"num_q_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    return query, key, value, page_table, lk
+
+
+def _static_numbers(scale, logits_soft_cap, block_sizes, implementation, head_dim):
+    """(scale, soft cap) as floats, block_sizes checked: each is static."""
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     elif (not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(scale, bool)
@@ -172,28 +210,7 @@ def validate(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         raise TypeError(f"block_sizes must be a jax_impl.BlockSizes (or, with "
                         f"implementation='mosaic_gpu', a jax_impl.mosaic_gpu.Config); got "
                         f"{type(block_sizes).__name__}")
-    rate = float(dropout_rate) if dropout_rate and not deterministic else 0.0
-    seeds = None
-    if rate:
-        if dropout_rng is None:
-            raise ValueError(f"dropout_rng must be a PRNG key when {dropout_rate=} and "
-                             f"{deterministic=} (dropout is active)")
-        words = dropout_sinks.key_words(dropout_rng, "dropout_rng")
-        seeds = dropout_sinks.head_seeds(words, b, hq, bool(broadcast_dropout))
-    extras = dropout_sinks.SinksAndDropout(sinks=_sinks(attention_sinks, batch_shape, hq),
-                                           dropout_seeds=seeds, mod_aux=mod_aux)
-    cfg = AttentionConfig(scale=float(scale), mask=spec,
-                          logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                          block_sizes=block_sizes, interpret=bool(interpret),
-                          precision=_precision(precision, query.dtype), dropout_rate=rate,
-                          context_parallel_strategy=context_parallel_strategy,
-                          score_mod=score_mod, mask_mod=mask_mod)
-    flat = lambda x: x.reshape((b,) + x.shape[len(batch_shape):])
-    if page_table is not None:  # the pages have no batch axis
-        return Call(implementation, cfg, flat(query), key, value, bias, masks, batch_shape, extras,
-                    page_table, bool(return_residual))
-    return Call(implementation, cfg, flat(query), flat(key), flat(value), bias, masks, batch_shape,
-                extras, None, bool(return_residual))
+    return float(scale), None if logits_soft_cap is None else float(logits_soft_cap)
 
 
 def _mods(score_mod, mask_mod, mod_aux, block_mask, *, batch, heads, q_len, kv_len) -> tuple:
