@@ -406,26 +406,45 @@ class _BesidePairRule:
         return self.score_mod(score, b, h, q_idx, kv_idx, *mod_aux[:-1])
 
 
+def needs_pair_rule(cfg, tiles: tuple[int, int], shape: tuple[int, int], grids, *,
+                    has_segment_ids: bool, varies: bool = False) -> bool:
+    """Whether a kernel with tiles ``grids`` must evaluate a block_mask of ``tiles`` (block_q,
+    block_kv) over ``shape`` (Lq, Lk) pair by pair (``PairRule``) to give its meaning; it reads
+    the block_mask's tiles, regridded to its own (``tile_classes``), as they are where:
+
+    - the call's mask_mod is the one the block_mask was made from
+      (``cfg.mask.block_mask_of_mask_mod``): the mask_mod holds on FULL tiles and nowhere on
+      EMPTY ones, so evaluating it on any tile changes nothing;
+    - or every kernel tile lies inside one block_mask tile, the kernel walks each batch row and
+      head's own tiles (``varies``: the block_mask differs across the rows and heads that one
+      kernel step walks together, as xla's steps do) and, with a mask_mod, no other rule (a band,
+      lengths, segment ids, a ragged last tile) can make a tile inside a FULL one partial, where
+      the kernel would evaluate the mask_mod that a FULL tile does not consult."""
+    if cfg.mask_mod is not None and cfg.mask.block_mask_of_mask_mod:
+        return False
+    nested = all(tiles[0] % bq == 0 and tiles[1] % bk == 0 for bq, bk in grids)
+    if not nested or varies:
+        return True
+    if cfg.mask_mod is None:
+        return False
+    spec = cfg.mask
+    splits = (spec.has_band or spec.has_q_lengths or spec.has_kv_lengths or has_segment_ids
+              or any(shape[0] % bq or shape[1] % bk for bq, bk in grids))
+    return bool(splits)
+
+
 def on_grid(cfg, masks, extras, grids, *, per_row_and_head: bool = True):
     """(cfg, extras) with which a kernel whose tiles are ``grids`` (``(block_q, block_kv)``
-    each) runs a call with a block_mask exactly, reading its tiles regridded to its own
-    (``tile_classes``: a tile spanning several classes is PARTIAL, and evaluates mask_mod):
-
-    - with the mask_mod the block_mask was made from (``cfg.mask.block_mask_of_mask_mod``): as
-      they are (the mask_mod holds on FULL tiles and nowhere on EMPTY ones);
-    - without a mask_mod (EMPTY and FULL tiles only): as they are where every kernel tile lies
-      inside one block_mask tile and (``per_row_and_head``) the kernel walks each batch row and
-      head's own tiles, or the block_mask is the same for all (xla's steps take the union of
-      their rows' and heads' tiles);
-    - otherwise with ``with_pair_rule``.
-
-    A backward keeps the cotangents of the caller's mod_aux entries only."""
+    each) runs a call with a block_mask exactly: unchanged where it can read the block_mask's
+    tiles as they are (``needs_pair_rule``), else ``with_pair_rule``'s. ``per_row_and_head``:
+    False for a kernel that walks several batch rows or heads at once (xla's steps take the
+    union of their tiles). A backward keeps the cotangents of the caller's mod_aux entries only."""
     tiles = masks.block_mask
-    if tiles is None or (cfg.mask_mod is not None and cfg.mask.block_mask_of_mask_mod):
+    if tiles is None:
         return cfg, extras
-    shared = per_row_and_head or tiles.kv_num_blocks.shape[:2] == (1, 1)
-    if (cfg.mask_mod is None and shared
-            and all(tiles.block_q % bq == 0 and tiles.block_kv % bk == 0 for bq, bk in grids)):
+    varies = not per_row_and_head and tiles.kv_num_blocks.shape[:2] != (1, 1)
+    if not needs_pair_rule(cfg, (tiles.block_q, tiles.block_kv), (tiles.q_len, tiles.kv_len),
+                           grids, has_segment_ids=masks.q_segment_ids is not None, varies=varies):
         return cfg, extras
     return with_pair_rule(cfg, masks, extras)
 

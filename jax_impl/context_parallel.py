@@ -14,6 +14,7 @@ import dataclasses
 from jax import lax
 
 from jax_impl import arguments, implementations, masking, mods, ring, ulysses, vma
+from jax_impl import block_mask as block_mask_lib
 from jax_impl.call_features import CallFeatures
 
 
@@ -180,7 +181,9 @@ def _global_masks(call, query_seq_lengths, key_value_seq_lengths, global_lq: int
         raise ValueError(f"block_mask: {why}")
     spec = dataclasses.replace(call.cfg.mask, has_q_lengths=query_seq_lengths is not None,
                                has_kv_lengths=key_value_seq_lengths is not None,
-                               has_block_mask=block_mask is not None)
+                               has_block_mask=block_mask is not None,
+                               block_mask_of_mask_mod=block_mask_lib.made_from(
+                                   block_mask, mods.origin(call.cfg.mask_mod)))
     masks = call.masks._replace(
         q_len=_global_lengths("query_seq_lengths", query_seq_lengths, call.batch_shape, global_lq),
         kv_len=_global_lengths("key_value_seq_lengths", key_value_seq_lengths, call.batch_shape,

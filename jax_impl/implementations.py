@@ -136,7 +136,7 @@ def _with_mod_aux_gradient(kernel_backward: Callable, cfg: AttentionConfig, q, k
     taken from the xla backward (the kernels return none: summing it there would need atomics
     or a buffer per program)."""
     found = kernel_backward(cfg, q, k, v, bias, masks, stats, d_out, delta, extras)
-    if not any(mods.gradient_entries(cfg, extras.mod_aux)):
+    if extras is None or not any(mods.gradient_entries(cfg, extras.mod_aux)):
         return found
     if not isinstance(cfg.block_sizes, (BlockSizes, type(None))):
         cfg = dataclasses.replace(cfg, block_sizes=None)  # a mosaic_gpu.Config: not xla's

@@ -256,6 +256,11 @@ class _Hoisted:
                         consts=aux[self.first:self.first + self.count])
 
 
+def origin(mod):
+    """The caller's function behind ``hoisted``'s wrapper (``mod`` itself otherwise)."""
+    return mod.mod if isinstance(mod, _Hoisted) else mod
+
+
 def hoisted(score_mod, mask_mod, mod_aux: tuple, indices) -> tuple:
     """(score_mod, mask_mod, mod_aux) with the concrete arrays each mod closes over moved into
     mod_aux (after the caller's entries): every implementation then reads them as it reads

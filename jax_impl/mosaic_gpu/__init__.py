@@ -94,6 +94,16 @@ def unsupported(features: CallFeatures) -> str | None:
                     "dropout's hash spilled 52 bytes (compiled for sm_90a)")
     if why := kernel_tiles.mods_unsupported(cfg, mod_aux):
         return why
+    if features.block_mask_tiles is not None and (features.lq is None or block_mask.needs_pair_rule(
+            cfg, features.block_mask_tiles, (features.lq, features.lk), _grids(
+                _forward_config(cfg, head_dim, dtype or jnp.bfloat16, has_bias, has_mask),
+                _backward_config(cfg, head_dim, dtype or jnp.bfloat16)),
+            has_segment_ids=has_segment_ids)):
+        return ("a block_mask whose tiles do not hold its meaning on this kernel's tiles (they "
+                "do not nest, or a mask_mod it was not made from meets a tile that another rule "
+                "makes partial): its meaning pair by pair (block_mask.PairRule) reads it by "
+                "q_idx and kv_idx, which this kernel's mod_aux reads cannot (make it with "
+                "create_block_mask from the call's mask_mod)")
     if cfg is not None:
         if cfg.block_sizes is not None and not isinstance(cfg.block_sizes, Config):
             return ("block_sizes is a BlockSizes (the Triton kernels' tiles); this kernel takes "
@@ -131,6 +141,27 @@ def unsupported(features: CallFeatures) -> str | None:
     return None
 
 
+def _forward_config(cfg: AttentionConfig, head_dim: int, dtype, has_bias: bool, has_mask: bool,
+                    bias_dtype=jnp.float32) -> Config:
+    """The forward's Config: the caller's, else the default for the call."""
+    if isinstance(cfg.block_sizes, Config):
+        return cfg.block_sizes
+    return default_config(head_dim, dtype, dropout=bool(cfg.dropout_rate),
+                          pairwise_bytes=_pairwise_bytes(has_bias, has_mask, bias_dtype))
+
+
+def _backward_config(cfg: AttentionConfig, head_dim: int, dtype) -> BackwardConfig:
+    chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
+    return chosen or default_backward_config(head_dim, dtype)
+
+
+def _grids(forward: Config, backward: BackwardConfig) -> tuple:
+    """The (rows, keys) tiles of the forward, dQ and dK/dV kernels' tile lists."""
+    return ((forward.rows_per_cta, forward.block_kv),
+            (CONSUMERS * backward.block_q, backward.block_kv),
+            (backward.block_q, CONSUMERS * backward.block_kv))
+
+
 def _pairwise_bytes(has_bias: bool, has_mask: bool, bias_dtype=jnp.float32) -> int:
     """Shared-memory bytes per (query, key) pair of the bias and mask tiles (the mask as int8)."""
     return has_bias * jnp.dtype(bias_dtype).itemsize + has_mask
@@ -156,10 +187,8 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:
         bias = bias.astype(jnp.float32)  # the logits are float32 (the reference's cast too)
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
-    config = cfg.block_sizes if isinstance(cfg.block_sizes, Config) else default_config(
-        q.shape[-1], q.dtype, dropout=bool(cfg.dropout_rate), pairwise_bytes=_pairwise_bytes(
-            bias is not None, masks.mask is not None, bias_dtype or jnp.float32))
-    cfg, extras = block_mask.on_grid(cfg, masks, extras, [(config.rows_per_cta, config.block_kv)])
+    config = _forward_config(cfg, q.shape[-1], q.dtype, bias is not None, masks.mask is not None,
+                             bias_dtype or jnp.float32)
     operands = (q, k, v, masks, extras.sinks, extras.dropout_seeds, extras.dropout_offset,
                 extras.mod_aux)
     q, k, v, masks, sinks, seeds, dropout_offset, mod_aux = vma.like(operands,
@@ -232,11 +261,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     reason = reason or _backward_refuses(cfg, bias is not None, q.shape[-1])
     if reason:
         raise ValueError(f"implementation='mosaic_gpu' cannot run this backward: {reason}")
-    chosen = cfg.block_sizes.backward_config if isinstance(cfg.block_sizes, Config) else None
-    chosen = chosen or default_backward_config(q.shape[-1], q.dtype)
-    entries = len(extras.mod_aux)  # the caller's (on_grid may add the tile classes)
-    cfg, extras = block_mask.on_grid(cfg, masks, extras, [
-        (CONSUMERS * chosen.block_q, chosen.block_kv), (chosen.block_q, CONSUMERS * chosen.block_kv)])
+    chosen = _backward_config(cfg, q.shape[-1], q.dtype)
     operands = (q, k, v, masks, d_out, stats, delta, extras.dropout_seeds, extras.dropout_offset,
                 extras.mod_aux)
     (q, k, v, masks, d_out, stats, delta, seeds,
@@ -254,4 +279,4 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
         block_mask=masks.block_mask, mod_aux=mod_aux, num_sms=_num_sms(), interpret=interpret)
     # The mod_aux cotangents are not summed in the kernels (implementations.py takes them
     # from the xla backward, as for pallas_triton's).
-    return dq, dk, dv, dbias, tuple(None for _ in mod_aux[:entries])
+    return dq, dk, dv, dbias, tuple(None for _ in mod_aux)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_impl import masking, online_softmax
+from jax_impl import block_mask, masking, online_softmax
 from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.dropout_sinks import SinksAndDropout
@@ -68,11 +68,6 @@ def unsupported(features: CallFeatures) -> str | None:
         return (f"a block_mask of {block_mask_tiles[0]}x{block_mask_tiles[1]} tiles: the kernels "
                 "read a block_mask on tiles inside its own (multiples of 128 that divide them, "
                 "those of block_sizes where given), and cannot evaluate it pair by pair")
-    if (block_mask_tiles is not None and cfg.mask_mod is not None
-            and not cfg.mask.block_mask_of_mask_mod):
-        return ("a block_mask not made from the call's mask_mod (create_block_mask): its FULL "
-                "tiles then need its meaning pair by pair (block_mask.PairRule), which the "
-                "kernels cannot evaluate")
     reason = common.precision_unsupported(cfg, dtype)
     if reason:
         return reason
@@ -88,7 +83,18 @@ def unsupported(features: CallFeatures) -> str | None:
             if value % common.NUM_LANES:
                 return (f"BlockSizes.{name}={value} is not a multiple of {common.NUM_LANES} "
                         "(the TPU's lanes)")
-    return _backward_kernels.blocks_unsupported(cfg)
+    reason = _backward_kernels.blocks_unsupported(cfg)
+    if reason:
+        return reason
+    if block_mask_tiles is not None and (features.lq is None or block_mask.needs_pair_rule(
+            cfg, block_mask_tiles, (features.lq, features.lk),
+            _grids(cfg, features.lq, features.lk, block_mask_tiles),
+            has_segment_ids=features.has_segment_ids)):
+        return ("a block_mask with a mask_mod it was not made from (create_block_mask), where "
+                "another rule (a band, lengths, segment ids, a ragged last tile) makes a tile "
+                "inside its FULL tiles partial: its meaning there is pair by pair "
+                "(block_mask.PairRule), which the kernels cannot evaluate")
+    return None
 
 
 def _tiles_wanted(cfg: AttentionConfig | None) -> tuple[int, ...]:
@@ -98,6 +104,15 @@ def _tiles_wanted(cfg: AttentionConfig | None) -> tuple[int, ...]:
         return (_forward_kernel.DEFAULT_BLOCK,) * 2 + (_backward_kernels.DEFAULT_BLOCK,) * 4
     return (sizes.block_q, sizes.block_k, sizes.block_q_dkv, sizes.block_k_dkv, sizes.block_q_dq,
             sizes.block_k_dq)
+
+
+def _grids(cfg: AttentionConfig, lq: int, lk: int, mask_tiles) -> tuple:
+    """The (rows, keys) tiles of the forward, dK/dV and dQ kernels for these lengths."""
+    found = [_forward_kernel.block_shape(cfg, lq, lk, mask_tiles)]
+    backward = _backward_kernels.blocks(cfg, lq, lk, mask_tiles)
+    if backward is not None:
+        found += [(backward.q_dkv, backward.k_dkv), (backward.q_dq, backward.k_dq)]
+    return tuple(grid for grid in found if grid is not None)
 
 
 def _no_tiles_inside(cfg: AttentionConfig, masks) -> str:
