@@ -40,6 +40,10 @@ FLAGS = ("-O3", f"-march={MARCH}", "-std=c++17", "-fPIC", "-shared", "-fno-math-
 TARGETS = {"jax_flash_attention_cpu_forward": "FlashForwardCpu",
            "jax_flash_attention_cpu_backward": "FlashBackwardCpu",
            "jax_flash_attention_cpu_decode": "FlashDecodeCpu"}
+# The bfloat16 products (bf16_dot.h), in a library built where the CPU has AVX512-BF16.
+BF16_TARGETS = {"jax_flash_attention_cpu_forward_bf16": "FlashForwardBf16Cpu",
+                "jax_flash_attention_cpu_backward_bf16": "FlashBackwardBf16Cpu"}
+_FEATURE_BF16_PRODUCTS = 1  # a bit of the library's FlashCpuFeatures()
 
 
 def _compiler() -> str | None:
@@ -110,6 +114,24 @@ def unavailable() -> str | None:
         library = ctypes.cdll.LoadLibrary(str(target))
     except (OSError, RuntimeError) as error:
         return f"building the CPU kernel failed: {error}"
-    for name, symbol in TARGETS.items():
+    library.FlashCpuFeatures.restype = ctypes.c_int64
+    features = library.FlashCpuFeatures()
+    targets = dict(TARGETS, **(BF16_TARGETS if features & _FEATURE_BF16_PRODUCTS else {}))
+    for name, symbol in targets.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    _features.append(features)
     return None
+
+
+_features: list[int] = []  # the loaded library's FlashCpuFeatures()
+
+
+def bf16_products() -> bool:
+    """Whether bfloat16 calls multiply on the CPU's bfloat16 dot-product units (AVX512-BF16,
+    bf16_dot.h) rather than widened to float32: the loaded library has them, and
+    ``$JAX_FLASH_ATTENTION_CPU_BF16_PRODUCTS`` is not ``0`` (read when a call is traced: set it
+    before the first call)."""
+    if unavailable() is not None or os.environ.get("JAX_FLASH_ATTENTION_CPU_BF16_PRODUCTS") == "0":
+        return False
+    return bool(_features[-1] & _FEATURE_BF16_PRODUCTS)
+
