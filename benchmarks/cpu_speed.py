@@ -180,7 +180,7 @@ def _matrix_markdown(result: dict) -> list[str]:
         return []
     peaks = result["peaks"]
     features = ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in result["features"].items())
-    lines = ["", f"## The fused kernel on the matrix units (B={BATCH} H={HEADS} L={MATRIX_LENGTH}, causal)", "",
+    lines = ["", f"## The fused kernel on the matrix units (B={BATCH} H={HEADS} L={rows[0]['length']}, causal)", "",
              f"Host features: {features}. Measured peak (benchmarks/cpu_peak.py, all threads): "
              + ", ".join(f"{unit} {value / 1e9:.0f} GFLOP/s" for unit, value in peaks.items())
              + f". bf16 calls multiply on {'the bfloat16 dot product' if result['bf16_products'] else 'float32 FMA (widened)'}."
@@ -199,19 +199,19 @@ def _matrix_markdown(result: dict) -> list[str]:
     return lines
 
 
-def measure_matrix_rows() -> list[dict]:
+def measure_matrix_rows(length: int = MATRIX_LENGTH) -> list[dict]:
     """The matrix-unit rows: the fused kernel beside torch, fp32 and bf16, D=64 and 128."""
     rows = []
     for dtype in DTYPES:
         for head_dim in MATRIX_HEAD_DIMS:
-            for row in measure(dtype, True, MATRIX_LENGTH, MATRIX_REPEATS, head_dim=head_dim,
+            for row in measure(dtype, True, length, MATRIX_REPEATS, head_dim=head_dim,
                                implementations=("cpu",)):
                 rows.append(dict(row, matrix=True))
     return rows
 
 
 def run_suite(out_dir, device: str, length: int | None = None) -> list[pathlib.Path]:
-    """One ``length`` (``--seq-lens``) replaces the suite's 2048 and 8192."""
+    """One ``length`` (``--seq-lens``) replaces the suite's 2048 and 8192, and the matrix rows' 4096."""
     import torch
     del device  # the default backend: whatever JAX runs on
     out_dir = pathlib.Path(out_dir)
@@ -227,7 +227,7 @@ def run_suite(out_dir, device: str, length: int | None = None) -> list[pathlib.P
                 result["rows"] += measure(dtype, causal, n, repeats_for(n))
     for feature in FEATURES:
         result["rows"] += measure("float32", False, lengths[0], repeats_for(lengths[0]), feature)
-    result["rows"] += measure_matrix_rows()
+    result["rows"] += measure_matrix_rows(length or MATRIX_LENGTH)
     # The peaks: the better of a measurement before and after the rows (other load on the host
     # lowers a measurement, never raises it).
     peaks_after = cpu_peak.peaks()
