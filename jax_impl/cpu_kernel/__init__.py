@@ -2,7 +2,8 @@
 the default on a CPU.
 
 ``forward``/``backward`` keep the contract of ``implementations.py`` and take every call the
-library takes: any float dtype (computed in float32), causal or not, either alignment, local
+library takes: any float dtype (bfloat16 on the CPU's bfloat16 dot-product units where it
+has them, ``bf16_dot.h``; else computed in float32), causal or not, either alignment, local
 windows, sequence lengths, segment ids, a block_mask, score_mod and mask_mod (compiled into row
 programs the kernels run, ``mod_program.py``; the mod_aux gradient summed per backward item),
 GQA/MQA, a bias (with its gradient), a dense mask, the soft cap, dropout (the same hash as every
@@ -26,7 +27,7 @@ import numpy as np
 from jax_impl import block_mask, dropout_sinks, masking, mods, online_softmax, platform, vma
 from jax_impl.call_features import CallFeatures
 from jax_impl.config import AttentionConfig
-from jax_impl.cpu_kernel import mod_program
+from jax_impl.cpu_kernel import build, mod_program
 from jax_impl.cpu_kernel.build import unavailable
 
 __all__ = ["backward", "decode", "decode_splits", "decode_unsupported", "forward", "unavailable",
@@ -145,10 +146,32 @@ def _padded_head_dim(d: int) -> int:
     return -(-d // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
 
 
-def _pad_features(x, dp: int):
-    """[..., D] -> [..., Dp] float32, zeros past D (they add nothing to any product)."""
-    x = x.astype(jnp.float32)
+def _pad_features(x, dp: int, dtype=jnp.float32):
+    """[..., D] -> [..., Dp] in ``dtype``, zeros past D (they add nothing to any product)."""
+    x = x.astype(dtype)
     return x if x.shape[-1] == dp else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - x.shape[-1])])
+
+
+def _bf16_products(*arrays) -> bool:
+    """Whether the call's products run on bfloat16 (bf16_dot.h: the CPU's bfloat16 dot-product
+    units, P and dS rounded to bfloat16 where they meet V, dO, q and k) rather than widened to
+    float32: every operand is bfloat16 and the build has the units."""
+    return all(x.dtype == jnp.bfloat16 for x in arrays) and build.bf16_products()
+
+
+def _pairs(x):
+    """bfloat16 ``[..., Dp]`` -> uint32 ``[..., Dp / 2]``: values 2d and 2d + 1 in one word
+    (2d in the low half), the kernels' operand element for bfloat16 products."""
+    return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)
+
+
+def _value_pairs(v):
+    """bfloat16 v ``[B, Lk, Hkv, Dp]`` -> uint32 ``[B, Hkv, Lk_pad / 2, Dp]``: keys 2j and 2j + 1
+    of each feature in one word (the right operand of P.V in pairs of keys), zero past Lk."""
+    b, lk, hkv, dp = v.shape
+    v = jnp.pad(_head_major(v), ((0, 0), (0, 0), (0, -lk % PANEL), (0, 0)))
+    v = jnp.swapaxes(v.reshape(b, hkv, -1, 2, dp), -1, -2)
+    return jax.lax.bitcast_convert_type(v, jnp.uint32)
 
 
 def _key_panels(k):
@@ -178,12 +201,19 @@ def forward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, extr
     cfg, extras = block_mask.on_grid(cfg, masks, extras or dropout_sinks.SinksAndDropout(), [blocks])
     operands, flags, _ = _operands(cfg, masks, bias, extras, (lq, k.shape[1]), blocks)
     stats = jax.ShapeDtypeStruct((b, hq, lq), jnp.float32)
-    q32, k32, v32 = (_pad_features(x, dp) for x in (q, k, v))
+    if _bf16_products(q, k, v):
+        q16, k16, v16 = (_pad_features(x, dp, jnp.bfloat16) for x in (q, k, v))
+        target, attributes = "jax_flash_attention_cpu_forward_bf16", dict(keys=np.int64(k.shape[1]))
+        q_op, k_op, v_op = _pairs(q16), _key_panels(_pairs(k16)), _value_pairs(v16)
+    else:
+        q32, k32, v32 = (_pad_features(x, dp) for x in (q, k, v))
+        target, attributes = "jax_flash_attention_cpu_forward", {}
+        q_op, k_op, v_op = q32, _key_panels(k32), _head_major(v32)
     out, row_max, log_sum = _varying_like_operands(jax.ffi.ffi_call(
-        "jax_flash_attention_cpu_forward",
-        (jax.ShapeDtypeStruct((b, lq, hq, dp), jnp.float32), stats, stats), vmap_method="sequential",
-    )(q32, _key_panels(k32), _head_major(v32), *operands,
-      **_attributes(cfg, blocks, flags)), q, k, v, bias, masks, extras)
+        target, (jax.ShapeDtypeStruct((b, lq, hq, dp), jnp.float32), stats, stats),
+        vmap_method="sequential",
+    )(q_op, k_op, v_op, *operands, **_attributes(cfg, blocks, flags), **attributes),
+      q, k, v, bias, masks, extras)
     return out[..., :d].astype(q.dtype), online_softmax.RowStats(row_max, log_sum)
 
 
@@ -208,13 +238,17 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     dbias_shape = (b, hq, lq, lk) if with_dbias else (1, 1, 1, 1)
     with_d_aux = programs is not None and programs.scatters
     d_aux_shape = (b * hkv * chunks, programs.aux_floats) if with_d_aux else (1, 1)
+    if _bf16_products(q, k, v):
+        target = "jax_flash_attention_cpu_backward_bf16"
+        operand = lambda x: _head_major(_pairs(_pad_features(x, dp, jnp.bfloat16)))
+    else:
+        target, operand = "jax_flash_attention_cpu_backward", lambda x: _head_major(_pad_features(x, dp))
     dq_parts, dk, dv, dbias, d_aux_parts = _varying_like_operands(jax.ffi.ffi_call(
-        "jax_flash_attention_cpu_backward",
+        target,
         (jax.ShapeDtypeStruct((chunks, b, hq, lq, dp), jnp.float32), kv_shape, kv_shape,
          jax.ShapeDtypeStruct(dbias_shape, jnp.float32), jax.ShapeDtypeStruct(d_aux_shape, jnp.float32)),
         vmap_method="sequential",
-    )(*(_head_major(_pad_features(x, dp)) for x in (q, k, v)), *operands,
-      _head_major(_pad_features(d_out, dp)), stats.max, stats.log_sum, delta,
+    )(*(operand(x) for x in (q, k, v)), *operands, operand(d_out), stats.max, stats.log_sum, delta,
       **_attributes(cfg, (block_q, block_k), flags | _DBIAS * with_dbias), chunks=np.int64(chunks)),
       q, k, v, bias, masks, extras, stats, d_out, delta)
     dq = jnp.swapaxes(jnp.sum(dq_parts, axis=0), 1, 2)[..., :d] * cfg.scale
@@ -233,7 +267,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
 DECODE_CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DECODE_MAX_QUERY_ROWS = 16
 DECODE_MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost outweighs its keys
-_PAGED = 1
+_PAGED, _BF16_PRODUCTS = 1, 128  # decode flags (flash_cpu.cc)
 
 
 def decode_unsupported(*, q_len: int | None = None, dtype=None, has_bias: bool = False,
@@ -299,7 +333,8 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
         lk, flags, table = page_table.shape[1] * k.shape[1], _PAGED, page_table.astype(jnp.int32)
     sinks = None if extras is None else extras.sinks
     mod_operands, programs = _mod_operands(cfg, extras)
-    flags |= _SINKS * (sinks is not None) | _MODS * (programs is not None)
+    flags |= (_SINKS * (sinks is not None) | _MODS * (programs is not None)
+              | _BF16_PRODUCTS * _bf16_products(q, k, v))
     if splits is None:
         splits = decode_splits(b, lk)
     dp = _padded_head_dim(d)

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_dot.h"
 #include "check.h"
 #include "dropout.h"
 #include "gemm.h"
@@ -91,6 +92,53 @@ inline void GradientRow(int64_t n, int64_t nw, float* t, float* dp, const float*
   }
 }
 
+// The right operand of dq += dS k for a key tile of n keys: k's float32 rows (a finite copy
+// when `clean`), or k in bfloat16 pairs of keys [n / 2, D].
+inline const float* DqKeys(const float* k_rows, int64_t n, int64_t D, bool clean,
+                           TileScratch<float>& s) {
+  if (!clean) return k_rows;
+  CopyFinite(k_rows, n * D, s.k.data());
+  return s.k.data();
+}
+
+// A backward tile's three products after its rows (t: P, dropped; dp: d(q.k); rows ldt apart,
+// 0 in [n, nw)): dV += P^T dO, dK += dS^T q, dq += dS k.
+inline void TileGradients(int64_t m, int64_t n, int64_t, const float* t, const float* dp,
+                          int64_t ldt, const float* do_rows, const float* qa, const float* dq_keys,
+                          int64_t D, float* dv_acc, float* dk_acc, float* dq, TileScratch<float>&) {
+  Gemm(n, D, m, t, 1, ldt, do_rows, D, PW, dv_acc, D, true);  // dV += P^T dO
+  Gemm(n, D, m, dp, 1, ldt, qa, D, PW, dk_acc, D, true);      // dK += dS^T q
+  Gemm(m, D, n, dp, ldt, 1, dq_keys, D, PW, dq, D, true);     // dq += dS k
+}
+
+#if defined(__AVX512BF16__)
+inline const Bf16Pair* DqKeys(const Bf16Pair* k_rows, int64_t n, int64_t D, bool clean,
+                              TileScratch<Bf16Pair>& s) {
+  s.k_pairs.resize((n + 1) / 2 * D);
+  PackRowPairs(k_rows, D / 2, n, D, s.k_pairs.data(), D, clean);
+  return s.k_pairs.data();
+}
+
+// The same on bfloat16: P and dS rounded to it, in pairs of query rows for the transposed
+// products (dO and q likewise) and in pairs of keys for dS k; odd edges padded with 0.
+inline void TileGradients(int64_t m, int64_t n, int64_t nw, const float* t, const float* dp,
+                          int64_t ldt, const Bf16Pair* do_rows, const Bf16Pair* qa,
+                          const Bf16Pair* dq_keys, int64_t D, float* dv_acc, float* dk_acc,
+                          float* dq, TileScratch<Bf16Pair>& s) {
+  const int64_t row_pairs = (m + 1) / 2, key_pairs = (n + 1) / 2, ldp = nw / 2;
+  s.pt_pairs.resize(row_pairs * nw); s.dst_pairs.resize(row_pairs * nw);
+  s.do_pairs.resize(row_pairs * D); s.q_pairs.resize(row_pairs * D); s.ds_pairs.resize(m * ldp);
+  FloatRowsToPairs(t, ldt, m, nw, s.pt_pairs.data(), nw);
+  FloatRowsToPairs(dp, ldt, m, nw, s.dst_pairs.data(), nw);
+  PackRowPairs(do_rows, D / 2, m, D, s.do_pairs.data(), D, false);
+  PackRowPairs(qa, D / 2, m, D, s.q_pairs.data(), D, false);
+  for (int64_t r = 0; r < m; ++r) RowToPairs(dp + r * ldt, nw, s.ds_pairs.data() + r * ldp);
+  Gemm(n, D, row_pairs, s.pt_pairs.data(), 1, nw, s.do_pairs.data(), D, PW, dv_acc, D, true);
+  Gemm(n, D, row_pairs, s.dst_pairs.data(), 1, nw, s.q_pairs.data(), D, PW, dk_acc, D, true);
+  Gemm(m, D, key_pairs, s.ds_pairs.data(), ldp, 1, dq_keys, D, PW, dq, D, true);
+}
+#endif
+
 // Backward (FlashAttention-2's Algorithm 2): one item per (b, kv head, key chunk), every array
 // head-major ([B, H, L, D]). A key tile's dK, dV stay in the scratch while the query tiles of
 // its query heads pass; dq accumulates into dq_parts[chunk] (one float32 buffer per chunk,
@@ -98,25 +146,27 @@ inline void GradientRow(int64_t n, int64_t nw, float* t, float* dp, const float*
 // wanted) receives dS of every visited pair; the caller zeroes it first. d_mod_aux [items,
 // mod_aux floats] (null without a score_mod's mod_aux cotangent): each item's sum, in its own
 // order (so the caller's sum over items repeats bit for bit); the caller zeroes it first.
-template <typename Pool>
-void Backward(const Problem& P, const float* q, const float* k, const float* v, const float* d_out,
+// With bfloat16 pairs (E = Bf16Pair) q, k, v and d_out hold D / 2 pairs per row; the products
+// run on bfloat16, P and dS rounded to it where they meet dO, q and k (as FlashAttention's).
+template <typename E, typename Pool>
+void Backward(const Problem& P, const E* q, const E* k, const E* v, const E* d_out,
               const float* row_max, const float* log_sum, const float* delta, float* dq_parts,
               float* dk, float* dv, float* dbias, int64_t bq, int64_t bk, int64_t chunks,
               Pool& pool, float* d_mod_aux = nullptr) {
-  const int64_t D = P.D, G = P.groups(), ldt = round_up(bk, PW);
+  const int64_t D = P.D, KD = D / kValuesPer<E>, G = P.groups(), ldt = round_up(bk, PW);
   const bool cap = P.soft_cap > 0.0f;
   const float kept = P.kept_scale();
   const uint32_t threshold = P.keep_threshold();
   const int64_t dq_size = P.B * P.Hq * P.Lq * D;
-  const NonFiniteTiles q_bad_tiles(pool, q, P.B * P.Hq, P.Lq * D, bq * D);
+  const NonFiniteTiles q_bad_tiles(pool, q, P.B * P.Hq, P.Lq * KD, bq * KD);
   auto run = [&](int64_t item) {
-    static thread_local TileScratch s;
+    static thread_local TileScratch<E> s;
     int64_t chunk = item % chunks, bh = item / chunks, b = bh / P.Hkv, hk = bh % P.Hkv;
-    const float* kh = k + bh * P.Lk * D;
-    const float* vh = v + bh * P.Lk * D;
-    s.kt.resize(D * ldt); s.vt.resize(D * ldt); s.t.resize(bq * ldt); s.dp.resize(bq * ldt);
+    const E* kh = k + bh * P.Lk * KD;
+    const E* vh = v + bh * P.Lk * KD;
+    s.kt.resize(KD * ldt); s.vt.resize(KD * ldt); s.t.resize(bq * ldt); s.dp.resize(bq * ldt);
     if (cap) s.capped.resize(bq * ldt);
-    s.q.resize(bq * D); s.k.resize(bk * D); s.acc.resize(2 * bk * D);
+    s.q.resize(bq * KD); s.k.resize(bk * KD); s.acc.resize(2 * bk * D);
     s.q_bad.resize(bq); s.k_bad.resize(bk); s.v_bad.resize(bk);
     ModRegisters* mods = P.mods ? &s.mods : nullptr;
     float* d_aux = P.mods.scatter() ? d_mod_aux + item * P.mods.aux_floats() : nullptr;
@@ -132,16 +182,17 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
       float* dv_acc = s.acc.data() + bk * D;  // [n, D]
       std::fill(dk_acc, dk_acc + 2 * bk * D, 0.0f);
       Span rows = P.QuerySpan(b, j0, j1, bq);
-      const float* k_rows = kh + j0 * D;
-      const float* v_rows = vh + j0 * D;
+      const E* k_rows = kh + j0 * KD;
+      const E* v_rows = vh + j0 * KD;
       Poison key_poison;
-      key_poison.k = BadRowFlags(k_rows, D, n, D, s.k_bad.data());
-      key_poison.v = BadRowFlags(v_rows, D, n, D, s.v_bad.data());
+      key_poison.k = BadRowFlags(k_rows, KD, n, KD, s.k_bad.data());
+      key_poison.v = BadRowFlags(v_rows, KD, n, KD, s.v_bad.data());
       int packed = -1;  // whether kt/vt hold the clean (1) or raw (0) tile
+      const E* dq_keys = nullptr;  // the right operand of dq += dS k
       for (int64_t g = 0; g < G; ++g) {
         int64_t h = hk * G + g, row0 = (b * P.Hq + h) * P.Lq;
-        const float* qh = q + row0 * D;
-        const float* doh = d_out + row0 * D;
+        const E* qh = q + row0 * KD;
+        const E* doh = d_out + row0 * KD;
         float* dqh = dq_parts + chunk * dq_size + row0 * D;
         const uint32_t seed = P.dropout_rate > 0.0f ? *P.seeds.at(b, h) : 0;
         if (mods != nullptr) {
@@ -155,26 +206,26 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
           FLASH_CPU_CHECK(i1 <= P.Lq);
           Poison poison = key_poison;
           if (q_bad_tiles(b * P.Hq + h, i0 / bq))
-            poison.q = BadRowFlags(qh + i0 * D, D, m, D, s.q_bad.data());
+            poison.q = BadRowFlags(qh + i0 * KD, KD, m, KD, s.q_bad.data());
           const bool clean = poison.any();
           const bool masked = clean || !P.unmasked(b, i0, i1, j0, j1, cls);
           if (packed != static_cast<int>(clean)) {  // K^T, V^T panels of the key tile
-            PackPanels(k_rows, n, D, s.kt.data(), clean);
-            PackPanels(v_rows, n, D, s.vt.data(), clean);
-            if (clean) CopyFinite(k_rows, n * D, s.k.data());
+            PackPanels(k_rows, n, KD, s.kt.data(), clean);
+            PackPanels(v_rows, n, KD, s.vt.data(), clean);
+            dq_keys = DqKeys(k_rows, n, D, clean, s);
             packed = clean;
           }
-          const float* qa = qh + i0 * D;
+          const E* qa = qh + i0 * KD;
           if (clean) {
-            CopyRowsFinite(qa, D, m, D, s.q.data());
+            CopyRowsFinite(qa, KD, m, KD, s.q.data());
             qa = s.q.data();
           }
-          const float* do_rows = doh + i0 * D;
+          const E* do_rows = doh + i0 * KD;
           float* t = s.t.data();
           float* dp = s.dp.data();
           if (mods != nullptr) ModTile(P.mods, *mods, true, i0, m, j0, nw);  // the diagonals
-          Gemm(m, nw, D, qa, D, 1, s.kt.data(), PW, D * PW, t, ldt, false);        // q k^T
-          Gemm(m, nw, D, do_rows, D, 1, s.vt.data(), PW, D * PW, dp, ldt, false);  // dO v^T
+          Gemm(m, nw, KD, qa, KD, 1, s.kt.data(), PW, KD * PW, t, ldt, false);        // q k^T
+          Gemm(m, nw, KD, do_rows, KD, 1, s.vt.data(), PW, KD * PW, dp, ldt, false);  // dO v^T
           for (int64_t r = 0; r < m; ++r) {
             const int64_t i = i0 + r;
             float* tr = t + r * ldt;
@@ -199,10 +250,8 @@ void Backward(const Problem& P, const float* q, const float* k, const float* v, 
             if (P.dropout_rate > 0.0f)  // dV = P_dropped^T dO
               DropRow(seed, RowKey(seed, i), j0, n, threshold, kept, tr);
           }
-          Gemm(n, D, m, t, 1, ldt, do_rows, D, PW, dv_acc, D, true);  // dV += P^T dO
-          Gemm(n, D, m, dp, 1, ldt, qa, D, PW, dk_acc, D, true);      // dK += dS^T q
-          Gemm(m, D, n, dp, ldt, 1, clean ? s.k.data() : k_rows, D, PW, dqh + i0 * D, D,
-               true);                                                  // dq += dS k
+          TileGradients(m, n, nw, t, dp, ldt, do_rows, qa, dq_keys, D, dv_acc, dk_acc,
+                        dqh + i0 * D, s);
         }
       }
       float* dkr = dk + (bh * P.Lk + j0) * D;

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_dot.h"
 #include "check.h"
 #include "gemm.h"
 #include "half.h"
@@ -179,6 +180,32 @@ inline bool AnyRowNonFinite(const float* const* rows, int64_t n, int64_t Dp) {
   }
   float total = HorizontalSum(acc[0] + acc[1] + acc[2] + acc[3]);
   return total != total;
+}
+
+// dot[0] = q . key, as the backward's Gemm sums it: on float32 (key a K^T panel [Dp, W] in
+// lane 0), or with `bf16_products` on bfloat16 pairs (the values of q and key are bfloat16
+// then: the forward and the backward of such a call run on bf16_dot.h's products).
+inline void KeyLogit(bool bf16_products, int64_t Dp, const float* q, const float* key_panel,
+                     float* dot) {
+#if defined(__AVX512BF16__)
+  if (bf16_products) {
+    auto pair = [](float lo, float hi) {  // bfloat16 values: their float32 bits' top halves
+      uint32_t a, b;
+      std::memcpy(&a, &lo, sizeof a);
+      std::memcpy(&b, &hi, sizeof b);
+      return Bf16Pair{(a >> 16) | (b & 0xffff0000u)};
+    };
+    std::vector<Bf16Pair> q_pairs(Dp / 2), key_pairs(Dp / 2 * W, Bf16Pair{0});
+    for (int64_t d = 0; d < Dp; d += 2) {
+      q_pairs[d / 2] = pair(q[d], q[d + 1]);
+      key_pairs[d / 2 * W] = pair(key_panel[d * W], key_panel[(d + 1) * W]);
+    }
+    Gemm(1, W, Dp / 2, q_pairs.data(), 0, 1, key_pairs.data(), W, Dp / 2 * W, dot, W, false);
+    return;
+  }
+#endif
+  FLASH_CPU_CHECK(!bf16_products);
+  Gemm(1, W, Dp, q, 0, 1, key_panel, W, Dp * W, dot, W, false);
 }
 
 // Keys per tile (32 measured best of 16, 32, 64 on the 2-core AVX-512 machine, under load).
@@ -354,8 +381,7 @@ void DecodeSplit(const Problem& P, const KvCache& cache, const float* q, int64_t
     int64_t off;
     cache.rows(P, b, j, 1, &off);
     for (int64_t d = 0; d < Dk; ++d) s.key_panel[d * W] = ToFloat<T>(kc[off + hk * Dk + d]);
-    Gemm(1, W, Dp, s.q.data() + hr * Dp, 0, 1, s.key_panel.data(), W, Dp * W, s.dot.data(), W,
-         false);
+    KeyLogit(cache.bf16_products, Dp, s.q.data() + hr * Dp, s.key_panel.data(), s.dot.data());
     RowLogits(P, b, hk * G + g, i, j, 1, s.dot.data(), nullptr, false);
     if (P.mods.score()) {  // the backward's S at that key is score_mod's
       mods->SetUniform(kUniformHead, static_cast<int32_t>(hk * G + g));

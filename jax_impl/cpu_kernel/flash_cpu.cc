@@ -3,6 +3,8 @@
 // first use.
 #include "flash_cpu.h"
 
+#include <type_traits>
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -12,6 +14,7 @@ namespace {
 using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
 using S8 = ffi::Buffer<ffi::S8>;
+using U32 = ffi::Buffer<ffi::U32>;
 
 // The mask and feature operands both calls take after q, k, v. An absent feature is a dummy
 // buffer with its flag off.
@@ -115,8 +118,34 @@ ffi::Error Check(flash_cpu::Problem& P, int64_t bq, int64_t bk, Features& f, int
   return ffi::Error::Success();
 }
 
-// q [B, Lq, Hq, D], kt [B, Hkv, Lk_pad / 64, D, 64], v [B, Hkv, Lk, D]; tile classes of the
-// forward's grid.
+// The operand element of a buffer type: float32, or two bfloat16 in a uint32 (bf16_dot.h).
+template <ffi::DataType T>
+using Element = std::conditional_t<T == ffi::DataType::F32, float, flash_cpu::Bf16Pair>;
+template <ffi::DataType T>
+const Element<T>* Elements(ffi::Buffer<T>& x) {
+  return reinterpret_cast<const Element<T>*>(x.untyped_data());
+}
+
+// q [B, Lq, Hq, D], kt [B, Hkv, Lk_pad / 64, D, 64], v [B, Hkv, Lk, D] float32; or with
+// bfloat16 pairs (U32) q and kt hold D / 2 pairs and v is in pairs of keys
+// [B, Hkv, Lk_pad / 2, D]. Tile classes of the forward's grid.
+template <ffi::DataType T>
+ffi::Error RunForward(ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> kt, ffi::Buffer<T> v,
+                      int64_t Lk, Features& f, float scale, float soft_cap, float dropout_rate,
+                      int64_t block_q, int64_t block_k, int64_t flags, F32* out, F32* row_max,
+                      F32* log_sum) {
+  auto qd = q.dimensions(), vd = v.dimensions(), ktd = kt.dimensions();
+  constexpr int64_t per = flash_cpu::kValuesPer<Element<T>>;
+  const int64_t lk_pad = ktd[2] * flash_cpu::PW, D = qd[3] * per;
+  if (ktd[3] != qd[3] || vd[3] != D || Lk > lk_pad || vd[2] != (per == 1 ? Lk : lk_pad / 2))
+    return ffi::Error::InvalidArgument("q, K^T panels and v disagree on head_dim or keys");
+  auto P = MakeProblem(qd[0], qd[1], Lk, qd[2], vd[1], D, f, scale, soft_cap, dropout_rate, flags);
+  if (ffi::Error e = Check(P, block_q, block_k, f, flags); e.failure()) return e;
+  flash_cpu::Forward(P, Elements(q), Elements(kt), Elements(v), lk_pad, out->typed_data(),
+                     row_max->typed_data(), log_sum->typed_data(), block_q, block_k, pool);
+  return ffi::Error::Success();
+}
+
 ffi::Error ForwardImpl(ffi::ThreadPool pool, F32 q, F32 kt, F32 v, S32 q_len, S32 kv_len,
                        S32 d_lo, S32 d_hi, S32 q_seg, S32 kv_seg, ffi::Buffer<ffi::PRED> mask,
                        F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, S8 tiles, S32 mod_words,
@@ -124,24 +153,38 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, F32 q, F32 kt, F32 v, S32 q_len, S3
                        int64_t block_q, int64_t block_k, int64_t flags,
                        ffi::ResultBuffer<ffi::F32> out,
                        ffi::ResultBuffer<ffi::F32> row_max, ffi::ResultBuffer<ffi::F32> log_sum) {
-  auto qd = q.dimensions(), vd = v.dimensions(), ktd = kt.dimensions();
   Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds, tiles, mod_words,
              mod_aux};
-  auto P = MakeProblem(qd[0], qd[1], vd[2], qd[2], vd[1], qd[3], f, scale, soft_cap,
-                       dropout_rate, flags);
-  if (ffi::Error e = Check(P, block_q, block_k, f, flags); e.failure()) return e;
-  flash_cpu::Forward(P, q.typed_data(), kt.typed_data(), v.typed_data(), ktd[2] * flash_cpu::PW,
-                     out->typed_data(), row_max->typed_data(), log_sum->typed_data(), block_q,
-                     block_k, pool);
-  return ffi::Error::Success();
+  return RunForward(pool, q, kt, v, v.dimensions()[2], f, scale, soft_cap, dropout_rate, block_q,
+                    block_k, flags, &*out, &*row_max, &*log_sum);
 }
+
+#if defined(__AVX512BF16__)
+// The same on bfloat16 pairs; `keys` is Lk (v's pairs of keys leave it open by one).
+ffi::Error ForwardBf16Impl(ffi::ThreadPool pool, U32 q, U32 kt, U32 v, S32 q_len, S32 kv_len,
+                           S32 d_lo, S32 d_hi, S32 q_seg, S32 kv_seg,
+                           ffi::Buffer<ffi::PRED> mask, F32 bias, F32 sinks,
+                           ffi::Buffer<ffi::U32> seeds, S8 tiles, S32 mod_words, F32 mod_aux,
+                           float scale, float soft_cap, float dropout_rate, int64_t block_q,
+                           int64_t block_k, int64_t flags, int64_t keys,
+                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> row_max,
+                           ffi::ResultBuffer<ffi::F32> log_sum) {
+  Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds, tiles, mod_words,
+             mod_aux};
+  return RunForward(pool, q, kt, v, keys, f, scale, soft_cap, dropout_rate, block_q, block_k,
+                    flags, &*out, &*row_max, &*log_sum);
+}
+#endif
 
 // Every array head-major: q, d_out [B, Hq, Lq, D], k, v [B, Hkv, Lk, D]; stats [B, Hq, Lq];
 // dbias [B, Hq, Lq, Lk] when flags & 16 (else a dummy); tile classes of the backward's grid.
-ffi::Error BackwardImpl(ffi::ThreadPool pool, F32 q, F32 k, F32 v, S32 q_len, S32 kv_len,
+// With bfloat16 pairs (U32) q, k, v and d_out hold D / 2 pairs per row.
+template <ffi::DataType T>
+ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<T> q, ffi::Buffer<T> k, ffi::Buffer<T> v,
+                        S32 q_len, S32 kv_len,
                         S32 d_lo, S32 d_hi, S32 q_seg, S32 kv_seg, ffi::Buffer<ffi::PRED> mask,
                         F32 bias, F32 sinks, ffi::Buffer<ffi::U32> seeds, S8 tiles,
-                        S32 mod_words, F32 mod_aux, F32 d_out, F32 row_max, F32 log_sum,
+                        S32 mod_words, F32 mod_aux, ffi::Buffer<T> d_out, F32 row_max, F32 log_sum,
                         F32 delta, float scale, float soft_cap, float dropout_rate,
                         int64_t block_q, int64_t block_k, int64_t flags, int64_t chunks,
                         ffi::ResultBuffer<ffi::F32> dq_parts, ffi::ResultBuffer<ffi::F32> dk,
@@ -150,8 +193,9 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, F32 q, F32 k, F32 v, S32 q_len, S3
   auto qd = q.dimensions(), vd = v.dimensions();
   Features f{q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, bias, sinks, seeds, tiles, mod_words,
              mod_aux};
-  auto P = MakeProblem(qd[0], qd[2], vd[2], qd[1], vd[1], qd[3], f, scale, soft_cap,
-                       dropout_rate, flags);
+  const int64_t D = qd[3] * flash_cpu::kValuesPer<Element<T>>;
+  auto P = MakeProblem(qd[0], qd[2], vd[2], qd[1], vd[1], D, f, scale, soft_cap, dropout_rate,
+                       flags);
   if (ffi::Error e = Check(P, block_q, block_k, f, flags); e.failure()) return e;
   const bool with_dbias = flags & 16;
   // d_mod_aux [B * Hkv * chunks, aux floats]: an item's cotangent of mod_aux, when it has one
@@ -161,7 +205,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, F32 q, F32 k, F32 v, S32 q_len, S3
   for (auto* x : {&dq_parts, &dk, &dv, &dbias, &d_mod_aux})  // keys no query sees; pairs never visited
     if ((x != &dbias || with_dbias) && (x != &d_mod_aux || with_d_aux))
       std::fill((*x)->typed_data(), (*x)->typed_data() + (*x)->element_count(), 0.0f);
-  flash_cpu::Backward(P, q.typed_data(), k.typed_data(), v.typed_data(), d_out.typed_data(),
+  flash_cpu::Backward(P, Elements(q), Elements(k), Elements(v), Elements(d_out),
                       row_max.typed_data(), log_sum.typed_data(), delta.typed_data(),
                       dq_parts->typed_data(), dk->typed_data(), dv->typed_data(),
                       with_dbias ? dbias->typed_data() : nullptr, block_q, block_k, chunks, pool,
@@ -215,6 +259,10 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, F32 q, ffi::AnyBuffer k, ffi::AnyBuf
     return ffi::Error::InvalidArgument(
         "decode: q's head_dim must be the cache's padded to the SIMD width, Hq a multiple of "
         "Hkv, splits >= 1");
+  cache.bf16_products = flags & 128;
+  if (cache.bf16_products && (!flash_cpu::kHasBf16Dot || cache.type != flash_cpu::CacheType::kBF16))
+    return ffi::Error::InvalidArgument(
+        "decode: bfloat16 products need a bfloat16 cache and a build with AVX512-BF16");
   flash_cpu::Problem P{B, Lq, Lk, Hq, Hkv, Dp, q_len.typed_data(), kv_len.typed_data(),
                        d_lo.typed_data(), d_hi.typed_data()};
   P.sinks = PerHeadOf<float>(sinks, flags & 8, 1);
@@ -230,54 +278,48 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, F32 q, ffi::AnyBuffer k, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-// What both handlers take first: XLA's thread pool, q, k (the forward's K^T panels), v, the
-// mask operands q_len, kv_len, d_lo, d_hi, q_seg, kv_seg, mask, and bias, sinks, seeds, and
-// the tile classes of the call's grid, the mods' programs and their mod_aux.
-auto BindAttention() {
-  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<F32>().Arg<F32>().Arg<F32>()
-      .Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>()
-      .Arg<ffi::Buffer<ffi::PRED>>().Arg<F32>().Arg<F32>().Arg<ffi::Buffer<ffi::U32>>().Arg<S8>()
-      .Arg<S32>().Arg<F32>();
-}
+// What the attention handlers take first: XLA's thread pool, q, k (the forward's K^T panels), v
+// (float32, or bfloat16 pairs as U32), the mask operands q_len, kv_len, d_lo, d_hi, q_seg,
+// kv_seg, mask, and bias, sinks, seeds, and the tile classes of the call's grid, the mods'
+// programs and their mod_aux.
+// (A macro, as the binding's type is spelled through the chain.)
+#define FLASH_CPU_BIND_ATTENTION(Operand)                                                        \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Operand>().Arg<Operand>().Arg<Operand>()          \
+      .Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>().Arg<S32>()                        \
+      .Arg<ffi::Buffer<ffi::PRED>>().Arg<F32>().Arg<F32>().Arg<ffi::Buffer<ffi::U32>>().Arg<S8>() \
+      .Arg<S32>().Arg<F32>()
+#define FLASH_CPU_BIND_FORWARD(Operand)                                                          \
+  FLASH_CPU_BIND_ATTENTION(Operand).Attr<float>("scale").Attr<float>("soft_cap")                \
+      .Attr<float>("dropout_rate").Attr<int64_t>("block_q").Attr<int64_t>("block_k")            \
+      .Attr<int64_t>("flags")
+// After the common operands: d_out, row_max, log_sum, delta; results dq_parts, dk, dv, dbias,
+// d_mod_aux.
+#define FLASH_CPU_BIND_BACKWARD(Operand)                                                         \
+  FLASH_CPU_BIND_ATTENTION(Operand).Arg<Operand>().Arg<F32>().Arg<F32>().Arg<F32>()             \
+      .Attr<float>("scale").Attr<float>("soft_cap").Attr<float>("dropout_rate")                 \
+      .Attr<int64_t>("block_q").Attr<int64_t>("block_k").Attr<int64_t>("flags")                 \
+      .Attr<int64_t>("chunks").Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>()
 
 }  // namespace
+
+// What this build's kernels can do, as bits: 1 bfloat16 products (AVX512-BF16: the
+// FlashForwardBf16Cpu and FlashBackwardBf16Cpu handlers exist; decode takes flags & 128).
+extern "C" int64_t FlashCpuFeatures() { return flash_cpu::kHasBf16Dot ? 1 : 0; }
 
 // flags: 1 segment ids, 2 mask, 4 bias, 8 sinks, 32 tile classes, 64 mods (16: dbias wanted,
 // backward only).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashForwardCpu, ForwardImpl,
-                              BindAttention()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<float>("dropout_rate")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Attr<int64_t>("flags")
-                                  .Ret<F32>()
-                                  .Ret<F32>()
-                                  .Ret<F32>());
+                              FLASH_CPU_BIND_FORWARD(F32).Ret<F32>().Ret<F32>().Ret<F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashBackwardCpu, BackwardImpl<ffi::DataType::F32>,
+                              FLASH_CPU_BIND_BACKWARD(F32));
+#if defined(__AVX512BF16__)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashForwardBf16Cpu, ForwardBf16Impl,
+                              FLASH_CPU_BIND_FORWARD(U32).Attr<int64_t>("keys").Ret<F32>().Ret<F32>().Ret<F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashBackwardBf16Cpu, BackwardImpl<ffi::DataType::U32>,
+                              FLASH_CPU_BIND_BACKWARD(U32));
+#endif
 
-// After the common operands: d_out, row_max, log_sum, delta; results dq_parts, dk, dv, dbias,
-// d_mod_aux.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashBackwardCpu, BackwardImpl,
-                              BindAttention()
-                                  .Arg<F32>()
-                                  .Arg<F32>()
-                                  .Arg<F32>()
-                                  .Arg<F32>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<float>("dropout_rate")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Attr<int64_t>("flags")
-                                  .Attr<int64_t>("chunks")
-                                  .Ret<F32>()
-                                  .Ret<F32>()
-                                  .Ret<F32>()
-                                  .Ret<F32>()
-                                  .Ret<F32>());
-
-// flags: 1 paged cache, 8 sinks.
+// flags: 1 paged cache, 8 sinks, 64 mods, 128 bfloat16 products (KvCache::bf16_products).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashDecodeCpu, DecodeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

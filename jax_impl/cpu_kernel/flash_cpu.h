@@ -25,7 +25,8 @@
 // The parts, one header each (each includes what it uses): check.h (invariant checks),
 // simd.h (vectors and their math), mod_program.h (the mods' row programs), gemm.h, parallel.h
 // (the thread pool's use), problem.h (a call), dropout.h, nonfinite.h, tile_rows.h (the row
-// steps the kernels share), forward.h, backward.h, half.h (16-bit reads), kv_cache.h, decode.h.
+// steps the kernels share), forward.h, backward.h, half.h (16-bit reads), bf16_dot.h (bfloat16
+// products on AVX512-BF16), kv_cache.h, decode.h.
 #ifndef JAX_FLASH_CPU_FLASH_CPU_H_
 #define JAX_FLASH_CPU_FLASH_CPU_H_
 

@@ -22,45 +22,57 @@ constexpr int MR = 6, NV = 4;  // 24 of 32 registers
 constexpr int MR = 6, NV = 2;
 #endif
 
+// How a microkernel multiplies an element of A by a vector of B into float32 accumulators:
+// float32 elements by a fused multiply-add; other element types (bf16_dot.h: pairs of
+// bfloat16) specialise it with their own broadcast, load and dot product.
+template <typename E>
+struct Dot;
+template <>
+struct Dot<float> {
+  static vf broadcast(float a) { return splat(a); }
+  static vf load_b(const float* p) { return load(p); }
+  static vf madd(vf a, vf b, vf acc) { return fmadd(a, b, acc); }
+};
+
 // C[m, nv*W] (+)= sum_k A[r*ar + k*ak] * B[k*ldb + c], m <= MR rows, nv <= NV vectors.
 // A's k stride is a template parameter (1: rows of A, else A^T), so that each instance has one
 // loop and keeps its accumulators in registers (with both loops in one function, GCC passed
 // them through the stack between the loop versions).
-template <int M, int N, bool UnitK>
-void micro_strided(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B,
-                   int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+template <typename E, int M, int N, bool UnitK>
+void micro_strided(int64_t K, const E* A, int64_t ar, int64_t ak, const E* B, int64_t ldb,
+                   float* C, int64_t ldc, bool accumulate) {
   vf acc[M][N];
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < N; ++c) acc[r][c] = accumulate ? load(C + r * ldc + c * W) : splat(0.0f);
   for (int64_t k = 0; k < K; ++k) {
     vf b[N];
-    for (int c = 0; c < N; ++c) b[c] = load(B + k * ldb + c * W);
+    for (int c = 0; c < N; ++c) b[c] = Dot<E>::load_b(B + k * ldb + c * W);
     for (int r = 0; r < M; ++r) {
-      vf a = splat(A[r * ar + k * (UnitK ? 1 : ak)]);
-      for (int c = 0; c < N; ++c) acc[r][c] = fmadd(a, b[c], acc[r][c]);
+      vf a = Dot<E>::broadcast(A[r * ar + k * (UnitK ? 1 : ak)]);
+      for (int c = 0; c < N; ++c) acc[r][c] = Dot<E>::madd(a, b[c], acc[r][c]);
     }
   }
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < N; ++c) store(C + r * ldc + c * W, acc[r][c]);
 }
-template <int M, int N>
-void micro(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb,
-           float* C, int64_t ldc, bool accumulate) {
-  if (ak == 1) return micro_strided<M, N, true>(K, A, ar, ak, B, ldb, C, ldc, accumulate);
-  micro_strided<M, N, false>(K, A, ar, ak, B, ldb, C, ldc, accumulate);
+template <typename E, int M, int N>
+void micro(int64_t K, const E* A, int64_t ar, int64_t ak, const E* B, int64_t ldb, float* C,
+           int64_t ldc, bool accumulate) {
+  if (ak == 1) return micro_strided<E, M, N, true>(K, A, ar, ak, B, ldb, C, ldc, accumulate);
+  micro_strided<E, M, N, false>(K, A, ar, ak, B, ldb, C, ldc, accumulate);
 }
 
 // micro<rows, nv> for rows <= M and nv <= N known only at run time (the tiles' edges).
-template <int M, int N>
-void micro_edge(int rows, int nv, int64_t K, const float* A, int64_t ar, int64_t ak,
-                const float* B, int64_t ldb, float* C, int64_t ldc, bool acc) {
+template <typename E, int M, int N>
+void micro_edge(int rows, int nv, int64_t K, const E* A, int64_t ar, int64_t ak, const E* B,
+                int64_t ldb, float* C, int64_t ldc, bool acc) {
   if constexpr (M > 1) {
-    if (rows < M) return micro_edge<M - 1, N>(rows, nv, K, A, ar, ak, B, ldb, C, ldc, acc);
+    if (rows < M) return micro_edge<E, M - 1, N>(rows, nv, K, A, ar, ak, B, ldb, C, ldc, acc);
   }
   if constexpr (N > 1) {
-    if (nv < N) return micro_edge<M, N - 1>(rows, nv, K, A, ar, ak, B, ldb, C, ldc, acc);
+    if (nv < N) return micro_edge<E, M, N - 1>(rows, nv, K, A, ar, ak, B, ldb, C, ldc, acc);
   }
-  micro<M, N>(K, A, ar, ak, B, ldb, C, ldc, acc);
+  micro<E, M, N>(K, A, ar, ak, B, ldb, C, ldc, acc);
 }
 
 // B operands are read in panels of PW columns: element (k, c) of B is at
@@ -69,31 +81,34 @@ void micro_edge(int rows, int nv, int64_t K, const float* A, int64_t ar, int64_t
 constexpr int64_t PW = 64;
 static_assert(PW % (NV * W) == 0, "a microkernel call stays inside one panel");
 
-// C[M, N] (+)= A[M, K] B[K, N]; N a multiple of W. A's element (r, k) is A[r*ar + k*ak].
-inline void Gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ar, int64_t ak,
-                 const float* B, int64_t ldb, int64_t panel, float* C, int64_t ldc, bool accumulate) {
+// C[M, N] (+)= A[M, K] B[K, N]; N a multiple of W. A's element (r, k) is A[r*ar + k*ak]. The
+// elements are float32, or pairs of bfloat16 along k (bf16_dot.h: K counts pairs).
+template <typename E>
+void Gemm(int64_t M, int64_t N, int64_t K, const E* A, int64_t ar, int64_t ak, const E* B,
+          int64_t ldb, int64_t panel, float* C, int64_t ldc, bool accumulate) {
   for (int64_t c0 = 0; c0 < N; c0 += NV * W) {
     int nv = static_cast<int>(std::min<int64_t>(NV, (N - c0) / W));
     for (int64_t r0 = 0; r0 < M; r0 += MR) {
-      const float* a = A + r0 * ar;
+      const E* a = A + r0 * ar;
       float* c = C + r0 * ldc + c0;
-      const float* b = B + (c0 / PW) * panel + c0 % PW;
-      micro_edge<MR, NV>(static_cast<int>(std::min<int64_t>(MR, M - r0)), nv, K, a, ar, ak, b, ldb,
-                         c, ldc, accumulate);
+      const E* b = B + (c0 / PW) * panel + c0 % PW;
+      micro_edge<E, MR, NV>(static_cast<int>(std::min<int64_t>(MR, M - r0)), nv, K, a, ar, ak, b,
+                            ldb, c, ldc, accumulate);
     }
   }
 }
 
-// Packs n rows of D floats (row stride D) as K^T panels (see Gemm): dst holds
+// Packs n rows of D elements (row stride D) as K^T panels (see Gemm): dst holds
 // round_up(n, PW) / PW panels of [D, PW], columns past n zero; non-finite entries as 0 if
 // `finite_only`.
-inline void PackPanels(const float* src, int64_t n, int64_t D, float* dst, bool finite_only) {
+template <typename E>
+void PackPanels(const E* src, int64_t n, int64_t D, E* dst, bool finite_only) {
   const int64_t panels = round_up(n, PW) / PW;
-  std::fill(dst, dst + panels * D * PW, 0.0f);
+  std::fill(dst, dst + panels * D * PW, E{});
   for (int64_t r = 0; r < n; ++r) {
-    const float* s = src + r * D;
-    float* col = dst + (r / PW) * D * PW + r % PW;
-    for (int64_t d = 0; d < D; ++d) col[d * PW] = (finite_only && !finite(s[d])) ? 0.0f : s[d];
+    const E* s = src + r * D;
+    E* col = dst + (r / PW) * D * PW + r % PW;
+    for (int64_t d = 0; d < D; ++d) col[d * PW] = finite_only ? finite_part(s[d]) : s[d];
   }
 }
 

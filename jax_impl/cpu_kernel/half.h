@@ -15,6 +15,9 @@ inline float ToFloat(T x);
 template <>
 inline float ToFloat<float>(float x) { return x; }
 struct BF16 { uint16_t bits; };
+// Two bfloat16 values of consecutive k in one 32-bit word (element 2k in the low half): the
+// operand element of bfloat16 products (bf16_dot.h).
+struct Bf16Pair { uint32_t bits; };
 template <>
 inline float ToFloat<BF16>(BF16 x) {
   uint32_t u = uint32_t{x.bits} << 16;

@@ -19,6 +19,9 @@ struct KvCache {
   int64_t Lk_dense = 0;    // dense: keys per batch row
   const int32_t* page_table = nullptr;  // null: dense
   int64_t pages_per_sequence = 0, page_size = 0, num_pages = 0;
+  // The call's backward multiplies bfloat16 pairs (q and the cache bfloat16, bf16_dot.h): the
+  // RowStats' max is recomputed by that product.
+  bool bf16_products = false;
 
   // off[c] = the element offset of key j + c's row of kv head 0 in batch row b, for c < n (kv
   // head hk's row follows at + hk * Dk): one page-table read per page, no division per key.

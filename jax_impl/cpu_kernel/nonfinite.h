@@ -28,8 +28,9 @@ inline bool AnyNonFinite(const float* x, int64_t count) {
   return tail != tail;
 }
 
-// bad[r] = whether row r of n rows of D floats (row stride `stride`) holds a NaN or inf.
-inline bool BadRows(const float* src, int64_t stride, int64_t n, int64_t D, uint8_t* bad) {
+// bad[r] = whether row r of n rows of D elements (row stride `stride`) holds a NaN or inf.
+template <typename E>
+bool BadRows(const E* src, int64_t stride, int64_t n, int64_t D, uint8_t* bad) {
   bool any = false;
   for (int64_t r = 0; r < n; ++r) any |= (bad[r] = AnyNonFinite(src + r * stride, D));
   return any;
@@ -37,17 +38,18 @@ inline bool BadRows(const float* src, int64_t stride, int64_t n, int64_t D, uint
 
 // bad[r] for n rows of D floats (row stride `stride`), or null when none holds a NaN or inf
 // (contiguous rows are first checked in one pass).
-inline const uint8_t* BadRowFlags(const float* src, int64_t stride, int64_t n, int64_t D,
-                                  uint8_t* bad) {
+template <typename E>
+const uint8_t* BadRowFlags(const E* src, int64_t stride, int64_t n, int64_t D, uint8_t* bad) {
   if (stride == D && !AnyNonFinite(src, n * D)) return nullptr;
   return BadRows(src, stride, n, D, bad) ? bad : nullptr;
 }
 
 // For K^T panels of D rows (PackPanels' layout, starting at a panel): bad[c] for columns
 // [0, cols), whether key c holds a non-finite value.
-inline void BadColumns(const float* panels, int64_t D, int64_t cols, uint8_t* bad) {
+template <typename E>
+void BadColumns(const E* panels, int64_t D, int64_t cols, uint8_t* bad) {
   for (int64_t c = 0; c < cols; ++c) {
-    const float* col = panels + (c / PW) * D * PW + c % PW;
+    const E* col = panels + (c / PW) * D * PW + c % PW;
     bool b = false;
     for (int64_t d = 0; d < D; ++d) b |= !finite(col[d * PW]);
     bad[c] = b;
@@ -61,8 +63,8 @@ inline void BadColumns(const float* panels, int64_t D, int64_t cols, uint8_t* ba
 struct NonFiniteTiles {
   std::vector<uint8_t> bad;  // [heads, tiles]
   int64_t tiles = 0;
-  template <typename Pool>
-  NonFiniteTiles(Pool& pool, const float* x, int64_t heads, int64_t head_floats,
+  template <typename Pool, typename E>
+  NonFiniteTiles(Pool& pool, const E* x, int64_t heads, int64_t head_floats,
                  int64_t tile_floats)
       : bad(heads * ((head_floats + tile_floats - 1) / tile_floats)),
         tiles((head_floats + tile_floats - 1) / tile_floats) {
@@ -77,13 +79,21 @@ struct NonFiniteTiles {
   bool operator()(int64_t head, int64_t tile) const { return bad[head * tiles + tile]; }
 };
 
-// Copies `count` floats with the non-finite ones as 0.
-inline void CopyFinite(const float* src, int64_t count, float* dst) {
-  for (int64_t i = 0; i < count; ++i) dst[i] = finite(src[i]) ? src[i] : 0.0f;
+// Copies `count` elements with the non-finite values as 0.
+template <typename E>
+void CopyFinite(const E* src, int64_t count, E* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = finite_part(src[i]);
 }
-// Copies n rows of D floats (row stride `stride`) into dst [n, D], non-finite entries as 0.
-inline void CopyRowsFinite(const float* src, int64_t stride, int64_t n, int64_t D, float* dst) {
+// Copies n rows of D elements (row stride `stride`) into dst [n, D], non-finite values as 0.
+template <typename E>
+void CopyRowsFinite(const E* src, int64_t stride, int64_t n, int64_t D, E* dst) {
   for (int64_t r = 0; r < n; ++r) CopyFinite(src + r * stride, D, dst + r * D);
+}
+
+// bad[c] = whether key c of n holds a NaN or inf, for float32 value rows of D (the pairs' own
+// layout: bf16_dot.h); null when none does.
+inline const uint8_t* BadKeys(const float* rows, int64_t D, int64_t n, uint8_t* bad) {
+  return BadRowFlags(rows, D, n, D, bad);
 }
 
 // Non-finite flags of a tile's operands (the non-finite rule), null where none is bad.

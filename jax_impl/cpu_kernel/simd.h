@@ -96,6 +96,7 @@ inline vf tanhv(vf x) {
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 inline bool finite(float x) { return std::fabs(x) < INFINITY; }
+inline float finite_part(float x) { return finite(x) ? x : 0.0f; }  // NaN, inf -> 0
 
 // The lanes of x summed as a tree (W / 2 adds at the first level: no long chain of adds).
 inline float HorizontalSum(vf x) {

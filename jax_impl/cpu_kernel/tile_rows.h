@@ -7,8 +7,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "half.h"
 #include "mod_program.h"
 #include "nonfinite.h"
 #include "problem.h"
@@ -167,9 +169,17 @@ inline float ExpRow(float* row, int64_t n, int64_t nw, float max, float mult) {
   return total;
 }
 
-// One thread's buffers (kept between calls: their size depends only on the tiles).
+// Values per operand element: 1 for float32, 2 for a pair of bfloat16 (bf16_dot.h).
+template <typename E>
+constexpr int64_t kValuesPer = std::is_same_v<E, float> ? 1 : 2;
+
+// One thread's buffers (kept between calls: their size depends only on the tiles), for
+// operands of element type E (float32, or bf16_dot.h's pairs, with the pair layouts they need).
+template <typename E>
 struct TileScratch {
-  std::vector<float> q, k, v, kt, vt, t, dp, capped, acc, slope;  // q, k, v: finite copies
+  std::vector<E> q, k, v, kt, vt;  // q, k, v: finite copies; kt, vt: K^T, V^T panels
+  std::vector<float> t, dp, capped, acc, slope;
+  std::vector<Bf16Pair> p_pairs, ds_pairs, pt_pairs, dst_pairs, k_pairs, do_pairs, q_pairs, last;
   ModRegisters mods;
   std::vector<uint8_t> q_bad, k_bad, v_bad;
   std::vector<int64_t> chunk_tiles;  // the backward's key tiles of its item (ChunkTiles)

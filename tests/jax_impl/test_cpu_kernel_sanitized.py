@@ -21,7 +21,8 @@ soft cap, dropout, sinks, any head_dim, score_mod and mask_mod, must run on the 
 input the family printed (the one that crashed), the sanitizer's report and the command that
 reruns that call alone.
 
-Cost on the slower 2-core machine (AVX2), a cold build of the sanitized library ~33 s, then the
+Cost on the slower 2-core machine (AVX2), a cold build of the sanitized library ~33 s (on the
+AVX512-BF16 machine, with the bfloat16 kernels' instances too, ~11 min at load average ~10), then the
 "full" sample 355-465 test-seconds (1-32 s per family: a few compilations, 2-80 calls), the
 "ci" sample 159 test-seconds run alone (2026-12-02).
 

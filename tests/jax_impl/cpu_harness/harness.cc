@@ -4,7 +4,8 @@
 //
 //   harness spans      exhaustive check of Problem::KeySpan / QuerySpan against the rules
 //   harness run DIR    DIR/params.txt ("name value" lines) and DIR/<array>.bin (raw, in the
-//                      kernel's layouts); writes DIR/out.bin, row_max.bin, log_sum.bin, then
+//                      kernel's layouts; with "bf16 1" q, k, v and d_out as bfloat16 pairs,
+//                      bf16_dot.h); writes DIR/out.bin, row_max.bin, log_sum.bin, then
 //                      reads DIR/delta.bin if present and writes dq_parts.bin, dk.bin, dv.bin
 //                      (and dbias.bin); with flags & 32 it reads DIR/tiles.bin, the tile
 //                      classes of the grid (block_q, block_k) both passes run on
@@ -91,6 +92,10 @@ struct Params {
   }
 };
 
+template <typename E>
+int Kernels(const std::string& dir, const flash_cpu::Problem& P, int64_t lk_pad, int64_t bq,
+            int64_t bk, int64_t flags, int64_t chunks, ThreadPool& pool);
+
 int Run(const std::string& dir) {
   const Params param(dir);
   const int64_t B = param("B"), Lq = param("Lq"), Lk = param("Lk"), Hq = param("Hq"), Hkv = param("Hkv"), D = param("D");
@@ -139,9 +144,25 @@ int Run(const std::string& dir) {
     P.seeds = {seeds.get(), param("seeds_b"), param("seeds_h"), 1};
   }
 
-  auto q = Read<float>(dir, "q", B * Lq * Hq * D);  // [B, Lq, Hq, D]
-  auto kt = Read<float>(dir, "kt", B * Hkv * lk_pad * D);  // K^T panels
-  auto v = Read<float>(dir, "v", B * Hkv * Lk * D);  // head-major
+  if (param.real("bf16") == 0) return Kernels<float>(dir, P, lk_pad, bq, bk, flags, chunks, pool);
+#if defined(__AVX512BF16__)
+  return Kernels<flash_cpu::Bf16Pair>(dir, P, lk_pad, bq, bk, flags, chunks, pool);
+#else
+  Fail("this harness was built without AVX512-BF16: no bfloat16 products");
+#endif
+}
+
+// The forward, then (with DIR/delta.bin) the backward, on operands of element E: float32, or
+// bfloat16 pairs (q, kt, q_heads, k, v_heads, d_out hold D / 2 pairs per row; v is in pairs of
+// keys [B, Hkv, Lk_pad / 2, D]).
+template <typename E>
+int Kernels(const std::string& dir, const flash_cpu::Problem& P, int64_t lk_pad, int64_t bq,
+            int64_t bk, int64_t flags, int64_t chunks, ThreadPool& pool) {
+  constexpr int64_t per = flash_cpu::kValuesPer<E>;
+  const int64_t B = P.B, Lq = P.Lq, Lk = P.Lk, Hq = P.Hq, Hkv = P.Hkv, D = P.D, KD = D / per;
+  auto q = Read<E>(dir, "q", B * Lq * Hq * KD);  // [B, Lq, Hq, D]
+  auto kt = Read<E>(dir, "kt", B * Hkv * lk_pad * KD);  // K^T panels
+  auto v = Read<E>(dir, "v", B * Hkv * (per == 1 ? Lk : lk_pad / 2) * D);  // head-major
   const int64_t rows = B * Hq * Lq;
   std::unique_ptr<float[]> out(new float[B * Lq * Hq * D]), row_max(new float[rows]),
       log_sum(new float[rows]);
@@ -153,15 +174,16 @@ int Run(const std::string& dir) {
   if (!Exists(dir + "/delta.bin")) return 0;
 
   // The backward takes every array head-major.
-  auto qh = Read<float>(dir, "q_heads", B * Hq * Lq * D);
-  auto k = Read<float>(dir, "k", B * Hkv * Lk * D);
-  auto d_out = Read<float>(dir, "d_out", B * Hq * Lq * D);
+  auto qh = Read<E>(dir, "q_heads", B * Hq * Lq * KD);
+  auto k = Read<E>(dir, "k", B * Hkv * Lk * KD);
+  auto d_out = Read<E>(dir, "d_out", B * Hq * Lq * KD);
+  auto vh = per == 1 ? std::unique_ptr<E[]>() : Read<E>(dir, "v_heads", B * Hkv * Lk * KD);
   auto delta = Read<float>(dir, "delta", rows);
   const bool with_dbias = flags & 16;
   std::unique_ptr<float[]> dq_parts(new float[chunks * B * Hq * Lq * D]()),
       dk(new float[B * Hkv * Lk * D]()), dv(new float[B * Hkv * Lk * D]()),
       dbias(with_dbias ? new float[B * Hq * Lq * Lk]() : nullptr);
-  flash_cpu::Backward(P, qh.get(), k.get(), v.get(), d_out.get(), row_max.get(), log_sum.get(),
+  flash_cpu::Backward(P, qh.get(), k.get(), per == 1 ? v.get() : vh.get(), d_out.get(), row_max.get(), log_sum.get(),
                       delta.get(), dq_parts.get(), dk.get(), dv.get(), dbias.get(), bq, bk, chunks,
                       pool);
   Write(dir, "dq_parts", dq_parts.get(), chunks * B * Hq * Lq * D);
@@ -178,6 +200,7 @@ int Decode(const std::string& dir) {
   ThreadPool pool{param("threads"), {}};
   flash_cpu::KvCache cache;
   cache.type = type == 0 ? flash_cpu::CacheType::kF32 : flash_cpu::CacheType::kBF16;
+  cache.bf16_products = param.real("bf16_products") != 0;  // q's values bfloat16 too
   cache.Dk = Dk;
   int64_t Lk, rows_in_cache;
   std::unique_ptr<int32_t[]> table;
