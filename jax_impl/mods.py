@@ -113,8 +113,9 @@ def _abstract(x):
     return x
 
 
-def _sub_jaxpr(eqn):
-    for name in ("jaxpr", "call_jaxpr"):
+def sub_jaxpr(eqn):
+    """The ClosedJaxpr of a call-like equation (jit, custom_jvp/vjp, checkpoint), else None."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         sub = eqn.params.get(name)
         if isinstance(sub, jax_core.ClosedJaxpr):
             return sub
@@ -192,7 +193,7 @@ def _run(jaxpr, consts, args, keep: _Keep, pair_inputs: frozenset):
         name = eqn.primitive.name
         depends = any(not isinstance(v, jax_core.Literal) and v in pair for v in eqn.invars)
         views = [x for x in operands if isinstance(x, AuxView)]
-        sub = _sub_jaxpr(eqn) if name in _CALLS else None
+        sub = sub_jaxpr(eqn) if name in _CALLS else None
         if views:
             outs = [_read_view(eqn, views[0], operands)]
         elif sub is not None:

@@ -130,7 +130,6 @@ _UNARY = {"neg": ("kFNeg", "kINeg"), "abs": ("kFAbs", "kIAbs"), "sign": ("kFSign
           "cos": ("kFCos", None), "not": (None, "kINot")}
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "pvary"}
 _SHAPE_ONLY = {"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p"}
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 def _kind(dtype) -> str:
@@ -145,17 +144,6 @@ def _kind(dtype) -> str:
                       "int32 and bool)")
 
 
-def _sub_jaxpr(eqn):
-    """The ClosedJaxpr of a call-like equation (jit, custom_jvp/vjp, checkpoint), else None."""
-    for name in _CALL_PARAMS:
-        sub = eqn.params.get(name)
-        if isinstance(sub, jax_core.ClosedJaxpr):
-            return sub
-        if isinstance(sub, jax_core.Jaxpr):
-            return jax_core.ClosedJaxpr(sub, ())
-    return None
-
-
 def _reads_float_aux(closed, float_arrays: set) -> bool:
     """Whether ``closed`` (with these invars' positions holding floating mod_aux) reads one."""
     jaxpr = closed.jaxpr
@@ -163,7 +151,7 @@ def _reads_float_aux(closed, float_arrays: set) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dynamic_slice" and id(eqn.invars[0]) in floats:
             return True
-        sub = _sub_jaxpr(eqn)
+        sub = mods.sub_jaxpr(eqn)
         if sub is not None:
             inner = {i for i, v in enumerate(eqn.invars) if id(v) in floats}
             if inner and _reads_float_aux(sub, inner):
@@ -249,7 +237,7 @@ class _Builder:
 
     def equation(self, env, eqn) -> list:
         name = eqn.primitive.name
-        sub = _sub_jaxpr(eqn)
+        sub = mods.sub_jaxpr(eqn)
         if sub is not None:
             return self.run(sub, [env[id(v)] if not isinstance(v, jax_core.Literal)
                                   else self.scalar(env, v) for v in eqn.invars][:len(sub.jaxpr.invars)])
@@ -397,7 +385,7 @@ def _substituted(closed, float_positions: set, reads: list):
             env[id(var)] = value
         float_ids = {id(jaxpr.invars[i]) for i in floats}
         for eqn in jaxpr.eqns:
-            sub = _sub_jaxpr(eqn)
+            sub = mods.sub_jaxpr(eqn)
             inner = {i for i, v in enumerate(eqn.invars) if id(v) in float_ids}
             if eqn.primitive.name == "dynamic_slice" and id(eqn.invars[0]) in float_ids:
                 outs = [jnp.reshape(reads[next(counter)], eqn.outvars[0].aval.shape)]
