@@ -257,8 +257,7 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     if cfg.score_mod is None:
         d_mod_aux = ()
     elif with_d_aux:  # the items' sums, added in item order
-        d_mod_aux = programs.cotangents(jnp.sum(d_aux_parts, axis=0), mod_aux,
-                                        mods.gradient_entries(cfg, mod_aux))
+        d_mod_aux = programs.cotangents(jnp.sum(d_aux_parts, axis=0), mod_aux)
     else:
         d_mod_aux = mods.zero_cotangents(cfg, mod_aux)
     return dq.astype(q.dtype), dk, dv, dbias if with_dbias else None, d_mod_aux[:d_mod_aux_entries]

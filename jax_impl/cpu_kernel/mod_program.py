@@ -411,6 +411,7 @@ class Programs:
     constants: tuple             # numpy arrays of the constant _Arrays
     aux_floats: int
     scatters: bool               # the backward sums a cotangent of mod_aux
+    gradients: tuple = ()        # per mod_aux entry: whether its reads get a cotangent
 
     def aux(self, mod_aux) -> jax.Array:
         """mod_aux (and the constants) packed as one float32 buffer (ints by their bits)."""
@@ -423,11 +424,11 @@ class Programs:
             flat.append(x.reshape(-1))
         return jnp.concatenate(flat) if flat else jnp.zeros((1,), jnp.float32)
 
-    def cotangents(self, d_aux, mod_aux, gradients: tuple) -> tuple:
+    def cotangents(self, d_aux, mod_aux) -> tuple:
         """The per-entry cotangents of mod_aux from the summed ``d_aux`` [aux floats] (None
         where an entry gets none: ``gradients``)."""
         out = []
-        for array, x, wanted in zip(self.arrays, mod_aux, gradients):
+        for array, x, wanted in zip(self.arrays, mod_aux, self.gradients):
             size = int(np.prod(array.shape))
             out.append(d_aux[array.offset:array.offset + size].reshape(array.shape)
                        if wanted else None)
@@ -556,7 +557,8 @@ def _compile(score_mod, mask_mod, aux_avals: tuple, gradients: tuple) -> Program
             raise Unsupported("mask_mod must return a bool")
         streams["mask"] = (start, len(builder.code))
         outputs["mask"] = value
-    return _assemble(builder, streams, outputs, fixed, arrays, aux_avals)
+    return dataclasses.replace(_assemble(builder, streams, outputs, fixed, arrays, aux_avals),
+                               gradients=gradients)
 
 
 def _assemble(builder, streams, outputs, fixed, arrays, aux_avals) -> Programs:

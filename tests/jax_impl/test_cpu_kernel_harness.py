@@ -453,6 +453,7 @@ class _Config:  # what mod_program reads of an AttentionConfig
     def __init__(self, score_mod=None, mask_mod=None):
         self.score_mod, self.mask_mod = score_mod, mask_mod
         self.has_mods = True
+        self.aux_gradients = None  # every floating mod_aux entry differentiated
 
 
 def _run_programs(harness, tmp_path, cfg, aux, s, kv, ct, b, h, q):
