@@ -8,6 +8,7 @@ import site
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 from conformance import heatmap, tolerance
@@ -31,7 +32,7 @@ def without_machine_paths(text: str) -> str:
 
 def environment(device: str, command: str = "python -m conformance") -> dict:
     env = {"python": platform.python_version(), "platform": platform.platform(), "device": device,
-           "command": without_machine_paths(command)}
+           "command": without_machine_paths(command), "date": time.strftime("%Y-%m-%d", time.gmtime())}
     try:
         import jax
         import jaxlib

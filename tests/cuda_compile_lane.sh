@@ -7,14 +7,31 @@
 # and gradients typed as varying inside shard_map (tests/jax_impl/test_mosaic_gpu_shard_map.py);
 # then the Mosaic GPU kernels' numbers in its interpreter against the float64 oracle
 # (tests/jax_impl/test_mosaic_gpu.py), the oracle run by the suite's Python (it has torch).
-# The lane's environment is a venv of its own (default .venv-cuda-compile, about 1 GB: jax,
-# jaxlib, the plugin without NVIDIA's library wheels, pytest, pytest-xdist), made on first use.
+# The lane's environment is a venv of its own (about 1.1 GB: jax, jaxlib, the plugin without
+# NVIDIA's library wheels, pytest, pytest-xdist), made on first use in the user's cache, outside
+# the checkout: ${XDG_CACHE_HOME:-~/.cache}/jax-flash-attention-ref/cuda-compile-lane, or
+# CUDA_COMPILE_LANE_VENV=DIR. Temporary files go to a folder of the run's own, removed on exit,
+# as are the /tmp/mosaic-gpu-* folders the plugin leaves (clean_temporaries).
 # The lane is skipped, saying why, where there is no Python >= 3.12 or no ptxas; any other
 # failure fails it. Arguments go to pytest (e.g. --durations=20).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${CUDA_COMPILE_LANE_VENV:-.venv-cuda-compile}
+VENV=${CUDA_COMPILE_LANE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/jax-flash-attention-ref/cuda-compile-lane}
 JAX_VERSION=0.11.2
+
+# The plugin's Mosaic GPU compiler leaves a folder per kernel it assembles, at a fixed path
+# (/tmp/mosaic-gpu-XXXXXX: TMPDIR does not move it). On exit the lane removes those made since it
+# started, once 10 s unchanged: a folder that another process is writing into is younger.
+LANE_STARTED=$(mktemp)
+LANE_TMP=$(mktemp -d)
+clean_temporaries() {
+  local made_since=(/tmp -maxdepth 1 -type d -name 'mosaic-gpu-*' -newer "$LANE_STARTED")
+  if [ -n "$(find "${made_since[@]}" -newermt '10 seconds ago' -print -quit)" ]; then sleep 10; fi
+  find "${made_since[@]}" ! -newermt '10 seconds ago' -exec rm -rf {} +
+  rm -rf "$LANE_STARTED" "$LANE_TMP"
+}
+trap clean_temporaries EXIT
+export TMPDIR=$LANE_TMP
 
 find_python() {
   local v
@@ -33,6 +50,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "cuda compile lane: making the venv $VENV with $PY (about 1.1 GB: jax and jaxlib $JAX_VERSION," \
        "jax-cuda13-plugin and -pjrt without NVIDIA's library wheels, pytest, pytest-xdist);" \
        "CUDA_COMPILE_LANE_VENV=DIR puts it elsewhere"
+  mkdir -p "$(dirname "$VENV")"
   $PY -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" "pytest>=8"
   "$VENV/bin/python" -m pip install -q --no-deps "jax-cuda13-plugin==$JAX_VERSION" "jax-cuda13-pjrt==$JAX_VERSION"
