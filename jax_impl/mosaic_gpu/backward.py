@@ -71,10 +71,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_gpu.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, BackwardConfig
-from jax_impl.mosaic_gpu.forward import (listed_tiles, pairwise_source, pairwise_tiles,
-                                          rows_of_sixteen_bytes, streamed_tiles, tile_mods)
+from jax_impl.mosaic_gpu.forward import (pairwise_source, pairwise_tiles, rows_of_sixteen_bytes,
+                                          tile_mods)
 from jax_impl.kernel_tiles import TileRules, mod_aux_operand, mod_aux_types, tile_lists
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
+from jax_impl.mosaic_gpu.tile_walk import TileWalk, band_bounds
 
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
 _COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
@@ -138,7 +139,7 @@ def _wait_all(barriers, slot):
 
 def _producer(order: WorkOrder, num_stages: int, walk, copies, consumed):
     """The memory warpgroup: for each item, ``walk(pair, head, b) -> (passes, tiles)``,
-    ``tiles(p) -> (start, stop, index_of)`` (``forward.streamed_tiles``): streamed tiles
+    ``tiles(p) -> (start, stop, index_of)`` (``TileWalk.streamed``): streamed tiles
     ``index_of(t)`` for ``t`` in ``[start, stop)`` in pass ``p``; ``copies(pair, head, b, p, j, slot)``
     issues one step's TMA copies into ring slot ``slot`` once both compute warpgroups have
     released it."""
@@ -174,30 +175,6 @@ def _tile_lists(refs):
     """The kernel's tile-list refs (``common.tile_lists``), or None: the band walk."""
     names = ("counts", "indices", "full_counts", "full_indices")
     return None if refs["counts"] is None else tuple(refs[n] for n in names)
-
-
-def _walk_tiles(lists, bounds, b, head, tile, attend, skip, carry):
-    """A compute warpgroup's tiles of an item, as the producer streams them:
-    ``attend(j, carry, rules)`` over the listed tiles (``rules``: the partial ones', then the
-    full ones'), or the band's five stretches (``_bounds``: outside its own range ``skip``,
-    its edges masked, its interior not)."""
-    if lists is None:
-        bodies = (skip, functools.partial(attend, rules=TileRules.band(True)),
-                  functools.partial(attend, rules=TileRules.band(False)),
-                  functools.partial(attend, rules=TileRules.band(True)), skip)
-        for start, stop, body in zip(bounds[:-1], bounds[1:], bodies):
-            carry = lax.fori_loop(start, stop, body, carry)
-        return carry
-    for count, index_of, rules in listed_tiles(lists, b, head, tile):
-        carry = lax.fori_loop(0, count, lambda t, carry, index_of=index_of, rules=rules: attend(
-            index_of(t), carry, rules), carry)
-    return carry
-
-
-def _bounds(lo, hi, split):
-    """The five stretches of a warpgroup's walk inside its CTA's range ``[lo, hi)``: outside its
-    own range, its masked edge, its interior, its other edge, outside again."""
-    return [lo, *(jnp.minimum(jnp.maximum(x, lo), hi) for x in split), hi]
 
 
 def _pass_step(produced, consumed, num_stages):
@@ -480,7 +457,7 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
         plgpu.copy_gmem_to_smem(refs["v"].at[keys], v_own, v_loaded.at[wg])
         lo, hi = masking.q_block_range(cfg.mask, cta_start, CONSUMERS * c.block_kv, c.block_q,
                                        q_len, kv_len, offset)
-        bounds = _bounds(lo, hi, masking.q_block_split(cfg.mask, key_start, c.block_kv,
+        bounds = band_bounds(lo, hi, masking.q_block_split(cfg.mask, key_start, c.block_kv,
                                                        c.block_q, q_len, kv_len, offset))
         zeros = plgpu.layout_cast(jnp.zeros((c.block_kv, g.head_dim), jnp.float32),
                                   plgpu.Layout.WGMMA)
@@ -578,8 +555,8 @@ def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
         lists = _tile_lists(refs)
 
         def one_head(member, carry):  # the group's query heads, in order: their sum is fixed
-            return _walk_tiles(lists, bounds, b, kv_head * g.groups + member, pair,
-                               functools.partial(attend, member=member), skip, carry)
+            return TileWalk.of(lists, bounds, b, kv_head * g.groups + member, pair).visit(
+                functools.partial(attend, member=member), skip, carry)
 
         dk, dv, step = lax.fori_loop(0, g.groups, one_head, (zeros, zeros, step))
         k_own[...] = (dk * cfg.scale).astype(g.dtype)
@@ -601,8 +578,8 @@ def _dkdv_walk(cfg, g: Geometry, refs):
         lo, hi = masking.q_block_range(cfg.mask, pair * CONSUMERS * c.block_kv,
                                        CONSUMERS * c.block_kv, c.block_q, refs["q_len"][b],
                                        refs["kv_len"][b], offset)
-        return g.groups, lambda member: streamed_tiles(_tile_lists(refs), (lo, hi), b,
-                                                       kv_head * g.groups + member, pair)
+        return g.groups, lambda member: TileWalk.of(_tile_lists(refs), (lo, hi), b,
+                                                    kv_head * g.groups + member, pair).streamed()
 
     def copies(pair, kv_head, b, member, i, slot, smem, produced):
         _, _, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *rest = smem
@@ -670,7 +647,7 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
         lo, hi = masking.kv_block_range(cfg.mask, cta_start, CONSUMERS * c.block_q, c.block_kv,
                                         q_len, kv_len, offset)
-        bounds = _bounds(lo, hi, masking.kv_block_split(cfg.mask, q_start, c.block_q,
+        bounds = band_bounds(lo, hi, masking.kv_block_split(cfg.mask, q_start, c.block_q,
                                                         c.block_kv, q_len, kv_len, offset))
         _wait_all(own_loaded, wg)
         row_max, log_sum, delta = (plgpu.load(ref.at[wg], layout=_ROWS)
@@ -723,8 +700,8 @@ def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
             plgpu.barrier_arrive(consumed.at[slot])
             return dq, step + 1
 
-        dq, step = _walk_tiles(_tile_lists(refs), bounds, b, head, pair, attend,
-                               _pass_step(produced, consumed, c.num_stages), (zeros, step))
+        dq, step = TileWalk.of(_tile_lists(refs), bounds, b, head, pair).visit(
+            attend, _pass_step(produced, consumed, c.num_stages), (zeros, step))
         q_own[...] = (dq * cfg.scale).astype(g.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_own, refs["dq"].at[b, rows, head])
@@ -757,7 +734,7 @@ def _dq_walk(cfg, g: Geometry, refs):
         lo, hi = masking.kv_block_range(cfg.mask, pair * CONSUMERS * c.block_q,
                                         CONSUMERS * c.block_q, c.block_kv, refs["q_len"][b],
                                         refs["kv_len"][b], offset)
-        return 1, lambda _: streamed_tiles(_tile_lists(refs), (lo, hi), b, head, pair)
+        return 1, lambda _: TileWalk.of(_tile_lists(refs), (lo, hi), b, head, pair).streamed()
 
     def copies(pair, head, b, _, j, slot, smem, produced):
         k_ring, v_ring, poison_ring = smem[5:8]
