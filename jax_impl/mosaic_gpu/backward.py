@@ -24,10 +24,14 @@ feeding two wgmma compute warpgroups through an mbarrier ring).
 P is recomputed from the forward's natural-log ``RowStats`` in base 2, the row max subtracted
 first, exactly as ``online_softmax.recomputed_probs`` does, and the gradient of the logits follows
 ``online_softmax.logits_gradient`` (the soft cap's derivative; dS exactly 0 where P is 0 on a
-masked tile; dK's and dQ's scale applied once to the accumulator). Both walks use the mask's
-split (``q_block_split``, ``kv_block_split``): the band's edge tiles evaluate the structural
-rule, the tiles inside it none, the CTA's tiles outside a warpgroup's own range only keep the
-ring in step.
+masked tile; dK's and dQ's scale applied once to the accumulator). In each kernel the memory
+warpgroup and both compute warpgroups walk one ``TileWalk`` (tile_walk.py): the band, split by
+each compute warpgroup's own rows (``q_block_split``, ``kv_block_split``: the band's edge tiles
+evaluate the structural rule, the tiles inside it none, the CTA's tiles outside a warpgroup's
+own range only keep the ring in step), or the tile lists (partial, then full). A compute
+warpgroup's state is explicit (``_DkdvWarpgroup`` / ``_DqWarpgroup`` for every item,
+``_DkdvItem`` / ``_DqItem`` for one), and its tile step a function of it (``_dkdv_tile``,
+``_dq_tile``).
 
 The non-finite rule (online_softmax), prepared by one XLA pass: both kernels read q, k and v
 with their non-finite entries as 0 (every product may read them at pairs that take no part);
@@ -61,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +76,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.mosaic_gpu.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, BackwardConfig
-from jax_impl.mosaic_gpu.forward import (listed_tiles, pairwise_source, pairwise_tiles,
-                                          rows_of_sixteen_bytes, streamed_tiles, tile_mods)
+from jax_impl.mosaic_gpu.forward import (pairwise_source, pairwise_tiles, rows_of_sixteen_bytes,
+                                          tile_mods)
 from jax_impl.kernel_tiles import TileRules, mod_aux_operand, mod_aux_types, tile_lists
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
+from jax_impl.mosaic_gpu.tile_walk import TileWalk, band_bounds
 
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
 _COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
@@ -138,7 +144,7 @@ def _wait_all(barriers, slot):
 
 def _producer(order: WorkOrder, num_stages: int, walk, copies, consumed):
     """The memory warpgroup: for each item, ``walk(pair, head, b) -> (passes, tiles)``,
-    ``tiles(p) -> (start, stop, index_of)`` (``forward.streamed_tiles``): streamed tiles
+    ``tiles(p) -> (start, stop, index_of)`` (``TileWalk.streamed``): streamed tiles
     ``index_of(t)`` for ``t`` in ``[start, stop)`` in pass ``p``; ``copies(pair, head, b, p, j, slot)``
     issues one step's TMA copies into ring slot ``slot`` once both compute warpgroups have
     released it."""
@@ -174,30 +180,6 @@ def _tile_lists(refs):
     """The kernel's tile-list refs (``common.tile_lists``), or None: the band walk."""
     names = ("counts", "indices", "full_counts", "full_indices")
     return None if refs["counts"] is None else tuple(refs[n] for n in names)
-
-
-def _walk_tiles(lists, bounds, b, head, tile, attend, skip, carry):
-    """A compute warpgroup's tiles of an item, as the producer streams them:
-    ``attend(j, carry, rules)`` over the listed tiles (``rules``: the partial ones', then the
-    full ones'), or the band's five stretches (``_bounds``: outside its own range ``skip``,
-    its edges masked, its interior not)."""
-    if lists is None:
-        bodies = (skip, functools.partial(attend, rules=TileRules.band(True)),
-                  functools.partial(attend, rules=TileRules.band(False)),
-                  functools.partial(attend, rules=TileRules.band(True)), skip)
-        for start, stop, body in zip(bounds[:-1], bounds[1:], bodies):
-            carry = lax.fori_loop(start, stop, body, carry)
-        return carry
-    for count, index_of, rules in listed_tiles(lists, b, head, tile):
-        carry = lax.fori_loop(0, count, lambda t, carry, index_of=index_of, rules=rules: attend(
-            index_of(t), carry, rules), carry)
-    return carry
-
-
-def _bounds(lo, hi, split):
-    """The five stretches of a warpgroup's walk inside its CTA's range ``[lo, hi)``: outside its
-    own range, its masked edge, its interior, its other edge, outside again."""
-    return [lo, *(jnp.minimum(jnp.maximum(x, lo), hi) for x in split), hi]
 
 
 def _pass_step(produced, consumed, num_stages):
@@ -454,143 +436,239 @@ def _add_fused_dq(cfg, g: Geometry, refs, ds_t_all, dq_all, k_all, ds_t, wg, ste
     plgpu.copy_smem_to_gmem(dq_own, refs["dq_sum"].at[b, rows, head], reduction_op="add")
 
 
-def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    c = g.config
-    wg = lax.axis_index("wg")
-    k_own, v_own, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *rest = smem
-    positions, q_ids_ring, pairwise, rest = _unpack_extras(g, rest)
-    fused = c.dq == "fused"
-    ds_t_all, dq_all = rest if fused else (None, None)
-    own_keys = pl.ds(wg * c.block_kv, c.block_kv)  # this warpgroup's rows of a pairwise tile
-    k_loaded, v_loaded, *produced, consumed = barriers
-    k_all, v_all = k_own, v_own
-    k_own, v_own = k_all.at[wg], v_all.at[wg]
-    tile = (c.block_kv, c.block_q)  # transposed: keys x queries
-    key_offsets, query_offsets = _write_positions(positions, wg, c.block_kv, c.block_q)
-    cols = lambda x: lax.broadcast_in_dim(x, tile, (1,))
+@dataclasses.dataclass(frozen=True)
+class _DkdvWarpgroup:
+    """A dK/dV compute warpgroup as each of its tile steps sees it: its own key tile's K and V
+    (then dK and dV) in shared memory, the rings of the streamed query tiles, the barriers and
+    the per-tile constants."""
 
-    def item(pair, kv_head, b, step):
-        q_len, kv_len = refs["q_len"][b], refs["kv_len"][b]
-        offset = None if refs["offset"] is None else refs["offset"][b]
-        cta_start = pair * CONSUMERS * c.block_kv
-        key_start = cta_start + wg * c.block_kv
-        keys = (b, pl.ds(key_start, c.block_kv), kv_head)
-        plgpu.copy_gmem_to_smem(refs["k"].at[keys], k_own, k_loaded.at[wg])
-        plgpu.copy_gmem_to_smem(refs["v"].at[keys], v_own, v_loaded.at[wg])
-        lo, hi = masking.q_block_range(cfg.mask, cta_start, CONSUMERS * c.block_kv, c.block_q,
-                                       q_len, kv_len, offset)
-        bounds = _bounds(lo, hi, masking.q_block_split(cfg.mask, key_start, c.block_kv,
-                                                       c.block_q, q_len, kv_len, offset))
-        zeros = plgpu.layout_cast(jnp.zeros((c.block_kv, g.head_dim), jnp.float32),
-                                  plgpu.Layout.WGMMA)
-        # The tile's own key ids once per item, by a plain load (a few bytes: 2 per thread).
-        key_ids = None if q_ids_ring is None else plgpu.load(
-            refs["kv_ids"].at[b, pl.ds(key_start, c.block_kv)], layout=_ROWS, optimized=False)
-        # Fused, K stays finite (it enters dQ += dS K too) and its keys' poison is added to the
-        # rows of S^T instead, loaded once per item like the key ids.
-        key_poison = None if not fused else plgpu.load(
-            refs["key_poison"].at[b, kv_head, pl.ds(key_start, c.block_kv)], layout=_ROWS,
-            optimized=False)
-        plgpu.barrier_wait(k_loaded.at[wg])
-        plgpu.barrier_wait(v_loaded.at[wg])
+    cfg: AttentionConfig
+    g: Geometry
+    refs: dict
+    wg: object               # this warpgroup's index (traced)
+    k_all: object            # [CONSUMERS, block_kv, D] smem: each warpgroup's K, then its dK
+    v_all: object            # [CONSUMERS, block_kv, D] smem: V, then dV
+    k_own: object            # this warpgroup's K / dK and V / dV
+    v_own: object
+    rings: tuple             # [num_stages, ...] Q, dO, row max, row log-sum, delta
+    q_ids_ring: object       # [num_stages, block_q] the query tiles' segment ids, or None
+    pairwise: tuple          # the bias and mask rings (transposed tiles)
+    ds_t_all: object         # fused dQ: [CONSUMERS, block_kv, block_q] dS^T, else None
+    dq_all: object           # fused dQ: [CONSUMERS, block_q, D] float32 dQ tile, else None
+    own_keys: object         # this warpgroup's rows of a pairwise tile (pl.ds)
+    barriers: tuple          # K loaded, V loaded, the ring's produced ones..., consumed
+    key_offsets: object      # _write_positions' loaders: 0..block_kv-1 and 0..block_q-1
+    query_offsets: object
+    interpreted: bool
 
-        def attend(i, carry, rules: TileRules, member=None):
-            dk, dv, step = carry
-            slot = lax.rem(step, c.num_stages)
-            _wait_all(produced, slot)
-            # S^T = K Q^T and dP^T = V dO^T in one group, then P^T and dS^T in their registers,
-            # then dV += P^T dO and dK += dS^T Q in one group: two fp32 tiles live beside dK
-            # and dV at most (D=128 fits 240 registers).
-            mine = _opaque_warpgroup(wg, step)
-            s_t, dp_t = _two_products(tile, k_all.at[mine], q_ring.at[slot], v_all.at[mine],
-                                      do_ring.at[slot])
-            # With dropout beside segment ids alone, or a mask alone causal, the positions are
-            # read at ``mine``'s address (D=128: segment ids 16 bytes spilled, not 20, and
-            # causal 0 with the drop order below; a mask causal 8, not 16); elsewhere the
-            # hoisted address spills less (a mask not causal: 12 against 24, every feature at
-            # once 76 loaded against 80).
-            at = mine if cfg.dropout_rate and g.streamed == 1 and (
-                g.has_segments or (g.has_mask and cfg.mask.is_causal)) else None
-            allowed = None
-            if rules.structural and cfg.mask.restricts:  # two query bounds per key, as the forward's
-                lo, hi = masking.query_bounds_per_key(cfg.mask, key_start + key_offsets(at),
-                                                      i * c.block_q, q_len, kv_len, offset)
-                per_key = lambda x: x if x is None or jnp.ndim(x) == 0 else \
-                    lax.broadcast_in_dim(x, tile, (0,))
-                allowed = masking.within_bounds(cols(query_offsets(at)), per_key(lo), per_key(hi))
-            load = lambda ref: plgpu.load(ref.at[slot], layout=_COLS)
-            head_mods = tile_mods(cfg, b, kv_head * g.groups + member, refs["mod_aux"],
-                                  g.mod_aux_types, gradient=True)
-            score_mod = None
-            if head_mods is not None:  # on the fragment's global indices (transposed)
-                q_idx = cols(i * c.block_q + query_offsets(at))
-                kv_idx = lax.broadcast_in_dim(key_start + key_offsets(at), tile, (0,))
-                score_mod = functools.partial(head_mods.score, rows=q_idx, cols=kv_idx)
-                if rules.mask_mod:
-                    allowed = masking.all_of([allowed, head_mods.allowed(q_idx, kv_idx)])
-            if key_ids is not None and rules.segments:  # the band walk: on every tile
-                allowed = masking.all_of([allowed, _same_segment(
-                    key_ids, load(q_ids_ring), tile)])
-            bias_t, mask_t = pairwise_tiles(pairwise, slot, own_keys, g.bias_dtype is not None,
-                                            g.has_mask)
-            allowed = masking.all_of([allowed, mask_t])
-            p_t, capped, slope = _probs(cfg, s_t, cols, load(max_ring), load(log_sum_ring),
-                                        allowed, bias_t, None if key_poison is None else
-                                        lax.broadcast_in_dim(key_poison, tile, (0,)), score_mod)
-            # Dropout: dV from the dropped P^T, dP^T dropped alike. With a tile streamed beside
-            # Q and dO (ids, a bias, a mask) P^T is dropped beside dP^T (one hash) and dV's
-            # 16-bit operand made at once; without, and causal with one streamed tile that is
-            # not a mask, after dS^T: each order the one that spills least (sm_90a, D=128:
-            # causal, segment ids 0 bytes against 4, a bias 4 against 16, a mask 72 against
-            # 16; not causal, segment ids 100 against 16).
-            drop = _dropout(cfg, refs, b, kv_head * g.groups + member)
-            dv_lhs = None
-            if drop is not None:
-                queries, keys = i * c.block_q + query_offsets(at), key_start + key_offsets(at)
-                if g.streamed and not (cfg.mask.is_causal and g.streamed == 1 and not g.has_mask):
-                    dp_t, dv_lhs = drop((dp_t, p_t), queries, keys, 1)
-                    dv_lhs = dv_lhs.astype(g.dtype)
-                else:
-                    dp_t = drop(dp_t, queries, keys, 1)
-            _, dqk_t = _logits_gradient(p_t, dp_t, capped, cols, load(delta_ring),
-                                        _excludes(cfg, rules, key_ids is not None, g.has_mask), slope)
-            if dv_lhs is None:
-                dv_lhs = (p_t if drop is None else drop(p_t, queries, keys, 1)).astype(g.dtype)
-            ds_t = dqk_t.astype(g.dtype)
-            ds_t_lhs = ds_t
-            # Fused, dS^T goes to shared memory, dK's operand and dQ's: from registers too it
-            # spilled (D=128 with dropout: 4 bytes).
-            if fused and not interpreted:
-                ds_t_all.at[wg][...] = ds_t
-                plgpu.commit_smem()
-                ds_t_lhs = ds_t_all.at[mine]
-            dv, dk = _accumulate_two(dv, dv_lhs, do_ring.at[slot],
-                                     dk, ds_t_lhs, q_ring.at[slot], interpreted)
-            plgpu.barrier_arrive(consumed.at[slot])
-            if fused:  # after dK and dV: dQ's fp32 tile is never live beside P^T and dS^T
-                _add_fused_dq(cfg, g, refs, ds_t_all, dq_all, k_all, ds_t, wg, step,
-                              pl.ds(i * c.block_q, c.block_q), kv_head * g.groups + member, b,
-                              interpreted)
-            return dk, dv, step + 1
+    @classmethod
+    def create(cls, cfg, g: Geometry, refs, smem, barriers, interpreted) -> "_DkdvWarpgroup":
+        c = g.config
+        wg = lax.axis_index("wg")
+        k_all, v_all, *rings, rest = (*smem[:7], smem[7:])
+        positions, q_ids_ring, pairwise, rest = _unpack_extras(g, rest)
+        ds_t_all, dq_all = rest if c.dq == "fused" else (None, None)
+        own_keys = pl.ds(wg * c.block_kv, c.block_kv)
+        k_own, v_own = k_all.at[wg], v_all.at[wg]
+        offsets = _write_positions(positions, wg, c.block_kv, c.block_q)
+        return cls(cfg, g, refs, wg, k_all, v_all, k_own, v_own, tuple(rings), q_ids_ring,
+                   tuple(pairwise), ds_t_all, dq_all, own_keys, tuple(barriers), *offsets,
+                   interpreted)
 
-        skip = _pass_step(produced, consumed, c.num_stages)
-        lists = _tile_lists(refs)
+    @property
+    def tile(self) -> tuple[int, int]:
+        return self.g.config.block_kv, self.g.config.block_q  # transposed: keys x queries
 
-        def one_head(member, carry):  # the group's query heads, in order: their sum is fixed
-            return _walk_tiles(lists, bounds, b, kv_head * g.groups + member, pair,
-                               functools.partial(attend, member=member), skip, carry)
+    @property
+    def fused(self) -> bool:
+        return self.g.config.dq == "fused"
 
-        dk, dv, step = lax.fori_loop(0, g.groups, one_head, (zeros, zeros, step))
-        k_own[...] = (dk * cfg.scale).astype(g.dtype)
-        v_own[...] = dv.astype(g.dtype)
+    @property
+    def produced(self) -> tuple:
+        return self.barriers[2:-1]
+
+    @property
+    def consumed(self):
+        return self.barriers[-1]
+
+    def cols(self, x):
+        """A per-query vector across the (transposed) tile."""
+        return lax.broadcast_in_dim(x, self.tile, (1,))
+
+
+class _DkdvItem(NamedTuple):
+    """What a dK/dV compute warpgroup holds for one item (its key tile) across the query
+    tiles of every head of the group."""
+
+    b: object
+    kv_head: object
+    key_start: object     # the warpgroup's first key
+    q_len: object
+    kv_len: object
+    offset: object        # the batch row's position offset, or None
+    key_ids: object       # [block_kv] int32 in the row layout, or None
+    key_poison: object    # fused dQ: [block_kv] float32 in the row layout, else None
+
+
+def _ring_row(ring, slot):
+    """A streamed per-query vector (row max, log-sum, delta, ids) in the tile's column layout."""
+    return plgpu.load(ring.at[slot], layout=_COLS)
+
+
+def _dkdv_allowed(w: _DkdvWarpgroup, item: _DkdvItem, i, slot, at, rules: TileRules, head):
+    """The pairs of (transposed) tile ``(key tile, query tile i)`` that may attend and its
+    pairwise tiles: (allowed or None, the bias tile or None, score_mod with its derivative or
+    None), the mask rules ``rules`` applied."""
+    cfg, c, tile = w.cfg, w.g.config, w.tile
+    allowed = None
+    if rules.structural and cfg.mask.restricts:  # two query bounds per key, as the forward's
+        lo, hi = masking.query_bounds_per_key(cfg.mask, item.key_start + w.key_offsets(at),
+                                              i * c.block_q, item.q_len, item.kv_len,
+                                              item.offset)
+        per_key = lambda x: x if x is None or jnp.ndim(x) == 0 else \
+            lax.broadcast_in_dim(x, tile, (0,))
+        allowed = masking.within_bounds(w.cols(w.query_offsets(at)), per_key(lo), per_key(hi))
+    head_mods = tile_mods(cfg, item.b, head(), w.refs["mod_aux"], w.g.mod_aux_types,
+                          gradient=True)
+    score_mod = None
+    if head_mods is not None:  # on the fragment's global indices (transposed)
+        q_idx = w.cols(i * c.block_q + w.query_offsets(at))
+        kv_idx = lax.broadcast_in_dim(item.key_start + w.key_offsets(at), tile, (0,))
+        score_mod = functools.partial(head_mods.score, rows=q_idx, cols=kv_idx)
+        if rules.mask_mod:
+            allowed = masking.all_of([allowed, head_mods.allowed(q_idx, kv_idx)])
+    if item.key_ids is not None and rules.segments:  # the band walk: on every tile
+        allowed = masking.all_of([allowed, _same_segment(
+            item.key_ids, _ring_row(w.q_ids_ring, slot), tile)])
+    bias_t, mask_t = pairwise_tiles(w.pairwise, slot, w.own_keys, w.g.bias_dtype is not None,
+                                    w.g.has_mask)
+    return masking.all_of([allowed, mask_t]), bias_t, score_mod
+
+
+def _dkdv_operands(w: _DkdvWarpgroup, item: _DkdvItem, i, slot, mine, at, rules: TileRules,
+                   head, p_t, dp_t, capped, slope):
+    """dV's and dK's 16-bit left operands of one tile, (P^T dropped, dS^T): dS^T from
+    registers, or fused from its stage in shared memory. Dropout: dV from the dropped P^T,
+    dP^T dropped alike."""
+    cfg, g, c = w.cfg, w.g, w.g.config
+    # With a tile streamed beside Q and dO (ids, a bias, a mask) P^T is dropped beside dP^T
+    # (one hash) and dV's 16-bit operand made at once; without, and causal with one streamed
+    # tile that is not a mask, after dS^T: each order the one that spills least (sm_90a,
+    # D=128: causal, segment ids 0 bytes against 4, a bias 4 against 16, a mask 72 against 16;
+    # not causal, segment ids 100 against 16).
+    drop = _dropout(cfg, w.refs, item.b, head())
+    dv_lhs = None
+    if drop is not None:
+        queries = i * c.block_q + w.query_offsets(at)
+        keys = item.key_start + w.key_offsets(at)
+        if g.streamed and not (cfg.mask.is_causal and g.streamed == 1 and not g.has_mask):
+            dp_t, dv_lhs = drop((dp_t, p_t), queries, keys, 1)
+            dv_lhs = dv_lhs.astype(g.dtype)
+        else:
+            dp_t = drop(dp_t, queries, keys, 1)
+    _, dqk_t = _logits_gradient(p_t, dp_t, capped, w.cols, _ring_row(w.rings[4], slot),
+                                _excludes(cfg, rules, item.key_ids is not None, g.has_mask),
+                                slope)
+    if dv_lhs is None:
+        dv_lhs = (p_t if drop is None else drop(p_t, queries, keys, 1)).astype(g.dtype)
+    ds_t = dqk_t.astype(g.dtype)
+    ds_t_lhs = ds_t
+    # Fused, dS^T goes to shared memory, dK's operand and dQ's: from registers too it spilled
+    # (D=128 with dropout: 4 bytes).
+    if w.fused and not w.interpreted:
+        w.ds_t_all.at[w.wg][...] = ds_t
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_own, refs["dk"].at[keys])
-        plgpu.copy_smem_to_gmem(v_own, refs["dv"].at[keys])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the next item's K, V land there
-        return step
+        ds_t_lhs = w.ds_t_all.at[mine]
+    return dv_lhs, ds_t, ds_t_lhs
 
-    order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+
+def _dkdv_tile(w: _DkdvWarpgroup, item: _DkdvItem, i, carry, rules: TileRules, member=None):
+    """Query tile ``i`` of head ``member`` of the group against the warpgroup's key tile:
+    S^T = K Q^T and dP^T = V dO^T in one group, then P^T and dS^T in their registers, then
+    dV += P^T dO and dK += dS^T Q in one group (two fp32 tiles live beside dK and dV at most:
+    D=128 fits 240 registers)."""
+    cfg, g, c = w.cfg, w.g, w.g.config
+    q_ring, do_ring, max_ring, log_sum_ring, _ = w.rings
+    dk, dv, step = carry
+    slot = lax.rem(step, c.num_stages)
+    _wait_all(w.produced, slot)
+    mine = _opaque_warpgroup(w.wg, step)
+    s_t, dp_t = _two_products(w.tile, w.k_all.at[mine], q_ring.at[slot], w.v_all.at[mine],
+                              do_ring.at[slot])
+    # With dropout beside segment ids alone, or a mask alone causal, the positions are read at
+    # ``mine``'s address (D=128: segment ids 16 bytes spilled, not 20, and causal 0 with the
+    # drop order of _dkdv_operands; a mask causal 8, not 16); elsewhere the hoisted address
+    # spills less (a mask not causal: 12 against 24, every feature at once 76 loaded against 80).
+    at = mine if cfg.dropout_rate and g.streamed == 1 and (
+        g.has_segments or (g.has_mask and cfg.mask.is_causal)) else None
+    head = lambda: item.kv_head * g.groups + member
+    allowed, bias_t, score_mod = _dkdv_allowed(w, item, i, slot, at, rules, head)
+    p_t, capped, slope = _probs(cfg, s_t, w.cols, _ring_row(max_ring, slot),
+                                _ring_row(log_sum_ring, slot), allowed, bias_t,
+                                None if item.key_poison is None else
+                                lax.broadcast_in_dim(item.key_poison, w.tile, (0,)), score_mod)
+    dv_lhs, ds_t, ds_t_lhs = _dkdv_operands(w, item, i, slot, mine, at, rules, head, p_t,
+                                            dp_t, capped, slope)
+    dv, dk = _accumulate_two(dv, dv_lhs, do_ring.at[slot], dk, ds_t_lhs, q_ring.at[slot],
+                             w.interpreted)
+    plgpu.barrier_arrive(w.consumed.at[slot])
+    if w.fused:  # after dK and dV: dQ's fp32 tile is never live beside P^T and dS^T
+        _add_fused_dq(cfg, g, w.refs, w.ds_t_all, w.dq_all, w.k_all, ds_t, w.wg, step,
+                      pl.ds(i * c.block_q, c.block_q), head(), item.b, w.interpreted)
+    return dk, dv, step + 1
+
+
+def _dkdv_item(w: _DkdvWarpgroup, pair, kv_head, b, step):
+    """One work item: the warpgroup's key tile against every query tile of the group's heads
+    that it may see, walked as the producer streams them (``TileWalk``); dK and dV out."""
+    cfg, g, refs, c, wg = w.cfg, w.g, w.refs, w.g.config, w.wg
+    k_loaded, v_loaded = w.barriers[:2]
+    q_len, kv_len = refs["q_len"][b], refs["kv_len"][b]
+    offset = None if refs["offset"] is None else refs["offset"][b]
+    cta_start = pair * CONSUMERS * c.block_kv
+    key_start = cta_start + wg * c.block_kv
+    keys = (b, pl.ds(key_start, c.block_kv), kv_head)
+    plgpu.copy_gmem_to_smem(refs["k"].at[keys], w.k_own, k_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(refs["v"].at[keys], w.v_own, v_loaded.at[wg])
+    lo, hi = masking.q_block_range(cfg.mask, cta_start, CONSUMERS * c.block_kv, c.block_q,
+                                   q_len, kv_len, offset)
+    bounds = band_bounds(lo, hi, masking.q_block_split(cfg.mask, key_start, c.block_kv,
+                                                       c.block_q, q_len, kv_len, offset))
+    zeros = plgpu.layout_cast(jnp.zeros((c.block_kv, g.head_dim), jnp.float32),
+                              plgpu.Layout.WGMMA)
+    # The tile's own key ids once per item, by a plain load (a few bytes: 2 per thread).
+    key_ids = None if w.q_ids_ring is None else plgpu.load(
+        refs["kv_ids"].at[b, pl.ds(key_start, c.block_kv)], layout=_ROWS, optimized=False)
+    # Fused, K stays finite (it enters dQ += dS K too) and its keys' poison is added to the
+    # rows of S^T instead, loaded once per item like the key ids.
+    key_poison = None if not w.fused else plgpu.load(
+        refs["key_poison"].at[b, kv_head, pl.ds(key_start, c.block_kv)], layout=_ROWS,
+        optimized=False)
+    plgpu.barrier_wait(k_loaded.at[wg])
+    plgpu.barrier_wait(v_loaded.at[wg])
+    item = _DkdvItem(b, kv_head, key_start, q_len, kv_len, offset, key_ids, key_poison)
+    skip = _pass_step(w.produced, w.consumed, c.num_stages)
+    lists = _tile_lists(refs)
+
+    def one_head(member, carry):  # the group's query heads, in order: their sum is fixed
+        return TileWalk.of(lists, bounds, b, kv_head * g.groups + member, pair).visit(
+            functools.partial(_dkdv_tile, w, item, member=member), skip, carry)
+
+    dk, dv, step = lax.fori_loop(0, g.groups, one_head, (zeros, zeros, step))
+    w.k_own[...] = (dk * cfg.scale).astype(g.dtype)
+    w.v_own[...] = dv.astype(g.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(w.k_own, refs["dk"].at[keys])
+    plgpu.copy_smem_to_gmem(w.v_own, refs["dv"].at[keys])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the next item's K, V land there
+    return step
+
+
+def _dkdv_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
+    """A dK/dV compute warpgroup: its key tile of each item against the streamed query tiles."""
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    w = _DkdvWarpgroup.create(cfg, g, refs, smem, barriers, interpreted)
+    order.loop(lax.axis_index("cta"), functools.partial(_dkdv_item, w), jnp.int32(0))
 
 
 def _dkdv_walk(cfg, g: Geometry, refs):
@@ -601,8 +679,8 @@ def _dkdv_walk(cfg, g: Geometry, refs):
         lo, hi = masking.q_block_range(cfg.mask, pair * CONSUMERS * c.block_kv,
                                        CONSUMERS * c.block_kv, c.block_q, refs["q_len"][b],
                                        refs["kv_len"][b], offset)
-        return g.groups, lambda member: streamed_tiles(_tile_lists(refs), (lo, hi), b,
-                                                       kv_head * g.groups + member, pair)
+        return g.groups, lambda member: TileWalk.of(_tile_lists(refs), (lo, hi), b,
+                                                    kv_head * g.groups + member, pair).streamed()
 
     def copies(pair, kv_head, b, member, i, slot, smem, produced):
         _, _, q_ring, do_ring, max_ring, log_sum_ring, delta_ring, *rest = smem
@@ -642,96 +720,179 @@ def _dq_scratch(g: Geometry):
     return tiles, barriers
 
 
-def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    c = g.config
-    wg = lax.axis_index("wg")
-    (q_all, do_all, max_own, log_sum_own, delta_own, k_ring, v_ring, poison_ring, *rest) = smem
-    positions, kv_ids_ring, pairwise, _ = _unpack_extras(g, rest)
-    own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
-    own_loaded, produced, consumed = barriers[:5], barriers[5:-1], barriers[-1]
-    q_own, do_own = q_all.at[wg], do_all.at[wg]
-    tile = (c.block_q, c.block_kv)
-    query_offsets, key_offsets = _write_positions(positions, wg, c.block_q, c.block_kv)
-    rows_of = lambda x: lax.broadcast_in_dim(x, tile, (0,))
+@dataclasses.dataclass(frozen=True)
+class _DqWarpgroup:
+    """A dQ compute warpgroup as each of its tile steps sees it: its own query rows' Q, dO and
+    row vectors in shared memory, the rings of the streamed key tiles, the barriers and the
+    per-tile constants."""
 
-    def item(pair, head, b, step):
-        q_len, kv_len = refs["q_len"][b], refs["kv_len"][b]
-        offset = None if refs["offset"] is None else refs["offset"][b]
-        cta_start = pair * CONSUMERS * c.block_q
-        q_start = cta_start + wg * c.block_q
-        rows = pl.ds(q_start, c.block_q)
-        for src, dst, barrier in zip(
-                (refs["q"].at[b, rows, head], refs["do"].at[b, rows, head],
-                 refs["row_max"].at[b, head, rows], refs["log_sum"].at[b, head, rows],
-                 refs["delta"].at[b, head, rows]),
-                (q_own, do_own, max_own.at[wg], log_sum_own.at[wg], delta_own.at[wg]),
-                own_loaded):
-            plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
-        lo, hi = masking.kv_block_range(cfg.mask, cta_start, CONSUMERS * c.block_q, c.block_kv,
-                                        q_len, kv_len, offset)
-        bounds = _bounds(lo, hi, masking.kv_block_split(cfg.mask, q_start, c.block_q,
+    cfg: AttentionConfig
+    g: Geometry
+    refs: dict
+    wg: object               # this warpgroup's index (traced)
+    q_all: object            # [CONSUMERS, block_q, D] smem: each warpgroup's Q, then its dQ
+    do_all: object           # [CONSUMERS, block_q, D] smem: dO
+    row_vectors: tuple       # [CONSUMERS, block_q] smem: row max, row log-sum, delta
+    rings: tuple             # [num_stages, ...] K, V, the keys' poison
+    kv_ids_ring: object      # [num_stages, block_kv] the key tiles' segment ids, or None
+    pairwise: tuple          # the bias and mask rings
+    own_rows: object         # this warpgroup's rows of a pairwise tile (pl.ds)
+    barriers: tuple          # 5 own loads (Q, dO, the row vectors), the ring's produced, consumed
+    q_own: object            # this warpgroup's Q / dQ and dO
+    do_own: object
+    query_offsets: object    # _write_positions' loaders: 0..block_q-1 and 0..block_kv-1
+    key_offsets: object
+    interpreted: bool
+
+    @classmethod
+    def create(cls, cfg, g: Geometry, refs, smem, barriers, interpreted) -> "_DqWarpgroup":
+        c = g.config
+        wg = lax.axis_index("wg")
+        q_all, do_all, *vectors_and_rings = smem[:8]
+        positions, kv_ids_ring, pairwise, _ = _unpack_extras(g, smem[8:])
+        own_rows = pl.ds(wg * c.block_q, c.block_q)
+        q_own, do_own = q_all.at[wg], do_all.at[wg]
+        offsets = _write_positions(positions, wg, c.block_q, c.block_kv)
+        return cls(cfg, g, refs, wg, q_all, do_all, tuple(vectors_and_rings[:3]),
+                   tuple(vectors_and_rings[3:]), kv_ids_ring, tuple(pairwise), own_rows,
+                   tuple(barriers), q_own, do_own, *offsets, interpreted)
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        return self.g.config.block_q, self.g.config.block_kv
+
+    @property
+    def own_loaded(self) -> tuple:
+        return self.barriers[:5]
+
+    @property
+    def produced(self) -> tuple:
+        return self.barriers[5:-1]
+
+    @property
+    def consumed(self):
+        return self.barriers[-1]
+
+    def rows_of(self, x):
+        """A per-query vector across the tile."""
+        return lax.broadcast_in_dim(x, self.tile, (0,))
+
+
+class _DqItem(NamedTuple):
+    """What a dQ compute warpgroup holds for one item (its query rows) across the key tiles."""
+
+    b: object
+    head: object
+    q_start: object       # the warpgroup's first query row
+    q_len: object
+    kv_len: object
+    offset: object        # the batch row's position offset, or None
+    stats: tuple          # [block_q] row max, row log-sum, delta in the row layout
+    query_ids: object     # [block_q] int32 in the row layout, or None
+    drop: object          # _dropout's function, or None
+    mods: object          # kernel_tiles.TileMods or None
+
+
+def _dq_allowed(w: _DqWarpgroup, item: _DqItem, j, slot, rules: TileRules):
+    """The pairs of tile ``(query rows, key tile j)`` that may attend and its pairwise tiles:
+    (allowed or None, the bias tile or None, score_mod with its derivative or None), the mask
+    rules ``rules`` applied."""
+    cfg, c, tile = w.cfg, w.g.config, w.tile
+    allowed = None
+    if rules.structural:
+        allowed = masking.structural_allowed(
+            cfg.mask, lax.broadcast_in_dim(item.q_start + w.query_offsets(), tile, (0,)),
+            lax.broadcast_in_dim(j * c.block_kv + w.key_offsets(), tile, (1,)), item.q_len,
+            item.kv_len, item.offset)
+    score_mod = None
+    if item.mods is not None:  # on the fragment's global indices
+        q_idx = w.rows_of(item.q_start + w.query_offsets())
+        kv_idx = lax.broadcast_in_dim(j * c.block_kv + w.key_offsets(), tile, (1,))
+        score_mod = functools.partial(item.mods.score, rows=q_idx, cols=kv_idx)
+        if rules.mask_mod:
+            allowed = masking.all_of([allowed, item.mods.allowed(q_idx, kv_idx)])
+    if item.query_ids is not None and rules.segments:  # the band walk: on every tile
+        allowed = masking.all_of([allowed, _same_segment(
+            item.query_ids, plgpu.load(w.kv_ids_ring.at[slot], layout=_COLS), tile)])
+    bias, mask = pairwise_tiles(w.pairwise, slot, w.own_rows, w.g.bias_dtype is not None,
+                                w.g.has_mask)
+    return masking.all_of([allowed, mask]), bias, score_mod
+
+
+def _dq_tile(w: _DqWarpgroup, item: _DqItem, j, carry, rules: TileRules):
+    """Key tile ``j`` against the warpgroup's rows: S = Q K^T and dP = dO V^T in one group,
+    P and dS in registers, dQ += dS K (and, with dbias, dS out through its ring stage)."""
+    cfg, g, c = w.cfg, w.g, w.g.config
+    k_ring, v_ring, poison_ring = w.rings
+    dq, step = carry
+    slot = lax.rem(step, c.num_stages)
+    _wait_all(w.produced, slot)
+    mine = _opaque_warpgroup(w.wg, step)
+    s, dp = _two_products(w.tile, w.q_all.at[mine], k_ring.at[slot], w.do_all.at[mine],
+                          v_ring.at[slot])
+    poison = plgpu.load(poison_ring.at[slot], layout=_COLS)
+    allowed, bias, score_mod = _dq_allowed(w, item, j, slot, rules)
+    row_max, log_sum, delta = item.stats
+    p, capped, slope = _probs(cfg, s, w.rows_of, row_max, log_sum, allowed, bias,
+                              lax.broadcast_in_dim(poison, w.tile, (1,)), score_mod)
+    if item.drop is not None:  # dropout: dP dropped as the forward dropped P
+        dp = item.drop(dp, item.q_start + w.query_offsets(), j * c.block_kv + w.key_offsets(), 0)
+    ds, dqk = _logits_gradient(p, dp, capped, w.rows_of, delta,
+                               _excludes(cfg, rules, item.query_ids is not None, g.has_mask),
+                               slope)
+    dq = _accumulate(dq, dqk.astype(g.dtype), k_ring.at[slot], w.interpreted)
+    if g.write_dbias:  # dS, without the soft cap's factor
+        rows = pl.ds(item.q_start, c.block_q)
+        _write_dbias(w.refs["dbias"].at[item.b, item.head, rows, pl.ds(j * c.block_kv, c.block_kv)],
+                     w.pairwise[0].at[slot, w.own_rows], ds, w.interpreted)
+    plgpu.barrier_arrive(w.consumed.at[slot])
+    return dq, step + 1
+
+
+def _dq_item(w: _DqWarpgroup, pair, head, b, step):
+    """One work item: the warpgroup's query rows against every key tile they may see, walked
+    as the producer streams them (``TileWalk``); dQ out."""
+    cfg, g, refs, c, wg = w.cfg, w.g, w.refs, w.g.config, w.wg
+    q_len, kv_len = refs["q_len"][b], refs["kv_len"][b]
+    offset = None if refs["offset"] is None else refs["offset"][b]
+    cta_start = pair * CONSUMERS * c.block_q
+    q_start = cta_start + wg * c.block_q
+    rows = pl.ds(q_start, c.block_q)
+    for src, dst, barrier in zip(
+            (refs["q"].at[b, rows, head], refs["do"].at[b, rows, head],
+             refs["row_max"].at[b, head, rows], refs["log_sum"].at[b, head, rows],
+             refs["delta"].at[b, head, rows]),
+            (w.q_own, w.do_own, *(ref.at[wg] for ref in w.row_vectors)), w.own_loaded):
+        plgpu.copy_gmem_to_smem(src, dst, barrier.at[wg])
+    lo, hi = masking.kv_block_range(cfg.mask, cta_start, CONSUMERS * c.block_q, c.block_kv,
+                                    q_len, kv_len, offset)
+    bounds = band_bounds(lo, hi, masking.kv_block_split(cfg.mask, q_start, c.block_q,
                                                         c.block_kv, q_len, kv_len, offset))
-        _wait_all(own_loaded, wg)
-        row_max, log_sum, delta = (plgpu.load(ref.at[wg], layout=_ROWS)
-                                   for ref in (max_own, log_sum_own, delta_own))
-        # The tile's own query ids once per item, by a plain load (2 per thread).
-        query_ids = None if kv_ids_ring is None else plgpu.load(
-            refs["q_ids"].at[b, rows], layout=_ROWS, optimized=False)
-        zeros = plgpu.layout_cast(jnp.zeros((c.block_q, g.head_dim), jnp.float32),
-                                  plgpu.Layout.WGMMA)
-        drop = _dropout(cfg, refs, b, head)
-        item_mods = tile_mods(cfg, b, head, refs["mod_aux"], g.mod_aux_types, gradient=True)
+    _wait_all(w.own_loaded, wg)
+    stats = tuple(plgpu.load(ref.at[wg], layout=_ROWS) for ref in w.row_vectors)
+    # The tile's own query ids once per item, by a plain load (2 per thread).
+    query_ids = None if w.kv_ids_ring is None else plgpu.load(
+        refs["q_ids"].at[b, rows], layout=_ROWS, optimized=False)
+    zeros = plgpu.layout_cast(jnp.zeros((c.block_q, g.head_dim), jnp.float32),
+                              plgpu.Layout.WGMMA)
+    drop = _dropout(cfg, refs, b, head)
+    item = _DqItem(b, head, q_start, q_len, kv_len, offset, stats, query_ids, drop,
+                   tile_mods(cfg, b, head, refs["mod_aux"], g.mod_aux_types, gradient=True))
+    dq, step = TileWalk.of(_tile_lists(refs), bounds, b, head, pair).visit(
+        functools.partial(_dq_tile, w, item), _pass_step(w.produced, w.consumed, c.num_stages),
+        (zeros, step))
+    w.q_own[...] = (dq * cfg.scale).astype(g.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(w.q_own, refs["dq"].at[b, rows, head])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the next item's Q lands there
+    return step
 
-        def attend(j, carry, rules: TileRules):
-            dq, step = carry
-            slot = lax.rem(step, c.num_stages)
-            _wait_all(produced, slot)
-            mine = _opaque_warpgroup(wg, step)
-            s, dp = _two_products(tile, q_all.at[mine], k_ring.at[slot], do_all.at[mine],
-                                  v_ring.at[slot])
-            poison = plgpu.load(poison_ring.at[slot], layout=_COLS)
-            allowed = None
-            if rules.structural:
-                allowed = masking.structural_allowed(
-                    cfg.mask, lax.broadcast_in_dim(q_start + query_offsets(), tile, (0,)),
-                    lax.broadcast_in_dim(j * c.block_kv + key_offsets(), tile, (1,)), q_len,
-                    kv_len, offset)
-            score_mod = None
-            if item_mods is not None:  # on the fragment's global indices
-                q_idx = rows_of(q_start + query_offsets())
-                kv_idx = lax.broadcast_in_dim(j * c.block_kv + key_offsets(), tile, (1,))
-                score_mod = functools.partial(item_mods.score, rows=q_idx, cols=kv_idx)
-                if rules.mask_mod:
-                    allowed = masking.all_of([allowed, item_mods.allowed(q_idx, kv_idx)])
-            if query_ids is not None and rules.segments:  # the band walk: on every tile
-                allowed = masking.all_of([allowed, _same_segment(
-                    query_ids, plgpu.load(kv_ids_ring.at[slot], layout=_COLS), tile)])
-            bias, mask = pairwise_tiles(pairwise, slot, own_rows, g.bias_dtype is not None,
-                                        g.has_mask)
-            allowed = masking.all_of([allowed, mask])
-            p, capped, slope = _probs(cfg, s, rows_of, row_max, log_sum, allowed, bias,
-                                      lax.broadcast_in_dim(poison, tile, (1,)), score_mod)
-            if drop is not None:  # dropout: dP dropped as the forward dropped P
-                dp = drop(dp, q_start + query_offsets(), j * c.block_kv + key_offsets(), 0)
-            ds, dqk = _logits_gradient(p, dp, capped, rows_of, delta,
-                                       _excludes(cfg, rules, query_ids is not None, g.has_mask), slope)
-            dq = _accumulate(dq, dqk.astype(g.dtype), k_ring.at[slot], interpreted)
-            if g.write_dbias:  # dS, without the soft cap's factor
-                _write_dbias(refs["dbias"].at[b, head, rows, pl.ds(j * c.block_kv, c.block_kv)],
-                             pairwise[0].at[slot, own_rows], ds, interpreted)
-            plgpu.barrier_arrive(consumed.at[slot])
-            return dq, step + 1
 
-        dq, step = _walk_tiles(_tile_lists(refs), bounds, b, head, pair, attend,
-                               _pass_step(produced, consumed, c.num_stages), (zeros, step))
-        q_own[...] = (dq * cfg.scale).astype(g.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_own, refs["dq"].at[b, rows, head])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the next item's Q lands there
-        return step
-
-    order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+def _dq_consumer(cfg, g: Geometry, order, refs, smem, barriers, interpreted):
+    """A dQ compute warpgroup: its query rows of each item against the streamed key tiles."""
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    w = _DqWarpgroup.create(cfg, g, refs, smem, barriers, interpreted)
+    order.loop(lax.axis_index("cta"), functools.partial(_dq_item, w), jnp.int32(0))
 
 
 def _write_dbias(target, stage, ds, interpreted: bool):
@@ -757,7 +918,7 @@ def _dq_walk(cfg, g: Geometry, refs):
         lo, hi = masking.kv_block_range(cfg.mask, pair * CONSUMERS * c.block_q,
                                         CONSUMERS * c.block_q, c.block_kv, refs["q_len"][b],
                                         refs["kv_len"][b], offset)
-        return 1, lambda _: streamed_tiles(_tile_lists(refs), (lo, hi), b, head, pair)
+        return 1, lambda _: TileWalk.of(_tile_lists(refs), (lo, hi), b, head, pair).streamed()
 
     def copies(pair, head, b, _, j, slot, smem, produced):
         k_ring, v_ring, poison_ring = smem[5:8]
@@ -851,15 +1012,7 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
         # As the forward reads it; with dbias, dQ's bias tile is the stage of its dS tile.
         bias = bias.astype(jnp.float32)
     mask = None if mask is None else mask.astype(jnp.int8)  # TMA moves no 1-bit elements
-    # dQ's tiles are (queries, keys) as given; dK/dV's are (keys, queries): one XLA transpose,
-    # to float32 (a 16-bit bias converted in dK/dV's registers spilled 12-16 bytes at D=128;
-    # float32 none). The last axis padded to 16 bytes (TMA strides); the padded pairs lie past
-    # the lengths.
-    dq_pairwise = {name: None if x is None else rows_of_sixteen_bytes(x)
-                   for name, x in (("bias", bias), ("mask", mask))}
-    dkdv_pairwise = {name: None if x is None else rows_of_sixteen_bytes(jnp.swapaxes(x, 2, 3))
-                     for name, x in (("bias", None if bias is None else bias.astype(jnp.float32)),
-                                     ("mask", mask))}
+    dq_pairwise, dkdv_pairwise = _pairwise_operands(bias, mask)
     batch, lq, heads, head_dim = q.shape
     lk, kv_heads = k.shape[1], k.shape[2]
     listed = masking.MaskInputs(q_len, kv_len, q_segment_ids, kv_segment_ids, None, offset,
@@ -872,36 +1025,18 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     cfg = dataclasses.replace(cfg, mask=masking.with_padding(
         cfg.mask, queries_padded=lq % (CONSUMERS * config.block_q) != 0,
         keys_padded=lk % (CONSUMERS * config.block_kv) != 0))
-    # The non-finite rule (the module's docstring), one XLA pass.
-    query_poison = online_softmax.row_poison(q).transpose(0, 2, 1)       # [B, Hq, Lq]
-    key_poison = online_softmax.key_poison(k, v).transpose(0, 2, 1)      # [B, Hkv, Lk]
-    q, k, v = map(online_softmax.finite_or_zero, (q, k, v))
-    poisoned_k = k + online_softmax.per_row(key_poison.transpose(0, 2, 1)).astype(k.dtype)
-    d_out = d_out.astype(q.dtype)
-
-    pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, -x.shape[1] % ROW_MULTIPLE), (0, 0), (0, 0)))
-    q, d_out, k, v, poisoned_k = map(pad_rows, (q, d_out, k, v, poisoned_k))
+    query_poison, key_poison, q, k, v, poisoned_k, d_out = _finite_operands(q, k, v, d_out)
     g = Geometry(batch, q.shape[1], k.shape[1], heads, kv_heads, head_dim, jnp.dtype(q.dtype),
                  config, has_segments=q_segment_ids is not None,
                  bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
                  has_mask=mask is not None, write_dbias=write_dbias,
                  mod_aux_types=mod_aux_types(mod_aux if cfg.has_mods else ()))
-    pad_last = lambda x, multiple, value: jnp.pad(
-        x, ((0, 0), (0, 0), (0, -x.shape[-1] % multiple)), constant_values=value)
     per_query = CONSUMERS * config.block_q
-    row_max = pad_last(stats.max + query_poison, per_query, jnp.inf)
-    log_sum = pad_last(stats.log_sum, per_query, 0.0)
-    delta = pad_last(delta.astype(jnp.float32), per_query, 0.0)
-    key_poison = pad_last(key_poison, CONSUMERS * config.block_kv, 0.0)
-    q_ids = kv_ids = None
-    if g.has_segments:
-        # Whole CTAs, as the row vectors: every id a TMA copy or a load reads exists. The padded
-        # rows and keys lie past the lengths (the length rule is on there, and those tiles are
-        # always masked ones); distinct fills keep them apart all the same.
-        pad_ids = lambda ids, multiple, fill: pad_last(ids.astype(jnp.int32)[:, None], multiple,
-                                                       fill)[:, 0]
-        q_ids = pad_ids(q_segment_ids, per_query, -1)
-        kv_ids = pad_ids(kv_segment_ids, CONSUMERS * config.block_kv, -2)
+    row_max = _pad_last(stats.max + query_poison, per_query, jnp.inf)
+    log_sum = _pad_last(stats.log_sum, per_query, 0.0)
+    delta = _pad_last(delta.astype(jnp.float32), per_query, 0.0)
+    key_poison = _pad_last(key_poison, CONSUMERS * config.block_kv, 0.0)
+    q_ids, kv_ids = _segment_operands(q_segment_ids, kv_segment_ids, config)
     sms = {} if num_sms is None else {"num_sms": num_sms}
 
     if not cfg.dropout_rate:
@@ -946,6 +1081,52 @@ def backward_call(cfg: AttentionConfig, config: BackwardConfig, q, k, v, d_out, 
     if dbias is not None:
         dbias = vma.like(dbias[...][:, :, :lq, :lk], vma.axes_of(k, v))
     return dq[:, :lq], dk[:, :lk], dv[:, :lk], dbias
+
+
+def _pairwise_operands(bias, mask):
+    """The bias and (int8) mask as each kernel streams them: ``{"bias": .., "mask": ..}`` for
+    dQ and for dK/dV (None where absent). dQ's tiles are (queries, keys) as given; dK/dV's are
+    (keys, queries): one XLA transpose, to float32 (a 16-bit bias converted in dK/dV's
+    registers spilled 12-16 bytes at D=128; float32 none). The last axis padded to 16 bytes
+    (TMA strides); the padded pairs lie past the lengths."""
+    dq_pairwise = {name: None if x is None else rows_of_sixteen_bytes(x)
+                   for name, x in (("bias", bias), ("mask", mask))}
+    dkdv_pairwise = {name: None if x is None else rows_of_sixteen_bytes(jnp.swapaxes(x, 2, 3))
+                     for name, x in (("bias", None if bias is None else bias.astype(jnp.float32)),
+                                     ("mask", mask))}
+    return dq_pairwise, dkdv_pairwise
+
+
+def _finite_operands(q, k, v, d_out):
+    """The non-finite rule (the module's docstring), one XLA pass: (query poison [B, Hq, Lq],
+    key poison [B, Hkv, Lk], then q, k, v with their non-finite entries 0, K with its keys'
+    poison, and d_out in q's dtype, those five with Lq and Lk padded to multiples of 8)."""
+    query_poison = online_softmax.row_poison(q).transpose(0, 2, 1)       # [B, Hq, Lq]
+    key_poison = online_softmax.key_poison(k, v).transpose(0, 2, 1)      # [B, Hkv, Lk]
+    q, k, v = map(online_softmax.finite_or_zero, (q, k, v))
+    poisoned_k = k + online_softmax.per_row(key_poison.transpose(0, 2, 1)).astype(k.dtype)
+    d_out = d_out.astype(q.dtype)
+    pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, -x.shape[1] % ROW_MULTIPLE), (0, 0), (0, 0)))
+    q, d_out, k, v, poisoned_k = map(pad_rows, (q, d_out, k, v, poisoned_k))
+    return query_poison, key_poison, q, k, v, poisoned_k, d_out
+
+
+def _pad_last(x, multiple: int, value):
+    """``x`` [B, H, L] with L padded with ``value`` to a multiple of ``multiple``."""
+    return jnp.pad(x, ((0, 0), (0, 0), (0, -x.shape[-1] % multiple)), constant_values=value)
+
+
+def _segment_operands(q_segment_ids, kv_segment_ids, config: BackwardConfig):
+    """The segment ids as the kernels read them (int32, whole CTAs, as the row vectors: every id
+    a TMA copy or a load reads exists), or (None, None). The padded rows and keys lie past the
+    lengths (the length rule is on there, and those tiles are always masked ones); distinct
+    fills keep them apart all the same."""
+    if q_segment_ids is None:
+        return None, None
+    pad_ids = lambda ids, multiple, fill: _pad_last(ids.astype(jnp.int32)[:, None], multiple,
+                                                    fill)[:, 0]
+    return (pad_ids(q_segment_ids, CONSUMERS * config.block_q, -1),
+            pad_ids(kv_segment_ids, CONSUMERS * config.block_kv, -2))
 
 
 def _fused_call(cfg, g: Geometry, common, k, v, key_poison, order, interpret, lq, lk):

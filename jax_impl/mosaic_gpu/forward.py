@@ -17,19 +17,23 @@ warpgroups:
 - the *epilogue* (``_store``) of each consumer writes O through the shared memory that held
   its Q, and the natural-log row statistics (``RowStats``), with TMA stores.
 
-Each consumer walks every key tile of its CTA's range (the producer loads each once for both)
-in up to five stretches (``masking.kv_block_split`` of its own rows): tiles outside its own
-range only keep the ring and the schedule in step (``_pass``), tiles at the band's edges apply
-the structural mask rule (as two key bounds per row: ``masking.key_bounds_per_row``), the
-tiles inside it apply none (segment ids and a dense mask, when given, apply on every tile: the
-key tile's ids come by TMA with K into a ring of their own and are read from shared memory
-where they are compared; dropout, when asked, drops P after its row sum by the library's hash:
-``_Dropout``). Inside a consumer the attended tiles are
-pipelined (FA3's intra-warpgroup overlap, ``_pipelined_gemms``): tile j's S = Q K^T is issued
-with tile j-1's P V, and tile j's softmax runs while that P V is still on the tensor cores; the
-first attended tile is the prologue (no P V yet), an epilogue adds the last P V. With
-``Config.overlap=False`` (head_dim 256: O's accumulator takes half the registers) each tile's
-P V is waited before the next S (``sequential``).
+Producer and consumers walk one ``TileWalk`` (tile_walk.py): the CTA's band, or with segment
+ids, a ``block_mask`` or a mod its tile lists (the partial tiles, then the full ones). The
+producer loads each tile once for both consumers; a consumer walks the band in up to five
+stretches (``masking.kv_block_split`` of its own rows): tiles outside its own range only keep
+the ring and the schedule in step (``_pass_tile``), tiles at the band's edges apply the
+structural mask rule (as two key bounds per row: ``masking.key_bounds_per_row``), the tiles
+inside it apply none (segment ids and a dense mask, when given, apply on every tile: the key
+tile's ids come by TMA with K into a ring of their own and are read from shared memory where
+they are compared; dropout, when asked, drops P after its row sum by the library's hash:
+``_Dropout``). A consumer's state is explicit: ``_Warpgroup`` (what it holds for every item),
+``_ItemRows`` (for one item's rows) and ``_Carry`` (from tile to tile); each tile step is a
+function of them. The attended tiles are pipelined (FA3's intra-warpgroup overlap,
+``_next_tile`` over ``_pipelined_gemms``): tile j's S = Q K^T is issued with tile j-1's P V,
+and tile j's softmax (``_tile_softmax``) runs while that P V is still on the tensor cores; the
+first attended tile is the prologue (``_first_tile``: no P V yet), an epilogue (``_last_tile``)
+adds the last P V. With ``Config.overlap=False`` (head_dim 256: O's accumulator takes half the
+registers) each tile's P V is waited before the next S (``_sequential_tile``).
 A bias and a dense mask (``_Pairwise``) come through the ring with K: the memory warpgroup
 copies the CTA's ``[2 * block_q, block_kv]`` tile of each by TMA into a stage of their own ring
 (one *produced* barrier for both, one *consumed* barrier that the consumers arrive on once their
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,11 +61,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
-from jax_impl.kernel_tiles import (FULL_TILE, PARTIAL_TILE, ModAux, TileMods,
-                                           TileRules, broadcast_index, kernel_mod_aux,
-                                           mod_aux_operand, mod_aux_types, tile_lists)
+from jax_impl.kernel_tiles import (ModAux, TileMods, TileRules, kernel_mod_aux, mod_aux_operand,
+                                   mod_aux_types, tile_lists)
 from jax_impl.mosaic_gpu.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, Config
 from jax_impl.mosaic_gpu.scheduler import WorkOrder
+from jax_impl.mosaic_gpu.tile_walk import TileWalk, band_bounds
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per query row of a WGMMA tile
 _COLUMN = plgpu.Layout.WGMMA.reduce(0)  # one value per key column of a WGMMA tile
@@ -221,9 +226,7 @@ class _Item:
             self.q_start = cta_start + wg * c.block_q  # a row (a position unless packed)
             split = masking.kv_block_split(cfg.mask, *geometry.positions(self.q_start, c.block_q),
                                            c.block_kv, self.q_len, self.kv_len, self.offset)
-            # Inside the CTA's range (an empty own range may sit anywhere): five stretches.
-            self.bounds = [self.lo, *(jnp.minimum(jnp.maximum(x, self.lo), self.hi) for x in split),
-                           self.hi]
+            self.bounds = band_bounds(self.lo, self.hi, split)  # the own range's five stretches
 
 
 def _split_refs(refs, has_offset: bool, has_sinks: bool, has_segments: bool,
@@ -298,32 +301,6 @@ def tile_mods(cfg, b, head, aux_refs, aux_types, gradient: bool = False):
     return TileMods(cfg, jnp.asarray(b, jnp.int32), jnp.asarray(head, jnp.int32), views, gradient)
 
 
-def listed_tiles(lists, b, head, tile):
-    """The tiles that item ``(tile, head, b)`` visits, from the refs of ``common.tile_lists`` (scalars
-    read from global memory; batch and head axes broadcast where of size 1): the partial ones,
-    then the full ones, as ``[(count, index_of(t), TileRules)]``."""
-    counts, indices, full_counts, full_indices = lists
-    walk = []
-    for count_ref, index_ref, rules in ((counts, indices, PARTIAL_TILE),
-                                        (full_counts, full_indices, FULL_TILE)):
-        row = (broadcast_index(count_ref, 0, b), broadcast_index(count_ref, 1, head), tile)
-        walk.append((count_ref[row], lambda t, index_ref=index_ref, row=row: index_ref[(*row, t)],
-                     rules))
-    return walk
-
-
-def streamed_tiles(lists, band, b, head, tile):
-    """A memory warpgroup's walk of an item as ``(start, stop, index_of)``: the band
-    ``(lo, hi)`` when ``lists`` is None, else the listed tiles of ``listed_tiles`` in its order,
-    in one loop (one copy of the loop's TMA issue in the program)."""
-    if lists is None:
-        return (*band, lambda t: t)
-    (count, partial, _), (full_count, full, _) = listed_tiles(lists, b, head, tile)
-    last = lists[1].shape[-1] - 1  # both reads stay inside the lists; the select picks one
-    return 0, count + full_count, lambda t: jnp.where(
-        t < count, partial(jnp.minimum(t, last)), full(jnp.clip(t - count, 0, last)))
-
-
 def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem, barriers):
     """The memory warpgroup: every allowed K and V tile of each item, in order, into the ring."""
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
@@ -356,7 +333,7 @@ def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
                                   c.num_stages)
             return step + 1
 
-        start, stop, index_of = streamed_tiles(refs.tiles, (it.lo, it.hi), b, head, pair)
+        start, stop, index_of = TileWalk.of(refs.tiles, (it.lo, it.hi), b, head, pair).streamed()
         return lax.fori_loop(start, stop, lambda t, step: load(index_of(t), step), step)
 
     steps = order.loop(lax.axis_index("cta"), item, jnp.int32(0))
@@ -371,208 +348,281 @@ def _producer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem
             plgpu.barrier_wait(v_consumed.at[slot])
 
 
+# --- A compute warpgroup: its state, its tile steps, its item --------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Warpgroup:
+    """A compute warpgroup as each of its tile steps sees it: the call, its own slices of
+    shared memory, the ring's barriers and the per-tile constants."""
+
+    cfg: AttentionConfig
+    geometry: Geometry
+    refs: _KernelRefs
+    wg: object             # this warpgroup's index (traced)
+    q_all: object          # [CONSUMERS, block_q, D] smem: each warpgroup's Q, then its O
+    q_smem: object         # this warpgroup's Q / O, row max and row log-sum in smem
+    max_smem: object
+    log_sum_smem: object
+    k_smem: object         # [num_stages, block_kv, D] the K ring
+    v_smem: object         # [num_stages, block_kv, D] the V ring
+    key_ids: object        # [num_stages, block_kv] the key tiles' segment ids, or None
+    barriers: tuple        # Q loaded, K produced, V produced, K consumed, V consumed, schedule
+    pairwise: _Pairwise    # the bias and mask rings
+    own_rows: object       # this warpgroup's rows of a pairwise tile (pl.ds)
+    unit: float            # online_softmax.logits_unit: the logits are held as S / unit
+    interpreted: bool
+    # The ping-pong: arrive on the schedule barrier, wait for the other warpgroup (one function
+    # for the whole kernel: each pl.when of it traces one branch).
+    schedule_sync: object
+
+    @classmethod
+    def create(cls, cfg, geometry: Geometry, refs: _KernelRefs, smem, barriers,
+               interpreted: bool) -> "_Warpgroup":
+        c = geometry.config
+        wg = lax.axis_index("wg")
+        q_all, k_smem, v_smem, max_smem, log_sum_smem = smem[:5]
+        key_ids = smem[-1] if geometry.has_segments else None
+        schedule = barriers[5]
+
+        def schedule_sync():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        return cls(cfg, geometry, refs, wg, q_all, q_all.at[wg], max_smem.at[wg],
+                   log_sum_smem.at[wg], k_smem, v_smem, key_ids, tuple(barriers[:6]),
+                   _Pairwise(refs, smem, barriers), pl.ds(wg * c.block_q, c.block_q),
+                   online_softmax.logits_unit(cfg, refs.bias is not None), interpreted,
+                   schedule_sync)
+
+    @property
+    def config(self) -> Config:
+        return self.geometry.config
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        return self.config.block_q, self.config.block_kv
+
+    q_loaded = property(lambda self: self.barriers[0])
+    k_produced = property(lambda self: self.barriers[1])
+    v_produced = property(lambda self: self.barriers[2])
+    k_consumed = property(lambda self: self.barriers[3])
+    v_consumed = property(lambda self: self.barriers[4])
+
+    def own_q(self, step):
+        """Q as S = Q K^T reads it, indexed by ``wg`` in a form the compiler cannot prove
+        loop-invariant (``step`` is never negative): its wgmma descriptor is formed beside each
+        GEMM instead of hoisted out of the loop over work items and kept live (D=128 causal
+        with segment ids: 12 bytes spilled); backward._opaque_warpgroup does the same."""
+        return self.q_all.at[jnp.where(step >= 0, self.wg, 0)]
+
+    def key_iota(self):
+        return plgpu.broadcasted_iota(jnp.int32, self.tile, 1, layout=plgpu.Layout.WGMMA)
+
+    def row_positions(self, first):
+        """The query position of each of the warpgroup's rows from ``first`` (packed: G rows
+        per position)."""
+        rows = first + plgpu.broadcasted_iota(jnp.int32, (self.config.block_q,), 0, layout=_ROW)
+        g = self.geometry.group_rows
+        return rows if g == 1 else lax.div(rows, jnp.int32(g))
+
+
+class _ItemRows(NamedTuple):
+    """What a compute warpgroup holds for one item's rows across its key tiles."""
+
+    it: _Item
+    q_segments: object    # [block_q] int32 in the row layout, or None
+    dropout: object       # _Dropout or None
+    mods: object          # kernel_tiles.TileMods or None
+
+
+class _Carry(NamedTuple):
+    """A compute warpgroup's state from key tile to key tile (``online_softmax.online_step``'s
+    m and l, O's accumulator, the P whose P V is still to come)."""
+
+    acc: object       # [block_q, D] float32: O times l
+    row_max: object   # [block_q] float32 (in units of ``_Warpgroup.unit``)
+    row_sum: object   # [block_q] float32
+    p_prev: object    # [block_q, block_kv] 16-bit: the last tile's P, its P V not yet added
+    step: object      # the ring's tile counter: it selects the slot
+
+
+def _structural_allowed(w: _Warpgroup, it: _Item, s, j):
+    """The structural mask rule on key tile ``j`` as two key bounds per row
+    (``masking.key_bounds_per_row``): bool, S's shape."""
+    # (With key lengths alone the bounds do not read the rows: an unused iota fails layout
+    # inference.)
+    rows = w.row_positions(it.q_start) if w.cfg.mask.varies_by_row else None
+    lo, hi = masking.key_bounds_per_row(w.cfg.mask, rows, j * w.config.block_kv, it.q_len,
+                                        it.kv_len, it.offset)
+    per_row = lambda x: x if x is None or jnp.ndim(x) == 0 else \
+        online_softmax.rows_to(x, s)  # a bound may be absent or one scalar
+    return masking.within_bounds(w.key_iota(), per_row(lo), per_row(hi))
+
+
+def _tile_softmax(w: _Warpgroup, rows: _ItemRows, s, j, slot, rules: TileRules, row_max,
+                  row_sum):
+    """The online softmax of key tile ``j``'s logits (in ring stage ``slot``), the per-pair
+    ``rules`` applied: (rescale, P in fp32, m, l). Releases K's stage once its key ids are
+    read, and the pairwise stage once its tiles are."""
+    same = None
+    if rows.q_segments is not None and rules.segments:  # the band walk: on every tile
+        kv_segments = plgpu.load(w.key_ids.at[slot], layout=_COLUMN, optimized=False)
+        same = (online_softmax.rows_to(rows.q_segments, s)
+                == lax.broadcast_in_dim(kv_segments, w.tile, (1,)))
+    plgpu.barrier_arrive(w.k_consumed.at[slot])
+    bias, allowed = w.pairwise.read(slot, w.own_rows)
+    t = s if w.unit != 1.0 else online_softmax.logits(s, w.cfg, bias)[0]
+    if rows.mods is not None:  # on the fragment's global indices
+        q_idx = online_softmax.rows_to(w.row_positions(rows.it.q_start), s)
+        kv_idx = j * w.config.block_kv + w.key_iota()
+        t = rows.mods.score(t, q_idx, kv_idx)[0]
+        if rules.mask_mod:
+            allowed = masking.all_of([allowed, rows.mods.allowed(q_idx, kv_idx)])
+    if rules.structural and w.cfg.mask.restricts:
+        allowed = masking.all_of([allowed, _structural_allowed(w, rows.it, s, j)])
+    allowed = masking.all_of([allowed, same])
+    rescale, p, row_max, row_sum = online_softmax.online_step(
+        row_max, row_sum, t, allowed, base2=True, unit=w.unit)
+    w.pairwise.release(slot)
+    return rescale, p, row_max, row_sum
+
+
+def _dropped(w: _Warpgroup, rows: _ItemRows, p, j):
+    """P as P V reads it: dropout after the row sum (l is the undropped P's), and after
+    P_{j-1} V's wait, so that the hash's registers are not taken while that GEMM holds O and
+    P_{j-1}."""
+    p = p if rows.dropout is None else rows.dropout.apply(p, j)
+    return p.astype(w.geometry.dtype)
+
+
+def _end_of_tile(w: _Warpgroup, slot, state):
+    """After a tile's softmax: the other warpgroup's GEMMs go; then this tile's V."""
+    # JAX's and tokamax's kernels: finishing the softmax before the barrier keeps the other
+    # warpgroup's GEMMs from splitting it.
+    state = lax.optimization_barrier(state)
+    plgpu.barrier_arrive(w.barriers[5])
+    plgpu.barrier_wait(w.v_produced.at[slot])
+    plgpu.barrier_wait(w.barriers[5])
+    return state
+
+
+def _first_tile(w: _Warpgroup, rows: _ItemRows, j, carry: _Carry,
+                rules: TileRules = TileRules.band(True)) -> _Carry:
+    """The first key tile the warpgroup attends: S, its softmax, no P V yet (the pipeline's
+    prologue; in the band walk the mask rule is applied, right for any tile)."""
+    acc, row_max, row_sum, _, step = carry
+    slot = lax.rem(step, w.config.num_stages)
+    plgpu.barrier_wait(w.k_produced.at[slot])
+
+    def logits(s_ref):
+        plgpu.wgmma(s_ref, w.own_q(step), w.k_smem.at[slot].T)
+        w.schedule_sync()  # the other warpgroup's GEMMs go next
+        return s_ref[...]
+
+    s = pl.run_scoped(logits, plgpu.ACC(w.tile, jnp.float32))
+    rescale, p, row_max, row_sum = _tile_softmax(w, rows, s, j, slot, rules, row_max, row_sum)
+    p = _dropped(w, rows, p, j)
+    acc = acc * online_softmax.rows_to(rescale, acc)
+    acc, row_max, row_sum, p = _end_of_tile(w, slot, (acc, row_max, row_sum, p))
+    return _Carry(acc, row_max, row_sum, p, step + 1)
+
+
+def _next_tile(w: _Warpgroup, rows: _ItemRows, j, carry: _Carry, rules: TileRules) -> _Carry:
+    """Key tile ``j`` (FA3's intra-warpgroup pipelining): S_j = Q K_j^T and
+    O += P_{j-1} V_{j-1} are issued together, tile j's softmax runs once S_j is ready while
+    P V may still run on the tensor cores, then O takes tile j's rescale."""
+    acc, row_max, row_sum, p_prev, step = carry
+    c = w.config
+    slot = lax.rem(step, c.num_stages)
+    prev = lax.rem(step + c.num_stages - 1, c.num_stages)
+    plgpu.barrier_wait(w.k_produced.at[slot])
+
+    def between(s, row_max=row_max, row_sum=row_sum):
+        return _tile_softmax(w, rows, s, j, slot, rules, row_max, row_sum)
+
+    acc, (rescale, p, row_max, row_sum) = _pipelined_gemms(
+        acc, w.own_q(step), w.k_smem.at[slot], p_prev, w.v_smem.at[prev], w.schedule_sync,
+        between, w.interpreted)
+    plgpu.barrier_arrive(w.v_consumed.at[prev])
+    # P in 16 bits only now: registers that the next P V reads, written while this one runs,
+    # make ptxas serialise every wgmma (its warning C7513).
+    p = _dropped(w, rows, p, j)
+    acc = acc * online_softmax.rows_to(rescale, acc)
+    acc, row_max, row_sum, p = _end_of_tile(w, slot, (acc, row_max, row_sum, p))
+    return _Carry(acc, row_max, row_sum, p, step + 1)
+
+
+def _last_tile(w: _Warpgroup, carry: _Carry) -> _Carry:
+    """The pipeline's epilogue: O += P V of the last attended tile."""
+    prev = lax.rem(carry.step + w.config.num_stages - 1, w.config.num_stages)
+    acc = _accumulate_values(carry.acc, carry.p_prev, w.v_smem.at[prev], w.interpreted)
+    plgpu.barrier_arrive(w.v_consumed.at[prev])
+    return carry._replace(acc=acc)
+
+
+def _sequential_tile(w: _Warpgroup, rows: _ItemRows, j, carry: _Carry,
+                     rules: TileRules) -> _Carry:
+    """Key tile ``j`` without the overlap (``Config.overlap=False``): P_{j-1} V_{j-1} waited,
+    then S_j and its softmax with no GEMM in flight beside them."""
+    return _first_tile(w, rows, j, _last_tile(w, carry), rules)
+
+
+def _pass_tile(w: _Warpgroup, j, carry: _Carry) -> _Carry:
+    """A tile of the CTA's range that none of this warpgroup's rows may see: the ring's
+    barriers and the schedule go on as if it were read."""
+    slot = lax.rem(carry.step, w.config.num_stages)
+    plgpu.barrier_wait(w.k_produced.at[slot])
+    plgpu.barrier_arrive(w.k_consumed.at[slot])
+    w.pairwise.pass_(slot)
+    w.schedule_sync()
+    plgpu.barrier_wait(w.v_produced.at[slot])
+    plgpu.barrier_arrive(w.v_consumed.at[slot])
+    w.schedule_sync()
+    return carry._replace(step=carry.step + 1)
+
+
+def _consumer_item(w: _Warpgroup, pair, head, b, step):
+    """One work item's ``block_q`` rows: Q in, the item's tiles walked as the producer streams
+    them (``TileWalk``), O and the row statistics out. -> the ring's step after it."""
+    c, refs = w.config, w.refs
+    it = _Item(w.cfg, w.geometry, refs, pair, head, b, w.wg)
+    plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(it.q_start, c.block_q), head], w.q_smem,
+                            w.q_loaded.at[w.wg])
+    sink = None if refs.sinks is None else _sink(refs.sinks, b, head, it.q_start, c.block_q)
+    row_max, row_sum = (plgpu.layout_cast(x, _ROW) for x in dropout_sinks.initial_stats(
+        None if sink is None else sink / w.unit, (c.block_q,)))
+    # Segment ids by plain loads from global memory (a few bytes per row and key).
+    q_segments = None if refs.q_segments is None else plgpu.load(
+        refs.q_segments.at[b, pl.ds(it.q_start, c.block_q)], layout=_ROW, optimized=False)
+    dropout = None if refs.seeds is None else _Dropout.create(w.cfg, refs, it, c)
+    rows = _ItemRows(it, q_segments, dropout,
+                     tile_mods(w.cfg, b, head, refs.mod_aux, w.geometry.mod_aux_types))
+    acc = plgpu.layout_cast(jnp.zeros((c.block_q, w.geometry.head_dim), jnp.float32),
+                            plgpu.Layout.WGMMA)
+    plgpu.barrier_wait(w.q_loaded.at[w.wg])
+    pl.when(w.wg == 1)(w.schedule_sync)  # one phase behind warpgroup 0: the ping-pong
+    p_prev = plgpu.layout_cast(jnp.zeros(w.tile, w.geometry.dtype), plgpu.Layout.WGMMA)
+    # The band's five stretches (pass, masked, unmasked, masked, pass: the attended ones
+    # contiguous), or the CTA's listed tiles, the partial ones then the full ones, the same
+    # for both warpgroups and the producer. The first attended tile is the prologue.
+    walk = TileWalk.of(refs.tiles, it.bounds, b, head, pair)
+    carry = walk.visit_pipelined(
+        functools.partial(_first_tile, w, rows),
+        functools.partial(_next_tile if c.overlap else _sequential_tile, w, rows),
+        functools.partial(_last_tile, w), functools.partial(_pass_tile, w),
+        _Carry(acc, row_max, row_sum, p_prev, step))
+    pl.when(w.wg == 0)(w.schedule_sync)
+    _store(w.geometry, refs, it, carry.acc, carry.row_max * w.unit, carry.row_sum, w.q_smem,
+           w.max_smem, w.log_sum_smem)
+    return carry.step
+
+
 def _consumer(cfg, geometry: Geometry, order: WorkOrder, refs: _KernelRefs, smem, barriers,
               interpreted: bool):
     """A compute warpgroup: its ``block_q`` rows of each item against the ring's key tiles."""
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    c = geometry.config
-    wg = lax.axis_index("wg")
-    q_smem, k_smem, v_smem, max_smem, log_sum_smem = smem[:5]
-    key_ids = smem[-1] if geometry.has_segments else None
-    q_loaded, k_produced, v_produced, k_consumed, v_consumed, schedule = barriers[:6]
-    q_all = q_smem
-    q_smem, max_smem, log_sum_smem = q_smem.at[wg], max_smem.at[wg], log_sum_smem.at[wg]
-    # Q as S = Q K^T reads it, indexed by ``wg`` in a form the compiler cannot prove
-    # loop-invariant (``step`` is never negative): its wgmma descriptor is formed beside each
-    # GEMM instead of hoisted out of the loop over work items and kept live (D=128 causal with
-    # segment ids: 12 bytes spilled); backward._opaque_warpgroup does the same.
-    own_q = lambda step: q_all.at[jnp.where(step >= 0, wg, 0)]
-    pairwise = _Pairwise(refs, smem, barriers)
-    own_rows = pl.ds(wg * c.block_q, c.block_q)  # this warpgroup's rows of a pairwise tile
-    tile = (c.block_q, c.block_kv)
-    unit = online_softmax.logits_unit(cfg, refs.bias is not None)  # one multiply fewer a logit
-    key_iota = lambda: plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
-    row_iota = lambda: plgpu.broadcasted_iota(jnp.int32, (c.block_q,), 0, layout=_ROW)
-    # The query position of each of the warpgroup's rows (packed: G rows per position).
-    row_positions = (lambda first: first + row_iota()) if geometry.group_rows == 1 else (
-        lambda first: lax.div(first + row_iota(), jnp.int32(geometry.group_rows)))
-
-    def schedule_sync():
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
-
-    def item(pair, head, b, step):
-        it = _Item(cfg, geometry, refs, pair, head, b, wg)
-        plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(it.q_start, c.block_q), head], q_smem,
-                                q_loaded.at[wg])
-        sink = None if refs.sinks is None else _sink(refs.sinks, b, head, it.q_start, c.block_q)
-        row_max, row_sum = (plgpu.layout_cast(x, _ROW) for x in dropout_sinks.initial_stats(
-            None if sink is None else sink / unit, (c.block_q,)))
-        # Segment ids by plain loads from global memory (a few bytes per row and key).
-        q_segments = None if refs.q_segments is None else plgpu.load(
-            refs.q_segments.at[b, pl.ds(it.q_start, c.block_q)], layout=_ROW, optimized=False)
-        dropout = None if refs.seeds is None else _Dropout.create(cfg, refs, it, c)
-        item_mods = tile_mods(cfg, b, head, refs.mod_aux, geometry.mod_aux_types)
-        acc = plgpu.layout_cast(jnp.zeros((c.block_q, geometry.head_dim), jnp.float32),
-                                plgpu.Layout.WGMMA)
-        plgpu.barrier_wait(q_loaded.at[wg])
-        pl.when(wg == 1)(schedule_sync)  # one phase behind warpgroup 0: the ping-pong
-
-        def softmax_of(s, j, slot, rules: TileRules, row_max, row_sum):
-            """The online softmax of key tile ``j``'s logits (in ring stage ``slot``), the
-            per-pair ``rules`` applied: (rescale, P in fp32, stats). Releases K's stage once
-            its key ids are read."""
-            same = None
-            if q_segments is not None and rules.segments:  # the band walk: on every tile
-                kv_segments = plgpu.load(key_ids.at[slot], layout=_COLUMN, optimized=False)
-                same = (online_softmax.rows_to(q_segments, s)
-                        == lax.broadcast_in_dim(kv_segments, tile, (1,)))
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            bias, allowed = pairwise.read(slot, own_rows)
-            t = s if unit != 1.0 else online_softmax.logits(s, cfg, bias)[0]
-            if item_mods is not None:  # on the fragment's global indices
-                q_idx = online_softmax.rows_to(row_positions(it.q_start), s)
-                kv_idx = j * c.block_kv + key_iota()
-                t = item_mods.score(t, q_idx, kv_idx)[0]
-                if rules.mask_mod:
-                    allowed = masking.all_of([allowed, item_mods.allowed(q_idx, kv_idx)])
-            if rules.structural and cfg.mask.restricts:  # (an unused iota fails layout inference:
-                # with key lengths alone the bounds do not read the rows)
-                rows = row_positions(it.q_start) if cfg.mask.varies_by_row else None
-                lo, hi = masking.key_bounds_per_row(cfg.mask, rows, j * c.block_kv, it.q_len,
-                                                    it.kv_len, it.offset)
-                per_row = lambda x: x if x is None or jnp.ndim(x) == 0 else \
-                    online_softmax.rows_to(x, s)  # a bound may be absent or one scalar
-                structural = masking.within_bounds(key_iota(), per_row(lo), per_row(hi))
-                allowed = masking.all_of([allowed, structural])
-            allowed = masking.all_of([allowed, same])
-            rescale, p, row_max, row_sum = online_softmax.online_step(
-                row_max, row_sum, t, allowed, base2=True, unit=unit)
-            pairwise.release(slot)
-            return rescale, p, row_max, row_sum
-
-        def dropped(p, j):
-            """P as P V reads it: dropout after the row sum (l is the undropped P's), and
-            after P_{j-1} V's wait, so that the hash's registers are not taken while that
-            GEMM holds O and P_{j-1}."""
-            p = p if dropout is None else dropout.apply(p, j)
-            return p.astype(geometry.dtype)
-
-        def end_of_tile(slot, state):
-            """After a tile's softmax: the other warpgroup's GEMMs go; then this tile's V."""
-            # JAX's and tokamax's kernels: finishing the softmax before the barrier keeps the
-            # other warpgroup's GEMMs from splitting it.
-            state = lax.optimization_barrier(state)
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(v_produced.at[slot])
-            plgpu.barrier_wait(schedule)
-            return state
-
-        def first(j, carry, rules: TileRules = TileRules.band(True)):
-            """The first key tile this warpgroup attends: S, its softmax, no P V yet (the
-            pipeline's prologue; in the band walk the mask rule is applied, right for any
-            tile)."""
-            acc, row_max, row_sum, p_prev, step = carry
-            slot = lax.rem(step, c.num_stages)
-            plgpu.barrier_wait(k_produced.at[slot])
-
-            def logits(s_ref):
-                plgpu.wgmma(s_ref, own_q(step), k_smem.at[slot].T)
-                schedule_sync()  # the other warpgroup's GEMMs go next
-                return s_ref[...]
-
-            s = pl.run_scoped(logits, plgpu.ACC(tile, jnp.float32))
-            rescale, p, row_max, row_sum = softmax_of(s, j, slot, rules, row_max, row_sum)
-            p = dropped(p, j)
-            acc = acc * online_softmax.rows_to(rescale, acc)
-            acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
-            return acc, row_max, row_sum, p, step + 1
-
-        def sequential(j, carry, rules: TileRules):
-            """Key tile ``j`` without the overlap (``Config.overlap=False``): P_{j-1} V_{j-1}
-            waited, then S_j and its softmax with no GEMM in flight beside them."""
-            return first(j, last(carry), rules)
-
-        def attend(j, carry, rules: TileRules):
-            """Key tile ``j`` (FA3's intra-warpgroup pipelining): S_j = Q K_j^T and
-            O += P_{j-1} V_{j-1} are issued together, tile j's softmax runs once S_j is ready
-            while P V may still run on the tensor cores, then O takes tile j's rescale."""
-            acc, row_max, row_sum, p_prev, step = carry
-            slot = lax.rem(step, c.num_stages)
-            prev = lax.rem(step + c.num_stages - 1, c.num_stages)
-            plgpu.barrier_wait(k_produced.at[slot])
-
-            def between(s, row_max=row_max, row_sum=row_sum):
-                return softmax_of(s, j, slot, rules, row_max, row_sum)
-
-            acc, (rescale, p, row_max, row_sum) = _pipelined_gemms(
-                acc, own_q(step), k_smem.at[slot], p_prev, v_smem.at[prev], schedule_sync, between,
-                interpreted)
-            plgpu.barrier_arrive(v_consumed.at[prev])
-            # P in 16 bits only now: registers that the next P V reads, written while this
-            # one runs, make ptxas serialise every wgmma (its warning C7513).
-            p = dropped(p, j)
-            acc = acc * online_softmax.rows_to(rescale, acc)
-            acc, row_max, row_sum, p = end_of_tile(slot, (acc, row_max, row_sum, p))
-            return acc, row_max, row_sum, p, step + 1
-
-        def last(carry):
-            """The pipeline's epilogue: O += P V of the last attended tile."""
-            acc, row_max, row_sum, p_prev, step = carry
-            prev = lax.rem(step + c.num_stages - 1, c.num_stages)
-            acc = _accumulate_values(acc, p_prev, v_smem.at[prev], interpreted)
-            plgpu.barrier_arrive(v_consumed.at[prev])
-            return acc, row_max, row_sum, p_prev, step
-
-        def pass_(j, carry):
-            """A tile of the CTA's range that none of this warpgroup's rows may see: the ring's
-            barriers and the schedule go on as if it were read."""
-            slot = lax.rem(carry[-1], c.num_stages)
-            plgpu.barrier_wait(k_produced.at[slot])
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            pairwise.pass_(slot)
-            schedule_sync()
-            plgpu.barrier_wait(v_produced.at[slot])
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            schedule_sync()
-            return (*carry[:-1], carry[-1] + 1)
-
-        p_prev = plgpu.layout_cast(jnp.zeros(tile, geometry.dtype), plgpu.Layout.WGMMA)
-        carry = (acc, row_max, row_sum, p_prev, step)
-        body = attend if c.overlap else sequential
-        if refs.tiles is None:
-            # The stretches (kv_block_split): pass, masked, unmasked, masked, pass. The attended
-            # ones are contiguous: the first of them is the prologue, the others pipelined.
-            b = it.bounds
-            carry = lax.fori_loop(b[0], b[1], pass_, carry)
-            attends = b[1] < b[4]
-            carry = lax.cond(attends, lambda x: first(b[1], x), lambda x: x, carry)
-            after_first = b[1] + 1
-            for start, stop, masked in ((b[1], b[2], True), (b[2], b[3], False),
-                                        (b[3], b[4], True)):
-                carry = lax.fori_loop(jnp.maximum(start, after_first), stop, functools.partial(
-                    body, rules=TileRules.band(masked)), carry)
-            carry = lax.cond(attends, last, lambda x: x, carry)
-            carry = lax.fori_loop(b[4], b[5], pass_, carry)
-        else:
-            # The CTA's listed tiles, the partial ones then the full ones, the same for both
-            # warpgroups and the producer (a tile none of a warpgroup's rows may see is computed
-            # masked: its P is 0). The first listed tile is the prologue.
-            done = jnp.int32(0)  # tiles attended so far
-            for count, index_of, rules in listed_tiles(refs.tiles, it.b, head, pair):
-                carry = lax.cond((done == 0) & (count > 0), lambda x, index_of=index_of,
-                                 rules=rules: first(index_of(0), x, rules), lambda x: x, carry)
-                carry = lax.fori_loop(jnp.where(done == 0, 1, 0), count,
-                                      lambda t, x, index_of=index_of, rules=rules: body(
-                                          index_of(t), x, rules), carry)
-                done = done + count
-            carry = lax.cond(done > 0, last, lambda x: x, carry)
-        acc, row_max, row_sum, _, step = carry
-        pl.when(wg == 0)(schedule_sync)
-        _store(geometry, refs, it, acc, row_max * unit, row_sum, q_smem, max_smem, log_sum_smem)
-        return step
-
-    order.loop(lax.axis_index("cta"), item, jnp.int32(0))
+    w = _Warpgroup.create(cfg, geometry, refs, smem, barriers, interpreted)
+    order.loop(lax.axis_index("cta"), functools.partial(_consumer_item, w), jnp.int32(0))
 
 
 def _sink(sinks, b, head, first_row, num_rows: int):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -168,7 +169,14 @@ def _refs(names, refs):
     return named
 
 
+def _list_refs(r: dict) -> tuple:
+    """The tile lists' scalar-prefetch refs, in ``common.TileLists.operands``' order."""
+    return r["counts"], r["tiles"], r["full"]
+
+
 def _dkdv_kernel(*refs, names, st: _Static, groups: int, lists: common.TileLists):
+    """Grid step (b, kv head, key tile j, t): query tile ``step`` of head ``t // steps`` of the
+    group in key tile j's list (``lists``: the walk its index maps read too), if visited."""
     r = _refs(names, refs)
     b, kv_head, j, t = (pl.program_id(n) for n in range(4))
     g, step = lax.div(t, lists.steps), lax.rem(t, lists.steps)  # lax: no sign op (no Mosaic rule)
@@ -181,7 +189,7 @@ def _dkdv_kernel(*refs, names, st: _Static, groups: int, lists: common.TileLists
         r["dv_acc"][...] = jnp.zeros_like(r["dv_acc"])
 
     def tile(masked):
-        i = r["tiles"][lists.entry(b, h, j, step)]
+        i = lists.kv_tile(_list_refs(r), b, h, j, step)
         q, do = r["q"][...], r["do"][...]
         p, dqk, _ = _tile_gradients(st, r, b, h, i, j, q, r["k"][...], r["v"][...], do,
                                     r["max"][...], r["log_sum"][...], r["delta"][...], masked)
@@ -189,8 +197,8 @@ def _dkdv_kernel(*refs, names, st: _Static, groups: int, lists: common.TileLists
         r["dv_acc"][...] += common.dot_tn(p.astype(do.dtype), do, st.precision)
         r["dk_acc"][...] += common.dot_tn(dqk.astype(q.dtype), q, st.precision)
 
-    visited = step < r["counts"][lists.row(b, h, j)]
-    full = r["full"][lists.entry(b, h, j, step)] != 0
+    visited = lists.visited(_list_refs(r), b, h, j, step)
+    full = lists.is_full(_list_refs(r), b, h, j, step)
     pl.when(visited & ~full)(lambda: tile(True))
     pl.when(visited & full)(lambda: tile(False))
 
@@ -201,9 +209,11 @@ def _dkdv_kernel(*refs, names, st: _Static, groups: int, lists: common.TileLists
 
 
 def _dq_kernel(*refs, names, st: _Static, lists: common.TileLists):
+    """Grid step (b, h, query tile i, t): key tile ``t`` of query tile i's list (``lists``: the
+    walk its index maps read too), if visited."""
     r = _refs(names, refs)
     b, h, i, t = (pl.program_id(n) for n in range(4))
-    count = r["counts"][lists.row(b, h, i)]
+    count = lists.count(_list_refs(r), b, h, i)
 
     @pl.when(t == 0)
     def _():
@@ -214,7 +224,7 @@ def _dq_kernel(*refs, names, st: _Static, lists: common.TileLists):
                 r["dbias"][...] = jnp.zeros_like(r["dbias"])
 
     def tile(masked):
-        j = r["tiles"][lists.entry(b, h, i, t)]
+        j = lists.kv_tile(_list_refs(r), b, h, i, t)
         k = r["k"][...]
         _, dqk, ds = _tile_gradients(st, r, b, h, i, j, r["q"][...], k, r["v"][...], r["do"][...],
                                      r["max"][...], r["log_sum"][...], r["delta"][...], masked)
@@ -223,7 +233,7 @@ def _dq_kernel(*refs, names, st: _Static, lists: common.TileLists):
             r["dbias"][...] = ds
 
     visited = t < count
-    full = r["full"][lists.entry(b, h, i, t)] != 0
+    full = lists.is_full(_list_refs(r), b, h, i, t)
     pl.when(visited & ~full)(lambda: tile(True))
     pl.when(visited & full)(lambda: tile(False))
 
@@ -253,26 +263,37 @@ def backward(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, sta
     return dq, dk, dv, dbias, tuple(None for _ in extras.mod_aux)  # no mod_aux is read here
 
 
-def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats,
-                      d_out, delta, extras):
-    batch, lq, hq, d = q.shape
-    lk, hkv = k.shape[1], k.shape[2]
-    groups = hq // hkv
-    tiles = blocks(cfg, lq, lk, common.mask_tiles(masks))
-    # Sequences padded to whole tiles of both kernels: the padded positions lie at or past the
-    # lengths (the length rules are on: ``spec``), their rows have max = +inf (P = 0), and the
-    # tile lists (built for Lq, Lk) never call their tiles full.
-    lq_pad = common.round_up(lq, max(tiles.q_dkv, tiles.q_dq))
-    lk_pad = common.round_up(lk, max(tiles.k_dkv, tiles.k_dq))
-    spec = dataclasses.replace(cfg.mask, has_q_lengths=True, has_kv_lengths=True)
+class _Operands(NamedTuple):
+    """The backward's operands as both kernels read them: heads first, padded to whole tiles
+    of both kernels, q, k and v with their non-finite entries as 0."""
+
+    q: object          # [B, Hq, Lq_pad, D]
+    k: object          # [B, Hkv, Lk_pad, D]
+    v: object          # [B, Hkv, Lk_pad, D]
+    do: object         # [B, Hq, Lq_pad, D]
+    row_max: object    # [B, Hq, Lq_pad, 1] float32 (padded rows: +inf, so P = 0)
+    log_sum: object    # [B, Hq, Lq_pad, 1] float32
+    delta: object      # [B, Hq, Lq_pad, 1] float32
+    q_poison: object   # [B, Hq, Lq_pad, 1] float32, NaN or 0
+    k_poison: object   # [B, Hkv, 1, Lk_pad] float32, NaN or 0
+    bias: object       # [Bb, Hb, Lq_pad, Lk_pad] or None
+    masks: masking.MaskInputs  # segment ids and the dense mask padded alike
+    aux: tuple         # the mod_aux operands
+
+
+def _operands(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats, d_out,
+              delta, extras, lq_pad: int, lk_pad: int) -> _Operands:
+    """Sequences padded to whole tiles of both kernels: the padded positions lie at or past the
+    lengths (the length rules are on: ``_Static.mask_cfg``), their rows have max = +inf (P = 0),
+    and the tile lists (built for Lq, Lk) never call their tiles full. The non-finite rule once
+    per call: finite operands, and each query row's and key's poison."""
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)                       # [B, L, H, D] -> [B, H, L, D]
-    # The non-finite rule, once per call: finite operands, and each query row's and key's poison.
-    q_poison = _pad(online_softmax.row_poison(q).transpose(0, 2, 1), 2, lq_pad)[..., None]  # [B, Hq, Lq, 1]
-    k_poison = _pad(online_softmax.key_poison(k, v).transpose(0, 2, 1), 2, lk_pad)[:, :, None]  # [B, Hkv, 1, Lk]
+    q_poison = _pad(online_softmax.row_poison(q).transpose(0, 2, 1), 2, lq_pad)[..., None]
+    k_poison = _pad(online_softmax.key_poison(k, v).transpose(0, 2, 1), 2, lk_pad)[:, :, None]
     qh, kh, vh = (_pad(heads_first(online_softmax.finite_or_zero(x)), 2, length)
                   for x, length in ((q, lq_pad), (k, lk_pad), (v, lk_pad)))
     doh = _pad(heads_first(d_out), 2, lq_pad)
-    per_row = lambda x, value=0: _pad(x.astype(jnp.float32), 2, lq_pad, value)[..., None]  # [..., 1]
+    per_row = lambda x, value=0: _pad(x.astype(jnp.float32), 2, lq_pad, value)[..., None]
     row_max, log_sum, delta = per_row(stats.max, jnp.inf), per_row(stats.log_sum), per_row(delta)
     bias = None if bias is None else _pad(_pad(bias, 2, lq_pad), 3, lk_pad)
     padded_masks = masks._replace(
@@ -280,107 +301,135 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
         kv_segment_ids=_pad(masks.kv_segment_ids, 1, lk_pad),
         mask=None if masks.mask is None else _pad(_pad(masks.mask, 2, lq_pad, False), 3, lk_pad, False))
     aux = tuple(map(mod_aux_operand, extras.mod_aux)) if cfg.has_mods else ()
-    st = _Static(cfg, dataclasses.replace(cfg, mask=spec), 0, 0, common.mxu_precision(cfg, q.dtype),
-                 has_offset=masks.position_offset is not None,
-                 has_segments=masks.q_segment_ids is not None, has_mask=masks.mask is not None,
-                 has_bias=bias is not None, has_dropout=bool(cfg.dropout_rate),
-                 has_dropout_offset=extras.dropout_offset is not None,
-                 aux_types=mod_aux_types(aux),
-                 seeds_shape=None if not cfg.dropout_rate else tuple(extras.dropout_seeds.shape))
-    seeds = None
-    if cfg.dropout_rate:  # [Bs, Hs] uint32 -> flat int32 (SMEM holds 32-bit words)
-        seeds = lax.bitcast_convert_type(extras.dropout_seeds.astype(jnp.uint32), jnp.int32).reshape(-1)
+    return _Operands(qh, kh, vh, doh, row_max, log_sum, delta, q_poison, k_poison, bias,
+                     padded_masks, aux)
 
-    def scalars(lists):
+
+class _Call(NamedTuple):
+    """One backward call as the wrappers of both kernels see it."""
+
+    st: _Static
+    ops: _Operands
+    masks: masking.MaskInputs  # the call's own (the tile lists are built for Lq and Lk)
+    seeds: object              # [Bs * Hs] int32 dropout seeds, or None
+    extras: object             # dropout_sinks.SinksAndDropout
+    tiles: Blocks
+    lq: int
+    lk: int
+    groups: int                # query heads per kv head
+    like: object               # q as given: the outputs vary (inside shard_map) as it does
+    operand_bytes: int         # q, k, v, dO and the three row vectors
+    pairs: int                 # B * Hq * Lq * Lk
+
+    def scalars(self, lists: common.TileLists) -> dict:
         """Scalar-prefetch operands by name (SMEM): the tile lists, lengths, offsets, seeds."""
+        masks, extras = self.masks, self.extras
         named = {"counts": lists.counts, "tiles": lists.indices, "full": lists.full,
                  "q_len": masks.q_len.astype(jnp.int32), "kv_len": masks.kv_len.astype(jnp.int32)}
         if masks.position_offset is not None:
             named["offset"] = masks.position_offset.astype(jnp.int32)
-        if seeds is not None:
-            named["seeds"] = seeds
+        if self.seeds is not None:
+            named["seeds"] = self.seeds
         if extras.dropout_offset is not None:
             named["dropout_offset"] = extras.dropout_offset.astype(jnp.int32)
         return named
 
-    itemsize = lambda x: x.size * x.dtype.itemsize
-    operand_bytes = sum(itemsize(x) for x in (q, k, v, d_out)) + 3 * 4 * batch * hq * lq
-    pairs = batch * hq * lq * lk
 
-    # dK/dV: grid (B, Hkv, key tiles, G x query steps).
-    bq, bk = tiles.q_dkv, tiles.k_dkv
-    st_dkv = dataclasses.replace(st, block_q=bq, block_k=bk)
-    lists = common.tile_lists(cfg, masks, lq, lk, bq, bk, transposed=True)
-    named_scalars = scalars(lists)
+def _dkdv_call(call: _Call, k, v):
+    """dK/dV: grid (B, Hkv, key tiles, G x query steps), each key tile's list of query tiles
+    (transposed ``common.tile_lists``: the walk its index maps and its kernel read)."""
+    st, ops, groups = call.st, call.ops, call.groups
+    batch, hkv, _, d = ops.k.shape
+    bq, bk = call.tiles.q_dkv, call.tiles.k_dkv
+    lists = common.tile_lists(st.cfg, call.masks, call.lq, call.lk, bq, bk, transposed=True)
+    named_scalars = call.scalars(lists)
     scalar_names = list(named_scalars)
-    static_lists = _static(lists)
+    walk = _static(lists)
     head = lambda kvh, t: kvh * groups + lax.div(t, lists.steps)
     # The query tile of step t: entry t mod steps of (b, head, key tile j)'s list.
-    query_tile = lambda b, kvh, j, t, counts, tiles, *_: tiles[
-        static_lists.entry(b, head(kvh, t), j, lax.rem(t, lists.steps))]
-    q_spec = pl.BlockSpec((None, None, bq, d), lambda b, kvh, j, t, *s: (b, head(kvh, t), query_tile(b, kvh, j, t, *s), 0))
-    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, kvh, j, t, *s: (b, head(kvh, t), query_tile(b, kvh, j, t, *s), 0))
+    query_tile = lambda b, kvh, j, t, *s: walk.kv_tile(s, b, head(kvh, t), j,
+                                                       lax.rem(t, lists.steps))
+    q_spec = pl.BlockSpec((None, None, bq, d), lambda b, kvh, j, t, *s: (
+        b, head(kvh, t), query_tile(b, kvh, j, t, *s), 0))
+    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, kvh, j, t, *s: (
+        b, head(kvh, t), query_tile(b, kvh, j, t, *s), 0))
     kv_spec = pl.BlockSpec((None, None, bk, d), lambda b, kvh, j, t, *s: (b, kvh, j, 0))
     pair_spec = lambda x: pl.BlockSpec((None, None, bq, bk), lambda b, kvh, j, t, *s: (
         _broadcast(x, 0, b), _broadcast(x, 1, head(kvh, t)), query_tile(b, kvh, j, t, *s), j))
-    inputs = {"q": (qh, q_spec), "k": (kh, kv_spec), "v": (vh, kv_spec), "do": (doh, q_spec),
-              "max": (row_max, row_spec), "log_sum": (log_sum, row_spec), "delta": (delta, row_spec),
-              "q_poison": (q_poison, row_spec),
-              "k_poison": (k_poison, pl.BlockSpec((None, None, 1, bk), lambda b, kvh, j, t, *s: (b, kvh, 0, j)))}
-    _add_mask_inputs(inputs, padded_masks, bias, aux, pair_spec,
+    inputs = {"q": (ops.q, q_spec), "k": (ops.k, kv_spec), "v": (ops.v, kv_spec),
+              "do": (ops.do, q_spec), "max": (ops.row_max, row_spec),
+              "log_sum": (ops.log_sum, row_spec), "delta": (ops.delta, row_spec),
+              "q_poison": (ops.q_poison, row_spec),
+              "k_poison": (ops.k_poison, pl.BlockSpec((None, None, 1, bk), lambda b, kvh, j, t, *s: (
+                  b, kvh, 0, j)))}
+    _add_mask_inputs(inputs, ops.masks, ops.bias, ops.aux, pair_spec,
                      q_seg=lambda b, kvh, j, t, *s: (b, query_tile(b, kvh, j, t, *s), 0),
                      kv_seg=lambda b, kvh, j, t, *s: (b, 0, j), bq=bq, bk=bk)
     names = scalar_names + list(inputs) + ["dk", "dv", "dk_acc", "dv_acc"]
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, names=names, st=st_dkv, groups=groups,
-                          lists=static_lists),
+    itemsize = lambda x: x.size * x.dtype.itemsize
+    return pl.pallas_call(
+        functools.partial(_dkdv_kernel, names=names,
+                          st=dataclasses.replace(st, block_q=bq, block_k=bk), groups=groups,
+                          lists=walk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalar_names), grid=(batch, hkv, lists.rows, groups * lists.steps),
+            num_scalar_prefetch=len(scalar_names),
+            grid=(batch, hkv, lists.rows, groups * lists.steps),
             in_specs=[spec for _, spec in inputs.values()], out_specs=[kv_spec, kv_spec],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * 2),
-        out_shape=[vma.out_struct(kh.shape, k.dtype, q), vma.out_struct(vh.shape, v.dtype, q)],
+        out_shape=[vma.out_struct(ops.k.shape, k.dtype, call.like),
+                   vma.out_struct(ops.v.shape, v.dtype, call.like)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(flops=8 * pairs * d, transcendentals=pairs,
-                                      bytes_accessed=operand_bytes + itemsize(k) + itemsize(v)),
-        interpret=_interpret(cfg), name="flash_attention_tpu_dkdv",
+        cost_estimate=pl.CostEstimate(
+            flops=8 * call.pairs * d, transcendentals=call.pairs,
+            bytes_accessed=call.operand_bytes + itemsize(k) + itemsize(v)),
+        interpret=_interpret(st.cfg), name="flash_attention_tpu_dkdv",
     )(*named_scalars.values(), *(x for x, _ in inputs.values()))
 
-    # dQ (and dbias): grid (B, Hq, query tiles, key steps).
-    bq, bk = tiles.q_dq, tiles.k_dq
-    st_dq = dataclasses.replace(st, block_q=bq, block_k=bk)
-    lists = common.tile_lists(cfg, masks, lq, lk, bq, bk)
-    named_scalars = scalars(lists)
-    static_lists = _static(lists)
-    key_tile = lambda b, h, i, t, counts, tiles, *_: tiles[static_lists.entry(b, h, i, t)]
+
+def _dq_call(call: _Call, q):
+    """dQ (and dbias): grid (B, Hq, query tiles, key steps), each query tile's list of key
+    tiles (``common.tile_lists``: the walk its index maps and its kernel read). -> (dq, dS
+    [B, Hq, Lq_pad, Lk_pad] float32 with ``cfg.bias_gradient`` and a bias, else None)."""
+    st, ops, groups = call.st, call.ops, call.groups
+    batch, hq, lq_pad, d = ops.q.shape
+    lk_pad = ops.k.shape[2]
+    bq, bk = call.tiles.q_dq, call.tiles.k_dq
+    lists = common.tile_lists(st.cfg, call.masks, call.lq, call.lk, bq, bk)
+    named_scalars = call.scalars(lists)
+    scalar_names = list(named_scalars)
+    walk = _static(lists)
+    key_tile = lambda b, h, i, t, *s: walk.kv_tile(s, b, h, i, t)
     q_spec = pl.BlockSpec((None, None, bq, d), lambda b, h, i, t, *s: (b, h, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, t, *s: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, d), lambda b, h, i, t, *s: (b, lax.div(h, groups), key_tile(b, h, i, t, *s), 0))
+    kv_spec = pl.BlockSpec((None, None, bk, d), lambda b, h, i, t, *s: (
+        b, lax.div(h, groups), key_tile(b, h, i, t, *s), 0))
     pair_spec = lambda x: pl.BlockSpec((None, None, bq, bk), lambda b, h, i, t, *s: (
         _broadcast(x, 0, b), _broadcast(x, 1, h), i, key_tile(b, h, i, t, *s)))
-    inputs = {"q": (qh, q_spec), "k": (kh, kv_spec), "v": (vh, kv_spec), "do": (doh, q_spec),
-              "max": (row_max, row_spec), "log_sum": (log_sum, row_spec), "delta": (delta, row_spec),
-              "q_poison": (q_poison, row_spec),
-              "k_poison": (k_poison, pl.BlockSpec((None, None, 1, bk), lambda b, h, i, t, *s: (
+    inputs = {"q": (ops.q, q_spec), "k": (ops.k, kv_spec), "v": (ops.v, kv_spec),
+              "do": (ops.do, q_spec), "max": (ops.row_max, row_spec),
+              "log_sum": (ops.log_sum, row_spec), "delta": (ops.delta, row_spec),
+              "q_poison": (ops.q_poison, row_spec),
+              "k_poison": (ops.k_poison, pl.BlockSpec((None, None, 1, bk), lambda b, h, i, t, *s: (
                   b, lax.div(h, groups), 0, key_tile(b, h, i, t, *s))))}
-    _add_mask_inputs(inputs, padded_masks, bias, aux, pair_spec,
+    _add_mask_inputs(inputs, ops.masks, ops.bias, ops.aux, pair_spec,
                      q_seg=lambda b, h, i, t, *s: (b, i, 0),
                      kv_seg=lambda b, h, i, t, *s: (b, 0, key_tile(b, h, i, t, *s)), bq=bq, bk=bk)
-    out_specs, out_shape, outputs = [q_spec], [vma.out_struct(qh.shape, q.dtype, q)], ["dq"]
+    out_specs, out_shape, outputs = [q_spec], [vma.out_struct(ops.q.shape, q.dtype, call.like)], ["dq"]
     aliases = {}
-    write_dbias = bias is not None and cfg.bias_gradient
+    write_dbias = ops.bias is not None and st.cfg.bias_gradient
     if write_dbias:  # zeros in, updated in place: the skipped tiles stay 0
         aliases = {len(named_scalars) + len(inputs): 1}
-        inputs["dbias_zeros"] = (vma.like(jnp.zeros((batch, hq, lq_pad, lk_pad), jnp.float32), vma.axes_of(q)),
-                                 pl.BlockSpec(memory_space=pl.ANY))
+        inputs["dbias_zeros"] = (vma.like(jnp.zeros((batch, hq, lq_pad, lk_pad), jnp.float32),
+                                          vma.axes_of(call.like)), pl.BlockSpec(memory_space=pl.ANY))
         out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda b, h, i, t, *s: (
             b, h, i, key_tile(b, h, i, t, *s))))
-        out_shape.append(vma.out_struct((batch, hq, lq_pad, lk_pad), jnp.float32, q))
+        out_shape.append(vma.out_struct((batch, hq, lq_pad, lk_pad), jnp.float32, call.like))
         outputs.append("dbias")
     names = scalar_names + list(inputs) + outputs + ["dq_acc"]
     results = pl.pallas_call(
-        functools.partial(_dq_kernel, names=names, st=st_dq,
-                          lists=static_lists),
+        functools.partial(_dq_kernel, names=names,
+                          st=dataclasses.replace(st, block_q=bq, block_k=bk), lists=walk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_names), grid=(batch, hq, lists.rows, lists.steps),
             in_specs=[spec for _, spec in inputs.values()], out_specs=out_specs,
@@ -388,13 +437,42 @@ def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskIn
         out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(flops=6 * pairs * d, transcendentals=pairs,
-                                      bytes_accessed=operand_bytes + itemsize(q)
-                                      + (4 * pairs if write_dbias else 0)),
-        interpret=_interpret(cfg), name="flash_attention_tpu_dq",
+        cost_estimate=pl.CostEstimate(
+            flops=6 * call.pairs * d, transcendentals=call.pairs,
+            bytes_accessed=call.operand_bytes + q.size * q.dtype.itemsize
+            + (4 * call.pairs if write_dbias else 0)),
+        interpret=_interpret(st.cfg), name="flash_attention_tpu_dq",
     )(*named_scalars.values(), *(x for x, _ in inputs.values()))
-    dq = results[0]
-    dbias = results[1][:, :, :lq, :lk] if write_dbias else None
+    return results[0], results[1] if write_dbias else None
+
+
+def _backward_kernels(cfg: AttentionConfig, q, k, v, bias, masks: masking.MaskInputs, stats,
+                      d_out, delta, extras):
+    batch, lq, hq, _ = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    tiles = blocks(cfg, lq, lk, common.mask_tiles(masks))
+    lq_pad = common.round_up(lq, max(tiles.q_dkv, tiles.q_dq))
+    lk_pad = common.round_up(lk, max(tiles.k_dkv, tiles.k_dq))
+    ops = _operands(cfg, q, k, v, bias, masks, stats, d_out, delta, extras, lq_pad, lk_pad)
+    spec = dataclasses.replace(cfg.mask, has_q_lengths=True, has_kv_lengths=True)
+    st = _Static(cfg, dataclasses.replace(cfg, mask=spec), 0, 0, common.mxu_precision(cfg, q.dtype),
+                 has_offset=masks.position_offset is not None,
+                 has_segments=masks.q_segment_ids is not None, has_mask=masks.mask is not None,
+                 has_bias=ops.bias is not None, has_dropout=bool(cfg.dropout_rate),
+                 has_dropout_offset=extras.dropout_offset is not None,
+                 aux_types=mod_aux_types(ops.aux),
+                 seeds_shape=None if not cfg.dropout_rate else tuple(extras.dropout_seeds.shape))
+    seeds = None
+    if cfg.dropout_rate:  # [Bs, Hs] uint32 -> flat int32 (SMEM holds 32-bit words)
+        seeds = lax.bitcast_convert_type(extras.dropout_seeds.astype(jnp.uint32), jnp.int32).reshape(-1)
+    itemsize = lambda x: x.size * x.dtype.itemsize
+    call = _Call(st, ops, masks, seeds, extras, tiles, lq, lk, hq // hkv, q,
+                 operand_bytes=sum(itemsize(x) for x in (q, k, v, d_out)) + 3 * 4 * batch * hq * lq,
+                 pairs=batch * hq * lq * lk)
+    dk, dv = _dkdv_call(call, k, v)
+    dq, dbias = _dq_call(call, q)
+    dbias = None if dbias is None else dbias[:, :, :lq, :lk]
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)
     return heads_first(dq[:, :, :lq]), heads_first(dk[:, :, :lk]), heads_first(dv[:, :, :lk]), dbias
 
 

@@ -25,6 +25,7 @@ As in the forward, loads and stores past Lq, Lk and D are masked (layout.py).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,95 @@ from jax_impl import dropout_sinks, masking, online_softmax, vma
 from jax_impl.config import AttentionConfig
 from jax_impl.pallas_triton import common, heuristics
 from jax_impl.pallas_triton.layout import Layout, load, store, tiles, within
+
+
+class _KeyTile(NamedTuple):
+    """What a dK/dV program holds of its key tile across the query tiles it walks."""
+
+    k: jax.Array                # [bk, Dp] with the keys' poison (NaN rows), else finite
+    v: jax.Array                # [bk, Dp] finite
+    cols: jax.Array             # [bk, 1] key positions
+    ok: jax.Array | None        # [bk] inside Lk (layout.within)
+    feature_ok: jax.Array | None   # [Dp] inside D (layout.features_within)
+    segment_ids: jax.Array | None  # [bk]
+    q_len: jax.Array
+    kv_len: jax.Array
+    offset: jax.Array | None    # position offset (ring), or None
+
+
+class _QueryRefs(NamedTuple):
+    """The dK/dV kernel's refs of the query side, [.., Lq_tiled, G, ..] for the kv head's
+    group (None where not given)."""
+
+    q: object
+    do: object
+    row_max: object
+    log_sum: object
+    delta: object
+    segment_ids: object
+    mask: object
+    bias: object
+    dropout_offset: object
+    poison: object
+
+
+def _transposed_pair_tile(ref, g, queries, query_ok, key_ok):
+    """A [bq, bk] tile of the mask or bias of the group's head ``g``, loaded transposed to
+    [bk, bq] (its head axis may be broadcast: an array index, not a Python int, which the
+    interpreter's masked load cannot take); None without one."""
+    if ref is None:
+        return None
+    head = jnp.int32(0) if ref.shape[0] == 1 else g
+    return load(ref.at[head, queries, :], query_ok, key_ok).T
+
+
+def _dkdv_query_tile(cfg: AttentionConfig, layout: Layout, refs: _QueryRefs, key: _KeyTile, g,
+                     seed, mods, i, acc, rules: common.TileRules):
+    """Query tile ``i`` of the group's head ``g`` against the program's key tile, on the
+    transposed tiles: the mask (``rules``), S^T, P^T recomputed from the RowStats, dP^T, then
+    dV += P^T dO and dK += dS^T Q into ``acc`` ({"dk", "dv"} or one of them)."""
+    block_q = layout.blocks.block_q_dkv
+    queries = pl.ds(i * block_q, block_q)
+    query_positions = i * block_q + jnp.arange(block_q, dtype=jnp.int32)  # [bq]
+    # An interior tile (not structural) lies below q_len <= Lq: no load of it needs a mask.
+    query_ok = within(query_positions, layout.lq) if rules.structural else None
+    q, do = (load(ref.at[queries, g, :], query_ok, key.feature_ok) for ref in (refs.q, refs.do))
+    rows = query_positions[None, :]                                   # queries: [1, bq]
+    per_query = lambda ref: load(ref.at[g, queries], query_ok)        # [bq]
+    # Segment equality is symmetric: (kv ids, q ids) gives the [bk, bq] orientation.
+    segments = rules.segments and refs.segment_ids is not None
+    allowed = masking.allowed(
+        cfg.mask, rows, key.cols, key.q_len, key.kv_len, key.segment_ids if segments else None,
+        load(refs.segment_ids.at[queries], query_ok) if segments else None,
+        _transposed_pair_tile(refs.mask, g, queries, query_ok, key.ok),
+        structural=rules.structural, position_offset=key.offset)
+    if mods is not None and rules.mask_mod:
+        allowed = masking.all_of([allowed, mods.allowed(rows, key.cols)])
+    qk = common.dot(key.k, q, cfg.precision, trans_b=True)           # S^T: [bk, bq]
+    # The query rows' poison on every tile: q must stay finite for dK += dS^T Q.
+    s, capped = online_softmax.logits(
+        qk, cfg, _transposed_pair_tile(refs.bias, g, queries, query_ok, key.ok),
+        online_softmax.per_row(per_query(refs.poison), transposed=True))
+    slope = None
+    if mods is not None:
+        s, slope = mods.score(s, rows, key.cols)
+    attended = online_softmax.attended(s, allowed, refs.bias is not None or slope is not None)
+    stats = online_softmax.RowStats(per_query(refs.row_max), per_query(refs.log_sum))
+    p = online_softmax.recomputed_probs(s, stats, attended, base2=True, transposed=True)  # P^T
+    # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask (the same (query, key)
+    # hash, evaluated transposed).
+    keep = common.dropout_keep(cfg, seed, rows, key.cols, refs.dropout_offset)
+    drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
+    acc = dict(acc)
+    if "dk" in acc:  # dP before the dV dot: the order that compiles without spills (fp32)
+        dp = common.dot(key.v, do, cfg.precision, trans_b=True)      # dP^T = V dO^T
+        _, dqk = common.logits_gradient(p, drop(dp), per_query(refs.delta), capped, cfg, slope,
+                                        transposed=True, exclusions=attended is not None)
+    if "dv" in acc:
+        acc["dv"] += common.dot(drop(p).astype(do.dtype), do, cfg.precision)
+    if "dk" in acc:
+        acc["dk"] += common.dot(dqk.astype(q.dtype), q, cfg.precision)
+    return acc
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_len_ref, kv_len_ref,
@@ -59,69 +149,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q
     # so a key row made all NaN poisons every logit of the key, and the mask keeps it only at
     # the allowed pairs (dS and P are exactly 0 at the others).
     k = k + online_softmax.per_row(load(key_poison_ref, key_ok)).astype(k.dtype)
-    cols = key_positions[:, None]                                     # keys: [bk, 1]
-    kv_seg = None if kv_seg_ref is None else load(kv_seg_ref, key_ok)
+    key = _KeyTile(k, v, key_positions[:, None], key_ok, feature_ok,
+                   None if kv_seg_ref is None else load(kv_seg_ref, key_ok), q_len, kv_len, offset)
     band = None if lists_refs is not None else masking.q_block_split(
         cfg.mask, j * block_k, block_k, block_q, q_len, kv_len, offset)
     mods = common.TileMods.create(cfg, b, kv_head * groups, aux_refs, aux_types, gradient=True)
-    # The head of a mask/bias tile (its head axis may be broadcast; an array index, not a Python
-    # int, which the interpreter's masked load cannot take).
-    per_head = lambda ref, g: jnp.int32(0) if ref.shape[0] == 1 else g
-    # A [bq, bk] tile of the mask or bias, loaded transposed to [bk, bq].
-    pair_tile = lambda ref, g, queries, query_ok: None if ref is None else load(
-        ref.at[per_head(ref, g), queries, :], query_ok, key_ok).T
+    refs = _QueryRefs(q_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_seg_ref, mask_ref,
+                      bias_ref, dropout_offset_ref, query_poison_ref)
 
-    def query_head(g, carry):
+    def query_head(g, carry):  # the group's heads in order: one walk of the tiles each
         head = kv_head * groups + g
-        seed = common.per_head(seeds_ref, b, head)
-        head_mods = None if mods is None else mods.at_head(head)
-
-        def query_tile(i, acc, rules):
-            queries = pl.ds(i * block_q, block_q)
-            query_positions = i * block_q + jnp.arange(block_q, dtype=jnp.int32)  # [bq]
-            # An interior tile (not structural) lies below q_len <= Lq: no load of it needs a mask.
-            query_ok = within(query_positions, layout.lq) if rules.structural else None
-            q, do = (load(ref.at[queries, g, :], query_ok, feature_ok) for ref in (q_ref, do_ref))
-            rows = query_positions[None, :]                           # queries: [1, bq]
-            per_query = lambda ref: load(ref.at[g, queries], query_ok)  # [bq]
-            # Segment equality is symmetric: (kv ids, q ids) gives the [bk, bq] orientation.
-            segments = rules.segments and q_seg_ref is not None
-            allowed = masking.allowed(
-                cfg.mask, rows, cols, q_len, kv_len, kv_seg if segments else None,
-                load(q_seg_ref.at[queries], query_ok) if segments else None,
-                pair_tile(mask_ref, g, queries, query_ok), structural=rules.structural,
-                position_offset=offset)
-            if head_mods is not None and rules.mask_mod:
-                allowed = masking.all_of([allowed, head_mods.allowed(rows, cols)])
-            qk = common.dot(k, q, cfg.precision, trans_b=True)         # S^T: [bk, bq]
-            # The query rows' poison on every tile: q must stay finite for dK += dS^T Q.
-            s, capped = online_softmax.logits(
-                qk, cfg, pair_tile(bias_ref, g, queries, query_ok),
-                online_softmax.per_row(per_query(query_poison_ref), transposed=True))
-            slope = None
-            if head_mods is not None:
-                s, slope = head_mods.score(s, rows, cols)
-            attended = online_softmax.attended(s, allowed, bias_ref is not None or slope is not None)
-            stats = online_softmax.RowStats(per_query(max_ref), per_query(log_sum_ref))
-            p = online_softmax.recomputed_probs(s, stats, attended, base2=True,
-                                               transposed=True)  # P^T
-            # Dropout: dV = P_drop^T dO, and dP reaches P through the same mask (the same
-            # (query, key) hash, evaluated transposed).
-            keep = common.dropout_keep(cfg, seed, rows, cols, dropout_offset_ref)
-            drop = lambda x: dropout_sinks.apply_dropout(x, keep, cfg.dropout_rate)
-            acc = dict(acc)
-            if "dk" in acc:  # dP before the dV dot: the order that compiles without spills (fp32)
-                dp = common.dot(v, do, cfg.precision, trans_b=True)  # dP^T = V dO^T
-                _, dqk = common.logits_gradient(p, drop(dp), per_query(delta_ref), capped, cfg,
-                                                slope, transposed=True,
-                                                exclusions=attended is not None)
-            if "dv" in acc:
-                acc["dv"] += common.dot(drop(p).astype(do.dtype), do, cfg.precision)
-            if "dk" in acc:
-                acc["dk"] += common.dot(dqk.astype(q.dtype), q, cfg.precision)
-            return acc
-
-        return common.visit_tiles(lists_refs, band, b, head, j, query_tile, carry)
+        tile = functools.partial(_dkdv_query_tile, cfg, layout, refs, key, g,
+                                 common.per_head(seeds_ref, b, head),
+                                 None if mods is None else mods.at_head(head))
+        return common.visit_tiles(lists_refs, band, b, head, j, tile, carry)
 
     acc = lax.fori_loop(0, groups, query_head, {name: jnp.zeros(k.shape, jnp.float32) for name in outputs})
     scale = {"dk": cfg.scale, "dv": 1.0}  # dk's scale once, here
@@ -172,28 +213,64 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, max_ref, log_sum_ref, delta_ref, q_l
     store(dq_ref, (dq * cfg.scale).astype(dq_ref.dtype), query_ok, feature_ok)  # the scale once
 
 
+class _Inputs(NamedTuple):
+    """Both backward kernels' operands, in the order of their refs (None: not given, no ref)."""
+
+    q: jax.Array                # [B, Lq, Hq, D], non-finite entries as 0
+    k: jax.Array                # [B, Lk, Hkv, D], non-finite entries as 0
+    v: jax.Array                # [B, Lk, Hkv, D], non-finite entries as 0
+    d_out: jax.Array            # [B, Lq, Hq, D]
+    row_max: jax.Array          # [B, Hq, Lq] the forward's RowStats
+    log_sum: jax.Array          # [B, Hq, Lq]
+    delta: jax.Array            # [B, Hq, Lq] rowsum(dO * O)
+    q_len: jax.Array            # [B] int32
+    kv_len: jax.Array           # [B] int32
+    offset: object              # [B] int32 position offsets, or None
+    q_segment_ids: object       # [B, Lq] int32, or None
+    kv_segment_ids: object      # [B, Lk] int32, or None
+    mask: object                # [Bm, Hm, Lq, Lk] bool, or None
+    bias: object                # [Bb, Hb, Lq, Lk] float, or None
+    seeds: object               # dropout's [Bs, Hs] head seeds, or None
+    dropout_offset: object      # [2] int32, or None
+    query_poison: jax.Array     # [B, Hq, Lq] NaN or 0 per query row
+    key_poison: jax.Array       # [B, Hkv, Lk] NaN or 0 per key (its row of K or of V)
+
+
 def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, delta,
                   masks: masking.MaskInputs, mask, bias, seeds=None, dropout_offset=None, mod_aux=()):
     """Operands as the forward's -> (dq, dk, dv, dbias [B, Hq, Lq, Lk], or None without a bias or
     with ``cfg.bias_gradient`` False); tiles may reach past Lq, Lk and D (layout.py)."""
-    batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
-    lq_tiled, lk_tiled, d_tile, groups = layout.lq_tiled, layout.lk_tiled, layout.d_tile, hq // hkv
-    blocks = layout.blocks
-    lengths = [pl.BlockSpec((batch,), lambda *_: (0,))] * 2 + [
-        common.per_row_spec(masks.position_offset, batch)]
     # The non-finite rule, once per call (one XLA pass over q, k, v): both kernels read q, k and
     # v with their non-finite entries as 0, and the NaN-or-0 poison of each query row
     # [B, Hq, Lq] and each key [B, Hkv, Lk] (its row of K or of V), which every tile adds.
     query_poison = online_softmax.row_poison(q).transpose(0, 2, 1)
     key_poison = online_softmax.key_poison(k, v).transpose(0, 2, 1)
     finite = tuple(map(online_softmax.finite_or_zero, (q, k, v)))
-    inputs = (*finite, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len,
-              masks.position_offset, masks.q_segment_ids, masks.kv_segment_ids, mask, bias, seeds,
-              dropout_offset, query_poison, key_poison)
+    inputs = _Inputs(*finite, d_out, stats.max, stats.log_sum, delta, masks.q_len, masks.kv_len,
+                     masks.position_offset, masks.q_segment_ids, masks.kv_segment_ids, mask,
+                     bias, seeds, dropout_offset, query_poison, key_poison)
     aux = tuple(map(common.mod_aux_operand, mod_aux))
-    aux_types = common.mod_aux_types(mod_aux)
+    dk, dv = _dkdv_call(cfg, layout, inputs, masks, aux, common.mod_aux_types(mod_aux), q, k, v)
+    dq, dbias = _dq_call(cfg, layout, inputs, masks, aux, common.mod_aux_types(mod_aux), q)
+    # The kernels differentiated the finite copies: the gradient of finite_or_zero is 0 at the
+    # non-finite entries themselves, which no product read.
+    return dq, dk, dv, dbias
 
-    # dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group.
+
+def _lengths_specs(inputs: _Inputs):
+    """q_len, kv_len and the position offset: whole, in every program."""
+    batch = inputs.q_len.shape[0]
+    return [pl.BlockSpec((batch,), lambda *_: (0,))] * 2 + [
+        common.per_row_spec(inputs.offset, batch)]
+
+
+def _dkdv_call(cfg: AttentionConfig, layout: Layout, inputs: _Inputs, masks, aux, aux_types,
+               q, k, v):
+    """dK/dV: grid (key tile, batch, kv head); query-side operands hold the whole group. Two
+    calls, dV then dK, where heuristics.split_dkdv says both accumulators would not fit."""
+    batch, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
+    lq_tiled, d_tile, groups = layout.lq_tiled, layout.d_tile, hq // hkv
+    blocks = layout.blocks
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
     pair = lambda x: None if x is None else pl.BlockSpec(
         (None, groups if x.shape[1] > 1 else 1, lq_tiled, bk),
@@ -203,56 +280,62 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
     stats_group = pl.BlockSpec((None, groups, lq_tiled), lambda j, b, h: (b, h, 0))
     order = common.TileOrder(tiles(layout.lk, bk), masking.later_key_tiles_heavier(cfg.mask))
     lists = common.tile_lists(cfg, masks, layout.lq, layout.lk, bq, bk, transposed=True)
+    in_specs = [
+        q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *_lengths_specs(inputs),
+        None if inputs.q_segment_ids is None else pl.BlockSpec((None, lq_tiled), lambda j, b, h: (b, 0)),
+        None if inputs.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+        pair(inputs.mask), pair(inputs.bias), common.per_head_spec(inputs.seeds),
+        common.dropout_offset_spec(inputs.dropout_offset), stats_group,
+        pl.BlockSpec((None, None, bk), lambda j, b, h: (b, h, j)),  # key poison
+        common.tile_lists_spec(lists), common.mod_aux_specs(aux)]
     grads = {}
     split = heuristics.split_dkdv(layout.d_tile, blocks)
     for outputs in (("dv",), ("dk",)) if split else (("dk", "dv"),):
         grads.update(zip(outputs, pl.pallas_call(
             functools.partial(_dkdv_kernel, cfg=cfg, layout=layout, groups=groups, order=order,
                               outputs=outputs, aux_types=aux_types),
-            grid=(order.num_tiles, batch, hkv),
-            in_specs=list(map(order.spec, [
-                q_group, kv_tile, kv_tile, q_group, *[stats_group] * 3, *lengths,
-                None if masks.q_segment_ids is None else pl.BlockSpec((None, lq_tiled), lambda j, b, h: (b, 0)),
-                None if masks.kv_segment_ids is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-                pair(mask), pair(bias), common.per_head_spec(seeds),
-                common.dropout_offset_spec(dropout_offset), stats_group,
-                pl.BlockSpec((None, None, bk), lambda j, b, h: (b, h, j)),  # key poison
-                common.tile_lists_spec(lists), common.mod_aux_specs(aux)])),
+            grid=(order.num_tiles, batch, hkv), in_specs=list(map(order.spec, in_specs)),
             out_specs=[order.spec(kv_tile)] * len(outputs),
             out_shape=[vma.out_struct(k.shape, {"dk": k, "dv": v}[name].dtype, q) for name in outputs],
             interpret=cfg.interpret, debug=cfg.debug,
             name="flash_attention_backward_" + "".join(outputs),
             compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
         )(*inputs, lists, aux)))
-    dk, dv = grads["dk"], grads["dv"]
+    return grads["dk"], grads["dv"]
 
-    # dQ (and dbias): grid (query tile, batch, q head).
+
+def _dq_call(cfg: AttentionConfig, layout: Layout, inputs: _Inputs, masks, aux, aux_types, q):
+    """dQ (and dbias): grid (query tile, batch, q head). -> (dq, dbias or None). dbias: zeros
+    in, updated in place (input_output_aliases): the kernel writes only the band's tiles."""
+    batch, hq, hkv = q.shape[0], q.shape[2], inputs.k.shape[2]
+    lk_tiled, d_tile, groups = layout.lk_tiled, layout.d_tile, hq // hkv
+    blocks = layout.blocks
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
     pair = lambda x: None if x is None else pl.BlockSpec(
         (None, None, bq, lk_tiled),
         lambda i, b, h: (common.broadcast_index(x, 0, b), common.broadcast_index(x, 1, h), i, 0))
     lists = common.tile_lists(cfg, masks, layout.lq, layout.lk, bq, bk)
-    inputs = (*inputs, lists, aux)
+    operands = (*inputs, lists, aux)
     q_tile = pl.BlockSpec((None, bq, None, d_tile), lambda i, b, h: (b, i, h, 0))
     kv_all = pl.BlockSpec((None, lk_tiled, None, d_tile), lambda i, b, h: (b, 0, h // groups, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     in_specs = [
-        q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *lengths,
-        None if masks.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-        None if masks.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
-        pair(mask), pair(bias), common.per_head_spec(seeds),
-        common.dropout_offset_spec(dropout_offset), stats_tile,
+        q_tile, kv_all, kv_all, q_tile, *[stats_tile] * 3, *_lengths_specs(inputs),
+        None if inputs.q_segment_ids is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        None if inputs.kv_segment_ids is None else pl.BlockSpec((None, lk_tiled), lambda i, b, h: (b, 0)),
+        pair(inputs.mask), pair(inputs.bias), common.per_head_spec(inputs.seeds),
+        common.dropout_offset_spec(inputs.dropout_offset), stats_tile,
         pl.BlockSpec((None, None, lk_tiled), lambda i, b, h: (b, h // groups, 0)),  # key poison
         common.tile_lists_spec(lists), common.mod_aux_specs(aux)]
     out_specs = [q_tile]
     out_shape = [vma.out_struct(q.shape, q.dtype, q)]
-    write_dbias = bias is not None and cfg.bias_gradient
+    write_dbias = inputs.bias is not None and cfg.bias_gradient
     aliases = {}
-    if write_dbias:  # zeros in, updated in place: the kernel writes only the band's tiles
+    if write_dbias:
         dbias_tile = pl.BlockSpec((None, None, bq, lk_tiled), lambda i, b, h: (b, h, i, 0))
-        aliases = {len(jax.tree.leaves(inputs)): 1}  # operands that are None are not passed
+        aliases = {len(jax.tree.leaves(operands)): 1}  # operands that are None are not passed
         dbias_zeros = jnp.zeros((batch, hq, layout.lq, layout.lk), jnp.float32)
-        inputs = (*inputs, vma.like(dbias_zeros, vma.axes_of(q)))
+        operands = (*operands, vma.like(dbias_zeros, vma.axes_of(q)))
         in_specs.append(dbias_tile)
         out_specs.append(dbias_tile)
         out_shape.append(vma.out_struct(dbias_zeros.shape, jnp.float32, q))
@@ -265,12 +348,8 @@ def backward_call(cfg: AttentionConfig, layout: Layout, q, k, v, d_out, stats, d
         input_output_aliases=aliases,
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_backward_dq",
         compiler_params=common.compiler_params(blocks.num_warps_bwd, blocks.num_stages),
-    )(*inputs)
-    dq = results[0]
-    dbias = results[1] if write_dbias else None
-    # The kernels differentiated the finite copies: the gradient of finite_or_zero is 0 at the
-    # non-finite entries themselves, which no product read.
-    return dq, dk, dv, dbias
+    )(*operands)
+    return results[0], results[1] if write_dbias else None
 
 
 def _dq_kernel_no_dbias(*refs, **kwargs):

@@ -116,18 +116,11 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
     page_table [B, pages_per_sequence] int32 (page_size a multiple of 16: pages_unsupported)
     -> (out [B, Lq, Hq, D], RowStats [B, Hq, Lq]). score_mod and mask_mod are traced in, on
     each packed row's query head and row index."""
-    if masks.mask is not None or masks.q_segment_ids is not None or cfg.dropout_rate:
-        raise ValueError("pallas_triton.decode takes no dense mask, segment ids or dropout")
+    _check_call(cfg, q, k, masks, page_table)
     extras = extras or SinksAndDropout()
     b, lq, hq, d = q.shape
     hkv = k.shape[2]
     page_size = None if page_table is None else k.shape[1]
-    if page_table is not None:
-        reason = pages_unsupported(page_size=page_size) or decode_unsupported(q_len=lq)
-        if reason:
-            raise ValueError(f"pallas_triton.decode cannot read these pages: {reason}")
-        if page_table.ndim != 2 or page_table.shape[0] != b:
-            raise ValueError(f"page_table must be int32 [B={b}, pages_per_sequence]; got {page_table.shape}")
     lk = k.shape[1] if page_table is None else page_table.shape[1] * page_size
     groups = hq // hkv
     rows = lq * groups
@@ -186,11 +179,35 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
         interpret=cfg.interpret, debug=cfg.debug, name="flash_attention_decode",
         compiler_params=common.compiler_params(layout.blocks.num_warps, layout.blocks.num_stages),
     )(q_rows, k, v, masks.q_len, masks.kv_len, masks.position_offset, key_poison, page_table, aux)
+    return _merged_runs(out, row_max, log_sum, extras.sinks, q.shape, q.dtype, hkv)
+
+
+def _check_call(cfg: AttentionConfig, q, k, masks: masking.MaskInputs, page_table):
+    """Refuses, by name, what the decode kernel does not take."""
+    if masks.mask is not None or masks.q_segment_ids is not None or cfg.dropout_rate:
+        raise ValueError("pallas_triton.decode takes no dense mask, segment ids or dropout")
+    if page_table is not None:
+        reason = pages_unsupported(page_size=k.shape[1]) or decode_unsupported(q_len=q.shape[1])
+        if reason:
+            raise ValueError(f"pallas_triton.decode cannot read these pages: {reason}")
+        if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
+            raise ValueError(f"page_table must be int32 [B={q.shape[0]}, pages_per_sequence]; "
+                             f"got {page_table.shape}")
+
+
+def _merged_runs(out, row_max, log_sum, sinks, q_shape, dtype, hkv: int):
+    """The runs' partial results (out [runs, B, Hkv, block_r, Dp], statistics [runs, B, Hkv,
+    block_r] of the packed rows) merged exactly (online_softmax.merge_runs), the sinks as one
+    more run with no value, and unpacked: (out [B, Lq, Hq, D] in ``dtype``, RowStats
+    [B, Hq, Lq])."""
+    b, lq, hq, d = q_shape
+    runs, groups = out.shape[0], hq // hkv
+    rows = lq * groups
     out = out[..., :rows, :d].reshape(runs, b * hkv, rows, 1, d)
     stats = online_softmax.RowStats(*(x[..., :rows].reshape(runs, b * hkv, 1, rows) for x in (row_max, log_sum)))
     out, stats = online_softmax.merge_runs(out, stats)
-    if extras.sinks is not None:  # one more run: no value, logit = the sink
-        sink = jnp.broadcast_to(extras.sinks.astype(jnp.float32).reshape(extras.sinks.shape[0], -1, 1),
+    if sinks is not None:  # one more run: no value, logit = the sink
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(sinks.shape[0], -1, 1),
                                 (b, hq, lq))
         sink = jnp.swapaxes(online_softmax.pack_query_groups(jnp.swapaxes(sink, 1, 2), groups),
                             1, 2).reshape(b * hkv, 1, rows)
@@ -201,4 +218,4 @@ def decode(cfg: AttentionConfig, q, k, v, masks: masking.MaskInputs, extras=None
     out = unpack(out.reshape(b, hkv, rows, d))
     stats = online_softmax.RowStats(*(jnp.swapaxes(unpack(x.reshape(b, hkv, rows)), 1, 2)
                                       for x in stats))
-    return out.astype(q.dtype), stats
+    return out.astype(dtype), stats

@@ -910,12 +910,12 @@ def test_the_backward_is_its_own_unless_the_config_chooses_pallas_triton(monkeyp
 def test_backward_walks_keep_the_ring_in_step(spec):
     """What makes a warp-specialised kernel hang on a GPU: a compute warpgroup waiting for a
     different number of ring slots than the memory warpgroup fills in an item. Per item, each
-    warpgroup's five stretches (backward._bounds of its own split) must cover the CTA's range
-    exactly, and its own edge and interior tiles must lie inside that range (else clamping
-    would drop them). Over Lq/Lk around the tiles (150/200: the case once seen hanging in the
+    warpgroup's five stretches (``TileWalk.stretches`` of its own split) must cover exactly the
+    range that the memory warpgroup streams (``TileWalk.streamed`` of the CTA's range), and its
+    own edge and interior tiles must lie inside that range (else clamping would drop them). Over Lq/Lk around the tiles (150/200: the case once seen hanging in the
     interpreter), short lengths and position offsets, for dK/dV's key tiles and dQ's query
     tiles."""
-    from jax_impl.mosaic_gpu.backward import _bounds
+    from jax_impl.mosaic_gpu.tile_walk import TileWalk, band_bounds
     tile, cta = 64, 128  # BackwardConfig's tiles, two compute warpgroups
     for lq, lk, q_len, kv_len, offset in [(150, 200, 150, 200, None), (200, 150, 200, 150, None),
                                            (150, 200, 90, 31, None), (300, 64, 300, 64, 40),
@@ -926,10 +926,15 @@ def test_backward_walks_keep_the_ring_in_step(spec):
                 (-(-lq // cta), masking.kv_block_range, masking.kv_block_split, lq)):
             for pair in range(pairs):
                 lo, hi = map(int, walk_range(spec, pair * cta, cta, tile, *args))
+                start, stop, _ = TileWalk.of(None, (jnp.int32(lo), jnp.int32(hi)), 0, 0,
+                                             pair).streamed()
+                assert (int(start), int(stop)) == (lo, hi)
                 for wg in range(2):
                     split = walk_split(spec, pair * cta + wg * tile, tile, tile, *args)
-                    bounds = [int(x) for x in _bounds(jnp.int32(lo), jnp.int32(hi), split)]
-                    steps = sum(max(stop - start, 0) for start, stop in zip(bounds, bounds[1:]))
+                    walk = TileWalk.of(None, band_bounds(jnp.int32(lo), jnp.int32(hi), split),
+                                       0, 0, pair)
+                    steps = sum(max(int(stop) - int(start), 0)
+                                for start, stop, _, _ in walk.stretches())
                     assert steps == max(hi - lo, 0), (lq, lk, q_len, kv_len, offset, pair, wg)
                     own_lo, _, _, own_hi = map(int, split)
                     if own_hi > own_lo:
@@ -1277,8 +1282,8 @@ def _given(lists):
 
 def _walked(lists, tile: int):
     """The tiles a producer walks per query head of its tile ``tile`` (its one loop)."""
-    from jax_impl.mosaic_gpu.forward import streamed_tiles
-    return [int(streamed_tiles(lists, None, 0, h, tile)[1]) for h in range(MODS_HQ)]
+    from jax_impl.mosaic_gpu.tile_walk import TileWalk
+    return [int(TileWalk.of(lists, None, 0, h, tile).streamed()[1]) for h in range(MODS_HQ)]
 
 
 @needs_mosaic
