@@ -38,7 +38,8 @@ VARIANTS = {
     },
     "reference": {"default": {}},
 }
-GPU_VARIANTS = {"pallas_triton": {"compiled": {}}, "mosaic_gpu": {"compiled": {}}}
+# Compiled kernels on a CUDA GPU; cuDNN (jax.nn's, dense) has no other.
+GPU_VARIANTS = {"pallas_triton": {"compiled": {}}, "mosaic_gpu": {"compiled": {}}, "cudnn": {"compiled": {}}}
 # Variants too slow to run on every problem (the Pallas interpreter) or whose point is a few.
 SOME_PROBLEMS = {("pallas_triton", "split-dkdv"), ("xla", "16x32-tiles"), ("cpu", "16x64-tiles"),
                  ("mosaic_tpu", "interpret")}
@@ -89,5 +90,5 @@ def grid(tiles: bool = False):
     ``tiles`` their tile variants too (where a behaviour's point is the tiles); a behaviour of
     the programmable surface (block masks, mods, mod_aux gradients, transformations) is a test
     over this grid, never a test of one backend."""
-    first = lambda name, variant: tiles or variant == next(iter(VARIANTS[name]))
+    first = lambda name, variant: tiles or variant == next(iter(VARIANTS.get(name, {})), None)
     return [pytest.param(None, {}, id="default")] + params(first)

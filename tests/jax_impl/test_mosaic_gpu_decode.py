@@ -81,7 +81,7 @@ def test_where_the_kernel_is_not_offered_explain_names_the_reason():
         assert explain_implementation(q, k, k, implementation="mosaic_gpu", platform="cuda").path == "decode"
         return
     assert auto.reasons["mosaic_gpu"] == why
-    with pytest.raises(ValueError, match=r"implementation='mosaic_gpu' cannot run this call: "
+    with pytest.raises(ValueError, match=r"implementation='mosaic_gpu' cannot run this call on platform='cuda': "
                                          r"the Mosaic GPU kernel needs jax >= 0\.11"):
         explain_implementation(q, k, k, implementation="mosaic_gpu", platform="cuda")
 
