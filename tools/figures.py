@@ -45,13 +45,13 @@ def implementations(report: dict) -> list[str]:
 
 
 def caption(report_path: Path, host: str) -> str:
-    """The figure's "Data:" line: its files, the host, the versions and the day it ran."""
+    """The figure's "Data:" line: its files, the host and the versions; no date (the pages say the
+    present; the report keeps its date)."""
     env = load(report_path)["environment"]
     rel = "../" + report_path.relative_to(ROOT).as_posix()
     versions = ", ".join(f"{name} {env[name]}" for name in ("jax", "torch") if name in env)
-    when = f", measured {env['date']}" if "date" in env else ""
     return (f"Data: [{report_path.name}]({rel}), [report]({rel.removesuffix('.json')}.md): {host}, "
-            f"{versions}{when}.\n")
+            f"{versions}.\n")
 
 
 def cpu_table(report: dict) -> str:

@@ -38,6 +38,12 @@ def test_the_cpu_table_counts_each_implementations_results():
     assert len(rows) == len(report["summary"])
 
 
+def test_a_caption_names_no_date_though_its_report_has_one():
+    assert "date" in figures.load(figures.CPU_REPORT)["environment"]
+    text = "".join(figures.blocks().values())
+    assert "Data:" in text and re.search(r"\b20\d\d-\d\d-\d\d\b", text) is None
+
+
 def test_a_page_without_its_block_is_refused():
     with pytest.raises(ValueError, match="conformance-cpu"):
         figures.rewrite("no block here\n", "conformance-cpu", "x")
