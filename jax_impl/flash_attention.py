@@ -83,14 +83,14 @@ def flash_attention(
         ``i - left <= j <= i + right``, measured from the same diagonal as causal.
       implementation: a name of the implementation table (``jax_impl.implementations``):
         "pallas_triton" (the Pallas Triton GPU kernels), "mosaic_gpu" (FlashAttention-3's design
-        in Pallas Mosaic GPU for H100/H200, by name only; 16-bit, head_dim 64/128), "mosaic_tpu"
-        (the Pallas Mosaic TPU kernels), "cpu" (the fused C++ CPU kernel), "xla" (the same
-        blocked algorithm in plain JAX, linear memory, any device), "reference" (dense; for
-        checking), "cudnn" (jax.nn.dot_product_attention's cuDNN kernel, by name only, for the
-        calls whose meaning is this library's: 16-bit, no mask, lengths, window or additions;
-        others are refused with the reason), or None: the first of pallas_triton (cuda),
-        mosaic_tpu (tpu), cpu (cpu), xla (any platform) that can run the call, decided where it
-        is lowered; ``explain_implementation`` says why.
+        in Pallas Mosaic GPU for H100/H200, by name only; 16-bit, head_dim 64/128/256, the
+        backward at 256 pallas_triton's), "mosaic_tpu" (the Pallas Mosaic TPU kernels), "cpu" (the
+        fused C++ CPU kernel), "xla" (the same blocked algorithm in plain JAX, linear memory, any
+        device), "reference" (dense; for checking), "cudnn" (jax.nn.dot_product_attention's cuDNN
+        kernel, by name only, for the calls whose meaning is this library's: 16-bit, no mask,
+        lengths, window or additions; others are refused with the reason), or None: the first of
+        pallas_triton (cuda), mosaic_tpu (tpu), cpu (cpu), xla (any platform) that can run the
+        call, decided where it is lowered; ``explain_implementation`` says why.
       return_residual: also return the logsumexp ``[..., Lq, Hq]`` (float32, natural log,
         ``-inf`` for a row with no allowed key), as jax.nn does; differentiable.
 

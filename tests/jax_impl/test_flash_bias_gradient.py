@@ -84,7 +84,7 @@ def test_constant_bias_under_jit_remat_and_vmap_matches_the_oracle():
     jitted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     assert (B, H, LQ, LK) not in _intermediate_shapes(jax.make_jaxpr(jitted)(q, k, v, bias).jaxpr)
     # Under jax.checkpoint JAX may instantiate the bias's zero tangent (then dbias is computed
-    # and dropped: docs/limitations.md, "Bias gradient"), so only the values are checked there.
+    # and dropped: docs/limitations.md), so only the values are checked there.
     remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))
     for name, got in zip(("dq", "dk", "dv"), remat(q, k, v, bias)):
         np.testing.assert_allclose(got, oracle[name], atol=2e-5, rtol=1e-4, err_msg=name)

@@ -161,7 +161,7 @@ def test_committed_report_holds_the_score_mod_rows():
 def test_masked_edges_compile_like_whole_tiles(compiled):
     """A length and a head dim that are not whole tiles (masked loads and stores at the edges,
     layout.py) compile for sm_90a with the shared memory of the same tiles on whole-tile shapes
-    and every dot still on wgmma. Their spills are reported in docs/limitations.md ("Odd shapes"), not asserted."""
+    and every dot still on wgmma. Their spills are reported in docs/limitations.md, not asserted."""
     defaults, _ = compiled
     whole = {r.kernel: r for r in defaults if (r.head_dim, r.dtype, r.causal) == (64, "bfloat16", True)}
     blocks = heuristics.default_block_sizes(40, "bfloat16", True)
