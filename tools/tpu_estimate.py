@@ -17,8 +17,8 @@ included); ``mosaic_tpu heads-first`` is the call on data in JAX's layout (the c
 transposes cancel the API's), ``mosaic_tpu kernel`` the forward kernel alone on that layout,
 beside JAX's kernel like for like. The estimate does not read scalar-prefetched data as the
 program would (tile counts come out as 0; a constant non-finite flag of 0 or 1 estimates
-alike), so ours is traced under ``mosaic_tpu.index_schedule()``: its key tiles found by index
-arithmetic, the same results as its tile lists (tests/jax_impl/test_mosaic_tpu.py); its
+alike); ours prefetches no tile list on these calls (full rows, a plain causal band: its
+forward finds their key tiles by index arithmetic, ``common.IndexSchedule``), and its
 non-finite flag, written 1 = finite, is estimated on the finite path, which finite operands
 run. Splash attention's key axis reads prefetched block maps: its estimate is affected (shown,
 not corrected).
@@ -91,7 +91,7 @@ def _kernel_alone(cfg, q, k, v):
     to_api = lambda x: x.transpose(0, 2, 1, 3)
     full = jnp.full((q.shape[0],), q.shape[2], jnp.int32)
     out, _, _ = forward_call(cfg, to_api(q), to_api(k), to_api(v),
-                             masking.MaskInputs(full, full, None, None, None), schedule="index")
+                             masking.MaskInputs(full, full, None, None, None))
     return to_api(out)
 
 
@@ -144,7 +144,6 @@ def estimate_row(chip: str, device, program: str, blocks, fn, layout: str, causa
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
-    from jax_impl import mosaic_tpu
     shape = ((BATCH, SEQ_LEN, HEADS, HEAD_DIM) if layout == "blhd"
              else (BATCH, HEADS, SEQ_LEN, HEAD_DIM))
     spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=SingleDeviceSharding(device))
@@ -152,8 +151,7 @@ def estimate_row(chip: str, device, program: str, blocks, fn, layout: str, causa
     report.llo_estimates(dump)  # nothing left from before
     start = time.perf_counter()
     try:
-        with mosaic_tpu.index_schedule():
-            compiled = jax.jit(fn).lower(spec, spec, spec).compile()
+        compiled = jax.jit(fn).lower(spec, spec, spec).compile()
     except Exception as error:  # a refusal or a compiler error is the row's result
         row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         report.llo_estimates(dump)

@@ -407,6 +407,7 @@ class _Warpgroup:
     v_produced = property(lambda self: self.barriers[2])
     k_consumed = property(lambda self: self.barriers[3])
     v_consumed = property(lambda self: self.barriers[4])
+    schedule = property(lambda self: self.barriers[5])
 
     def own_q(self, step):
         """Q as S = Q K^T reads it, indexed by ``wg`` in a form the compiler cannot prove
@@ -500,9 +501,9 @@ def _end_of_tile(w: _Warpgroup, slot, state):
     # JAX's and tokamax's kernels: finishing the softmax before the barrier keeps the other
     # warpgroup's GEMMs from splitting it.
     state = lax.optimization_barrier(state)
-    plgpu.barrier_arrive(w.barriers[5])
+    plgpu.barrier_arrive(w.schedule)
     plgpu.barrier_wait(w.v_produced.at[slot])
-    plgpu.barrier_wait(w.barriers[5])
+    plgpu.barrier_wait(w.schedule)
     return state
 
 

@@ -24,8 +24,7 @@ from jax_impl.config import AttentionConfig, BlockSizes
 from jax_impl.dropout_sinks import SinksAndDropout
 from jax_impl.mosaic_tpu import common
 
-__all__ = ["forward", "backward", "unsupported", "unavailable", "block_shape", "index_schedule",
-           "DTYPES"]
+__all__ = ["forward", "backward", "unsupported", "unavailable", "block_shape", "DTYPES"]
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Imported here, before the functions of the same names are defined below (importing a
@@ -35,13 +34,6 @@ try:
     _UNAVAILABLE = None
 except Exception as e:  # ImportError, or an API that moved
     _UNAVAILABLE = f"jax.experimental.pallas.tpu cannot be used here: {type(e).__name__}: {e}"
-
-
-def index_schedule():
-    """A context: forwards traced inside find their key tiles by index arithmetic, not by
-    scalar-prefetched lists (the same results; full rows or a plain causal band only): what
-    libtpu's static cycle estimate can follow (benchmarks/tpu_estimate.py)."""
-    return _forward_kernel.index_schedule()
 
 
 def unavailable() -> str | None:

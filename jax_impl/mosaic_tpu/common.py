@@ -270,8 +270,9 @@ class TileLists(NamedTuple):
 class IndexSchedule(NamedTuple):
     """The forward's key axis as index arithmetic on (query tile, step) instead of scalar
     prefetched lists: the same tiles in the same order as ``tile_lists``, for calls whose
-    tiles follow from static values alone (``index_schedule_unsupported``). For libtpu's static
-    LLO estimate (benchmarks/tpu_estimate.py), which reads scalar-prefetched data as 0."""
+    tiles follow from static values alone (``index_schedule_unsupported``). The forward takes
+    it wherever it can (forward.schedule_of): the same grid, copies and compute as the lists,
+    and no list built in XLA or prefetched."""
 
     d_hi: int | None     # the causal band's bound (key - query <= d_hi), None: whole rows
     block_q: int
@@ -297,7 +298,7 @@ class IndexSchedule(NamedTuple):
         return jnp.minimum(step, jnp.maximum(self.count(refs, b, h, i) - 1, 0))
 
     def visited(self, refs, b, h, i, step):
-        """``step < count`` without a division (what the estimate follows): a static True for
+        """``step < count`` without a division (a compare on the scalar unit): a static True for
         whole rows, else whether the step's first key is within the band of the tile's last
         query."""
         if self.d_hi is None:

@@ -262,7 +262,7 @@ def test_finite_operands_reach_the_kernel_without_a_copy():
         assert producer[x].primitive.name == "transpose" and producer[x].invars[0] in jaxpr.jaxpr.invars
 
 
-# --- The index schedule (for the static estimate) computes what the lists do ---------------------
+# --- The index schedule (the forward's own choice where it can) computes what the lists do -----
 
 @needs_pallas_tpu
 @pytest.mark.parametrize("causal, lq, lk, heads, head_dim, blocks", [
@@ -292,10 +292,37 @@ def test_the_index_schedule_gives_the_lists_results_bit_for_bit(causal, lq, lk, 
                                       err_msg=f"{name}, seed {seed}")
     out = np.asarray(results["index"][0], np.float64)
     assert np.isfinite(out).all() and np.abs(out).max() > 0
-    # No list is prefetched: the grid reads only the two lengths.
-    jaxpr = jax.make_jaxpr(lambda q, k, v: forward_call(cfg, q, k, v, masks, schedule="index"))(q, k, v)
+    # The kernel's own choice on these calls: no list is prefetched (the grid reads only the
+    # two lengths).
+    assert _prefetched(lambda q, k, v: forward_call(cfg, q, k, v, masks), q, k, v) == 2
+
+
+def _prefetched(fn, *args) -> int:
+    """The scalar-prefetch operands of the forward kernel that ``fn(*args)`` traces."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
     (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
-    assert eqn.params["grid_mapping"].num_index_operands == 2
+    return eqn.params["grid_mapping"].num_index_operands
+
+
+@pytest.mark.parametrize("spec, given", [
+    (dict(is_causal=True, window_left=64), {}),
+    (dict(is_causal=True, has_kv_lengths=True), {}),
+    (dict(is_causal=True), dict(segments=True)),
+    (dict(), dict(offset=True)),
+])
+def test_the_forward_walks_the_lists_where_the_tiles_need_them(spec, given):
+    """A window, lengths, segment ids or a position offset: the key tiles depend on more than
+    static values, and the kernel prefetches its tile lists (counts, indices, full flags)."""
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    full = jnp.full((1,), 256, jnp.int32)
+    ids = jnp.zeros((1, 256), jnp.int32) if given.get("segments") else None
+    masks = masking.MaskInputs(full, full, ids, ids, None,
+                               jnp.zeros((1,), jnp.int32) if given.get("offset") else None)
+    cfg = AttentionConfig(scale=0.125, mask=masking.MaskSpec(**spec), block_sizes=TILES)
+    lengths_and_offset = 2 + bool(given.get("offset"))
+    assert _prefetched(lambda q: forward_call(cfg, q, q, q, masks), q) == lengths_and_offset + 3
+    assert _prefetched(lambda q: forward_call(cfg, q, q, q, masks, schedule="lists"), q) == (
+        lengths_and_offset + 3)
 
 
 def test_the_index_schedule_refuses_tiles_it_cannot_compute_by_name():
