@@ -420,15 +420,20 @@ def _backward_elsewhere(head_dim, causal, options) -> str | None:
                                            head_dim=head_dim)
 
 
+def _compile_only_h100(root: str):
+    """The compile-only H100 device (the environment set for a run under ``root``)."""
+    _environment(os.path.join(root, "unused"))
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(platform="cuda", target_config=TARGET.read_text(),
+                                        topology="1x1x1").devices[0]
+
+
 def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
     """The backward's dK/dV and dQ kernels of each configuration (its Config is the
     forward's and is not used: the backward has its own tiles)."""
     with tempfile.TemporaryDirectory() as root:
-        _environment(os.path.join(root, "unused"))
+        device = _compile_only_h100(root)
         import jax
-        from jax.experimental import topologies
-        device = topologies.get_topology_desc(platform="cuda", target_config=TARGET.read_text(),
-                                              topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
             if config is not None or head_dim > 128 or "q_seq_len" in options or \
@@ -462,11 +467,8 @@ def report_backward(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
 def report(configs, seq_len: int = SEQ_LEN) -> list[Facts]:
     """Compile each configuration (one process, one dump folder each) and read its facts."""
     with tempfile.TemporaryDirectory() as root:
-        _environment(os.path.join(root, "unused"))
+        device = _compile_only_h100(root)
         import jax
-        from jax.experimental import topologies
-        device = topologies.get_topology_desc(platform="cuda", target_config=TARGET.read_text(),
-                                              topology="1x1x1").devices[0]
         rows = []
         for index, (label, dtype, head_dim, causal, config, options) in enumerate(configs):
             if options.get("dq"):
